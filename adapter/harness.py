@@ -1,0 +1,356 @@
+"""Drive a real vLLM V1 scheduler in-process: fake clock, fabricated model outputs.
+
+``Harness`` builds any scheduler class (by dotted path) on a CPU-only ``VllmConfig`` for
+the project's tiny local model, adds requests tagged with ``extra_args["output_rate_user"]``,
+runs steps (``schedule()`` then ``update_from_output()`` with one fabricated token per
+sampling request; in async mode one step stays in flight), and returns a ``StepTrace`` per
+step built only from what vLLM itself exposes (``SchedulerOutput`` and
+``EngineCoreOutputs``).
+
+Clock injection. The gate owns time. Every ``schedule()`` call runs with the fake clock
+installed in two ways: (1) a scheduler that exposes ``clock_ns`` (the reference does, see
+docs/OBSERVATION.md) gets ``scheduler.clock_ns = harness.clock.now_ns``; (2) for any other
+class, ``time.monotonic_ns``, ``time.monotonic``, ``time.perf_counter`` and ``time.time``
+are patched for the duration of the call, so a third-party scheduler reading any of them
+sees the fake time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from vllm_output_rate.tinymodel import EOS_TOKEN_ID, default_model_dir
+
+REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
+REFERENCE_ASYNC_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
+STOCK_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+STOCK_ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+NON_EOS_TOKEN_ID = 7  # any token id that is not EOS
+MAX_STEPS = 100_000  # bound on one harness's life (TigerBeetle style)
+
+
+class FakeClock:
+    """A monotonic clock in integer ns that only moves when told to."""
+
+    def __init__(self, start_ns: int = 0) -> None:
+        assert start_ns >= 0
+        self._now_ns = start_ns
+
+    def now_ns(self) -> int:
+        return self._now_ns
+
+    def advance(self, delta_ns: int) -> None:
+        """Move time forward by ``delta_ns`` >= 0."""
+        assert delta_ns >= 0, f"the clock never goes back, got delta {delta_ns}"
+        self._now_ns += delta_ns
+
+
+@contextlib.contextmanager
+def patched_time(clock: FakeClock) -> Iterator[None]:
+    """Make the ``time`` module's clocks read ``clock`` (for schedulers without ``clock_ns``)."""
+    saved = (time.monotonic_ns, time.monotonic, time.perf_counter, time.time)
+    time.monotonic_ns = clock.now_ns  # type: ignore[assignment]
+    time.monotonic = lambda: clock.now_ns() / 1e9  # type: ignore[assignment]
+    time.perf_counter = time.monotonic  # type: ignore[assignment]
+    time.time = time.monotonic  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        time.monotonic_ns, time.monotonic, time.perf_counter, time.time = saved
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine configuration of one scenario (vLLM's names).
+
+    ``output_rate`` is ``additional_config["output_rate"]`` (None: feature off).
+    """
+
+    max_num_seqs: int = 8
+    max_num_active_seqs: int | None = None
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+    block_size: int = 16
+    num_blocks: int = 1024
+    policy: str = "fcfs"
+    async_scheduling: bool = False
+    max_model_len: int = 2048
+    output_rate: dict[str, Any] | None = None
+
+
+@dataclass
+class StepTrace:
+    """What one step did, as vLLM exposes it.
+
+    ``scheduled``: request id -> num_scheduled_tokens, in ``SchedulerOutput`` order.
+    ``sampled``: ids dispatched in a step in which they sample (R7 "sampling dispatch").
+    ``finished``: request id -> (finish reason, number of output tokens) for requests whose
+    final output arrived in this step's ``update_from_output``.
+    ``white``: the scheduler's own observation of the step, if it exposes one.
+    """
+
+    step: int
+    now_ns: int
+    scheduled: dict[str, int]
+    sampled: list[str]
+    preempted: list[str]
+    finished: dict[str, tuple[str, int]] = field(default_factory=dict)
+    white: dict[str, Any] | None = None
+
+
+def load_class(dotted: str) -> type:
+    """Import ``pkg.module.ClassName``.
+
+    Raises:
+        ValueError: the path has no dot, uses ``:``, or does not name a class.
+    """
+    if ":" in dotted or "." not in dotted:
+        raise ValueError(f"scheduler class must be a dotted path pkg.module.ClassName, got {dotted!r}")
+    module_name, _, cls_name = dotted.rpartition(".")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"{dotted!r} does not name a class in module {module_name!r}")
+    return cls
+
+
+_HASH_READY = False
+
+
+def _block_hasher(block_size: int):
+    global _HASH_READY
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    if not _HASH_READY:
+        init_none_hash(sha256)
+        _HASH_READY = True
+    return get_request_block_hasher(block_size, sha256)
+
+
+def build_vllm_config(shape: EngineShape):
+    """A ``VllmConfig`` for the tiny local model with ``shape``'s scheduler settings."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model_config = ModelConfig(
+        model=str(default_model_dir()),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=shape.max_model_len,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=shape.max_num_seqs,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        max_num_active_seqs=shape.max_num_active_seqs,
+        enable_chunked_prefill=shape.chunked_prefill,
+        policy=shape.policy,
+        max_model_len=shape.max_model_len,
+        is_encoder_decoder=False,
+        async_scheduling=shape.async_scheduling,
+    )
+    # Prefix caching is not modelled by the spec: the gate turns it off.
+    cache_config = CacheConfig(block_size=shape.block_size, enable_prefix_caching=False)
+    additional = {"output_rate": shape.output_rate} if shape.output_rate is not None else {}
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        additional_config=additional,
+    )
+    config.cache_config.num_gpu_blocks = shape.num_blocks
+    return config
+
+
+def build_kv_cache_config(shape: EngineShape):
+    """A ``KVCacheConfig`` with exactly ``shape.num_blocks`` blocks of ``block_size``."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=shape.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+
+
+class Harness:
+    """One real scheduler under the gate's control.
+
+    Args:
+        scheduler_cls: dotted path of the class under test.
+        shape: engine configuration.
+        clock: the fake clock (a new one at 0 ns if omitted).
+    Raises:
+        ValueError: bad class path; whatever the class raises for the config.
+    """
+
+    def __init__(self, scheduler_cls: str, shape: EngineShape, clock: FakeClock | None = None) -> None:
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.shape = shape
+        self.clock = clock or FakeClock()
+        self.cls_path = scheduler_cls
+        cls = load_class(scheduler_cls)
+        vllm_config = build_vllm_config(shape)
+        with patched_time(self.clock):
+            self.scheduler = cls(
+                vllm_config=vllm_config,
+                kv_cache_config=build_kv_cache_config(shape),
+                structured_output_manager=StructuredOutputManager(vllm_config),
+                block_size=shape.block_size,
+                log_stats=False,
+            )
+        if hasattr(self.scheduler, "clock_ns"):
+            self.scheduler.clock_ns = self.clock.now_ns
+        self._hasher = _block_hasher(shape.block_size)
+        self._eos_index: dict[str, int | None] = {}
+        self.num_outputs: dict[str, int] = {}
+        self.finished: dict[str, tuple[str, int]] = {}
+        self._in_flight = None  # async: (SchedulerOutput, step index)
+        self.step_index = 0
+
+    # -- events ---------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        user: Any = None,
+        prompt_len: int = 4,
+        max_tokens: int = 16,
+        eos_index: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Add a request; ``user`` None means no ``output_rate_user`` (anonymous).
+
+        ``eos_index``: the 0-based output index at which the fabricated model emits EOS.
+        """
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = None if user is None else {"output_rate_user": user}
+        params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
+        params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=[NON_EOS_TOKEN_ID + 1 + (i % 50) for i in range(prompt_len)],
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=arrival_time if arrival_time is not None else float(len(self._eos_index)),
+            priority=priority,
+            block_hasher=self._hasher,
+        )
+        self._eos_index[request_id] = eos_index
+        self.num_outputs[request_id] = 0
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request as the API server does on a client disconnect."""
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        if request_id not in self.finished and request_id in self.num_outputs:
+            self.finished[request_id] = ("abort", self.num_outputs[request_id])
+
+    def advance(self, delta_ns: int) -> None:
+        self.clock.advance(delta_ns)
+
+    # -- steps ----------------------------------------------------------------
+    def _schedule(self):
+        with patched_time(self.clock):
+            return self.scheduler.schedule()
+
+    def _sampling_ids(self, so) -> list[str]:
+        """Ids in ``so`` whose scheduled tokens reach their sampling position."""
+        sampled = []
+        for req_id in so.num_scheduled_tokens:
+            request = self.scheduler.requests.get(req_id)
+            if request is not None and not request.is_prefill_chunk:
+                sampled.append(req_id)
+        return sampled
+
+    def _model_output(self, so, sampled: list[str]):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(so.num_scheduled_tokens)
+        tokens = []
+        sampled_set = set(sampled)
+        for req_id in req_ids:
+            if req_id not in sampled_set:
+                tokens.append([])
+                continue
+            index = self._out_index.get(req_id, self.num_outputs.get(req_id, 0))
+            eos = self._eos_index.get(req_id)
+            tokens.append([EOS_TOKEN_ID if eos is not None and index == eos else NON_EOS_TOKEN_ID])
+            self._out_index[req_id] = index + 1
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=tokens,
+        )
+
+    def _update(self, so, mro, trace: StepTrace) -> None:
+        with patched_time(self.clock):
+            outputs = self.scheduler.update_from_output(so, mro)
+        for eco in outputs.values():
+            for out in eco.outputs:
+                self.num_outputs[out.request_id] = self.num_outputs.get(out.request_id, 0) + len(out.new_token_ids)
+                if out.finish_reason is not None and out.request_id not in self.finished:
+                    reason = str(out.finish_reason)
+                    self.finished[out.request_id] = (reason, self.num_outputs[out.request_id])
+                    trace.finished[out.request_id] = self.finished[out.request_id]
+
+    _out_index: dict[str, int]
+
+    def step(self) -> StepTrace:
+        """Run one scheduling step; in async mode deliver the previous step's output after.
+
+        Returns the trace of the step just scheduled (its ``finished`` holds what the
+        delivered output finished).
+        """
+        assert self.step_index < MAX_STEPS, "harness step bound reached"
+        if not hasattr(self, "_out_index") or self._out_index is None:
+            self._out_index = {}
+        # In async mode, a request's next output index counts outputs already dispatched.
+        so = self._schedule()
+        sampled = self._sampling_ids(so)
+        mro = self._model_output(so, sampled)
+        trace = StepTrace(
+            step=self.step_index,
+            now_ns=self.clock.now_ns(),
+            scheduled=dict(so.num_scheduled_tokens),
+            sampled=sampled,
+            preempted=sorted(so.preempted_req_ids),
+        )
+        observe = getattr(self.scheduler, "last_step_observation", None)
+        if observe is not None:
+            trace.white = observe
+        self.step_index += 1
+        if self.shape.async_scheduling:
+            previous, self._in_flight = self._in_flight, (so, mro)
+            if previous is not None:
+                self._update(previous[0], previous[1], trace)
+        else:
+            self._update(so, mro, trace)
+        return trace
+
+    def drain(self) -> StepTrace | None:
+        """Async mode: deliver the in-flight output without scheduling a new step."""
+        if self._in_flight is None:
+            return None
+        so, mro = self._in_flight
+        self._in_flight = None
+        trace = StepTrace(step=self.step_index, now_ns=self.clock.now_ns(), scheduled={}, sampled=[], preempted=[])
+        self._update(so, mro, trace)
+        return trace
+
+    def user_of(self, request_id: str) -> str:
+        """The rate-limit user of a request as R17 defines it (for black-box checks)."""
+        request = self.scheduler.requests.get(request_id)
+        extra = (request.sampling_params.extra_args or {}) if request is not None else {}
+        user = extra.get("output_rate_user")
+        return user if isinstance(user, str) else "__anonymous__"

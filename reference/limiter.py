@@ -1,0 +1,177 @@
+"""``OutputRateLimiter``: per-user GCRA on integer-scaled TATs (rules R1-R6).
+
+The reference limiter used by ``RateLimitedScheduler``. It makes exactly the decisions of
+the exact-rational spec (``vllm_output_rate.spec.limiter``) with plain Python ints:
+
+R3: for a user whose rate is ``p/q`` tokens/s (a reduced fraction), the limiter stores
+``S = TAT_ns * p``. The emission interval ``T = 10**9 * q / p`` ns then becomes the
+integer ``10**9 * q`` in scaled units, the burst tolerance ``tau`` becomes ``tau * p``,
+and ``now`` becomes ``now_ns * p``. Every comparison and addition is exact; nothing is
+ever rounded except ``ready_at_ns``, which rounds *up* (R5).
+
+Fractional rates are exact: a rate is taken as the decimal number it is written as
+(``0.5`` -> 1/2, ``2.5`` -> 5/2, ``Fraction(1, 3)`` stays 1/3). Floats are read through
+their shortest ``repr`` so ``0.1`` means 1/10, not the binary double nearest to it.
+
+Source: semantics.md R1-R6; seed article, "OutputRateLimiter" section.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+from fractions import Fraction
+from numbers import Rational
+from typing import Iterable, Mapping
+
+BURST_NS: int = 100_000_000  # R1: tau = 100 ms
+NS_PER_S: int = 1_000_000_000
+MAX_RATE_TOKENS_PER_S: int = 10**9  # one token per ns; anything above is a typo
+MAX_RATE_DENOMINATOR: int = 10**9  # rates are given to at most 9 decimal places
+
+
+def parse_rate(value: object, name: str = "rate") -> Fraction:
+    """Validate a rate in tokens/s and return it as an exact reduced Fraction.
+
+    Accepts int, float, ``fractions.Fraction`` and ``decimal.Decimal``.
+
+    Raises:
+        ValueError: naming ``name`` and the bad value, for bool, non-numbers (strings
+            included), NaN, infinities, values <= 0, values above 10**9 tokens/s, and
+            values with more than 9 decimal places.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, Rational, Decimal)):
+        raise ValueError(
+            f"{name} must be a number of tokens per second (int or float), got "
+            f"{value!r} of type {type(value).__name__}"
+        )
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of tokens per second, got {value!r}")
+        rate = Fraction(repr(value))
+    elif isinstance(value, Decimal):
+        if not value.is_finite():
+            raise ValueError(f"{name} must be a finite number of tokens per second, got {value!r}")
+        rate = Fraction(value)
+    else:
+        rate = Fraction(value)
+    if rate <= 0:
+        raise ValueError(f"{name} must be > 0 tokens per second, got {value!r}")
+    if rate > MAX_RATE_TOKENS_PER_S:
+        raise ValueError(f"{name} must be <= {MAX_RATE_TOKENS_PER_S} tokens per second, got {value!r}")
+    if rate.denominator > MAX_RATE_DENOMINATOR:
+        raise ValueError(f"{name} may have at most 9 decimal places, got {value!r}")
+    return rate
+
+
+class _Scale:
+    """R3: the integer constants of one rate ``p/q``: scale p, increment, scaled tau."""
+
+    __slots__ = ("p", "inc", "burst")
+
+    def __init__(self, rate: Fraction, burst_ns: int) -> None:
+        self.p = rate.numerator
+        self.inc = NS_PER_S * rate.denominator  # T * p, exact
+        self.burst = burst_ns * rate.numerator  # tau * p
+
+
+class OutputRateLimiter:
+    """Per-user GCRA limiter with integer-scaled TATs (R1-R6).
+
+    Args:
+        default_rate_tokens_per_s: rate of every user not in ``user_rates_tokens_per_s``.
+        user_rates_tokens_per_s: per-user overrides, ``{user_id: rate}``.
+        burst_ns: burst tolerance tau in ns (R1; default 100 ms). Must be > 0.
+    Raises:
+        ValueError: a bad rate (see ``parse_rate``), a non-string user id, or a bad burst.
+    """
+
+    def __init__(
+        self,
+        default_rate_tokens_per_s: object,
+        user_rates_tokens_per_s: Mapping[str, object] | None = None,
+        burst_ns: int = BURST_NS,
+    ) -> None:
+        if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns <= 0:
+            raise ValueError(f"burst_ns must be a positive int of nanoseconds, got {burst_ns!r}")
+        self.burst_ns = burst_ns
+        self.default_rate = parse_rate(default_rate_tokens_per_s, "default rate")
+        self._default = _Scale(self.default_rate, burst_ns)
+        self.user_rates: dict[str, Fraction] = {}
+        self._scales: dict[str, _Scale] = {}
+        for user, rate in (user_rates_tokens_per_s or {}).items():
+            if not isinstance(user, str) or not user:
+                raise ValueError(f"user ids in the rate overrides must be non-empty strings, got {user!r}")
+            self.user_rates[user] = parse_rate(rate, f"rate of user {user!r}")
+            self._scales[user] = _Scale(self.user_rates[user], burst_ns)
+        # R1: scaled TAT per known user. Absent = idle (R6).
+        self._tat: dict[str, int] = {}
+
+    def rate_of(self, user: str) -> Fraction:
+        """The user's rate in tokens/s (exact)."""
+        return self.user_rates.get(user, self.default_rate)
+
+    def try_take(self, user: str, now_ns: int) -> bool:
+        """R2: grant one output token to ``user`` at ``now_ns`` if ``TAT - now <= tau``.
+
+        On a grant, ``TAT := max(TAT, now) + T``. A refusal changes nothing. O(1).
+        """
+        s = self._scales.get(user) or self._default
+        now = now_ns * s.p
+        tat = self._tat.get(user)
+        if tat is None or tat < now:
+            tat = now
+        elif tat - now > s.burst:
+            return False
+        self._tat[user] = tat + s.inc
+        return True
+
+    def allows(self, user: str, now_ns: int) -> bool:
+        """R2: would ``try_take(user, now_ns)`` succeed? Changes nothing."""
+        tat = self._tat.get(user)
+        if tat is None:
+            return True
+        s = self._scales.get(user) or self._default
+        return tat - now_ns * s.p <= s.burst
+
+    def refund(self, user: str) -> None:
+        """R4: undo one grant: ``TAT := TAT - T``.
+
+        Raises:
+            KeyError: if the user holds no TAT (a refund without a charge is a bug, R9).
+        """
+        s = self._scales.get(user) or self._default
+        self._tat[user] -= s.inc
+
+    def ready_at_ns(self, user: str) -> int | None:
+        """R5: earliest ns at which ``try_take(user, .)`` succeeds, ``ceil(TAT - tau)``.
+
+        ``None`` for an idle (unknown) user, who may take at any time.
+        """
+        tat = self._tat.get(user)
+        if tat is None:
+            return None
+        s = self._scales.get(user) or self._default
+        return -((s.burst - tat) // s.p)  # ceil((tat - burst) / p)
+
+    def tat_ns(self, user: str) -> Fraction | None:
+        """R1: the user's TAT in ns, exact (``None`` if idle). For the gate's white-box view."""
+        tat = self._tat.get(user)
+        if tat is None:
+            return None
+        s = self._scales.get(user) or self._default
+        return Fraction(tat, s.p)
+
+    def cleanup_idle_users(self, now_ns: int) -> int:
+        """R6: delete every user with ``TAT <= now``; return how many were deleted."""
+        idle = [u for u, tat in self._tat.items() if tat <= now_ns * (self._scales.get(u) or self._default).p]
+        for user in idle:
+            del self._tat[user]
+        return len(idle)
+
+    def users(self) -> Iterable[str]:
+        """Users that currently hold a TAT (for observation and memory checks)."""
+        return self._tat.keys()
+
+    def __len__(self) -> int:
+        return len(self._tat)

@@ -1,0 +1,257 @@
+"""``RateLimitedScheduler``: per-user output-rate limiting inside stock vLLM 0.32.0.
+
+Subclasses of vLLM's ``Scheduler`` and ``AsyncScheduler`` that add the rules of
+docs/SPEC.md without copying vLLM code. ``schedule()`` is wrapped, and three hooks that
+vLLM's own loops call are overridden:
+
+- ``_reserve_prefill_lookahead`` -- the last cap on ``num_new_tokens`` in both the running
+  and the waiting loop, called once per (step, request) reaching that point. Here the
+  sampling decision is made: charge (R7), refuse and skip (R11), or cap a prefill at
+  position n-1 (R10); and the active cap of the running loop (R12) is applied.
+- ``_handle_blocked_waiting_request`` -- called for each waiting request the waiting loop
+  looks at. A request whose user is refused and that cannot advance without sampling is
+  skipped here, so it never stops admission of later waiting requests (R10).
+- ``max_num_active_reqs`` -- read by the waiting loop as its admission cap; computed so
+  that throttled requests do not count (R12).
+
+After ``super().schedule()`` returns, the single refund point (R9) refunds every charge
+whose request was not dispatched to sample.
+
+Source: semantics.md R7-R18; seed article, "Scheduler" section.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_output_rate.reference.config import OutputRateConfig, parse_output_rate
+from vllm_output_rate.reference.limiter import OutputRateLimiter
+
+ANONYMOUS_USER = "__anonymous__"  # R17
+USER_KEY = "output_rate_user"  # R17: extra_args key (vllm_xargs in the OpenAI API)
+CLEANUP_INTERVAL_STEPS = 256  # R6
+MAX_USER_ID_CHARS = 256  # R17: longer ids are refused per request
+
+
+def user_of(request: Request) -> str:
+    """R17: the rate-limit identity of a request (not cached; see ``_user``).
+
+    ``extra_args["output_rate_user"]`` if present, else ``"__anonymous__"``.
+
+    Raises:
+        ValueError: the value is not a non-empty string of at most 256 characters.
+    """
+    extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+    if not extra or USER_KEY not in extra:
+        return ANONYMOUS_USER
+    user = extra[USER_KEY]
+    if not isinstance(user, str) or not user or len(user) > MAX_USER_ID_CHARS:
+        raise ValueError(
+            f"vllm_xargs.{USER_KEY} must be a non-empty string of at most {MAX_USER_ID_CHARS} "
+            f"characters, got {user!r:.80}"
+        )
+    return user
+
+
+class _RateLimitMixin:
+    """The rules R6-R18 layered on a vLLM V1 scheduler class (see module docstring)."""
+
+    # -- construction ---------------------------------------------------------
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        additional = self.vllm_config.additional_config or {}
+        self.output_rate_config: OutputRateConfig = parse_output_rate(
+            additional.get("output_rate") if isinstance(additional, dict) else None
+        )
+        # R16: the only clock; the gate replaces it with its fake clock.
+        self.clock_ns: Callable[[], int] = time.monotonic_ns
+        self.rate_limiter: OutputRateLimiter | None = None
+        self.last_step_observation: dict[str, Any] | None = None
+        if not self.output_rate_config.enabled:
+            return  # R18: feature off, every override below defers to the base class
+        cfg = self.output_rate_config
+        self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+        # R12: with the feature on, max_num_active_seqs means "requests in a step's batch".
+        self._active_cap = min(
+            cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs or self.max_num_running_reqs,
+            self.max_num_running_reqs,
+        )
+        self._user_cache: dict[str, str] = {}  # request id -> user (R17, resolved once)
+        self._last_served: dict[tuple[str, int], str] = {}  # (user, priority) -> request id (R15)
+        self._steps = 0
+        self._reset_step_state(0)
+
+    def _reset_step_state(self, now_ns: int) -> None:
+        self._now_ns = now_ns
+        self._charged: list[Request] = []  # R7: in charge order
+        self._refused_users: set[str] = set()  # users refused in this step: not asked again
+        self._throttled: set[str] = set()  # running requests refused and skipped (R11)
+        self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
+
+    # -- R12: admission cap read by vLLM's waiting loop -------------------------
+    @property
+    def max_num_active_reqs(self) -> int:
+        if getattr(self, "rate_limiter", None) is None:
+            return self._base_max_num_active_reqs
+        # R12: admit iff len(running) < M and len(running) - throttled < A.
+        return min(self.max_num_running_reqs, self._active_cap + len(self._throttled))
+
+    @max_num_active_reqs.setter
+    def max_num_active_reqs(self, value: int) -> None:
+        self._base_max_num_active_reqs = value
+
+    # -- R17 ------------------------------------------------------------------
+    def _user(self, request: Request) -> str:
+        user = self._user_cache.get(request.request_id)
+        if user is None:
+            user = self._user_cache[request.request_id] = user_of(request)
+        return user
+
+    def add_request(self, request: Request) -> None:
+        """R17: resolve the identity once, at admission; a bad value raises here.
+
+        Raises:
+            ValueError: bad ``output_rate_user`` (only this request is refused).
+        """
+        if self.rate_limiter is not None:
+            self._user_cache[request.request_id] = user_of(request)
+        super().add_request(request)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any):
+        if self.rate_limiter is not None:
+            self._user_cache.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)
+
+    # -- the step ---------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any):
+        if self.rate_limiter is None:
+            return super().schedule(*args, **kwargs)  # R18
+        self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
+        self._rotate_running()  # R14
+        scheduler_output = super().schedule(*args, **kwargs)
+        refunded = self._settle(scheduler_output)  # R9
+        self._steps += 1
+        if self._steps % CLEANUP_INTERVAL_STEPS == 0:
+            self.rate_limiter.cleanup_idle_users(self._now_ns)  # R6
+        self._observe(scheduler_output, refunded)
+        return scheduler_output
+
+    def _rotate_running(self) -> None:
+        """R14: same-user same-priority streams: the one after the last served goes first.
+
+        Only the slots these streams occupy are permuted; all others keep their place.
+        If the last-served stream is no longer running, that group keeps its order.
+        """
+        groups: dict[tuple[str, int], list[int]] = {}
+        running = self.running
+        for index, request in enumerate(running):
+            groups.setdefault((self._user(request), request.priority), []).append(index)
+        for key, slots in groups.items():
+            last = self._last_served.get(key)
+            if last is None or len(slots) < 2:
+                continue
+            members = [running[i] for i in slots]
+            pos = next((k for k, r in enumerate(members) if r.request_id == last), None)
+            if pos is None or pos == len(members) - 1:
+                continue
+            rotated = members[pos + 1 :] + members[: pos + 1]
+            for slot, request in zip(slots, rotated):
+                running[slot] = request
+
+    def _samples(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """R7: the chunk reaches the sampling position (prompt + outputs + placeholders)."""
+        return num_computed_tokens + num_new_tokens >= request.num_tokens + request.num_output_placeholders
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if self.rate_limiter is None or num_new_tokens == 0:
+            return num_new_tokens
+        is_running = request.status == RequestStatus.RUNNING
+        if is_running and len(self._scheduled_running) >= self._active_cap:
+            return 0  # R12: the step's batch already holds A running requests
+        if self._samples(request, num_computed_tokens, num_new_tokens):
+            user = self._user(request)
+            if user not in self._refused_users and self.rate_limiter.try_take(user, self._now_ns):
+                self._charged.append(request)  # R7: charged at dispatch
+            else:
+                self._refused_users.add(user)
+                # R10: with chunked prefill, advance to the position just before sampling.
+                capped = request.num_tokens + request.num_output_placeholders - 1 - num_computed_tokens
+                if not self.scheduler_config.enable_chunked_prefill or capped <= 0:
+                    if is_running:
+                        self._throttled.add(request.request_id)  # R11: skip, keep resident
+                    return 0
+                num_new_tokens = min(num_new_tokens, capped)
+        if is_running:
+            self._scheduled_running.add(request.request_id)
+        return num_new_tokens
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):
+            return False
+        if self.rate_limiter is None:
+            return True
+        user = self._user(request)
+        if user not in self._refused_users and self.rate_limiter.allows(user, self._now_ns):
+            return True
+        self._refused_users.add(user)
+        # R10: a refused user's waiting request proceeds only if it can prefill without
+        # sampling; otherwise it is skipped and later waiting requests are still admitted.
+        can_advance = (
+            self.scheduler_config.enable_chunked_prefill
+            and request.num_computed_tokens < request.num_tokens - 1
+        )
+        return can_advance
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        if self.rate_limiter is not None:
+            self._scheduled_running.discard(request.request_id)
+            self._throttled.discard(request.request_id)
+        return super()._preempt_request(request, *args, **kwargs)
+
+    def _settle(self, scheduler_output) -> list[str]:
+        """R9: the single refund point; R15: record the last-served stream per user."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        refunded = []
+        for request in self._charged:
+            dispatched = request.request_id in scheduled and not request.is_prefill_chunk
+            user = self._user_cache.get(request.request_id) or user_of(request)
+            if dispatched:
+                self._last_served[(user, request.priority)] = request.request_id  # R15
+            else:
+                self.rate_limiter.refund(user)  # R4/R9
+                refunded.append(request.request_id)
+        return refunded
+
+    def _observe(self, scheduler_output, refunded: list[str]) -> None:
+        """The white-box observation of this step (docs/OBSERVATION.md)."""
+        limiter = self.rate_limiter
+        refused_ready = [limiter.ready_at_ns(u) for u in self._refused_users]
+        refused_ready = [t for t in refused_ready if t is not None]
+        self.last_step_observation = {
+            "now_ns": self._now_ns,
+            "charged": [r.request_id for r in self._charged],
+            "refunded": refunded,
+            "throttled": sorted(self._throttled),
+            "wait_hint_ns": min(refused_ready) if refused_ready else None,
+            "tat_ns": {u: limiter.tat_ns(u) for u in limiter.users()},
+        }
+
+    def next_ready_ns(self) -> int | None:
+        """R16: earliest ready time among users refused in the last step (None: none)."""
+        if self.last_step_observation is None:
+            return None
+        return self.last_step_observation["wait_hint_ns"]
+
+
+class RateLimitedScheduler(_RateLimitMixin, Scheduler):
+    """vLLM 0.32.0 ``Scheduler`` with per-user output-rate limiting (R6-R18)."""
+
+
+class RateLimitedAsyncScheduler(_RateLimitMixin, AsyncScheduler):
+    """vLLM 0.32.0 ``AsyncScheduler`` with per-user output-rate limiting (R6-R18, P5)."""
