@@ -209,9 +209,11 @@ class Harness:
             self.scheduler.clock_ns = self.clock.now_ns
         self._hasher = _block_hasher(shape.block_size)
         self._eos_index: dict[str, int | None] = {}
+        self.users: dict[str, str] = {}  # request id -> R17 user, as the gate sees it
         self.num_outputs: dict[str, int] = {}
         self.finished: dict[str, tuple[str, int]] = {}
-        self._in_flight = None  # async: (SchedulerOutput, step index)
+        self._in_flight = None  # async: (SchedulerOutput, ModelRunnerOutput) of the step in flight
+        self._out_index: dict[str, int] = {}  # request id -> next output index to fabricate
         self.step_index = 0
 
     # -- events ---------------------------------------------------------------
@@ -245,6 +247,7 @@ class Harness:
             block_hasher=self._hasher,
         )
         self._eos_index[request_id] = eos_index
+        self.users[request_id] = user if isinstance(user, str) else "__anonymous__"
         self.num_outputs[request_id] = 0
         self.scheduler.add_request(request)
 
@@ -304,8 +307,6 @@ class Harness:
                     self.finished[out.request_id] = (reason, self.num_outputs[out.request_id])
                     trace.finished[out.request_id] = self.finished[out.request_id]
 
-    _out_index: dict[str, int]
-
     def step(self) -> StepTrace:
         """Run one scheduling step; in async mode deliver the previous step's output after.
 
@@ -313,9 +314,6 @@ class Harness:
         delivered output finished).
         """
         assert self.step_index < MAX_STEPS, "harness step bound reached"
-        if not hasattr(self, "_out_index") or self._out_index is None:
-            self._out_index = {}
-        # In async mode, a request's next output index counts outputs already dispatched.
         so = self._schedule()
         sampled = self._sampling_ids(so)
         mro = self._model_output(so, sampled)
@@ -348,9 +346,3 @@ class Harness:
         self._update(so, mro, trace)
         return trace
 
-    def user_of(self, request_id: str) -> str:
-        """The rate-limit user of a request as R17 defines it (for black-box checks)."""
-        request = self.scheduler.requests.get(request_id)
-        extra = (request.sampling_params.extra_args or {}) if request is not None else {}
-        user = extra.get("output_rate_user")
-        return user if isinstance(user, str) else "__anonymous__"

@@ -1,0 +1,158 @@
+"""The ``outrate`` command line (click + rich)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from vllm_output_rate import __version__
+
+console = Console(width=None if sys.stdout.isatty() else 130)
+
+
+def _offline_env() -> None:
+    """Nothing is ever fetched from a model hub (the project writes its own tiny model)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+@click.group()
+@click.version_option(__version__, prog_name="outrate")
+def main() -> None:
+    """vllm-output-rate: per-user output-token rate limiting in the vLLM V1 scheduler."""
+    _offline_env()
+
+
+@main.command()
+@click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
+              help="Scheduler class under test (sync); default: the reference RateLimitedScheduler.")
+@click.option("--async-scheduler-cls", default=None, metavar="DOTTED.PATH",
+              help="Async scheduler class under test; default: the reference's async class when "
+                   "--scheduler-cls is the reference; otherwise the async check runs only if this is given.")
+@click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the results as JSON here.")
+@click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
+              show_default=True, help="Directory where failing scenarios are saved for replay.")
+def conform(scheduler_cls, async_scheduler_cls, profile, seed, json_path, counterexamples) -> None:
+    """Run the conformance gate on a scheduler class; exit 1 if any check fails."""
+    from vllm_output_rate.adapter import conform as gate
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, load_class
+
+    sync_cls = scheduler_cls or REFERENCE_SCHEDULER
+    if async_scheduler_cls is None and sync_cls == REFERENCE_SCHEDULER:
+        async_scheduler_cls = REFERENCE_ASYNC_SCHEDULER
+    budget = gate.PROFILES[profile]
+    started = time.monotonic()
+    with console.status("importing vLLM and the scheduler under test"):
+        for path in {sync_cls, async_scheduler_cls} - {None}:
+            try:
+                load_class(path)
+            except (ValueError, ImportError) as exc:
+                raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
+        import vllm
+
+    plan = [
+        ("limiter-differential", budget["limiter"],
+         lambda tick: gate.check_limiter_differential(budget["limiter"], seed, tick)),
+        ("rate-limit/sync", budget["sync"],
+         lambda tick: gate.check_scheduler(sync_cls, False, budget["sync"], budget["max_steps"], seed, tick,
+                                           counterexamples)),
+    ]
+    if async_scheduler_cls is not None:
+        plan.append(("rate-limit/async", budget["async"],
+                     lambda tick: gate.check_scheduler(async_scheduler_cls, True, budget["async"],
+                                                       budget["max_steps"], seed, tick, counterexamples)))
+    else:
+        console.print("rate-limit/async not run: give --async-scheduler-cls to judge an async class")
+    results = []
+    progress = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=False)
+    with progress:
+        for name, total, run in plan:
+            task = progress.add_task(name, total=total)
+            t0 = time.monotonic()
+            result = run(lambda: progress.advance(task))
+            result.seconds = time.monotonic() - t0
+            progress.update(task, completed=total)
+            results.append(result)
+
+    table = Table(title=f"outrate conform -- vLLM {vllm.__version__} -- {sync_cls} / {async_scheduler_cls}"
+                        f" -- profile {profile}, seed {seed}")
+    for col in ("check", "rules", "examples", "steps", "examples/s", "steps/s", "result", "seconds"):
+        table.add_column(col, justify="right" if col not in ("check", "rules", "result") else "left")
+    for r in results:
+        style = "green" if r.result == "pass" else "bold red"
+        table.add_row(r.name, " ".join(r.rules), str(r.examples), str(r.steps),
+                      f"{r.examples / r.seconds:.0f}" if r.seconds else "-",
+                      f"{r.steps / r.seconds:.0f}" if r.seconds else "-",
+                      f"[{style}]{r.result.upper()}[/]", f"{r.seconds:.1f}")
+    console.print(table)
+    failed = [r for r in results if r.result != "pass"]
+    for r in failed:
+        console.print(f"[bold red]{r.name} FAILED[/]: {r.failure}")
+        console.print("  counterexample (shrunk):")
+        for line in r.counterexample:
+            console.print(f"    {line}")
+        if r.saved:
+            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls ...)")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({
+            "vllm_version": vllm.__version__,
+            "scheduler": sync_cls,
+            "async_scheduler": async_scheduler_cls,
+            "profile": profile,
+            "seed": seed,
+            "seconds": round(time.monotonic() - started, 2),
+            "checks": [r.as_json() for r in results],
+        }, indent=2))
+    console.print(f"{len(results) - len(failed)}/{len(results)} checks passed "
+                  f"in {time.monotonic() - started:.0f} s")
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("scenario_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
+              help="Class to run the scenario on; default: the reference (sync or async as the scenario says).")
+def replay(scenario_file, scheduler_cls) -> None:
+    """Re-run a saved scenario (a counterexample of `outrate conform`); exit 1 if it fails."""
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+    from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
+
+    scenario = Scenario.from_json(scenario_file.read_text())
+    cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER)
+    for line in scenario.events():
+        console.print(f"  {line}")
+    verdict = run_scenario(cls, scenario)
+    if verdict.failure:
+        console.print(f"[bold red]FAIL[/] {verdict.rule}: step {verdict.step}: {verdict.failure}")
+        sys.exit(1)
+    console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
+                  f"{verdict.sampled_per_user}")
+
+
+@main.command("tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+def tiny_model(directory) -> None:
+    """Write the tiny Llama-style model config (dummy weights) into DIRECTORY."""
+    from vllm_output_rate.tinymodel import write_config
+
+    write_config(directory)
+    console.print(f"wrote {directory}/config.json")
+
+
+if __name__ == "__main__":
+    main()
