@@ -1,0 +1,87 @@
+"""The gate judges real vLLM schedulers: it passes the reference and rejects stock vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_output_rate.adapter.conform import check_scheduler
+from vllm_output_rate.adapter.harness import (
+    REFERENCE_ASYNC_SCHEDULER,
+    REFERENCE_SCHEDULER,
+    STOCK_ASYNC_SCHEDULER,
+    STOCK_SCHEDULER,
+)
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, run_scenario
+
+OUTRATE = [sys.executable, "-m", "vllm_output_rate.cli"]
+
+
+def _noop() -> None:
+    pass
+
+
+@pytest.mark.parametrize("cls, async_mode", [(REFERENCE_SCHEDULER, False), (REFERENCE_ASYNC_SCHEDULER, True)])
+def test_r2_r7_gate_passes_reference(cls, async_mode, tmp_path):
+    result = check_scheduler(cls, async_mode, 20, 30, seed=1, tick=_noop, save_dir=tmp_path)
+    assert result.result == "pass", result.failure
+    assert result.examples == 20
+    assert result.steps > 20
+
+
+@pytest.mark.parametrize("cls, async_mode", [(STOCK_SCHEDULER, False), (STOCK_ASYNC_SCHEDULER, True)])
+def test_r2_gate_rejects_stock_vllm_with_short_replayable_counterexample(cls, async_mode, tmp_path):
+    result = check_scheduler(cls, async_mode, 50, 30, seed=0, tick=_noop, save_dir=tmp_path)
+    assert result.result == "fail"
+    assert result.failure.startswith("R2")
+    # rates line + request events + the "then N steps" line: a handful of events.
+    assert len(result.counterexample) <= 5, result.counterexample
+    saved = Scenario.from_json(open(result.saved).read())
+    assert run_scenario(cls, saved).failure is not None  # the saved file replays the failure
+    assert run_scenario(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, saved).failure is None
+
+
+def test_r2_same_seed_replays_same_run():
+    a = check_scheduler(REFERENCE_SCHEDULER, False, 8, 20, seed=7, tick=_noop, save_dir=None)
+    b = check_scheduler(REFERENCE_SCHEDULER, False, 8, 20, seed=7, tick=_noop, save_dir=None)
+    assert (a.examples, a.steps) == (b.examples, b.steps)
+
+
+def test_r2_window_bound_hand_computed_single_stream():
+    # rate 10 tok/s, tau 100 ms, one stream, steps every 10 ms from t=0, 8 output tokens.
+    # GCRA: grants at t=0 (TAT 100 ms) and t=10 ms (lead 90 <= 100 -> TAT 200 ms); then the
+    # lead must fall back to 100 ms: t=100 ms (TAT 300), 200, 300, 400, 500, 600 ms.
+    # So the 8 tokens finish at the step of t=600 ms: 61 steps, 8 sampling dispatches.
+    scenario = Scenario(
+        rates_tokens_per_s={"a": "10"},
+        requests=(RequestSpec("a0", "a", prompt_len=3, max_tokens=8),),
+        step_interval_ns=10_000_000,
+        num_steps=61,
+    )
+    verdict = run_scenario(REFERENCE_SCHEDULER, scenario)
+    assert verdict.failure is None
+    assert verdict.sampled_per_user == {"a": 8}
+    assert verdict.steps == 61
+
+
+def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    out = tmp_path / "conform.json"
+    ok = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--json", str(out),
+                                   "--counterexamples", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["vllm_version"].startswith("0.32.")
+    assert report["scheduler"] == REFERENCE_SCHEDULER
+    assert {c["name"] for c in report["checks"]} == {"limiter-differential", "rate-limit/sync", "rate-limit/async"}
+    for check in report["checks"]:
+        assert check["result"] == "pass"
+        assert check["examples"] > 0 and check["seconds"] >= 0 and check["rules"]
+    bad = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--scheduler-cls", STOCK_SCHEDULER,
+                                    "--counterexamples", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert bad.returncode == 1
+    assert "FAILED" in bad.stdout and "counterexample" in bad.stdout
