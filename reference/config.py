@@ -60,7 +60,9 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
         raise OutputRateConfigError(
             f'unknown key(s) {unknown} in additional_config["output_rate"]; known keys: {list(KNOWN_KEYS)}'
         )
-    overrides = section.get("user_tokens_per_s") or {}
+    overrides = section.get("user_tokens_per_s")
+    if overrides is None:
+        overrides = {}
     if not isinstance(overrides, Mapping):
         raise OutputRateConfigError(
             f"user_tokens_per_s must be a JSON object of user -> tokens/s, got {overrides!r}"
