@@ -1,0 +1,189 @@
+"""Z3 proofs of the limiter rules R1-R6 (proofs/z3_limiter.py).
+
+* Each property is proved (unbounded integers/reals, inductive argument) and non-vacuous.
+* Each deliberately broken limiter is refuted with a concrete counterexample trace.
+* The Z3 encoding of the correct limiter agrees, step for step, with the Python code it
+  stands for (spec/limiter.py and reference/limiter.py), so the proofs are about that code.
+"""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+import z3
+
+from vllm_output_rate.proofs import z3_limiter as zl
+from vllm_output_rate.reference.limiter import OutputRateLimiter
+from vllm_output_rate.spec import limiter as spec
+
+TIMEOUT_MS = 5000
+# Each proof takes ~0.1 s; the bound leaves room for a loaded CI machine.
+MAX_PROOF_SECONDS = 3.0
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    return {r["name"]: r for r in zl.run_all(timeout_ms=TIMEOUT_MS)}
+
+
+def _assert_proved(results: dict[str, dict], name: str, rules: set[str]) -> None:
+    record = results[name]
+    assert record["result"] == "proved", record
+    assert record["vacuity_ok"] is True, record
+    assert record["counterexample"] is None, record
+    assert record["tool"] == "z3"
+    assert rules <= set(record["rules"]), record["rules"]
+    assert record["seconds"] < MAX_PROOF_SECONDS, record
+
+
+def test_r2_window_bound_proved(results):
+    _assert_proved(results, "r2_window_bound", {"R2", "R4", "R6"})
+
+
+def test_r2_idle_burst_proved(results):
+    _assert_proved(results, "r2_idle_burst", {"R2"})
+
+
+def test_r3_integer_scaling_simulates_spec(results):
+    _assert_proved(results, "r3_integer_scaling_simulates_spec", {"R3"})
+
+
+def test_r5_ready_at_exact(results):
+    _assert_proved(results, "r5_ready_at_exact", {"R5"})
+
+
+def test_r4_take_refund_noop(results):
+    _assert_proved(results, "r4_take_refund_noop", {"R4"})
+
+
+def test_r6_cleanup_noop(results):
+    _assert_proved(results, "r6_cleanup_noop", {"R6"})
+
+
+def test_run_all_records_have_the_manifest_shape(results):
+    assert [p.name for p in zl.PROPERTIES] == list(results)
+    for record in results.values():
+        assert set(record) == {"name", "rules", "tool", "result", "seconds", "vacuity_ok", "counterexample"}
+        assert record["result"] in {"proved", "refuted", "unknown"}
+        assert isinstance(record["rules"], list) and record["rules"], record
+        assert isinstance(record["seconds"], float)
+
+
+def test_properties_expose_name_rules_and_a_function():
+    for prop in zl.PROPERTIES:
+        assert prop.name and prop.rules and prop.doc.strip(), prop.name
+        assert prop.fn(timeout_ms=TIMEOUT_MS)["result"] == "proved", prop.name
+
+
+# -- vacuity -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prop", zl.PROPERTIES, ids=lambda p: p.name)
+def test_every_obligation_has_satisfiable_hypotheses(prop):
+    for ob in prop.obligations(zl.CORRECT):
+        solver = z3.Solver()
+        solver.set(timeout=TIMEOUT_MS)
+        solver.add(*ob.hypotheses)
+        assert solver.check() == z3.sat, f"{prop.name}/{ob.name}: hypotheses unsatisfiable (vacuous)"
+
+
+def test_vacuity_check_flags_contradictory_hypotheses():
+    x = z3.Int("x")
+    vacuous = zl.Obligation("vacuous", (x > 1, x < 0), x == 42)
+    status, vacuity_ok, _ = zl._check(vacuous, TIMEOUT_MS)
+    assert status == "proved"  # anything follows from a contradiction...
+    assert vacuity_ok is False  # ...which the vacuity check reports
+
+
+# -- broken variants -----------------------------------------------------------------------
+
+
+def test_every_broken_variant_has_an_expected_refutation():
+    assert set(zl.EXPECTED_REFUTATIONS) == set(zl.BROKEN_VARIANTS)
+    for props in zl.EXPECTED_REFUTATIONS.values():
+        assert props and set(props) <= set(zl.PROPERTIES_BY_NAME)
+
+
+_CASES = [(v, p) for v, props in zl.EXPECTED_REFUTATIONS.items() for p in props]
+
+
+@pytest.mark.parametrize(("variant", "prop"), _CASES, ids=[f"{v}-{p}" for v, p in _CASES])
+def test_broken_variant_refuted_with_counterexample(variant, prop):
+    record = zl.run_property(prop, variant, timeout_ms=TIMEOUT_MS)
+    assert record["result"] == "refuted", record
+    assert record["vacuity_ok"] is True, record
+    cex = record["counterexample"]
+    assert isinstance(cex, str) and "rate=" in cex and "try_take" in cex, cex
+
+
+# -- the encoding is the code ------------------------------------------------------------------
+
+
+def _val(term):
+    v = z3.simplify(term)
+    if z3.is_bool(v):
+        assert z3.is_true(v) or z3.is_false(v), v
+        return z3.is_true(v)
+    if z3.is_int_value(v):
+        return v.as_long()
+    assert z3.is_rational_value(v), v
+    return v.as_fraction()
+
+
+@pytest.mark.parametrize("rate", [Fraction(10), Fraction(3), Fraction(1, 2), Fraction(7, 3), Fraction(20)])
+def test_z3_encoding_matches_spec_and_reference(rate):
+    """Random scheduler-like operation sequences: the CORRECT Z3 terms, evaluated on
+    concrete values, give the same decisions, TATs and ready_at as the Python code."""
+    sem, rng = zl.CORRECT, random.Random(f"z3-encoding-{rate}")
+    p, q, tau = rate.numerator, rate.denominator, spec.BURST_NS
+    T = spec.emission_interval_ns(rate)
+    inc, burst = sem.ref_scale(z3.IntVal(p), z3.IntVal(q), z3.IntVal(tau))
+    state, ref = spec.EMPTY, OutputRateLimiter(rate)
+    z_known, z_tat, r_known, r_s = z3.BoolVal(False), z3.RealVal(0), z3.BoolVal(False), z3.IntVal(0)
+    now, pending = 0, 0
+    for _ in range(300):
+        op = rng.choice(["advance", "take", "take", "refund", "cleanup"])
+        if op == "advance":
+            now += rng.choice([0, 1, 7, tau // 3, int(T) // 2, int(T), int(T) + 1, 2 * tau])
+            pending = 0
+        elif op == "take":
+            state, granted = spec.try_take(state, "u", rate, now, tau)
+            assert ref.try_take("u", now) == granted
+            g, z_known, z_tat = sem.spec_take(z_known, z_tat, now, z3.RealVal(T), tau)
+            rg, r_known, r_s = sem.ref_take(r_known, r_s, z3.IntVal(now), z3.IntVal(p), inc, burst)
+            assert _val(g) == granted and _val(rg) == granted, (now, op)
+            pending += granted
+        elif op == "refund" and pending:
+            state = spec.refund(state, "u", rate)
+            ref.refund("u")
+            z_known, z_tat = sem.spec_refund(z_known, z_tat, z3.RealVal(T))
+            r_known, r_s = sem.ref_refund(r_known, r_s, inc)
+            pending -= 1
+        elif op == "cleanup":
+            state = spec.cleanup_idle_users(state, now)
+            ref.cleanup_idle_users(now)
+            z_known = sem.spec_cleanup(z_known, z_tat, now, tau)
+            r_known = sem.ref_cleanup(r_known, r_s, z3.IntVal(now), z3.IntVal(p), burst)
+        # Fold the terms back to constants so they do not grow with the sequence.
+        z_known, z_tat, r_known, r_s = (z3.simplify(t) for t in (z_known, z_tat, r_known, r_s))
+        known = "u" in state.tat_ns
+        assert _val(z_known) == known and _val(r_known) == known and (ref.tat_ns("u") is not None) == known
+        assert _val(sem.spec_allows(z_known, z_tat, now, tau)) == spec.allows(state, "u", now, tau)
+        if known:
+            assert _val(z_tat) == state.tat_ns["u"] == ref.tat_ns("u")
+            assert _val(r_s) == state.tat_ns["u"] * p
+            ready = spec.ready_at_ns(state, "u", tau)
+            assert _val(sem.spec_ready_at(z_tat, tau)) == ready == ref.ready_at_ns("u")
+            assert _val(sem.ref_ready_at(r_s, z3.IntVal(p), burst)) == ready
+
+
+def test_r2_window_bound_plus_one_is_needed():
+    """The closing step of the window proof fails for the bound without its ``+ 1``: Z3
+    finds a state, so the proved bound is not weaker than what the invariant gives."""
+    close = next(ob for ob in zl._window_obligations(zl.CORRECT) if ob.name == "close")
+    k, (W, tau, rate) = z3.Int("k"), z3.Reals("W tau rate")
+    tighter = zl.Obligation("close_without_plus_one", close.hypotheses, k <= (W + tau) * rate / zl.NS_PER_S)
+    status, vacuity_ok, cex = zl._check(tighter, TIMEOUT_MS)
+    assert status == "refuted" and vacuity_ok and cex, (status, cex)
