@@ -17,45 +17,41 @@ vLLM's own loops call are overridden:
 After ``super().schedule()`` returns, the single refund point (R9) refunds every charge
 whose request was not dispatched to sample.
 
+R13 (preferred victims): for the duration of ``super().schedule()`` the requests throttled
+at the step start sit at the end of ``running`` (FCFS victims are ``running[-1]``); under
+PRIORITY, ``kv_cache_manager.allocate_slots`` is wrapped so that a failed allocation of a
+running request first preempts a throttled request of vLLM's victim priority level.
+
 Source: semantics.md R7-R18; seed article, "Scheduler" section.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.reference.config import OutputRateConfig, parse_output_rate
+from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 
-ANONYMOUS_USER = "__anonymous__"  # R17
-USER_KEY = "output_rate_user"  # R17: extra_args key (vllm_xargs in the OpenAI API)
 CLEANUP_INTERVAL_STEPS = 256  # R6
-MAX_USER_ID_CHARS = 256  # R17: longer ids are refused per request
+logger = logging.getLogger(__name__)
 
 
 def user_of(request: Request) -> str:
-    """R17: the rate-limit identity of a request (not cached; see ``_user``).
-
-    ``extra_args["output_rate_user"]`` if present, else ``"__anonymous__"``.
+    """R17: the rate-limit identity of a request (see ``identity.py``).
 
     Raises:
-        ValueError: the value is not a non-empty string of at most 256 characters.
+        ValueError: bad ``output_rate_user`` value, naming it.
     """
-    extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-    if not extra or USER_KEY not in extra:
-        return ANONYMOUS_USER
-    user = extra[USER_KEY]
-    if not isinstance(user, str) or not user or len(user) > MAX_USER_ID_CHARS:
-        raise ValueError(
-            f"vllm_xargs.{USER_KEY} must be a non-empty string of at most {MAX_USER_ID_CHARS} "
-            f"characters, got {user!r:.80}"
-        )
-    return user
+    params = request.sampling_params
+    return validate_extra_args(params.extra_args if params is not None else None)
 
 
 class _RateLimitMixin:
@@ -85,6 +81,11 @@ class _RateLimitMixin:
         self._last_served: dict[tuple[str, int], str] = {}  # (user, priority) -> request id (R15)
         self._steps = 0
         self._reset_step_state(0)
+        if self.policy == SchedulingPolicy.PRIORITY:
+            # R13: vLLM picks a PRIORITY victim inside schedule() right after a failed
+            # allocate_slots; wrapping it lets a throttled request of that level go first.
+            self._base_allocate_slots = self.kv_cache_manager.allocate_slots
+            self.kv_cache_manager.allocate_slots = self._allocate_slots_throttled_victims_first
 
     def _reset_step_state(self, now_ns: int) -> None:
         self._now_ns = now_ns
@@ -92,12 +93,16 @@ class _RateLimitMixin:
         self._refused_users: set[str] = set()  # users refused in this step: not asked again
         self._throttled: set[str] = set()  # running requests refused and skipped (R11)
         self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
+        self._throttled_at_start: list[Request] = []  # R13: preferred victims of this step
+        self._preempted_for_r13 = False  # R13: we preempted; the waiting loop must not run
 
     # -- R12: admission cap read by vLLM's waiting loop -------------------------
     @property
     def max_num_active_reqs(self) -> int:
         if getattr(self, "rate_limiter", None) is None:
             return self._base_max_num_active_reqs
+        if self._preempted_for_r13:
+            return 0  # R13: like vLLM, admit nothing in a step that preempted
         # R12: admit iff len(running) < M and len(running) - throttled < A.
         return min(self.max_num_running_reqs, self._active_cap + len(self._throttled))
 
@@ -109,17 +114,27 @@ class _RateLimitMixin:
     def _user(self, request: Request) -> str:
         user = self._user_cache.get(request.request_id)
         if user is None:
-            user = self._user_cache[request.request_id] = user_of(request)
+            user = self._user_cache[request.request_id] = self._resolve_user(request)
         return user
 
-    def add_request(self, request: Request) -> None:
-        """R17: resolve the identity once, at admission; a bad value raises here.
+    @staticmethod
+    def _resolve_user(request: Request) -> str:
+        """R17 without raising: a bad identity is logged and charged to ``__anonymous__``."""
+        try:
+            return user_of(request)
+        except ValueError as exc:
+            logger.error("request %s: %s; charged to %s", request.request_id, exc, ANONYMOUS_USER)
+            return ANONYMOUS_USER
 
-        Raises:
-            ValueError: bad ``output_rate_user`` (only this request is refused).
+    def add_request(self, request: Request) -> None:
+        """R17: resolve the identity once, at admission.
+
+        Never raises for a bad identity: an exception here would stop the engine core and
+        every request in it. The front end refuses such requests (``plugin.py``); one that
+        still arrives is charged to ``__anonymous__`` and logged.
         """
         if self.rate_limiter is not None:
-            self._user_cache[request.request_id] = user_of(request)
+            self._user_cache[request.request_id] = self._resolve_user(request)
         super().add_request(request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
@@ -133,11 +148,17 @@ class _RateLimitMixin:
             return super().schedule(*args, **kwargs)  # R18
         self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
         self._rotate_running()  # R14
+        stock_order = self._move_throttled_last()  # R13
         scheduler_output = super().schedule(*args, **kwargs)
+        if stock_order is not None:
+            self._restore_order(stock_order)  # R13: only the choice of victims changed
         refunded = self._settle(scheduler_output)  # R9
         self._steps += 1
         if self._steps % CLEANUP_INTERVAL_STEPS == 0:
             self.rate_limiter.cleanup_idle_users(self._now_ns)  # R6
+            # R15: forget streams that left the scheduler (rotation ignores them anyway),
+            # so this map stays bounded by the live requests.
+            self._last_served = {k: rid for k, rid in self._last_served.items() if rid in self.requests}
         self._observe(scheduler_output, refunded)
         return scheduler_output
 
@@ -162,6 +183,75 @@ class _RateLimitMixin:
             rotated = members[pos + 1 :] + members[: pos + 1]
             for slot, request in zip(slots, rotated):
                 running[slot] = request
+
+    def _move_throttled_last(self) -> list[Request] | None:
+        """R13: stable-move the requests throttled at the step start to the end of ``running``.
+
+        Throttled at the start: the user is refused at ``now`` (a refusal holds for the
+        whole step, grants only push TAT up), only the sampling position is left (R10) and
+        its last output is not already in flight (async: vLLM skips those itself). The
+        running loop skips them anyway; the move changes only vLLM's victims (FCFS:
+        ``running[-1]``; PRIORITY: see ``_allocate_slots_throttled_victims_first``).
+        They are recorded as throttled (R11/R12) and their users as refused (R16) even if
+        the active cap stops the running loop before it reaches them. Returns the order
+        before the move, or None if nothing moved.
+        """
+        running = self.running
+        throttled = [
+            r
+            for r in running
+            if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
+            and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+            and not self.rate_limiter.allows(self._user(r), self._now_ns)
+        ]
+        self._throttled_at_start = throttled
+        self._throttled.update(r.request_id for r in throttled)
+        self._refused_users.update(self._user(r) for r in throttled)
+        if not throttled or running[-len(throttled) :] == throttled:
+            return None
+        stock_order = list(running)
+        moved = {id(r) for r in throttled}
+        running[:] = [r for r in running if id(r) not in moved] + throttled
+        return stock_order
+
+    def _restore_order(self, stock_order: list[Request]) -> None:
+        """R13: put ``running`` back in the order vLLM alone would have left it.
+
+        vLLM only removes (preempts) and appends (admits) during ``schedule()``.
+        """
+        present = {id(r) for r in self.running}
+        before = {id(r) for r in stock_order}
+        admitted = [r for r in self.running if id(r) not in before]
+        self.running[:] = [r for r in stock_order if id(r) in present] + admitted
+
+    def _allocate_slots_throttled_victims_first(self, request: Request, *args: Any, **kwargs: Any):
+        """R13 under PRIORITY: before vLLM preempts, preempt a throttled request of its level.
+
+        vLLM's victim is the max (priority, arrival_time) of ``running``; when an allocation
+        for a running request fails, a request throttled at the step start with that same
+        priority (the latest arrival first) is preempted instead and the allocation retried.
+        These requests sit after the running loop's position (``_move_throttled_last``), so
+        removing one does not disturb the loop. Waiting-loop allocations are not touched.
+        """
+        new_blocks = self._base_allocate_slots(request, *args, **kwargs)
+        while new_blocks is None and request.status == RequestStatus.RUNNING and self.running:
+            level = max(r.priority for r in self.running)
+            candidates = [
+                r
+                for r in self._throttled_at_start
+                if r.status == RequestStatus.RUNNING
+                and r is not request
+                and r.priority == level
+                and self._request_blocks_can_be_freed(r)
+            ]
+            if not candidates:
+                break
+            victim = max(candidates, key=lambda r: r.arrival_time)
+            self.running.remove(victim)
+            self._preempt_request(victim, time.monotonic(), drop_stale_output=self.requires_kv_delivery)
+            self._preempted_for_r13 = True
+            new_blocks = self._base_allocate_slots(request, *args, **kwargs)
+        return new_blocks
 
     def _samples(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """R7: the chunk reaches the sampling position (prompt + outputs + placeholders)."""
@@ -201,12 +291,17 @@ class _RateLimitMixin:
             return True
         self._refused_users.add(user)
         # R10: a refused user's waiting request proceeds only if it can prefill without
-        # sampling; otherwise it is skipped and later waiting requests are still admitted.
-        can_advance = (
-            self.scheduler_config.enable_chunked_prefill
-            and request.num_computed_tokens < request.num_tokens - 1
-        )
-        return can_advance
+        # sampling; otherwise it is skipped and later waiting requests are still admitted
+        # (vLLM 0.32 stops admission at a waiting request given 0 tokens).
+        if not self.scheduler_config.enable_chunked_prefill:
+            return False
+        num_computed_tokens = request.num_computed_tokens
+        if num_computed_tokens == 0:
+            # R10: a fresh admission starts at its prefix-cache hit, which vLLM caps at
+            # num_tokens - 1 and so can leave only the sampling token: look it up as vLLM
+            # is about to (a side-effect-free lookup).
+            num_computed_tokens = self._get_local_prefix_cache_hit(request)[1]
+        return num_computed_tokens < request.num_tokens - 1
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         if self.rate_limiter is not None:
@@ -220,7 +315,7 @@ class _RateLimitMixin:
         refunded = []
         for request in self._charged:
             dispatched = request.request_id in scheduled and not request.is_prefill_chunk
-            user = self._user_cache.get(request.request_id) or user_of(request)
+            user = self._user(request)
             if dispatched:
                 self._last_served[(user, request.priority)] = request.request_id  # R15
             else:
