@@ -37,7 +37,11 @@ $(STAMP): $(LOCKS)
 
 conform: $(STAMP)
 	@mkdir -p reports
-	$(VENV)/bin/outrate conform --profile $(PROFILE) --json reports/conform.json
+	$(VENV)/bin/outrate conform --profile $(PROFILE) --json reports/conform.json --junit reports/conform.xml --markdown reports/conform.md
+
+bench: $(STAMP)
+	@mkdir -p reports
+	$(VENV)/bin/outrate bench --json reports/bench.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q

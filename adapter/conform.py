@@ -16,10 +16,11 @@ from typing import Callable
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
 PROFILES = {
-    # examples per check: limiter differential, real scheduler sync, real scheduler async
-    "quick": {"limiter": 200, "sync": 25, "async": 15, "max_steps": 30},
-    "ci": {"limiter": 1500, "sync": 120, "async": 60, "max_steps": 40},
-    "release": {"limiter": 20000, "sync": 1500, "async": 800, "max_steps": 80},
+    # examples per check: limiter differential, real scheduler sync / async (ample), each
+    # invariants check (pressure), and per check when hunting one mutant
+    "quick": {"limiter": 200, "sync": 25, "async": 15, "pressured": 20, "mutant": 25, "max_steps": 30},
+    "ci": {"limiter": 1500, "sync": 120, "async": 60, "pressured": 120, "mutant": 60, "max_steps": 40},
+    "release": {"limiter": 20000, "sync": 1500, "async": 800, "pressured": 1500, "mutant": 400, "max_steps": 80},
 }
 
 
@@ -98,17 +99,32 @@ def check_scheduler(
     seed: int,
     tick: Callable[[], None],
     save_dir: Path | None,
+    pressured: bool = False,
 ) -> CheckResult:
-    """R2, R7, R11 on the real scheduler: grants match the spec limiter, window bound holds."""
-    from vllm_output_rate.adapter.scenarios import run_scenario, scenarios
+    """The scheduler scenario checks of ``adapter/scenarios.py`` on a real scheduler class.
 
-    name = "rate-limit/" + ("async" if async_mode else "sync")
-    result = CheckResult(name, ["R2", "R7", "R9", "R11"] + (["R8"] if async_mode else []))
+    ``pressured`` False: ``rate-limit/*``, ample resources, black-box (R2, R7, R11, R14).
+    ``pressured`` True: ``invariants/*``, KV/budget/seat pressure, aborts, PRIORITY, long
+    runs; black-box checks that hold under pressure plus the white-box invariants.
+    A failure is shrunk by Hypothesis, then made 1-minimal, and saved for replay.
+    """
+    from vllm_output_rate.adapter.scenarios import minimize, pressured_scenarios, run_scenario, scenarios
+
+    tag = "async" if async_mode else "sync"
+    if pressured:
+        name, rules = f"invariants/{tag}", ["R1", "R2", "R6", "R7", "R9", "R11", "R12", "R16"]
+        strategy = pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps)
+    else:
+        name, rules = f"rate-limit/{tag}", ["R2", "R7", "R10", "R11", "R14"]
+        strategy = scenarios(async_scheduling=async_mode, max_steps=max_steps)
+    if async_mode:  # the under-grant and rotation checks need sync's immediate outputs
+        rules = [r for r in rules if r not in ("R10", "R14")] + ["R8"]
+    result = CheckResult(name, rules)
     last: dict = {}
 
     @_settings(examples)
     @hseed(seed)
-    @given(scenario=scenarios(async_scheduling=async_mode, max_steps=max_steps))
+    @given(scenario=strategy)
     def prop(scenario):
         result.examples += 1
         tick()
@@ -120,7 +136,8 @@ def check_scheduler(
     try:
         prop()
     except AssertionError:
-        scenario, verdict = last["scenario"], last["verdict"]
+        scenario = minimize(scheduler_cls, last["scenario"])
+        verdict = run_scenario(scheduler_cls, scenario)
         result.result = "fail"
         result.failure = f"{verdict.rule}: step {verdict.step}: {verdict.failure}"
         result.counterexample = scenario.events()

@@ -99,6 +99,8 @@ class StepTrace:
     sampled: list[str]
     preempted: list[str]
     finished: dict[str, tuple[str, int]] = field(default_factory=dict)
+    admitted: list[str] = field(default_factory=list)  # new or resumed from waiting this step
+    num_running: int = 0  # len(scheduler.running) after schedule()
     white: dict[str, Any] | None = None
 
 
@@ -323,6 +325,8 @@ class Harness:
             scheduled=dict(so.num_scheduled_tokens),
             sampled=sampled,
             preempted=sorted(so.preempted_req_ids),
+            admitted=[r.req_id for r in so.scheduled_new_reqs] + sorted(so.scheduled_cached_reqs.resumed_req_ids),
+            num_running=len(self.scheduler.running),
         )
         observe = getattr(self.scheduler, "last_step_observation", None)
         if observe is not None:

@@ -38,16 +38,23 @@ def main() -> None:
               help="Scheduler class under test (sync); default: the reference RateLimitedScheduler.")
 @click.option("--async-scheduler-cls", default=None, metavar="DOTTED.PATH",
               help="Async scheduler class under test; default: the reference's async class when "
-                   "--scheduler-cls is the reference; otherwise the async check runs only if this is given.")
+                   "--scheduler-cls is the reference; otherwise the async checks run only if this is given.")
 @click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
+@click.option("--mutants", is_flag=True, help="Also run the mutant catalogue; every mutant must be killed.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the results as JSON here.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a JUnit XML report here (one testcase per check and per mutant).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the gate manifest as Markdown here.")
 @click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Directory where failing scenarios are saved for replay.")
-def conform(scheduler_cls, async_scheduler_cls, profile, seed, json_path, counterexamples) -> None:
-    """Run the conformance gate on a scheduler class; exit 1 if any check fails."""
+def conform(scheduler_cls, async_scheduler_cls, profile, seed, mutants, json_path, junit_path, markdown_path,
+            counterexamples) -> None:
+    """Run the conformance gate on a scheduler class; exit 1 if any check fails or a mutant survives."""
     from vllm_output_rate.adapter import conform as gate
+    from vllm_output_rate.adapter import reports
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, load_class
 
     sync_cls = scheduler_cls or REFERENCE_SCHEDULER
@@ -63,21 +70,23 @@ def conform(scheduler_cls, async_scheduler_cls, profile, seed, json_path, counte
                 raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
         import vllm
 
-    plan = [
-        ("limiter-differential", budget["limiter"],
-         lambda tick: gate.check_limiter_differential(budget["limiter"], seed, tick)),
-        ("rate-limit/sync", budget["sync"],
-         lambda tick: gate.check_scheduler(sync_cls, False, budget["sync"], budget["max_steps"], seed, tick,
-                                           counterexamples)),
-    ]
-    if async_scheduler_cls is not None:
-        plan.append(("rate-limit/async", budget["async"],
-                     lambda tick: gate.check_scheduler(async_scheduler_cls, True, budget["async"],
-                                                       budget["max_steps"], seed, tick, counterexamples)))
-    else:
-        console.print("rate-limit/async not run: give --async-scheduler-cls to judge an async class")
+    def scheduler_check(cls, async_mode, pressured):
+        examples = budget["pressured"] if pressured else budget["async" if async_mode else "sync"]
+        return examples, lambda tick: gate.check_scheduler(cls, async_mode, examples, budget["max_steps"], seed,
+                                                           tick, counterexamples, pressured=pressured)
+
+    plan = [("limiter-differential", budget["limiter"],
+             lambda tick: gate.check_limiter_differential(budget["limiter"], seed, tick))]
+    modes = [(sync_cls, False)] + ([(async_scheduler_cls, True)] if async_scheduler_cls else [])
+    for cls, async_mode in modes:
+        tag = "async" if async_mode else "sync"
+        for pressured, prefix in ((False, "rate-limit"), (True, "invariants")):
+            plan.append((f"{prefix}/{tag}", *scheduler_check(cls, async_mode, pressured)))
+    if async_scheduler_cls is None:
+        console.print("async checks not run: give --async-scheduler-cls to judge an async class")
+
     results = []
-    progress = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=False)
     with progress:
         for name, total, run in plan:
@@ -88,8 +97,9 @@ def conform(scheduler_cls, async_scheduler_cls, profile, seed, json_path, counte
             progress.update(task, completed=total)
             results.append(result)
 
-    table = Table(title=f"outrate conform -- vLLM {vllm.__version__} -- {sync_cls} / {async_scheduler_cls}"
-                        f" -- profile {profile}, seed {seed}")
+    header = (f"outrate conform -- vLLM {vllm.__version__} -- {sync_cls} / {async_scheduler_cls}"
+              f" -- profile {profile}, seed {seed}")
+    table = Table(title=header)
     for col in ("check", "rules", "examples", "steps", "examples/s", "steps/s", "result", "seconds"):
         table.add_column(col, justify="right" if col not in ("check", "rules", "result") else "left")
     for r in results:
@@ -102,11 +112,16 @@ def conform(scheduler_cls, async_scheduler_cls, profile, seed, json_path, counte
     failed = [r for r in results if r.result != "pass"]
     for r in failed:
         console.print(f"[bold red]{r.name} FAILED[/]: {r.failure}")
-        console.print("  counterexample (shrunk):")
+        console.print("  counterexample (shrunk, 1-minimal):")
         for line in r.counterexample:
             console.print(f"    {line}")
         if r.saved:
             console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls ...)")
+
+    mutant_rows = _run_mutants(budget, seed) if mutants else []
+    survivors = [m for m in mutant_rows if not m["killed"]]
+
+    checks_json = [r.as_json() for r in results]
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({
@@ -116,11 +131,52 @@ def conform(scheduler_cls, async_scheduler_cls, profile, seed, json_path, counte
             "profile": profile,
             "seed": seed,
             "seconds": round(time.monotonic() - started, 2),
-            "checks": [r.as_json() for r in results],
+            "checks": checks_json,
+            "mutants": mutant_rows,
         }, indent=2))
-    console.print(f"{len(results) - len(failed)}/{len(results)} checks passed "
-                  f"in {time.monotonic() - started:.0f} s")
-    sys.exit(1 if failed else 0)
+    if junit_path is not None:
+        reports.junit(junit_path, header, checks_json, mutant_rows)
+    if markdown_path is not None:
+        reports.markdown(markdown_path, header, checks_json, mutant_rows, budget)
+    console.print(f"{len(results) - len(failed)}/{len(results)} checks passed"
+                  + (f", {len(mutant_rows) - len(survivors)}/{len(mutant_rows)} mutants killed" if mutants else "")
+                  + f" in {time.monotonic() - started:.0f} s")
+    sys.exit(1 if failed or survivors else 0)
+
+
+def _run_mutants(budget: dict, seed: int) -> list[dict]:
+    """Hunt every mutant of the catalogue with the gate's checks; print the kill table."""
+    import statistics
+
+    from vllm_output_rate.adapter.mutants import MUTANTS
+    from vllm_output_rate.adapter.mutation import kill
+
+    rows = []
+    with Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("mutants", total=len(MUTANTS))
+        for mutant in MUTANTS:
+            progress.update(task, description=f"mutant {mutant.name}")
+            rows.append(kill(mutant, budget["mutant"], budget["max_steps"], seed).as_json())
+            progress.advance(task)
+    table = Table(title="mutants")
+    for col in ("mutant", "rule", "killed", "counterexample names", "check", "seconds", "events"):
+        table.add_column(col)
+    for m in rows:
+        table.add_row(m["mutant"], m["rule"], "[green]yes[/]" if m["killed"] else "[bold red]NO[/]",
+                      m["killed_by"] or "-", m["check"] or "-", f"{m['seconds']:.1f}",
+                      str(m["counterexample_events"]))
+    console.print(table)
+    killed = [m for m in rows if m["killed"]]
+    if killed:
+        secs = [m["seconds"] for m in killed]
+        events = [m["counterexample_events"] for m in killed]
+        console.print(f"seconds to kill: median {statistics.median(secs):.1f}, max {max(secs):.1f}; "
+                      f"counterexample events: median {statistics.median(events):g}, max {max(events)}")
+    for m in rows:
+        if not m["killed"]:
+            console.print(f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]")
+    return rows
 
 
 @main.command()

@@ -1,0 +1,352 @@
+"""A catalogue of deliberately wrong schedulers the gate must reject (``outrate conform --mutants``).
+
+Each mutant is a small subclass of the reference scheduler that breaks exactly one rule,
+named in ``MUTANTS`` with the rule it breaks. A gate that passes any of them has a blind
+spot. Mutants that only misbehave in async mode subclass the async reference and are run
+only by the async checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from vllm_output_rate.reference.limiter import OutputRateLimiter
+from vllm_output_rate.reference.scheduler import RateLimitedAsyncScheduler, RateLimitedScheduler
+
+
+# -- R7: charge on dispatch of sampling steps only ---------------------------------------
+class ChargePromptChunks(RateLimitedScheduler):
+    """R7 broken: intermediate prefill chunks are charged too."""
+
+    def _samples(self, request, num_computed_tokens, num_new_tokens):
+        return True
+
+
+class ChargeFirstChunkInstead(RateLimitedScheduler):
+    """R7 broken: a prefill is charged at its first chunk, not at the chunk that samples."""
+
+    def _samples(self, request, num_computed_tokens, num_new_tokens):
+        if request.num_output_tokens == 0 and request.num_output_placeholders == 0:
+            return num_computed_tokens == 0
+        return super()._samples(request, num_computed_tokens, num_new_tokens)
+
+
+class ChargeOnModelOutput(RateLimitedScheduler):
+    """R7 broken: the limiter is only asked at dispatch; the charge happens on model output."""
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        limiter = self.rate_limiter
+        if limiter is None:
+            return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        take = limiter.try_take
+        limiter.try_take = limiter.allows  # decide without taking
+        try:
+            return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        finally:
+            limiter.try_take = take
+
+    def _settle(self, scheduler_output):
+        self._charged = []  # nothing was taken, nothing to refund
+        return []
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        for req_id, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if tokens and request is not None:
+                self._force_take(self._user(request))
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _force_take(self, user: str) -> None:
+        limiter = self.rate_limiter
+        if not limiter.try_take(user, self._now_ns):
+            limiter._tat[user] += (limiter._scales.get(user) or limiter._default).inc
+
+
+class TwoChargesInAsync(RateLimitedAsyncScheduler):
+    """R7 broken (async): a request is charged twice for one dispatch in a step."""
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        before = len(self._charged) if self.rate_limiter is not None else 0
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if self.rate_limiter is not None and len(self._charged) > before and request.num_output_placeholders:
+            if self.rate_limiter.try_take(self._user(request), self._now_ns):
+                self._charged.append(request)
+        return n
+
+
+# -- R9: the single refund point ----------------------------------------------------------
+class NoRefund(RateLimitedScheduler):
+    """R9 broken: charges of requests that were not dispatched are kept."""
+
+    def _settle(self, scheduler_output):
+        keep_refund = self.rate_limiter.refund
+        self.rate_limiter.refund = lambda user: None
+        try:
+            super()._settle(scheduler_output)
+        finally:
+            self.rate_limiter.refund = keep_refund
+        return []
+
+
+class DoubleRefund(RateLimitedScheduler):
+    """R9 broken: an undispatched charge is refunded twice."""
+
+    def _settle(self, scheduler_output):
+        refunded = super()._settle(scheduler_output)
+        for req_id in refunded:
+            self.rate_limiter.refund(self._user_cache.get(req_id, "__anonymous__"))
+        return refunded + refunded
+
+
+class RefundDispatched(RateLimitedScheduler):
+    """R9 broken: the first dispatched charge of each step is refunded as well."""
+
+    def _settle(self, scheduler_output):
+        refunded = super()._settle(scheduler_output)
+        dispatched = [r for r in self._charged if r.request_id not in refunded]
+        if dispatched:
+            self.rate_limiter.refund(self._user(dispatched[0]))
+            refunded.append(dispatched[0].request_id)
+        return refunded
+
+
+# -- R10: throttled prefill ---------------------------------------------------------------
+class HeadOfLineBlocking(RateLimitedScheduler):
+    """R10 broken: a refused user's waiting request stops admission of later ones."""
+
+    def _handle_blocked_waiting_request(self, request):
+        return Scheduler._handle_blocked_waiting_request(self, request)  # vLLM's own: 0 tokens -> break
+
+
+class NoPrefillAdvance(RateLimitedScheduler):
+    """R10 broken: with chunked prefill, a refused prefill waits instead of advancing to n-1."""
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        sample_pos = request.num_tokens + request.num_output_placeholders
+        if self.rate_limiter is not None and 0 < n < num_new_tokens and num_computed_tokens + n == sample_pos - 1:
+            self._scheduled_running.discard(request.request_id)
+            if request.status == RequestStatus.RUNNING:
+                self._throttled.add(request.request_id)
+            return 0
+        return n
+
+
+# -- R11: skip, keep resident ---------------------------------------------------------------
+class DropThrottled(RateLimitedScheduler):
+    """R11 broken: throttled running requests are preempted (KV freed, recompute later)."""
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        output = super().schedule(*args, **kwargs)
+        if self.rate_limiter is not None:
+            for request in list(self.running):
+                if request.request_id in self._throttled and request.request_id not in output.num_scheduled_tokens:
+                    self.running.remove(request)
+                    self._preempt_request(request, 0.0)
+        return output
+
+
+# -- R12: skip-not-count --------------------------------------------------------------------
+class ThrottledCountTowardCap(RateLimitedScheduler):
+    """R12 broken: throttled requests still count toward the active cap when admitting."""
+
+    @property
+    def max_num_active_reqs(self) -> int:
+        if getattr(self, "rate_limiter", None) is None:
+            return self._base_max_num_active_reqs
+        return min(self.max_num_running_reqs, self._active_cap)
+
+    @max_num_active_reqs.setter
+    def max_num_active_reqs(self, value: int) -> None:
+        self._base_max_num_active_reqs = value
+
+
+class NoActiveCapInRunningLoop(RateLimitedScheduler):
+    """R12 broken: the running loop schedules every running request, ignoring A."""
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        if self.rate_limiter is not None:
+            self._scheduled_running.clear()
+        return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+
+
+# -- R13: preferred victims ------------------------------------------------------------------
+class ThrottledNotPreferredVictims(RateLimitedScheduler):
+    """R13 broken: vLLM's own victim choice, throttled or not."""
+
+    def _move_throttled_last(self):
+        running = list(self.running)
+        stock = super()._move_throttled_last()
+        if stock is not None:
+            self.running[:] = running
+        return None
+
+
+# -- R14/R15: rotation -------------------------------------------------------------------------
+class NoRotation(RateLimitedScheduler):
+    """R14 broken: same-user streams are served in list order; the first one starves the rest."""
+
+    def _rotate_running(self) -> None:
+        return None
+
+
+# -- R1/R2/R3/R5/R6: the limiter ----------------------------------------------------------------
+class BurstOneSecond(RateLimitedScheduler):
+    """R1 broken: burst tolerance tau of 1 s instead of 100 ms."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rate_limiter is not None:
+            cfg = self.output_rate_config
+            self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, 1_000_000_000)
+
+
+class _RollingWindowLimiter(OutputRateLimiter):
+    """A rolling one-second window of ``rate`` grants per user instead of GCRA."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._grants: dict[str, list[int]] = {}
+
+    def try_take(self, user, now_ns):
+        grants = [t for t in self._grants.get(user, []) if t > now_ns - 1_000_000_000]
+        if len(grants) >= max(1, int(self.rate_of(user))):
+            self._grants[user] = grants
+            return False
+        grants.append(now_ns)
+        self._grants[user] = grants
+        return super().try_take(user, now_ns) or True
+
+    def allows(self, user, now_ns):
+        grants = [t for t in self._grants.get(user, []) if t > now_ns - 1_000_000_000]
+        return len(grants) < max(1, int(self.rate_of(user)))
+
+
+class RollingWindow(RateLimitedScheduler):
+    """R2 broken: a rolling one-second window (bursty) instead of GCRA pacing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rate_limiter is not None:
+            cfg = self.output_rate_config
+            self.rate_limiter = _RollingWindowLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+
+
+class _FloorReadyLimiter(OutputRateLimiter):
+    def ready_at_ns(self, user):
+        tat = self._tat.get(user)
+        if tat is None:
+            return None
+        s = self._scales.get(user) or self._default
+        return (tat - s.burst) // s.p
+
+
+class ReadyAtRoundedDown(RateLimitedScheduler):
+    """R5 broken: ready_at (and so the wait hint) rounded down instead of up."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rate_limiter is not None:
+            cfg = self.output_rate_config
+            self.rate_limiter = _FloorReadyLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+
+
+class _EagerCleanupLimiter(OutputRateLimiter):
+    def cleanup_idle_users(self, now_ns):
+        doomed = [u for u in self._tat if self.allows(u, now_ns)]
+        for user in doomed:
+            del self._tat[user]
+        return len(doomed)
+
+
+class CleanupActiveUsers(RateLimitedScheduler):
+    """R6 broken: cleanup deletes users whose TAT is still ahead of now (within tau)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rate_limiter is not None:
+            cfg = self.output_rate_config
+            self.rate_limiter = _EagerCleanupLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+
+
+class BudgetPerRequest(RateLimitedScheduler):
+    """P2/R1 broken: one budget per request instead of one per user."""
+
+    def _user(self, request):
+        super()._user(request)
+        return request.request_id
+
+
+class IdentityFromOpenAIUserField(RateLimitedScheduler):
+    """R17 broken: identity read from a ``user`` key (the OpenAI field), not ``output_rate_user``."""
+
+    @staticmethod
+    def _resolve_user(request):
+        extra = request.sampling_params.extra_args or {}
+        user = extra.get("user")
+        return user if isinstance(user, str) else "__anonymous__"
+
+
+class OverridesIgnored(RateLimitedScheduler):
+    """R3/config broken: per-user overrides ignored; everyone gets the default rate."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rate_limiter is not None:
+            cfg = self.output_rate_config
+            self.rate_limiter = OutputRateLimiter(cfg.default_rate, None, cfg.burst_ns)
+
+
+# -- R16: wait hint --------------------------------------------------------------------------------
+class WaitHintFromLatestUser(RateLimitedScheduler):
+    """R16 broken: the wait hint is the latest ready time among refused users, not the earliest."""
+
+    def _observe(self, scheduler_output, refunded):
+        super()._observe(scheduler_output, refunded)
+        ready = [self.rate_limiter.ready_at_ns(u) for u in self._refused_users]
+        ready = [t for t in ready if t is not None]
+        self.last_step_observation["wait_hint_ns"] = max(ready) if ready else None
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One catalogue entry: dotted class path, the rule it breaks, and the mode it runs in."""
+
+    name: str
+    rule: str
+    cls: str
+    async_only: bool = False
+
+
+def _entry(cls: type, rule: str, async_only: bool = False) -> Mutant:
+    return Mutant(cls.__name__, rule, f"{__name__}.{cls.__name__}", async_only)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    _entry(ChargePromptChunks, "R7"),
+    _entry(ChargeFirstChunkInstead, "R7"),
+    _entry(ChargeOnModelOutput, "R7"),
+    _entry(TwoChargesInAsync, "R7", async_only=True),
+    _entry(NoRefund, "R9"),
+    _entry(DoubleRefund, "R9"),
+    _entry(RefundDispatched, "R9"),
+    _entry(HeadOfLineBlocking, "R10"),
+    _entry(NoPrefillAdvance, "R10"),
+    _entry(DropThrottled, "R11"),
+    _entry(ThrottledCountTowardCap, "R12"),
+    _entry(NoActiveCapInRunningLoop, "R12"),
+    _entry(ThrottledNotPreferredVictims, "R13"),
+    _entry(NoRotation, "R14"),
+    _entry(BurstOneSecond, "R1"),
+    _entry(RollingWindow, "R2"),
+    _entry(ReadyAtRoundedDown, "R5"),
+    _entry(CleanupActiveUsers, "R6"),
+    _entry(BudgetPerRequest, "R2"),
+    _entry(IdentityFromOpenAIUserField, "R17"),
+    _entry(OverridesIgnored, "R3"),
+    _entry(WaitHintFromLatestUser, "R16"),
+)
