@@ -335,7 +335,10 @@ class _Judge:
             return "R7", f"a request charged twice in one step: charged={charged}"
         if len(set(refunded)) != len(refunded) or not set(refunded) <= set(charged):
             return "R9", f"refunds {refunded} are not a subset of this step's charges {charged}, once each"
-        charged_chunks = set(refunded) & set(trace.scheduled)
+        refunded_dispatches = set(refunded) & sampled
+        if refunded_dispatches:
+            return "R9", f"{sorted(refunded_dispatches)} refunded although dispatched to sample"
+        charged_chunks = (set(refunded) & set(trace.scheduled)) - sampled
         if charged_chunks:
             return "R7", (f"{sorted(charged_chunks)} charged (then refunded) for a step in which they are "
                           "scheduled but do not sample: a prompt chunk was charged")
