@@ -210,5 +210,11 @@ def tiny_model(directory) -> None:
     console.print(f"wrote {directory}/config.json")
 
 
+from vllm_output_rate.serve import serve  # noqa: E402
+main.add_command(serve)
+from vllm_output_rate.loadtest import measure  # noqa: E402
+main.add_command(measure)
+
+
 if __name__ == "__main__":
     main()

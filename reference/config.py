@@ -90,3 +90,96 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
     if isinstance(burst_ms, bool) or not isinstance(burst_ms, int) or burst_ms < 1:
         raise OutputRateConfigError(f"burst_ms must be an integer number of milliseconds >= 1, got {burst_ms!r}")
     return OutputRateConfig(default_rate, user_rates, active, burst_ms * 1_000_000)
+
+
+# Start-up validation of the engine configuration (feature on only).
+#
+# Each entry: (what is unsupported, why the accounting does not cover it, what to change).
+# The checks read ``VllmConfig`` attributes only (duck-typed, no vLLM import here), so the
+# same function runs in the scheduler's constructor (authoritative, engine-core process)
+# and in the front end before the engine starts (``plugin.py``, fails faster).
+UNSUPPORTED_WHY = {
+    "speculative decoding": "a step can emit several tokens per request but is charged once",
+    "data parallel > 1": "every data-parallel rank has its own scheduler and would grant its own budget",
+    "pipeline parallel > 1": "several batches are in flight per scheduler; not covered by the accounting",
+    "multimodal model": "encoder inputs and their scheduling are not covered by the accounting",
+    "encoder-decoder model": "encoder inputs and their scheduling are not covered by the accounting",
+    "hybrid (mamba) model": "state-space layers cannot pause a request at an arbitrary position",
+    "attention-free model": "state-space layers cannot pause a request at an arbitrary position",
+    "diffusion model": "a step emits a whole canvas of tokens, not one token per request",
+    "pooling model": "pooling runs produce no output tokens to limit",
+    "KV offload": "the offload connector moves KV blocks of paused requests behind the scheduler's back",
+    "KV connector": "remote KV loads and deferred frees change when a request can run",
+    "EC connector": "encoder-cache transfers are not covered by the accounting",
+    "aux output connector": "auxiliary outputs are delivered per step, not per charged token",
+}
+
+
+def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
+    """The unsupported modes enabled in ``vllm_config``: ``[(mode, what to change)]``.
+
+    Reads: ``speculative_config``, ``parallel_config.{data,pipeline}_parallel_size``,
+    ``model_config.{is_multimodal_model, is_encoder_decoder, is_hybrid, is_attention_free,
+    is_diffusion, runner_type}``, ``diffusion_config``, ``cache_config.kv_offloading_size``,
+    ``kv_transfer_config``, ``ec_transfer_config``, ``aux_output_config.enabled``.
+    """
+    found: list[tuple[str, str]] = []
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        found.append(("speculative decoding", "remove --speculative-config"))
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dp = getattr(parallel, "data_parallel_size", 1)
+    if dp > 1:
+        found.append(("data parallel > 1", f"set --data-parallel-size 1 (got {dp}); run one engine per budget"))
+    pp = getattr(parallel, "pipeline_parallel_size", 1)
+    if pp > 1:
+        found.append(("pipeline parallel > 1",
+                      f"set --pipeline-parallel-size 1 (got {pp}); tensor parallel is supported"))
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None:
+        flags = (
+            ("is_multimodal_model", "multimodal model"),
+            ("is_encoder_decoder", "encoder-decoder model"),
+            ("is_hybrid", "hybrid (mamba) model"),
+            ("is_attention_free", "attention-free model"),
+        )
+        for attr, mode in flags:
+            if getattr(model, attr, False):
+                found.append((mode, "serve a text-only decoder-only attention model"))
+        if getattr(model, "is_diffusion", False) or getattr(vllm_config, "diffusion_config", None) is not None:
+            found.append(("diffusion model", "serve an autoregressive text model"))
+        if getattr(model, "runner_type", "generate") == "pooling":
+            found.append(("pooling model", "use --runner generate with a generative model"))
+    offload_gib = getattr(getattr(vllm_config, "cache_config", None), "kv_offloading_size", None)
+    if offload_gib is not None:
+        # vLLM turns --kv-offloading-size into a kv_transfer_config: report it once, as offload.
+        found.append(("KV offload", f"remove --kv-offloading-size (got {offload_gib})"))
+    elif getattr(vllm_config, "kv_transfer_config", None) is not None:
+        connector = getattr(vllm_config.kv_transfer_config, "kv_connector", None)
+        found.append(("KV connector", f"remove --kv-transfer-config (connector {connector!r})"))
+    if getattr(vllm_config, "ec_transfer_config", None) is not None:
+        connector = getattr(vllm_config.ec_transfer_config, "ec_connector", None)
+        found.append(("EC connector", f"remove --ec-transfer-config (connector {connector!r})"))
+    if getattr(getattr(vllm_config, "aux_output_config", None), "enabled", False):
+        found.append(("aux output connector", "remove --enable-return-routed-experts"))
+    return found
+
+
+def check_engine_supported(vllm_config: Any) -> None:
+    """Refuse, at start-up, an engine configuration the output-rate accounting does not cover.
+
+    Call only with the feature on (R18: feature off means no checks at all).
+
+    Raises:
+        OutputRateConfigError: one message listing every unsupported mode found, each with
+            the reason and what to change.
+    """
+    found = unsupported_modes(vllm_config)
+    if not found:
+        return
+    lines = [f"  - {mode}: {UNSUPPORTED_WHY[mode]}; {fix}" for mode, fix in found]
+    raise OutputRateConfigError(
+        "per-user output-rate limiting (additional_config['output_rate'], "
+        "--default-user-output-tokens-per-second) does not support this engine configuration:\n"
+        + "\n".join(lines)
+        + "\nChange the settings above, or turn the feature off by removing the output_rate section."
+    )

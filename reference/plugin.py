@@ -1,20 +1,65 @@
 """The ``vllm.general_plugins`` entry point of vllm-output-rate.
 
 vLLM calls ``register()`` once in every process (API server, engine core, workers) before
-it builds anything. When the output-rate feature is configured, it makes the front end
-refuse a request whose ``output_rate_user`` is invalid (R17) with a ``ValueError`` that
-names the value -- the OpenAI server answers HTTP 400 to that request alone, and nothing
-reaches the engine core. Correctness never depends on this plugin: the scheduler itself
-never raises on a bad identity (see ``RateLimitedScheduler.add_request``).
+it builds anything. Every hook below does nothing unless the output-rate feature is
+configured (``additional_config["output_rate"]`` with a default rate, R18), and each one
+wraps a vLLM function -- it calls the original, it never replaces vLLM logic:
 
-Source: semantics.md R17; seed article, identity section.
+- Identity (R17): the front end refuses a request whose ``output_rate_user`` is invalid with
+  an ``OutputRateRequestError`` (a ``VLLMValidationError`` and a ``ValueError``) that names
+  the value -- the OpenAI server answers HTTP 400 to that request alone, and nothing
+  reaches the engine core.
+- Start-up check: ``EngineArgs.create_engine_config`` runs ``check_engine_supported`` in the
+  front end, so an unsupported mode (speculative decoding, DP/PP > 1, connectors, ...)
+  stops ``vllm serve`` / ``LLM()`` before the engine core is spawned.
+- Beam search is refused at the serving entry (``BeamSearchOnlineMixin.beam_search`` for the
+  OpenAI server, ``BeamSearchOfflineMixin.beam_search`` for ``LLM``): its candidate
+  expansion is a series of 1-token requests with many logprobs, not the one-sampled-token-
+  per-step path the accounting charges.
+- Engine wait (R16): when a step ran no model, the engine core waits on its input queue
+  until the earliest ready time among users refused in that step (at most 50 ms) instead of
+  spinning in 1 ms sleeps; a new request or abort wakes it at once.
+
+Correctness never depends on this plugin: the scheduler never raises on a bad identity
+(``RateLimitedScheduler.add_request``), validates the engine configuration itself, and
+never sleeps; without the engine wait, vLLM's own 1 ms idle loop paces throttled users
+correctly, only with about 1000 wake-ups per second. ``VLLM_PLUGINS`` can filter this
+plugin out (its entry-point name is ``output_rate``).
+
+Source: semantics.md R16, R17, "Configuration"; seed article, identity and validation sections.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+
+from vllm_output_rate.reference.config import check_engine_supported, parse_output_rate
+
+# R16: the engine core re-checks at least this often even when no user becomes ready sooner
+# (bounds the delay of anything the wait cannot see, e.g. a grammar compiled in the background).
+MAX_ENGINE_WAIT_NS = 50_000_000
+
+BEAM_SEARCH_REFUSED = (
+    "beam search is not supported while per-user output-rate limiting is on "
+    "(additional_config['output_rate'] / --default-user-output-tokens-per-second): its candidate "
+    "expansion does not go through the one-token-per-step path that is charged. Send the "
+    "request without use_beam_search, or use a server without the output-rate feature."
+)
 
 _REGISTERED = False
+
+
+class OutputRateRequestError(VLLMValidationError, ValueError):
+    """A request refused because of the output-rate feature (HTTP 400 for that request only).
+
+    A ``VLLMValidationError`` so that vLLM's ``AsyncLLM.generate`` passes it through as a
+    client error (a plain ``ValueError`` raised there becomes an HTTP 500 with an empty
+    message); also a ``ValueError`` for callers that catch that.
+    """
 
 
 def _feature_on(vllm_config) -> bool:
@@ -24,10 +69,19 @@ def _feature_on(vllm_config) -> bool:
 
 
 def register() -> None:
-    """Install the front-end identity check (idempotent; vLLM may call it many times)."""
+    """Install the hooks (idempotent; vLLM may call it many times per process)."""
     global _REGISTERED
     if _REGISTERED:
         return
+    _install_identity_check()
+    _install_startup_check()
+    _install_beam_search_refusal()
+    _install_engine_wait()
+    _REGISTERED = True
+
+
+# -- R17: identity checked at the front end -------------------------------------------
+def _install_identity_check() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -38,8 +92,126 @@ def register() -> None:
     @functools.wraps(original)
     def _validate_params(self, params, supported_tasks):
         if isinstance(params, SamplingParams) and _feature_on(self.vllm_config):
-            validate_extra_args(params.extra_args)  # R17: raises ValueError naming the value
+            try:
+                validate_extra_args(params.extra_args)  # R17: names the bad value
+            except ValueError as exc:
+                raise OutputRateRequestError(str(exc), parameter="vllm_xargs.output_rate_user") from None
         return original(self, params, supported_tasks)
 
     InputProcessor._validate_params = _validate_params
-    _REGISTERED = True
+
+
+# -- start-up: unsupported modes refused before the engine core starts -----------------
+def _install_startup_check() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args: Any, **kwargs: Any):
+        vllm_config = original(self, *args, **kwargs)
+        if _feature_on(vllm_config):
+            # The same checks the scheduler's constructor makes (authoritative there).
+            parse_output_rate(vllm_config.additional_config["output_rate"])
+            check_engine_supported(vllm_config)
+        return vllm_config
+
+    EngineArgs.create_engine_config = create_engine_config
+
+
+# -- beam search refused at the serving entry ------------------------------------------
+def _refuse_beam_search_if_on(vllm_config) -> None:
+    if vllm_config is not None and _feature_on(vllm_config):
+        raise OutputRateRequestError(BEAM_SEARCH_REFUSED, parameter="use_beam_search")
+
+
+def _install_beam_search_refusal() -> None:
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+
+    online = BeamSearchOnlineMixin.beam_search
+
+    # A plain function returning vLLM's async generator: the refusal is raised at the call
+    # in the serving code, before any response starts, and becomes an HTTP 400 there.
+    @functools.wraps(online)
+    def beam_search_online(self, *args: Any, **kwargs: Any):
+        engine_client = getattr(self, "engine_client", None)
+        _refuse_beam_search_if_on(getattr(engine_client, "vllm_config", None))
+        return online(self, *args, **kwargs)
+
+    BeamSearchOnlineMixin.beam_search = beam_search_online
+
+    offline = BeamSearchOfflineMixin.beam_search
+
+    @functools.wraps(offline)
+    def beam_search_offline(self, *args: Any, **kwargs: Any):
+        llm_engine = getattr(self, "llm_engine", None)
+        _refuse_beam_search_if_on(getattr(llm_engine, "vllm_config", None))
+        return offline(self, *args, **kwargs)
+
+    BeamSearchOfflineMixin.beam_search = beam_search_offline
+
+
+# -- R16: the engine core waits for budget instead of spinning -------------------------
+def engine_wait_timeout_ns(core) -> int:
+    """R16: how long the engine core may wait after a step that ran no model (0: don't).
+
+    min(50 ms, the scheduler's ``next_ready_ns()`` - now), and 0 unless: the scheduler
+    offers ``next_ready_ns`` and some user was refused in the step, the feature is on, the
+    engine is a single (non data-parallel) engine, and no batch that ran the model is
+    still in flight (async scheduling / pipeline batch queue).
+    """
+    scheduler = getattr(core, "scheduler", None)
+    next_ready_ns = getattr(scheduler, "next_ready_ns", None)
+    if next_ready_ns is None or not _feature_on(getattr(core, "vllm_config", None)):
+        return 0
+    if getattr(core.vllm_config.parallel_config, "data_parallel_size", 1) > 1:
+        return 0  # DP engines must keep stepping together (and DP is refused anyway)
+    ready_ns = next_ready_ns()
+    if ready_ns is None or not scheduler.has_requests():
+        return 0
+    if not _nothing_in_flight(core):
+        return 0
+    clock_ns = getattr(scheduler, "clock_ns", time.monotonic_ns)
+    return max(0, min(MAX_ENGINE_WAIT_NS, ready_ns - clock_ns()))
+
+
+def _nothing_in_flight(core) -> bool:
+    """True if no dispatched batch that computes tokens awaits its result (batch queue)."""
+    batch_queue = getattr(core, "batch_queue", None)
+    if not batch_queue:
+        return True
+    try:
+        return all(entry[1].total_num_scheduled_tokens == 0 for entry in batch_queue)
+    except (AttributeError, IndexError, TypeError):
+        return False  # an unknown layout: never delay in-flight results
+
+
+def wait_for_input(input_queue, timeout_s: float) -> bool:
+    """Block until ``input_queue`` holds an item or ``timeout_s`` passes; consume nothing.
+
+    The engine core's own loop then handles the item as usual. The check and the wait are
+    made under the queue's lock, so a request put in between still wakes the wait at once.
+    Returns True if an item is waiting.
+    """
+    with input_queue.not_empty:
+        if not input_queue.queue:
+            input_queue.not_empty.wait(timeout_s)
+        return bool(input_queue.queue)
+
+
+def _install_engine_wait() -> None:
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original = EngineCoreProc._process_engine_step
+
+    @functools.wraps(original)
+    def _process_engine_step(self) -> bool:
+        model_executed = original(self)
+        if not model_executed:
+            timeout_ns = engine_wait_timeout_ns(self)
+            if timeout_ns > 0:
+                wait_for_input(self.input_queue, timeout_ns / 1e9)
+        return model_executed
+
+    EngineCoreProc._process_engine_step = _process_engine_step

@@ -36,7 +36,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_output_rate.reference.config import OutputRateConfig, parse_output_rate
+from vllm_output_rate.reference.config import OutputRateConfig, check_engine_supported, parse_output_rate
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 
@@ -59,11 +59,17 @@ class _RateLimitMixin:
 
     # -- construction ---------------------------------------------------------
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        additional = self.vllm_config.additional_config or {}
-        self.output_rate_config: OutputRateConfig = parse_output_rate(
+        # Parsed and checked before vLLM builds anything (KV manager, connectors): a bad or
+        # unsupported configuration stops start-up with one message saying what to change.
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+        additional = vllm_config.additional_config or {}
+        output_rate_config = parse_output_rate(
             additional.get("output_rate") if isinstance(additional, dict) else None
         )
+        if output_rate_config.enabled:  # R18: feature off, no checks at all
+            check_engine_supported(vllm_config)
+        super().__init__(*args, **kwargs)
+        self.output_rate_config: OutputRateConfig = output_rate_config
         # R16: the only clock; the gate replaces it with its fake clock.
         self.clock_ns: Callable[[], int] = time.monotonic_ns
         self.rate_limiter: OutputRateLimiter | None = None

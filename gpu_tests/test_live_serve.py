@@ -1,0 +1,152 @@
+"""``outrate serve`` live: the OpenAI server with the reference scheduler, on loopback.
+
+Starts ``outrate serve`` (a real vLLM 0.32 OpenAI server, the project's servable tiny model,
+dummy weights) on a free loopback port, then:
+
+- two users stream chat completions concurrently (``vllm_xargs.output_rate_user``,
+  ``ignore_eos``): every stream ends with exactly ``max_tokens`` completion tokens (P3,
+  pause never cut), the slow user's tokens respect the GCRA lower bound (R2), and both
+  users still make progress at a rate near their limit (P3 resume, P4);
+- beam search and a bad identity are refused with HTTP 400 (plugin.py), and the server
+  still serves a good request afterwards.
+
+The server is always shut down (its whole process group), even when a test fails.
+About 60-90 s on a 2-core CPU machine, most of it server start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
+from vllm_output_rate.tinymodel import write_config
+
+pytestmark = pytest.mark.live
+
+SLOW_RATE = 20  # tokens/s of user "slow"
+DEFAULT_RATE = 100  # tokens/s of every other user ("fast")
+STREAMS = 2
+TOKENS = 40
+READY_TIMEOUT_S = 120
+# Client-side timestamps are taken when a token's chunk arrives, after the step that
+# sampled it; the first token's step (a prefill of every new stream) can take longer than
+# the last one's (one decode) and its chunk waits behind request intake in the API server,
+# so the client first-to-last span may come out shorter than the grant span by a few tens
+# of ms (measured: 10-40 ms). The send-to-last span has no such slack (see test).
+CLIENT_SPAN_SLACK_S = 0.25
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def _shutdown(proc: subprocess.Popen) -> None:
+    """Stop the server's process group (API server, engine core, worker): TERM, then KILL."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import httpx
+
+    work = tmp_path_factory.mktemp("serve")
+    model = write_config(work / "model", tokenizer=True)
+    port = _free_port()
+    log_path = work / "serve.log"
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="WARNING")
+    command = [
+        sys.executable, "-m", "vllm_output_rate.cli", "serve", str(model),
+        "--default-user-output-tokens-per-second", str(DEFAULT_RATE),
+        "--user-output-tokens-per-second", json.dumps({"slow": SLOW_RATE}),
+        "--max-num-seqs", "8",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+        "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(128 * 2**20),
+        "--enable-per-request-metrics",
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # own process group: shut down as one
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"outrate serve exited with {proc.returncode}:\n{_log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{_log_tail(log_path)}")
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        yield base_url
+    finally:
+        _shutdown(proc)
+
+
+def test_r2_p3_p4_live_two_users_paced_and_complete(server):
+    reports, streams = run_measurement(
+        server, [("slow", STREAMS), ("fast", STREAMS)], TOKENS,
+        limits={"slow": SLOW_RATE, "fast": DEFAULT_RATE}, timeout_s=120,
+    )
+    assert [s.error for s in streams] == [None] * len(streams)
+    # P3: paused, never cut -- every stream has exactly TOKENS completion tokens.
+    assert [s.completion_tokens for s in streams] == [TOKENS] * len(streams)
+    assert [len(s.token_times_s) for s in streams] == [TOKENS] * len(streams)
+    assert [s.finish_reason for s in streams] == ["length"] * len(streams)
+    slow, fast = reports
+    total = STREAMS * TOKENS
+    bound_s = gcra_min_span_s(total, SLOW_RATE)  # (80 - 1)/20 - 0.1 = 3.85 s
+    # R2, rigorous: the first grant comes after the send, the last token arrives after its grant.
+    assert slow.send_to_last_s >= bound_s, f"{total} tokens in {slow.send_to_last_s:.3f} s beat {SLOW_RATE} tok/s"
+    # R2, the article's first-to-last span (client clock, see CLIENT_SPAN_SLACK_S).
+    assert slow.client_span_s >= bound_s - CLIENT_SPAN_SLACK_S, (slow.client_span_s, bound_s)
+    # P3 resume / P4: both users progress near their limits (generous: a loaded CI machine).
+    assert slow.client_rate >= 0.5 * SLOW_RATE, slow
+    assert fast.client_rate >= 0.5 * DEFAULT_RATE, fast
+    assert fast.send_to_last_s < slow.send_to_last_s  # the fast user is not held back by the slow one
+
+
+def test_beam_search_and_bad_identity_refused_with_400(server):
+    import httpx
+
+    url = f"{server}/v1/chat/completions"
+    model = httpx.get(f"{server}/v1/models", timeout=10).json()["data"][0]["id"]
+    base = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    beam = httpx.post(url, json={**base, "use_beam_search": True, "n": 2}, timeout=30)
+    assert beam.status_code == 400, beam.text
+    assert "beam search is not supported" in beam.json()["error"]["message"]
+    bad = httpx.post(url, json={**base, "vllm_xargs": {"output_rate_user": 12345}}, timeout=30)
+    assert bad.status_code == 400, bad.text
+    assert "output_rate_user" in bad.json()["error"]["message"]
+    good = httpx.post(url, json={**base, "ignore_eos": True, "vllm_xargs": {"output_rate_user": "fast"}},
+                      timeout=30)
+    assert good.status_code == 200, good.text
+    assert good.json()["usage"]["completion_tokens"] == 4

@@ -1,0 +1,305 @@
+"""Start-up validation: the engine modes the output-rate accounting does not cover.
+
+semantics.md "Configuration": with the feature on, speculative decoding, data parallel > 1,
+pipeline parallel > 1, multimodal / encoder-decoder / hybrid (mamba) / attention-free /
+diffusion / pooling models, KV connectors, KV offload, EC connectors and aux-output
+connectors are refused with a message saying what to change; with the feature off
+(R18) nothing is checked and the class is exactly vLLM's ``Scheduler``.
+
+Most cases build a REAL ``VllmConfig`` on this CPU machine (tiny model directories written
+here: Llama, Mamba, Jamba, Whisper) and construct the real ``RateLimitedScheduler`` /
+``RateLimitedAsyncScheduler`` with it; the check runs before vLLM's own constructor, so
+the error comes before any connector is built. Where vLLM cannot build the config on CPU,
+the test says so and uses:
+
+- diffusion: vLLM refuses diffusion models without Model Runner V2 (needs Triton), so a
+  real ``ModelConfig`` of a diffusion model (``canvas_length`` set) is assigned into a real
+  ``VllmConfig`` built for the plain model;
+- aux-output connector: ``--enable-return-routed-experts`` needs Model Runner V2 as well,
+  so a real ``AuxOutputConfig`` is assigned the same way;
+- multimodal only (not encoder-decoder): every multimodal decoder architecture needs
+  torchvision, which this environment leaves out, so a stand-in model config
+  (``SimpleNamespace``) with only ``is_multimodal_model`` set is checked by
+  ``check_engine_supported`` directly (Whisper covers multimodal with a real config).
+
+The front-end check (``plugin.py`` wraps ``EngineArgs.create_engine_config``) is tested
+with real ``EngineArgs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_output_rate.adapter.harness import EngineShape, build_kv_cache_config, load_class
+from vllm_output_rate.reference.config import (
+    OutputRateConfigError,
+    check_engine_supported,
+    unsupported_modes,
+)
+from vllm_output_rate.tinymodel import CONFIG, default_model_dir
+
+FEATURE_ON = {"output_rate": {"default_tokens_per_s": 100}}
+SYNC = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
+ASYNC = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
+STOCK = "vllm.v1.core.sched.scheduler.Scheduler"
+TEXT = {k: CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                               "rms_norm_eps")}
+
+# Tiny config.json of each model kind (dummy weights are never loaded here).
+MODEL_KINDS = {
+    "mamba": {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": 64, "state_size": 16,
+              "num_hidden_layers": 2, "vocab_size": 512, "expand": 2, "conv_kernel": 4},
+    "jamba": {"architectures": ["JambaForCausalLM"], "model_type": "jamba", **TEXT, "attn_layer_period": 2,
+              "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 1,
+              "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8},
+    "whisper": {"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper", "d_model": 64,
+                "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+                "decoder_attention_heads": 2, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "vocab_size": 512,
+                "num_mel_bins": 80, "max_source_positions": 1500, "max_target_positions": 448,
+                "is_encoder_decoder": True},
+    "diffusion": {**CONFIG, "canvas_length": 32},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("models")
+    dirs = {"llama": str(default_model_dir())}
+    for name, cfg in MODEL_KINDS.items():
+        path = base / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+        dirs[name] = str(path)
+    return dirs
+
+
+def model_config(path: str, **kw):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=256, **kw)
+
+
+def vllm_config(model_dirs, feature_on: bool = True, model: str = "llama", model_kw=None, **kw):
+    """A real ``VllmConfig`` (tiny model) with the given sub-configs."""
+    from vllm.config import VllmConfig
+
+    config = VllmConfig(
+        model_config=model_config(model_dirs[model], **(model_kw or {})),
+        additional_config=copy.deepcopy(FEATURE_ON) if feature_on else {},
+        **kw,
+    )
+    config.cache_config.num_gpu_blocks = 64
+    return config
+
+
+def build_scheduler(cls_path: str, config):
+    """Construct the scheduler class on ``config`` the way vLLM's engine core does."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return load_class(cls_path)(
+        vllm_config=config,
+        kv_cache_config=build_kv_cache_config(EngineShape(num_blocks=64)),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=16,
+        log_stats=False,
+    )
+
+
+# -- the configurations, each with the mode its message must name ----------------------
+def _pp2(d):
+    from vllm.config import ParallelConfig
+
+    return vllm_config(d, parallel_config=ParallelConfig(pipeline_parallel_size=2))
+
+
+def _dp2(d):
+    from vllm.config import ParallelConfig
+
+    return vllm_config(d, parallel_config=ParallelConfig(data_parallel_size=2))
+
+
+def _spec(d):
+    from vllm.config import ParallelConfig, SpeculativeConfig, VllmConfig
+
+    target = model_config(d["llama"])
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1,
+                             target_model_config=target, target_parallel_config=ParallelConfig())
+    config = VllmConfig(model_config=target, speculative_config=spec, additional_config=copy.deepcopy(FEATURE_ON))
+    config.cache_config.num_gpu_blocks = 64
+    return config
+
+
+def _pooling(d):
+    return vllm_config(d, model_kw={"runner": "pooling"})
+
+
+def _kv_connector(d):
+    from vllm.config import KVTransferConfig
+
+    return vllm_config(d, kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"))
+
+
+def _kv_offload(d):
+    from vllm.config import CacheConfig
+
+    return vllm_config(d, cache_config=CacheConfig(kv_offloading_size=1.0))
+
+
+def _ec_connector(d):
+    from vllm.config import ECTransferConfig
+
+    return vllm_config(d, ec_transfer_config=ECTransferConfig(ec_connector="ECExampleConnector", ec_role="ec_both"))
+
+
+def _diffusion(d):
+    # Stand-in assembly (see module docstring): vLLM refuses diffusion on Model Runner V1.
+    config = vllm_config(d)
+    config.model_config = model_config(d["diffusion"])
+    return config
+
+
+def _aux(d):
+    # Stand-in assembly (see module docstring): routed-experts output needs Model Runner V2.
+    from vllm.config.aux_output import AuxOutputConfig
+
+    config = vllm_config(d)
+    config.aux_output_config = AuxOutputConfig(enable_return_routed_experts=True)
+    return config
+
+
+CASES = {
+    "pipeline-parallel": (_pp2, ["pipeline parallel > 1"], "--pipeline-parallel-size 1"),
+    "data-parallel": (_dp2, ["data parallel > 1"], "--data-parallel-size 1"),
+    "speculative": (_spec, ["speculative decoding"], "remove --speculative-config"),
+    "pooling": (_pooling, ["pooling model"], "--runner generate"),
+    "attention-free": (lambda d: vllm_config(d, model="mamba"), ["attention-free model"], "text-only"),
+    "hybrid": (lambda d: vllm_config(d, model="jamba"), ["hybrid (mamba) model"], "text-only"),
+    "encoder-decoder": (lambda d: vllm_config(d, model="whisper"),
+                        ["multimodal model", "encoder-decoder model"], "decoder-only"),
+    "kv-connector": (_kv_connector, ["KV connector"], "remove --kv-transfer-config"),
+    "kv-offload": (_kv_offload, ["KV offload"], "remove --kv-offloading-size"),
+    "ec-connector": (_ec_connector, ["EC connector"], "remove --ec-transfer-config"),
+    "diffusion": (_diffusion, ["diffusion model"], "autoregressive"),
+    "aux-output": (_aux, ["aux output connector"], "--enable-return-routed-experts"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_unsupported_mode_is_named_exactly(case, model_dirs):
+    build, modes, _ = CASES[case]
+    config = build(model_dirs)
+    # Exactly the intended modes, nothing else (the tiny Llama itself is supported).
+    assert [mode for mode, _ in unsupported_modes(config)] == modes
+
+
+@pytest.mark.parametrize("cls_path", [SYNC, ASYNC], ids=["sync", "async"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_feature_on_scheduler_refuses_unsupported_mode(case, cls_path, model_dirs):
+    build, modes, fix = CASES[case]
+    config = build(model_dirs)
+    with pytest.raises(OutputRateConfigError) as err:
+        build_scheduler(cls_path, config)
+    message = str(err.value)
+    for mode in modes:
+        assert f"- {mode}:" in message, message
+    assert fix in message, message  # says what to change
+    assert "removing the output_rate section" in message  # and how to turn the feature off
+
+
+@pytest.mark.parametrize("case", ["pipeline-parallel", "data-parallel", "speculative", "pooling"])
+def test_r18_feature_off_no_checks_same_as_stock(case, model_dirs, monkeypatch):
+    # R18: no output_rate section -> no checks at all; the class constructs wherever vLLM's does.
+    build, _, _ = CASES[case]
+    config = build(model_dirs)
+    config.additional_config = {}
+    import vllm_output_rate.reference.scheduler as sched_module
+
+    def must_not_run(_):
+        raise AssertionError("R18: feature off must not run the start-up checks")
+
+    monkeypatch.setattr(sched_module, "check_engine_supported", must_not_run)
+    ours = build_scheduler(SYNC, config)
+    stock = build_scheduler(STOCK, config)
+    assert ours.rate_limiter is None
+    assert ours.max_num_running_reqs == stock.max_num_running_reqs
+    assert ours.max_num_active_reqs == stock.max_num_active_reqs
+
+
+def test_supported_config_constructs(model_dirs):
+    # The tiny Llama with tensor parallel 1, prefix caching, chunked prefill: accepted.
+    config = vllm_config(model_dirs)
+    assert unsupported_modes(config) == []
+    scheduler = build_scheduler(SYNC, config)
+    assert scheduler.rate_limiter is not None
+
+
+def test_all_problems_listed_in_one_message(model_dirs):
+    # Several unsupported modes at once: one error naming each (no fix-one-retry loop).
+    from vllm.config import CacheConfig, ParallelConfig
+
+    config = vllm_config(model_dirs, model="jamba", parallel_config=ParallelConfig(pipeline_parallel_size=2),
+                         cache_config=CacheConfig(kv_offloading_size=1.0))
+    with pytest.raises(OutputRateConfigError) as err:
+        check_engine_supported(config)
+    message = str(err.value)
+    for mode in ("pipeline parallel > 1", "hybrid (mamba) model", "KV offload"):
+        assert f"- {mode}:" in message, message
+    assert "KV connector" not in message  # offload is reported once, as offload
+
+
+def test_multimodal_decoder_stand_in():
+    # Stand-in (module docstring): multimodal decoders need torchvision to build on this machine.
+    config = SimpleNamespace(model_config=SimpleNamespace(is_multimodal_model=True))
+    with pytest.raises(OutputRateConfigError, match=r"- multimodal model: .*text-only"):
+        check_engine_supported(config)
+    assert [m for m, _ in unsupported_modes(SimpleNamespace())] == []  # nothing visible, nothing refused
+
+
+def test_bad_section_stops_before_vllm_builds_anything(model_dirs, monkeypatch):
+    # The output_rate section is parsed before vLLM's constructor runs (bad rate -> no KV manager).
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    config = vllm_config(model_dirs)
+    config.additional_config = {"output_rate": {"default_tokens_per_s": -5}}
+    monkeypatch.setattr(Scheduler, "__init__", lambda *a, **k: pytest.fail("vLLM's constructor ran"))
+    with pytest.raises(OutputRateConfigError, match="-5"):
+        build_scheduler(SYNC, config)
+
+
+# -- the front end refuses before the engine core starts (plugin.py) --------------------
+def _engine_args(model_dirs, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model_dirs["llama"], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                      scheduler_cls=SYNC, **kw)
+
+
+def test_front_end_refuses_unsupported_mode(model_dirs):
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()  # idempotent: vLLM may already have loaded it in this process
+    args = _engine_args(model_dirs, additional_config=copy.deepcopy(FEATURE_ON), pipeline_parallel_size=2)
+    with pytest.raises(OutputRateConfigError, match=r"- pipeline parallel > 1:"):
+        args.create_engine_config()
+
+
+def test_front_end_refuses_bad_section(model_dirs):
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()
+    args = _engine_args(model_dirs, additional_config={"output_rate": {"default_tokens_per_s": 0}})
+    with pytest.raises(OutputRateConfigError, match="default_tokens_per_s must be > 0"):
+        args.create_engine_config()
+
+
+def test_front_end_feature_off_unchanged(model_dirs):
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()
+    config = _engine_args(model_dirs, pipeline_parallel_size=2).create_engine_config()
+    assert config.parallel_config.pipeline_parallel_size == 2  # R18: accepted as vLLM accepts it

@@ -1,0 +1,202 @@
+"""The ``vllm.general_plugins`` hooks (``reference/plugin.py``), in-process.
+
+- Beam search is refused at the serving entry when the feature is on (the OpenAI server's
+  ``BeamSearchOnlineMixin.beam_search`` and ``LLM.beam_search``), and passes through to
+  vLLM when it is off (R18).
+- R16 engine wait: after a step that ran no model, vLLM's real
+  ``EngineCoreProc._process_engine_step`` (wrapped) waits on the input queue for
+  min(50 ms, next ready time - now); a request put on the queue wakes it at once; nothing
+  is consumed from the queue; no wait when the feature is off, when no user was refused,
+  when a batch that computes tokens is in flight, or for a data-parallel engine.
+
+The engine-core object is a stand-in (``SimpleNamespace``) carrying exactly the attributes
+vLLM's ``_process_engine_step`` and the wrapper read; building a real ``EngineCoreProc``
+needs a worker process and ZMQ sockets (that path is covered by the live suites).
+The HTTP-level refusals (400 for beam search and a bad identity) are checked live in
+``gpu_tests/test_live_serve.py``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_output_rate.reference import plugin
+
+MS = 1_000_000
+ON = {"output_rate": {"default_tokens_per_s": 10}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    plugin.register()  # idempotent; vLLM may have loaded it already in this process
+
+
+def _config(additional, dp: int = 1):
+    return SimpleNamespace(additional_config=additional,
+                           parallel_config=SimpleNamespace(data_parallel_size=dp))
+
+
+# -- beam search --------------------------------------------------------------------
+def test_beam_search_refused_online_when_on():
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+
+    serving = SimpleNamespace(engine_client=SimpleNamespace(vllm_config=_config(ON)))
+    # Refused at the call, before any response starts (HTTP 400 in the server).
+    with pytest.raises(plugin.OutputRateRequestError, match="beam search is not supported") as err:
+        BeamSearchOnlineMixin.beam_search(serving, prompt={}, request_id="r", params=None)
+    assert isinstance(err.value, ValueError)
+
+
+def test_beam_search_passes_through_online_when_off():
+    from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+
+    serving = SimpleNamespace(engine_client=SimpleNamespace(vllm_config=_config({})))
+    generator = BeamSearchOnlineMixin.beam_search(serving, prompt={}, request_id="r", params=None)
+    assert hasattr(generator, "__anext__")  # vLLM's own async generator, not started
+    generator.aclose().close()  # never started: closing it runs nothing
+
+
+def test_beam_search_refused_offline_when_on():
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=_config(ON)))
+    with pytest.raises(plugin.OutputRateRequestError, match="use_beam_search"):
+        BeamSearchOfflineMixin.beam_search(llm, [{"prompt": "x"}], params=None)
+
+
+def test_beam_search_offline_reaches_vllm_when_off():
+    from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+
+    # Feature off: vLLM's own beam_search runs (and fails on this stand-in's missing parts).
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=_config({})))
+    with pytest.raises(AttributeError):
+        BeamSearchOfflineMixin.beam_search(llm, [{"prompt": "x"}], params=None)
+
+
+# -- R16 engine wait ------------------------------------------------------------------
+class _Scheduler:
+    """Stand-in scheduler: the part of ``RateLimitedScheduler`` the engine loop reads."""
+
+    def __init__(self, ready_in_ns: int | None):
+        self.clock_ns = time.monotonic_ns
+        self._ready_ns = None if ready_in_ns is None else self.clock_ns() + ready_in_ns
+
+    def next_ready_ns(self):
+        return self._ready_ns
+
+    def has_requests(self):
+        return True
+
+
+def _core(ready_in_ns: int | None, additional=ON, dp: int = 1, batch_queue=None, model_executed: bool = False):
+    """Stand-in ``EngineCoreProc`` for vLLM's ``_process_engine_step``: a step that ran no model."""
+    core = SimpleNamespace(
+        scheduler=_Scheduler(ready_in_ns),
+        vllm_config=_config(additional, dp),
+        input_queue=queue.Queue(),
+        output_queue=queue.Queue(),
+        batch_queue=batch_queue,
+        steps=0,
+    )
+
+    def step_fn():
+        core.steps += 1
+        return {}, model_executed
+
+    core.step_fn = step_fn
+    core.post_step = lambda model_executed: None
+    return core
+
+
+def _timed_step(core) -> float:
+    from vllm.v1.engine.core import EngineCoreProc
+
+    started = time.monotonic()
+    EngineCoreProc._process_engine_step(core)
+    return time.monotonic() - started
+
+
+def test_r16_waits_until_next_ready_time():
+    core = _core(ready_in_ns=30 * MS)
+    assert plugin.engine_wait_timeout_ns(core) > 25 * MS
+    elapsed = _timed_step(core)
+    assert 0.025 <= elapsed < 0.5, elapsed
+    assert core.steps == 1
+
+
+def test_r16_wait_is_capped_at_50_ms():
+    core = _core(ready_in_ns=10_000 * MS)  # a user at 0.1 tok/s: ready in 10 s
+    assert plugin.engine_wait_timeout_ns(core) == plugin.MAX_ENGINE_WAIT_NS
+    elapsed = _timed_step(core)
+    assert 0.045 <= elapsed < 0.5, elapsed
+
+
+def test_r16_new_request_wakes_the_wait_at_once():
+    core = _core(ready_in_ns=10_000 * MS)
+    item = ("ADD", "request")
+    threading.Timer(0.005, core.input_queue.put_nowait, args=(item,)).start()
+    elapsed = _timed_step(core)
+    assert elapsed < 0.040, f"woke after {elapsed * 1000:.1f} ms, the cap is 50 ms"
+    assert core.input_queue.get_nowait() == item  # not consumed: vLLM's loop handles it
+
+
+def test_r16_queued_input_means_no_wait():
+    core = _core(ready_in_ns=10_000 * MS)
+    core.input_queue.put_nowait(("ABORT", ["r1"]))
+    assert _timed_step(core) < 0.040
+    assert core.input_queue.qsize() == 1
+
+
+@pytest.mark.parametrize(
+    "core_kw",
+    [
+        {"ready_in_ns": None},  # nobody refused in the step
+        {"ready_in_ns": -5 * MS},  # already ready
+        {"ready_in_ns": 30 * MS, "additional": {}},  # R18: feature off
+        {"ready_in_ns": 30 * MS, "dp": 2},  # data-parallel engines step together
+        {"ready_in_ns": 30 * MS, "model_executed": True},  # the step ran the model
+        # A batch that computes tokens is in flight (async scheduling / batch queue).
+        {"ready_in_ns": 30 * MS,
+         "batch_queue": [(None, SimpleNamespace(total_num_scheduled_tokens=3), None)]},
+    ],
+    ids=["none-refused", "already-ready", "feature-off", "data-parallel", "model-ran", "batch-in-flight"],
+)
+def test_r16_no_wait(core_kw):
+    core = _core(**core_kw)
+    if not core_kw.get("model_executed"):
+        assert plugin.engine_wait_timeout_ns(core) == 0
+    # vLLM's own 1 ms idle sleep is all that remains.
+    assert _timed_step(core) < 0.020
+
+
+def test_r16_empty_batches_in_flight_still_wait():
+    empty = (None, SimpleNamespace(total_num_scheduled_tokens=0), None)
+    core = _core(ready_in_ns=30 * MS, batch_queue=[empty])
+    assert plugin.engine_wait_timeout_ns(core) > 25 * MS
+
+
+def test_r16_unknown_batch_layout_never_waits():
+    core = _core(ready_in_ns=30 * MS, batch_queue=["something new"])
+    assert plugin.engine_wait_timeout_ns(core) == 0
+
+
+def test_r16_scheduler_without_hint_never_waits():
+    # A scheduler class that is not the reference (no next_ready_ns): stock behaviour.
+    core = _core(ready_in_ns=30 * MS)
+    core.scheduler = SimpleNamespace(has_requests=lambda: True)
+    assert plugin.engine_wait_timeout_ns(core) == 0
+
+
+def test_wait_for_input_times_out_and_consumes_nothing():
+    q = queue.Queue()
+    started = time.monotonic()
+    assert plugin.wait_for_input(q, 0.02) is False
+    assert time.monotonic() - started >= 0.019
+    q.put("x")
+    assert plugin.wait_for_input(q, 5.0) is True
+    assert q.get_nowait() == "x"

@@ -1,0 +1,116 @@
+"""``outrate serve``: the seed article's flags -> the plain ``vllm serve`` command.
+
+Runs the click command with ``--print-command`` (nothing is started): the command line
+carries ``--scheduler-cls`` and the ``output_rate`` section, every other argument passes
+through unchanged, and bad flags stop start-up with a message saying what to change.
+The server itself is started in ``gpu_tests/test_live_serve.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from click.testing import CliRunner
+
+from vllm_output_rate.cli import main
+from vllm_output_rate.serve import SCHEDULER_CLS
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["serve", *args, "--print-command"])
+
+
+def command_of(*args: str) -> list[str]:
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    return shlex.split(result.output.strip())
+
+
+def option(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_article_flags_become_scheduler_cls_and_additional_config():
+    argv = command_of("MODEL", "--max-num-seqs", "64", "--max-num-active-seqs", "16",
+                      "--default-user-output-tokens-per-second", "100",
+                      "--user-output-tokens-per-second", '{"user-a":100,"user-b":500}')
+    assert argv[argv.index("serve") + 1] == "MODEL"
+    assert option(argv, "--scheduler-cls") == SCHEDULER_CLS
+    assert json.loads(option(argv, "--additional-config")) == {"output_rate": {
+        "default_tokens_per_s": 100,
+        "user_tokens_per_s": {"user-a": 100, "user-b": 500},
+        "max_num_active_seqs": 16,
+    }}
+    assert option(argv, "--max-num-seqs") == "64"
+    assert option(argv, "--max-num-active-seqs") == "16"
+
+
+def test_other_vllm_arguments_pass_through_in_order():
+    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "0.5", "--dtype", "float32",
+                      "--host", "127.0.0.1", "--port", "8123", "--enforce-eager")
+    assert argv[-7:] == ["--dtype", "float32", "--host", "127.0.0.1", "--port", "8123", "--enforce-eager"]
+    assert json.loads(option(argv, "--additional-config"))["output_rate"] == {"default_tokens_per_s": 0.5}
+
+
+def test_user_additional_config_is_merged():
+    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "7",
+                      "--additional-config", '{"other": {"x": 1}}')
+    assert json.loads(option(argv, "--additional-config")) == {
+        "other": {"x": 1}, "output_rate": {"default_tokens_per_s": 7}}
+    assert argv.count("--additional-config") == 1
+
+
+def test_p5_async_scheduling_selects_the_async_class():
+    from vllm_output_rate.serve import ASYNC_SCHEDULER_CLS
+
+    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "10", "--async-scheduling")
+    assert option(argv, "--scheduler-cls") == ASYNC_SCHEDULER_CLS
+    assert "--async-scheduling" in argv
+    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "10", "--scheduler-cls", ASYNC_SCHEDULER_CLS)
+    assert option(argv, "--scheduler-cls") == ASYNC_SCHEDULER_CLS
+    assert argv.count("--scheduler-cls") == 1
+
+
+def test_r18_no_default_rate_feature_off():
+    # Without a default rate the scheduler is launched without a section: exactly stock vLLM.
+    argv = command_of("MODEL", "--max-num-seqs", "8", "--max-num-active-seqs", "4")
+    assert option(argv, "--scheduler-cls") == SCHEDULER_CLS
+    assert "--additional-config" not in argv
+    assert option(argv, "--max-num-active-seqs") == "4"  # upstream's meaning when off
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--default-user-output-tokens-per-second", "fast"], "got 'fast'"),
+        (["--default-user-output-tokens-per-second", "0"], "must be > 0"),
+        (["--default-user-output-tokens-per-second", "-3"], "must be > 0"),
+        (["--default-user-output-tokens-per-second", "nan"], "got 'nan'"),
+        (["--default-user-output-tokens-per-second", "0.1234567891"], "at most 9 decimal places"),
+        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", "{user-a: 1}"],
+         "is not valid JSON"),
+        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", "[1, 2]"],
+         "must be a JSON object"),
+        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"user-a": "20"}'],
+         "rate of user 'user-a' must be a number"),
+        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"user-a": 0}'],
+         "rate of user 'user-a' must be > 0"),
+        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"": 5}'],
+         "non-empty strings"),
+        (["--user-output-tokens-per-second", '{"user-a": 5}'],
+         "needs --default-user-output-tokens-per-second"),
+        (["--max-num-seqs", "4", "--max-num-active-seqs", "8"],
+         "--max-num-active-seqs (8) must be <= --max-num-seqs (4)"),
+        (["--max-num-active-seqs", "0"], "0 is not in the range x>=1"),
+        (["--default-user-output-tokens-per-second", "10", "--scheduler-cls", "my.Sched"], "drop --scheduler-cls"),
+        (["--default-user-output-tokens-per-second", "10", "--additional-config", '{"output_rate": {}}'],
+         "not as an output_rate key"),
+        (["--additional-config", "{oops"], "--additional-config is not valid JSON"),
+    ],
+)
+def test_bad_flags_stop_start_up_saying_what_to_change(args, says):
+    result = run("MODEL", *args)
+    assert result.exit_code == 2, result.output
+    assert says in result.output, result.output
