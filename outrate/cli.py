@@ -210,10 +210,15 @@ def tiny_model(directory) -> None:
     console.print(f"wrote {directory}/config.json")
 
 
+from vllm_output_rate.bench import bench  # noqa: E402
+main.add_command(bench)
+
+
 from vllm_output_rate.serve import serve  # noqa: E402
 main.add_command(serve)
 from vllm_output_rate.loadtest import measure  # noqa: E402
 main.add_command(measure)
+from vllm_output_rate.prove import prove; main.add_command(prove)  # noqa: E402,E702
 
 
 if __name__ == "__main__":

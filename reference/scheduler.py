@@ -73,7 +73,6 @@ class _RateLimitMixin:
         # R16: the only clock; the gate replaces it with its fake clock.
         self.clock_ns: Callable[[], int] = time.monotonic_ns
         self.rate_limiter: OutputRateLimiter | None = None
-        self.last_step_observation: dict[str, Any] | None = None
         if not self.output_rate_config.enabled:
             return  # R18: feature off, every override below defers to the base class
         cfg = self.output_rate_config
@@ -175,9 +174,10 @@ class _RateLimitMixin:
         If the last-served stream is no longer running, that group keeps its order.
         """
         groups: dict[tuple[str, int], list[int]] = {}
-        running = self.running
+        running, cache = self.running, self._user_cache
         for index, request in enumerate(running):
-            groups.setdefault((self._user(request), request.priority), []).append(index)
+            user = cache.get(request.request_id) or self._user(request)
+            groups.setdefault((user, request.priority), []).append(index)
         for key, slots in groups.items():
             last = self._last_served.get(key)
             if last is None or len(slots) < 2:
@@ -203,12 +203,18 @@ class _RateLimitMixin:
         before the move, or None if nothing moved.
         """
         running = self.running
+        limiter, now = self.rate_limiter, self._now_ns
+        # One allows() per known user, not per request; nothing to scan if nobody is refused.
+        refused = {u for u in limiter.users() if not limiter.allows(u, now)}
+        if not refused:
+            return None
+        cache = self._user_cache
         throttled = [
             r
             for r in running
-            if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
+            if (cache.get(r.request_id) or self._user(r)) in refused
+            and r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
             and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
-            and not self.rate_limiter.allows(self._user(r), self._now_ns)
         ]
         self._throttled_at_start = throttled
         self._throttled.update(r.request_id for r in throttled)
@@ -330,24 +336,39 @@ class _RateLimitMixin:
         return refunded
 
     def _observe(self, scheduler_output, refunded: list[str]) -> None:
-        """The white-box observation of this step (docs/OBSERVATION.md)."""
+        """Record this step's decisions; the observation dict is built only when read."""
         limiter = self.rate_limiter
-        refused_ready = [limiter.ready_at_ns(u) for u in self._refused_users]
-        refused_ready = [t for t in refused_ready if t is not None]
-        self.last_step_observation = {
-            "now_ns": self._now_ns,
-            "charged": [r.request_id for r in self._charged],
-            "refunded": refunded,
-            "throttled": sorted(self._throttled),
-            "wait_hint_ns": min(refused_ready) if refused_ready else None,
-            "tat_ns": {u: limiter.tat_ns(u) for u in limiter.users()},
-        }
+        ready = [limiter.ready_at_ns(u) for u in self._refused_users]
+        ready = [t for t in ready if t is not None]
+        self._wait_hint_ns = min(ready) if ready else None
+        self._step_record = (self._now_ns, self._charged, refunded, self._throttled)
+        self._observation_cache = None
+
+    @property
+    def last_step_observation(self) -> dict[str, Any] | None:
+        """The white-box observation of the last ``schedule()`` (docs/OBSERVATION.md).
+
+        Built on first read after a step, from the step's record and the limiter state
+        (``update_from_output`` never touches the limiter, so it is the state the step left).
+        """
+        if self.rate_limiter is None or getattr(self, "_step_record", None) is None:
+            return None
+        if self._observation_cache is None:
+            now_ns, charged, refunded, throttled = self._step_record
+            limiter = self.rate_limiter
+            self._observation_cache = {
+                "now_ns": now_ns,
+                "charged": [r.request_id for r in charged],
+                "refunded": refunded,
+                "throttled": sorted(throttled),
+                "wait_hint_ns": self._wait_hint_ns,
+                "tat_ns": {u: limiter.tat_ns(u) for u in limiter.users()},
+            }
+        return self._observation_cache
 
     def next_ready_ns(self) -> int | None:
         """R16: earliest ready time among users refused in the last step (None: none)."""
-        if self.last_step_observation is None:
-            return None
-        return self.last_step_observation["wait_hint_ns"]
+        return getattr(self, "_wait_hint_ns", None)
 
 
 class RateLimitedScheduler(_RateLimitMixin, Scheduler):

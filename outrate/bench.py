@@ -1,0 +1,718 @@
+"""``outrate bench``: what the rate limit costs, measured side by side in one process.
+
+Scheduler step cost. For each number of running requests N, each mode (sync: vLLM's
+``Scheduler``; async: ``AsyncScheduler``) and each throttled fraction, two harnesses are
+built on the same engine shape with the same N requests: stock vLLM (feature off, nothing
+throttled) and the reference ``RateLimitedScheduler`` / ``RateLimitedAsyncScheduler``.
+Both are run to a decode steady state (every request past its prefill, or throttled), then
+timed in interleaved rounds: a round is ``steps_per_round`` steps of one class then the same
+number of the other, the order alternating between rounds, so a load change on the shared
+machine hits both alike. Only ``schedule()`` + ``update_from_output()`` are timed (the
+fabricated model output is built outside the timed region; async mode times a step's
+``schedule()`` with the delivery of the step in flight, as the engine core does), by
+default on this thread's CPU clock so that time spent descheduled while other jobs hold
+the cores is left out (``--clock wall`` for perf_counter). A
+round's value is its mean per step; the table reports the medians over rounds and
+``ratio`` = median of the per-round ratios reference / stock (robust to load drift;
+close to ``reference_us / stock_us``).
+
+- throttled fraction 0: the limit is on with a rate of 10**9 tokens/s, never binding;
+- 0.5 / 0.9: that share of the requests, spread evenly over the running order, belongs to
+  users with 0.001 tokens/s who have spent their burst before the timed rounds (their
+  streams stay resident and are skipped, R11); the others decode freely.
+
+Requests: prompts of 4-19 tokens (block boundaries spread over steps), 4 streams per
+user, ``max_tokens`` large enough that nothing finishes; max_num_seqs = N,
+max_num_batched_tokens >= 4N, KV blocks for every token the run can produce.
+
+Limiter: ``OutputRateLimiter.try_take`` (granted and refused) and ``refund`` operations
+per second, in batches over 4096 users, median over repetitions.
+
+Gate: differential steps/s of ``adapter.scenarios.run_scenario`` on the reference (real
+vLLM scheduler + spec limiter after every step) on fixed-seed Hypothesis scenarios;
+spec-only scenarios/s when ``vllm_output_rate.spec`` has a step model (a module ``step``
+or ``scheduler`` with ``run_scenario(scenario)``), and model-checker states/s when
+``vllm_output_rate.proofs.modelcheck`` has ``explore(max_states) -> int``; otherwise the
+row says why it was skipped.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import logging
+import os
+import pkgutil
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 130)
+
+STEP_NS = 10_000_000  # fake clock advance per step: 10 ms
+STREAMS_PER_USER = 4
+FREE_RATE = 10**9  # tokens/s: the limit is on but never binds
+TINY_RATE = 0.001  # tokens/s: one grant, then refused for 1000 s (the run lasts seconds)
+MAX_WARMUP_STEPS = 200
+LIMITER_USERS = 4096
+# The step clock. "cpu": this thread's CPU time (CLOCK_THREAD_CPUTIME_ID), which leaves out
+# the time the thread waits while other jobs hold the (shared) cores; "wall": perf_counter.
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    sizes: tuple[int, ...]
+    fractions: tuple[float, ...]
+    modes: tuple[str, ...]
+    rounds: int
+    steps_per_round: int
+    limiter_batches: int
+    gate_scenarios: int
+    gate_max_steps: int
+
+
+FULL = Plan(sizes=(16, 64, 256, 1024), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=41,
+            steps_per_round=16, limiter_batches=15, gate_scenarios=40, gate_max_steps=40)
+QUICK = Plan(sizes=(8, 16), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=3,
+             steps_per_round=2, limiter_batches=3, gate_scenarios=3, gate_max_steps=10)
+
+
+# -- scheduler step cost ----------------------------------------------------------------
+def throttled_indices(n: int, fraction: float) -> set[int]:
+    """``round(n * fraction)`` request indices spread evenly over ``range(n)``."""
+    k = round(n * fraction)
+    return {(i * n) // k for i in range(k)} if k else set()
+
+
+class _Driver:
+    """One scheduler on a ``Harness``; ``step()`` returns the seconds spent in vLLM's calls."""
+
+    def __init__(self, cls_path: str, n: int, fraction: float, async_mode: bool, total_steps: int,
+                 limited: bool, clock: Callable[[], float] = time.thread_time) -> None:
+        from vllm_output_rate.adapter.harness import EngineShape, Harness
+
+        self.max_tokens = total_steps + 64
+        prompt_max = 4 + 15
+        max_model_len = prompt_max + self.max_tokens + 16
+        blocks_per_request = -(-max_model_len // 16) + 1
+        throttled = throttled_indices(n, fraction)
+        users = []
+        free_count = throttled_count = 0
+        for i in range(n):
+            if i in throttled:
+                users.append(f"t{throttled_count // STREAMS_PER_USER}")
+                throttled_count += 1
+            else:
+                users.append(f"u{free_count // STREAMS_PER_USER}")
+                free_count += 1
+        output_rate = None
+        if limited:
+            output_rate = {
+                "default_tokens_per_s": FREE_RATE,
+                "user_tokens_per_s": {u: TINY_RATE for u in set(users) if u.startswith("t")},
+            }
+        shape = EngineShape(
+            max_num_seqs=n,
+            max_num_batched_tokens=max(2048, 4 * n),
+            chunked_prefill=True,
+            block_size=16,
+            num_blocks=n * blocks_per_request + 64,
+            async_scheduling=async_mode,
+            max_model_len=max_model_len,
+            output_rate=output_rate,
+        )
+        self.harness = Harness(cls_path, shape)
+        for i, user in enumerate(users):
+            self.harness.add_request(f"r{i}", user, prompt_len=4 + (i % 16), max_tokens=self.max_tokens)
+        self.n = n
+        self.expected_throttled = len(throttled) if limited else 0
+        self.async_mode = async_mode
+        self.scheduler = self.harness.scheduler
+        self._in_flight = None
+        self.steps = 0
+        self.clock = clock
+
+    def _model_output(self, so):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
+
+        requests = self.scheduler.requests
+        ids = list(so.num_scheduled_tokens)
+        tokens = [[] if requests[r].is_prefill_chunk else [NON_EOS_TOKEN_ID] for r in ids]
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=tokens)
+
+    def step(self) -> float:
+        clock = self.clock
+        scheduler = self.scheduler
+        t0 = clock()
+        so = scheduler.schedule()
+        t1 = clock()
+        mro = self._model_output(so)
+        if self.async_mode:
+            deliver, self._in_flight = self._in_flight, (so, mro)
+        else:
+            deliver = (so, mro)
+        t2 = t3 = 0.0
+        if deliver is not None:
+            t2 = clock()
+            scheduler.update_from_output(*deliver)
+            t3 = clock()
+        self.harness.clock.advance(STEP_NS)
+        self.steps += 1
+        return (t1 - t0) + (t3 - t2)
+
+    def throttled_now(self) -> int:
+        observation = getattr(self.scheduler, "last_step_observation", None)
+        return len(observation["throttled"]) if observation else 0
+
+    def steady(self) -> bool:
+        """Every request running; each one decoding, or throttled as planned."""
+        scheduler = self.scheduler
+        if len(scheduler.running) != self.n or scheduler.waiting:
+            return False
+        decoding = sum(1 for r in scheduler.running if r.num_output_tokens > 1)
+        throttled = self.throttled_now()
+        return throttled == self.expected_throttled and decoding >= self.n - self.expected_throttled
+
+    def warm_up(self) -> None:
+        while not self.steady():
+            if self.steps >= MAX_WARMUP_STEPS:
+                raise RuntimeError(
+                    f"{self.harness.cls_path} with {self.n} requests: no decode steady state after "
+                    f"{self.steps} steps (running {len(self.scheduler.running)}, throttled "
+                    f"{self.throttled_now()} of {self.expected_throttled})")
+            self.step()
+        for _ in range(4):
+            self.step()
+
+
+@dataclass
+class SchedulerRow:
+    running: int
+    throttled_fraction: float
+    mode: str
+    stock_us: float
+    reference_us: float
+    ratio: float
+    throttled_requests: int = 0
+    rounds: int = 0
+    steps_per_round: int = 0
+    ratio_min: float = 0.0
+    ratio_max: float = 0.0
+
+
+def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None],
+                      clock: str = "cpu") -> SchedulerRow:
+    """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
+    from vllm_output_rate.adapter.harness import (
+        REFERENCE_ASYNC_SCHEDULER,
+        REFERENCE_SCHEDULER,
+        STOCK_ASYNC_SCHEDULER,
+        STOCK_SCHEDULER,
+    )
+
+    async_mode = mode == "async"
+    total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_per_round + 8
+    stock = _Driver(STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER, n, fraction, async_mode, total,
+                    limited=False, clock=CLOCKS[clock])
+    reference = _Driver(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, n, fraction,
+                        async_mode, total, limited=True, clock=CLOCKS[clock])
+    stock.warm_up()
+    reference.warm_up()
+    gc.collect()
+    stock_means: list[float] = []
+    ref_means: list[float] = []
+    throttled_seen: set[int] = set()
+    for k in range(plan.rounds):
+        order = (stock, reference) if k % 2 == 0 else (reference, stock)
+        for driver in order:
+            spent = sum(driver.step() for _ in range(plan.steps_per_round))
+            (stock_means if driver is stock else ref_means).append(spent / plan.steps_per_round)
+        throttled_seen.add(reference.throttled_now())
+        tick()
+    if throttled_seen != {reference.expected_throttled}:
+        raise RuntimeError(f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, "
+                           f"planned {reference.expected_throttled}")
+    ratios = [r / s for r, s in zip(ref_means, stock_means)]
+    return SchedulerRow(
+        running=n,
+        throttled_fraction=fraction,
+        mode=mode,
+        stock_us=statistics.median(stock_means) * 1e6,
+        reference_us=statistics.median(ref_means) * 1e6,
+        ratio=statistics.median(ratios),
+        throttled_requests=reference.expected_throttled,
+        rounds=plan.rounds,
+        steps_per_round=plan.steps_per_round,
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+    )
+
+
+# -- limiter --------------------------------------------------------------------------
+def measure_limiter(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
+    """Operations per second of the reference limiter (median over batches)."""
+    from vllm_output_rate.reference.limiter import OutputRateLimiter
+
+    users = [f"user-{i}" for i in range(LIMITER_USERS)]
+    limiter = OutputRateLimiter(50, {u: 3.5 for u in users[::8]})
+    refused = OutputRateLimiter(50, {u: TINY_RATE for u in users})
+    now = 10**15  # a monotonic clock after ~11 days of uptime
+    for u in users:
+        refused.try_take(u, now)
+    take, give_back, refused_take = limiter.try_take, limiter.refund, refused.try_take
+    passes = 25
+    ops = passes * len(users)
+    rates: dict[str, list[float]] = {"try_take": [], "try_take_refused": [], "refund": []}
+    clock = time.perf_counter
+    for _ in range(plan.limiter_batches):
+        spent_take = spent_refund = spent_refused = 0.0
+        for _ in range(passes):
+            now += 1_000_000_000  # one second: every user is granted again
+            t0 = clock()
+            for u in users:
+                take(u, now)
+            t1 = clock()
+            for u in users:
+                give_back(u)
+            t2 = clock()
+            for u in users:
+                refused_take(u, now)
+            t3 = clock()
+            spent_take += t1 - t0
+            spent_refund += t2 - t1
+            spent_refused += t3 - t2
+        rates["try_take"].append(ops / spent_take)
+        rates["refund"].append(ops / spent_refund)
+        rates["try_take_refused"].append(ops / spent_refused)
+        tick()
+    return {
+        "try_take_per_s": statistics.median(rates["try_take"]),
+        "try_take_refused_per_s": statistics.median(rates["try_take_refused"]),
+        "refund_per_s": statistics.median(rates["refund"]),
+        "users": len(users),
+        "batches": plan.limiter_batches,
+        "ops_per_batch": ops,
+        "target_per_s": 1e6,
+    }
+
+
+# -- gate -------------------------------------------------------------------------------
+def seeded_draws(strategy, count: int, seed: int = 0) -> list:
+    """``count`` examples of a Hypothesis strategy, always the same for the same seed."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    drawn: list = []
+
+    @settings(max_examples=count, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @hseed(seed)
+    @given(example=strategy)
+    def collect(example):
+        drawn.append(example)
+
+    collect()
+    return drawn[:count]
+
+
+def _step_model() -> tuple[dict[str, Any] | None, str]:
+    """The spec's step model and its scenario class, or (None, why they are not usable)."""
+    try:
+        from vllm_output_rate.adapter import fidelity
+        from vllm_output_rate.spec import scheduler as spec_scheduler
+        from vllm_output_rate.spec.events import Step
+        from vllm_output_rate.spec.state import initial_state
+
+        parts = {"run": spec_scheduler.run, "initial_state": initial_state, "Step": Step,
+                 "scenarios": fidelity.base_scenarios, "run_step_scenario": fidelity.run_step_scenario,
+                 "stock_cls": fidelity.base_scheduler_cls}
+    except (ImportError, AttributeError) as exc:
+        return None, (f"not available: the spec step model (vllm_output_rate.spec.scheduler.run) with its "
+                      f"scenarios (vllm_output_rate.adapter.fidelity.base_scenarios) cannot be used: {exc}")
+    return parts, "vllm_output_rate.spec.scheduler.run"
+
+
+def _find_entry(package: str, modules: tuple[str, ...], attr: str) -> tuple[Callable | None, str]:
+    """``attr`` of the first of ``package.modules`` defining it, or (None, why not)."""
+    pkg = importlib.import_module(package)
+    present = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__))
+    for name in modules:
+        if name in present:
+            module = importlib.import_module(f"{package}.{name}")
+            entry = getattr(module, attr, None)
+            if callable(entry):
+                return entry, f"{package}.{name}.{attr}"
+    wanted = " or ".join(f"{package}.{m}.{attr}" for m in modules)
+    return None, f"not available: no {wanted} (modules there: {', '.join(present) or 'none'})"
+
+
+def _rate_row(check: str, what: str, scenarios: int, steps: int, seconds: float) -> dict[str, Any]:
+    return {"check": check, "what": what, "scenarios": scenarios, "steps": steps, "seconds": seconds,
+            "scenarios_per_s": scenarios / seconds, "steps_per_s": steps / seconds}
+
+
+def measure_gate(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
+    """Gate rates: rate-limit differential (real scheduler + spec limiter), spec-only step
+    model and spec-vs-vLLM fidelity on the same seeded scenarios, model checker."""
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+    from vllm_output_rate.adapter.scenarios import run_scenario, scenarios
+
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    model, model_why = _step_model()
+    for mode, cls in (("sync", REFERENCE_SCHEDULER), ("async", REFERENCE_ASYNC_SCHEDULER)):
+        async_mode = mode == "async"
+        drawn = seeded_draws(scenarios(async_scheduling=async_mode, max_steps=plan.gate_max_steps),
+                             plan.gate_scenarios)
+        run_scenario(cls, drawn[0])  # warm-up, untimed: first harness of this class
+        steps = 0
+        started = time.perf_counter()
+        for scenario in drawn:
+            steps += run_scenario(cls, scenario).steps
+            tick()
+        rows.append(_rate_row(f"differential/{mode}", f"adapter.scenarios.run_scenario on {cls.rsplit('.', 1)[1]}",
+                              len(drawn), steps, time.perf_counter() - started))
+        if model is None:
+            continue
+        try:
+            step_scenarios = seeded_draws(model["scenarios"](async_scheduling=async_mode,
+                                                             max_steps=plan.gate_max_steps), plan.gate_scenarios)
+            steps = sum(sum(isinstance(e, model["Step"]) for e in sc.events) for sc in step_scenarios)
+            model["run"](model["initial_state"](step_scenarios[0].config), step_scenarios[0].events)  # warm-up
+            started = time.perf_counter()
+            for sc in step_scenarios:
+                model["run"](model["initial_state"](sc.config), sc.events)
+            rows.append(_rate_row(f"spec-only/{mode}", "spec.scheduler.run on adapter.fidelity.base_scenarios",
+                                  len(step_scenarios), steps, time.perf_counter() - started))
+            stock_cls = model["stock_cls"](async_mode)
+            model["run_step_scenario"](stock_cls, step_scenarios[0])  # warm-up, untimed
+            steps = 0
+            started = time.perf_counter()
+            for sc in step_scenarios:
+                steps += model["run_step_scenario"](stock_cls, sc).steps
+            rows.append(_rate_row(f"fidelity/{mode}", f"adapter.fidelity.run_step_scenario, spec vs "
+                                  f"{stock_cls.rsplit('.', 1)[1]}", len(step_scenarios), steps,
+                                  time.perf_counter() - started))
+        except Exception as exc:  # the step model is young: report, do not fail the benchmark
+            skipped[f"spec-only/{mode}"] = f"not measured: the step model raised {type(exc).__name__}: {exc}"
+    if model is None:
+        skipped["spec-only"] = model_why
+    explore, mc_where = _find_entry("vllm_output_rate.proofs", ("modelcheck",), "explore")
+    if explore is not None:
+        budget = 2_000 if plan.gate_scenarios <= QUICK.gate_scenarios else 200_000
+        started = time.perf_counter()
+        states = explore(budget)
+        seconds = time.perf_counter() - started
+        rows.append({"check": "model-checker", "what": mc_where, "states": states, "seconds": seconds,
+                     "states_per_s": states / seconds})
+    else:
+        skipped["model-checker"] = mc_where
+    return {"rows": rows, "skipped": skipped}
+
+
+# -- profile ----------------------------------------------------------------------------
+def profile_schedule(n: int, steps: int, top: int) -> dict[str, Any]:
+    """cProfile of the reference's ``schedule()`` at ``n`` running requests (limit not binding)."""
+    import cProfile
+    import pstats
+
+    from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER
+
+    driver = _Driver(REFERENCE_SCHEDULER, n, 0.0, False, MAX_WARMUP_STEPS + steps + 8, limited=True)
+    driver.warm_up()
+    scheduler = driver.scheduler
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        so = scheduler.schedule()
+        profiler.disable()
+        scheduler.update_from_output(so, driver._model_output(so))
+        driver.harness.clock.advance(STEP_NS)
+    stats = pstats.Stats(profiler)
+    total = stats.total_tt
+    rows = []
+    for (path, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+        rows.append({"function": f"{_short(path)}:{line}({func})", "calls_per_step": ncalls / steps,
+                     "self_share": tottime / total, "cum_share": cumtime / total,
+                     "self_us_per_step": tottime / steps * 1e6, "cum_us_per_step": cumtime / steps * 1e6,
+                     "project": _is_project(path)})
+    by_self = sorted(rows, key=lambda r: r["self_share"], reverse=True)[:top]
+    project = sorted((r for r in rows if r["project"]), key=lambda r: r["cum_share"], reverse=True)[:top]
+    return {"total_us_per_step": total / steps * 1e6, "top_self": by_self, "project_cumulative": project}
+
+
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def _is_project(path: str) -> bool:
+    return path.startswith(_REPO_ROOT) and "site-packages" not in path
+
+
+def _short(path: str) -> str:
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1]
+    return path[len(_REPO_ROOT):] if path.startswith(_REPO_ROOT) else path
+
+
+# -- environment, tables, plot ------------------------------------------------------------
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
+    table = Table(title=f"scheduler step: schedule() + update_from_output(), {clock} µs per step (median of rounds)")
+    for col in ("mode", "running", "throttled", "stock µs", "reference µs", "ratio", "ratio range"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in rows:
+        style = "green" if r.ratio <= 1.03 else ("yellow" if r.ratio <= 1.10 else "red")
+        table.add_row(r.mode, str(r.running), f"{r.throttled_fraction:.0%} ({r.throttled_requests})",
+                      f"{r.stock_us:,.0f}", f"{r.reference_us:,.0f}", f"[{style}]{r.ratio:.3f}[/]",
+                      f"{r.ratio_min:.2f}-{r.ratio_max:.2f}")
+    return table
+
+
+def _limiter_table(lim: dict[str, Any]) -> Table:
+    table = Table(title=f"OutputRateLimiter, {lim['users']} users, median of {lim['batches']} batches")
+    table.add_column("operation")
+    table.add_column("ops/s", justify="right")
+    table.add_column("ns/op", justify="right")
+    table.add_column("target >= 1e6/s")
+    for name, key in (("try_take (granted)", "try_take_per_s"), ("try_take (refused)", "try_take_refused_per_s"),
+                      ("refund", "refund_per_s")):
+        rate = lim[key]
+        table.add_row(name, f"{rate:,.0f}", f"{1e9 / rate:.0f}",
+                      "[green]met[/]" if rate >= lim["target_per_s"] else "[red]missed[/]")
+    return table
+
+
+def _gate_table(gate: dict[str, Any]) -> Table:
+    table = Table(title="gate throughput")
+    for col in ("check", "what", "scenarios", "steps", "seconds", "rate"):
+        table.add_column(col, justify="left" if col in ("check", "what") else "right")
+    for r in gate["rows"]:
+        if "states_per_s" in r:
+            rate = f"{r['states_per_s']:,.0f} states/s"
+        else:
+            rate = f"{r['scenarios_per_s']:,.1f} scenarios/s, {r['steps_per_s']:,.0f} steps/s"
+        table.add_row(r["check"], r["what"], str(r.get("scenarios", "-")), str(r.get("steps", r.get("states", "-"))),
+                      f"{r['seconds']:.1f}", rate)
+    for name, why in gate["skipped"].items():
+        table.add_row(name, "skipped: not available (reason below)", "-", "-", "-", "-")
+    return table
+
+
+def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
+    """Per-step cost against running requests (log-log) and the ratio to stock."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_cost, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = {0.0: "tab:blue", 0.5: "tab:orange", 0.9: "tab:red"}
+    for mode, dash in (("sync", "-"), ("async", "--")):
+        mine = [r for r in rows if r.mode == mode]
+        if not mine:
+            continue
+        sizes = sorted({r.running for r in mine})
+        stock = [statistics.median([r.stock_us for r in mine if r.running == n]) for n in sizes]
+        ax_cost.plot(sizes, stock, dash, color="black", marker="o", label=f"stock vLLM ({mode})")
+        for fraction in sorted({r.throttled_fraction for r in mine}):
+            sel = sorted((r for r in mine if r.throttled_fraction == fraction), key=lambda r: r.running)
+            label = f"reference, {fraction:.0%} throttled ({mode})"
+            ax_cost.plot([r.running for r in sel], [r.reference_us for r in sel], dash,
+                         color=colors.get(fraction, "tab:green"), marker="s", label=label)
+            ax_ratio.plot([r.running for r in sel], [r.ratio for r in sel], dash,
+                          color=colors.get(fraction, "tab:green"), marker="s", label=label)
+    for ax in (ax_cost, ax_ratio):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("running requests")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_cost.set_yscale("log")
+    ax_cost.set_ylabel("µs per step (schedule + update_from_output)")
+    ax_cost.set_title("per-step cost")
+    ax_ratio.axhline(1.0, color="black", linewidth=0.8)
+    ax_ratio.axhline(1.03, color="grey", linewidth=0.8, linestyle=":")
+    ax_ratio.annotate("1.03 (target, limit not binding)", (ax_ratio.get_xlim()[0], 1.03), xytext=(4, 3),
+                      textcoords="offset points", fontsize=7, color="grey")
+    ax_ratio.set_ylabel("reference / stock")
+    ax_ratio.set_title("ratio to stock vLLM")
+    ax_cost.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
+    if not value:
+        return None
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"a comma-separated list of integers, got {value!r}") from None
+    if any(s < 1 for s in sizes):
+        raise click.BadParameter(f"sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+@click.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the results as JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG plot of per-step cost against running requests here.")
+@click.option("--quick", is_flag=True, help="Tiny sizes and few repetitions (for tests); numbers are rough.")
+@click.option("--sizes", default=None, metavar="N,N,...", help="Numbers of running requests to time.")
+@click.option("--rounds", type=click.IntRange(1, 200), default=None,
+              help="Interleaved rounds per configuration (default 41; --quick 3).")
+@click.option("--clock", type=click.Choice(sorted(CLOCKS)), default="cpu", show_default=True,
+              help="Step clock: this thread's CPU time (robust on a shared machine) or wall time.")
+@click.option("--only", type=click.Choice(["scheduler", "limiter", "gate"]), multiple=True,
+              help="Run only these parts (repeatable); default: all.")
+@click.option("--profile", "profile_n", type=click.IntRange(1), default=None, metavar="N",
+              help="Instead of the benchmark: cProfile the reference's schedule() at N running requests.")
+def bench(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) -> None:
+    """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    plan = QUICK if quick else FULL
+    overrides: dict[str, Any] = {}
+    if (parsed := _parse_sizes(sizes)) is not None:
+        overrides["sizes"] = parsed
+    if rounds is not None:
+        overrides["rounds"] = rounds
+    if overrides:
+        plan = Plan(**{**asdict(plan), **overrides})
+    parts = set(only) or {"scheduler", "limiter", "gate"}
+    command = _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n)
+    started = time.monotonic()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    with console.status("importing vLLM"):
+        import vllm
+
+        import vllm_output_rate.reference.scheduler  # noqa: F401
+    # vLLM's config warnings (e.g. about the gate's small engine shapes) are not results.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+    if profile_n is not None:
+        steps = 20 if quick else 100
+        with console.status(f"profiling the reference's schedule() at {profile_n} running requests"):
+            prof = profile_schedule(profile_n, steps, top=25)
+        head = (f"cProfile: RateLimitedScheduler.schedule() at {profile_n} running, limit not binding, {steps} steps, "
+                f"{prof['total_us_per_step']:,.0f} µs/step under the profiler")
+        for title, key in ((f"{head}; by self time", "top_self"),
+                           ("project functions (vllm_output_rate) by cumulative time", "project_cumulative")):
+            table = Table(title=title)
+            for col in ("function", "calls/step", "self %", "cum %", "self µs/step", "cum µs/step"):
+                table.add_column(col, justify="left" if col == "function" else "right")
+            for r in prof[key]:
+                table.add_row(r["function"], f"{r['calls_per_step']:.0f}", f"{100 * r['self_share']:.1f}",
+                              f"{100 * r['cum_share']:.1f}", f"{r['self_us_per_step']:.0f}",
+                              f"{r['cum_us_per_step']:.0f}")
+            console.print(table)
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps({"profile": prof, "running": profile_n, "steps": steps,
+                                             "command": command}, indent=2))
+        return
+
+    configs = [(n, f, m) for n in plan.sizes for m in plan.modes for f in plan.fractions]
+    scheduler_rows: list[SchedulerRow] = []
+    limiter: dict[str, Any] | None = None
+    gate: dict[str, Any] | None = None
+    progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=False)
+    with progress:
+        if "scheduler" in parts:
+            task = progress.add_task("scheduler", total=len(configs) * plan.rounds)
+            for n, fraction, mode in configs:
+                progress.update(task, description=f"scheduler {mode} N={n} throttled {fraction:.0%}")
+                scheduler_rows.append(measure_scheduler(n, fraction, mode, plan, lambda: progress.advance(task),
+                                                        clock))
+            progress.update(task, description="scheduler")
+        if "limiter" in parts:
+            task = progress.add_task("limiter", total=plan.limiter_batches)
+            limiter = measure_limiter(plan, lambda: progress.advance(task))
+        if "gate" in parts:
+            task = progress.add_task("gate (differential)", total=2 * plan.gate_scenarios)
+            gate = measure_gate(plan, lambda: progress.advance(task))
+
+    env = machine()
+    env["load_average_at_start"] = load_at_start
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    console.print(f"{when}; {env['cores']} cores, {env['cpu']}; vLLM {vllm.__version__}; Python {env['python']}; "
+                  f"load average at the end {env['load_average']}; command: {command}")
+    if scheduler_rows:
+        console.print(_scheduler_table(scheduler_rows, clock))
+    if limiter is not None:
+        console.print(_limiter_table(limiter))
+    if gate is not None:
+        console.print(_gate_table(gate))
+        for name, why in gate["skipped"].items():
+            console.print(f"{name}: {why}")
+    if plot_path is not None and scheduler_rows:
+        write_plot(scheduler_rows, plot_path,
+                   f"outrate bench, vLLM {vllm.__version__}, {env['cores']} cores {env['cpu']}, {when}")
+        console.print(f"wrote {plot_path}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "date": when,
+            "command": command,
+            "vllm_version": vllm.__version__,
+            "machine": env,
+            "quick": quick,
+            "clock": clock,
+            "plan": asdict(plan),
+            "seconds": round(time.monotonic() - started, 1),
+            "scheduler": [asdict(r) for r in scheduler_rows],
+            "limiter": limiter,
+            "gate": gate,
+        }
+        json_path.write_text(json.dumps(report, indent=2, default=_json_default))
+        console.print(f"wrote {json_path}")
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
+
+
+def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) -> str:
+    """The command that reproduces this run (for the report)."""
+    words = ["outrate", "bench"]
+    words += ["--quick"] if quick else []
+    words += ["--sizes", sizes] if sizes else []
+    words += ["--rounds", str(rounds)] if rounds is not None else []
+    words += ["--clock", clock] if clock != "cpu" else []
+    for part in only:
+        words += ["--only", part]
+    words += ["--profile", str(profile_n)] if profile_n is not None else []
+    words += ["--json", str(json_path)] if json_path is not None else []
+    words += ["--plot", str(plot_path)] if plot_path is not None else []
+    return " ".join(words)

@@ -1,0 +1,69 @@
+"""``outrate bench``: the report's structure (no timing thresholds: the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from click.testing import CliRunner
+
+from vllm_output_rate.bench import QUICK, throttled_indices
+from vllm_output_rate.cli import main
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def test_throttled_indices_count_and_spread():
+    assert throttled_indices(16, 0.0) == set()
+    assert len(throttled_indices(16, 0.5)) == 8
+    assert len(throttled_indices(1024, 0.9)) == 922
+    assert throttled_indices(8, 0.5) == {0, 2, 4, 6}
+    assert all(0 <= i < 10 for i in throttled_indices(10, 0.9))
+
+
+def test_bench_quick_json_structure(tmp_path):
+    report = tmp_path / "bench.json"
+    plot = tmp_path / "scaling.png"
+    result = CliRunner().invoke(main, ["bench", "--quick", "--json", str(report), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(report.read_text())
+
+    rows = data["scheduler"]
+    assert isinstance(rows, list)
+    expected = {(n, f, m) for n in QUICK.sizes for f in QUICK.fractions for m in QUICK.modes}
+    assert {(r["running"], r["throttled_fraction"], r["mode"]) for r in rows} == expected
+    assert len(rows) == len(expected)
+    for r in rows:
+        assert isinstance(r["running"], int) and r["running"] > 0
+        assert isinstance(r["throttled_fraction"], float) and 0.0 <= r["throttled_fraction"] < 1.0
+        assert r["mode"] in ("sync", "async")
+        for key in ("stock_us", "reference_us", "ratio"):
+            assert _positive_finite(r[key]), (key, r)
+        assert r["throttled_requests"] == round(r["running"] * r["throttled_fraction"])
+
+    limiter = data["limiter"]
+    for key in ("try_take_per_s", "try_take_refused_per_s", "refund_per_s"):
+        assert _positive_finite(limiter[key]), key
+    assert limiter["target_per_s"] == 1e6
+
+    gate = data["gate"]
+    checks = {row["check"]: row for row in gate["rows"]}
+    for mode in ("sync", "async"):
+        row = checks[f"differential/{mode}"]
+        assert row["scenarios"] == QUICK.gate_scenarios
+        assert _positive_finite(row["steps_per_s"])
+    # Spec-only and model-checker rates are measured when those exist, else skipped with a reason.
+    for name in ("spec-only", "model-checker"):
+        measured = [row for check, row in checks.items() if check.startswith(name)]
+        reasons = [why for check, why in gate["skipped"].items() if check.startswith(name)]
+        assert measured or reasons, name
+        assert all(why.startswith("not ") for why in reasons), reasons
+        for row in measured:
+            assert _positive_finite(row.get("steps_per_s", row.get("states_per_s"))), row
+
+    assert data["vllm_version"] == "0.32.0"
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
+    assert data["command"].startswith("outrate bench --quick")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
