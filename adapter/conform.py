@@ -23,6 +23,15 @@ PROFILES = {
     "release": {"limiter": 20000, "sync": 1500, "async": 800, "pressured": 1500, "mutant": 400, "max_steps": 80},
 }
 
+# Step-spec checks, examples per check: base fidelity (spec vs stock vLLM) and white box
+# (spec vs the class under test), sync and async; every scenario has up to 40 steps.
+STEP_SPEC_PROFILES = {
+    "quick": {"base_sync": 30, "base_async": 20, "white_sync": 30, "white_async": 20},
+    "ci": {"base_sync": 300, "base_async": 200, "white_sync": 300, "white_async": 200},
+    "release": {"base_sync": 3000, "base_async": 2000, "white_sync": 3000, "white_async": 2000},
+}
+STEP_SCENARIO_MAX_STEPS = 40
+
 
 @dataclass
 class CheckResult:
@@ -147,3 +156,74 @@ def check_scheduler(
             path.write_text(scenario.to_json())
             result.saved = str(path)
     return result
+
+
+def _check_step_scenarios(
+    name: str,
+    rules: list[str],
+    strategy,
+    run: Callable,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+) -> CheckResult:
+    """Run ``run(scenario)`` on ``examples`` generated step scenarios (``adapter/fidelity.py``);
+    a failure keeps Hypothesis's shrunk scenario up to its first differing event."""
+    from vllm_output_rate.adapter.fidelity import describe_failure
+
+    result = CheckResult(name, rules)
+    last: dict = {}
+
+    @_settings(examples)
+    @hseed(seed)
+    @given(scenario=strategy)
+    def prop(scenario):
+        result.examples += 1
+        tick()
+        verdict = run(scenario)
+        result.steps += verdict.steps
+        last["scenario"], last["verdict"] = scenario, verdict
+        assert verdict.failure is None, verdict.failure
+
+    try:
+        prop()
+    except AssertionError:
+        scenario, verdict = last["scenario"], last["verdict"]
+        result.result = "fail"
+        result.failure = f"event {verdict.event_index}: {verdict.failure}"
+        result.counterexample = describe_failure(scenario, verdict)
+        if save_dir is not None:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            path = save_dir / f"counterexample-{name.replace('/', '-')}.json"
+            path.write_text(scenario.to_json())
+            result.saved = str(path)
+    return result
+
+
+def check_base_fidelity(
+    async_mode: bool, examples: int, seed: int, tick: Callable[[], None], save_dir: Path | None
+) -> CheckResult:
+    """V1-V12, R18: the step spec predicts stock vLLM 0.32.0 exactly, step for step."""
+    from vllm_output_rate.adapter.fidelity import base_scenarios, run_base
+
+    name = "base-fidelity/" + ("async" if async_mode else "sync")
+    rules = [f"V{i}" for i in range(1, 12)] + (["V12"] if async_mode else []) + ["R18"]
+    return _check_step_scenarios(name, rules, base_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS), run_base,
+                                 examples, seed, tick, save_dir)
+
+
+def check_white_box(
+    scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
+    save_dir: Path | None,
+) -> CheckResult:
+    """R1-R18 + V1-V12: the step spec predicts the class under test exactly, including every
+    field of its ``last_step_observation`` (charged, refunded, throttled, wait hint, TATs)."""
+    from vllm_output_rate.adapter.whitebox import run_white_box, white_box_scenarios
+
+    name = "white-box/" + ("async" if async_mode else "sync")
+    rules = ["R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16"]
+    rules += ["R8", "V12"] if async_mode else []
+    return _check_step_scenarios(name, rules, white_box_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS),
+                                 lambda scenario: run_white_box(scenario, scheduler_cls),
+                                 examples, seed, tick, save_dir)

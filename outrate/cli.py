@@ -84,6 +84,19 @@ def conform(scheduler_cls, async_scheduler_cls, profile, seed, mutants, json_pat
             plan.append((f"{prefix}/{tag}", *scheduler_check(cls, async_mode, pressured)))
     if async_scheduler_cls is None:
         console.print("async checks not run: give --async-scheduler-cls to judge an async class")
+    step_budget = gate.STEP_SPEC_PROFILES[profile]
+    plan += [
+        ("base-fidelity/sync", step_budget["base_sync"],
+         lambda tick: gate.check_base_fidelity(False, step_budget["base_sync"], seed, tick, counterexamples)),
+        ("base-fidelity/async", step_budget["base_async"],
+         lambda tick: gate.check_base_fidelity(True, step_budget["base_async"], seed, tick, counterexamples)),
+        ("white-box/sync", step_budget["white_sync"],
+         lambda tick: gate.check_white_box(sync_cls, False, step_budget["white_sync"], seed, tick, counterexamples)),
+    ]
+    if async_scheduler_cls is not None:
+        plan.append(("white-box/async", step_budget["white_async"],
+                     lambda tick: gate.check_white_box(async_scheduler_cls, True, step_budget["white_async"], seed,
+                                                       tick, counterexamples)))
 
     results = []
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),

@@ -1,0 +1,421 @@
+"""Base fidelity: the step spec predicts stock vLLM 0.32.0, step for step.
+
+A ``StepScenario`` is an ``EngineConfig`` plus a sequence of events from the shared
+alphabet (``spec/events.py``). ``run_step_scenario`` applies each event to the spec
+(``spec.scheduler.step``) and to a real scheduler driven by ``Harness``, and compares
+after every event (stops at the first difference):
+
+- ``scheduled``: request ids and token counts, in ``SchedulerOutput`` order (V1-V8);
+- ``sampled``: the sampling dispatches (V9);
+- ``preempted`` (V6) and ``admitted`` (V8, from ``scheduled_new_reqs`` and
+  ``resumed_req_ids``);
+- ``finished``: request id -> (finish reason, number of outputs) (V10, V11);
+- the scheduler state vLLM holds after the event: ``running`` in order, ``waiting`` in
+  pop order, free KV blocks, and each live request's ``num_computed_tokens``,
+  ``num_output_tokens``, ``num_output_placeholders`` and KV blocks (V5, V9).
+
+The spec's invariants (``spec/invariants.py``) are checked after every spec step too.
+
+The generated class (``base_scenarios``) stays inside what the spec models; each
+exclusion is listed in ``EXCLUSIONS`` with its reason (narrow the class, never loosen
+the comparison).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any, Callable
+
+from hypothesis import strategies as st
+
+from vllm_output_rate.adapter.harness import (
+    STOCK_ASYNC_SCHEDULER,
+    STOCK_SCHEDULER,
+    EngineShape,
+    Harness,
+    StepTrace,
+)
+from vllm_output_rate.spec import invariants
+from vllm_output_rate.spec import scheduler as spec
+from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.state import EngineConfig, Observation, SchedulerState, initial_state
+
+MAX_SCENARIO_EVENTS = 10_000  # bound on one scenario (TigerBeetle style)
+
+# What the generated class leaves out, and why (docs: README of the gate, report).
+EXCLUSIONS = (
+    "prefix caching: off in the gate (every admission starts at 0 computed tokens); the spec does not model "
+    "block hashing or cache hits",
+    "prompt_len >= max_model_len: vLLM's front end rejects such prompts before the scheduler sees them",
+    "speculative decoding, KV connectors, LoRA, multimodal, structured output, pooling, pipeline parallel, "
+    "streaming input, reset_prefix_cache, pause states: rejected by the feature's config validation or not "
+    "part of a standard causal decoder",
+    "long_prefill_token_threshold, watermark, max_num_scheduled_tokens: left at vLLM's defaults (0, 0.0, "
+    "max_num_batched_tokens)",
+    "without chunked prefill max_model_len = max_num_batched_tokens (vLLM requires max_num_batched_tokens >= "
+    "max_model_len); with chunked prefill max_model_len is 2048 or as small as 66 so that the V4 cap can bind",
+)
+
+
+@dataclass(frozen=True)
+class StepScenario:
+    """A replayable scenario: an engine configuration and an event sequence."""
+
+    config: EngineConfig
+    events: tuple[Event, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.events) <= MAX_SCENARIO_EVENTS, f"{len(self.events)} events > {MAX_SCENARIO_EVENTS}"
+
+    def lines(self) -> list[str]:
+        """The scenario as short printable lines (config first, then events)."""
+        c = self.config
+        head = (f"config: seqs={c.max_num_seqs} active={c.max_num_active_seqs} budget={c.max_num_batched_tokens} "
+                f"chunked={c.chunked_prefill} num_blocks={c.num_blocks} block_size={c.block_size} policy={c.policy} "
+                f"async={c.async_scheduling} max_model_len={c.max_model_len}")
+        if c.rate_limited:
+            rates = ", ".join(f"{u}={r}" for u, r in c.user_rates_tokens_per_s)
+            head += (f" default_rate={c.default_rate_tokens_per_s} rates=[{rates}] "
+                     f"rate_active={c.output_rate_max_num_active_seqs}")
+        return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
+
+    def to_json(self) -> str:
+        config = asdict(self.config)
+        config["default_rate_tokens_per_s"] = _frac_out(config["default_rate_tokens_per_s"])
+        config["user_rates_tokens_per_s"] = [[u, _frac_out(r)] for u, r in self.config.user_rates_tokens_per_s]
+        events = [{"type": type(e).__name__, **asdict(e)} for e in self.events]
+        return json.dumps({"config": config, "events": events}, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "StepScenario":
+        data = json.loads(text)
+        config = dict(data["config"])
+        config["default_rate_tokens_per_s"] = _frac_in(config["default_rate_tokens_per_s"])
+        config["user_rates_tokens_per_s"] = tuple((u, _frac_in(r)) for u, r in config["user_rates_tokens_per_s"])
+        kinds = {cls.__name__: cls for cls in (AddRequest, Abort, AdvanceClock, Step, Drain)}
+        events = tuple(kinds[e.pop("type")](**e) for e in data["events"])
+        return StepScenario(EngineConfig(**config), events)
+
+
+def _frac_out(value: Fraction | None) -> str | None:
+    return None if value is None else str(value)
+
+
+def _frac_in(value: str | None) -> Fraction | None:
+    return None if value is None else Fraction(value)
+
+
+def engine_shape(config: EngineConfig) -> EngineShape:
+    """The harness shape (vLLM configuration) of a spec configuration."""
+    output_rate = None
+    if config.rate_limited:
+        output_rate = {
+            "default_tokens_per_s": _as_number(config.default_rate_tokens_per_s),
+            "user_tokens_per_s": {u: _as_number(r) for u, r in config.user_rates_tokens_per_s},
+            "burst_ms": config.burst_ns // 1_000_000,
+        }
+        if config.output_rate_max_num_active_seqs is not None:
+            output_rate["max_num_active_seqs"] = config.output_rate_max_num_active_seqs
+    return EngineShape(
+        max_num_seqs=config.max_num_seqs,
+        max_num_active_seqs=config.max_num_active_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        chunked_prefill=config.chunked_prefill,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        policy=config.policy,
+        async_scheduling=config.async_scheduling,
+        max_model_len=config.max_model_len,
+        output_rate=output_rate,
+    )
+
+
+def _as_number(rate: Fraction) -> int | float:
+    """A rate as the JSON number the reference parses back to exactly ``rate``."""
+    if rate.denominator == 1:
+        return int(rate)
+    value = float(rate)
+    assert Fraction(repr(value)) == rate, f"rate {rate} has no exact short decimal form"
+    return value
+
+
+class ObservedHarness(Harness):
+    """A ``Harness`` that also keeps the last ``SchedulerOutput`` (for ``admitted``)."""
+
+    last_scheduler_output: Any = None
+
+    def _schedule(self):
+        self.last_scheduler_output = super()._schedule()
+        return self.last_scheduler_output
+
+
+@dataclass
+class Verdict:
+    """Outcome of one scenario: ``failure`` None when spec and vLLM agreed throughout."""
+
+    steps: int = 0
+    events: int = 0
+    failure: str | None = None
+    event_index: int | None = None
+
+
+def apply_event(harness: Harness, event: Event) -> StepTrace | None:
+    """Apply one alphabet event to the real scheduler (Harness calls, see spec/events.py)."""
+    if isinstance(event, AddRequest):
+        user = None if event.user == "__anonymous__" else event.user
+        harness.add_request(event.request_id, user, event.prompt_len, event.max_tokens, event.eos_index,
+                            priority=event.priority)
+        return None
+    if isinstance(event, Abort):
+        harness.abort(event.request_id)
+        return None
+    if isinstance(event, AdvanceClock):
+        harness.advance(event.delta_ns)
+        return None
+    if isinstance(event, Step):
+        return harness.step()
+    assert isinstance(event, Drain), f"unknown event {event!r}"
+    return harness.drain()
+
+
+def _diff(name: str, got: Any, want: Any) -> str | None:
+    return None if got == want else f"{name}: vLLM {got!r} != spec {want!r}"
+
+
+def compare_step(trace: StepTrace, harness: ObservedHarness, obs: Observation) -> str | None:
+    """V1-V10: the step's batch and deliveries, as vLLM exposes them, against the spec."""
+    so = harness.last_scheduler_output
+    admitted = sorted({r.req_id for r in so.scheduled_new_reqs} | set(so.scheduled_cached_reqs.resumed_req_ids))
+    finished = {f.request_id: (f.reason, f.num_output_tokens) for f in obs.finished}
+    return (
+        _diff("scheduled", list(trace.scheduled.items()), list(obs.scheduled))
+        or _diff("sampled", trace.sampled, list(obs.sampled))
+        or _diff("preempted", trace.preempted, sorted(obs.preempted))
+        or _diff("admitted", admitted, sorted(obs.admitted))
+        or _diff("finished", trace.finished, finished)
+    )
+
+
+def compare_state(harness: Harness, state: SchedulerState) -> str | None:
+    """V5, V6, V8, V9: what vLLM holds after the event equals the spec state."""
+    sched = harness.scheduler
+    running = [r.request_id for r in sched.running]
+    waiting = [r.request_id for r in sched.waiting]
+    assert len(sched.kv_holding_waiting) == 0, "no request in the modelled class keeps KV while waiting"
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    got = {
+        r.request_id: (r.num_computed_tokens, r.num_output_tokens, r.num_output_placeholders,
+                       len(manager.req_to_blocks.get(r.request_id, ())))
+        for r in sched.requests.values()
+    }
+    want = {
+        r.request_id: (r.num_computed_tokens, r.num_output_tokens, r.num_output_placeholders, r.num_blocks)
+        for r in state.requests
+    }
+    return (
+        _diff("running", running, list(state.running))
+        or _diff("waiting", waiting, list(state.waiting))
+        or _diff("free KV blocks", free, state.num_free_blocks)
+        or _diff("requests (computed, outputs, placeholders, blocks)", got, want)
+    )
+
+
+def compare_event(
+    event: Event, trace: StepTrace | None, harness: ObservedHarness, obs: Observation, finished_before: dict
+) -> str | None:
+    """Compare one event's effect (batch, deliveries, aborts) on vLLM and on the spec."""
+    if isinstance(event, Step):
+        return compare_step(trace, harness, obs)
+    finished = {f.request_id: (f.reason, f.num_output_tokens) for f in obs.finished}
+    got = {k: v for k, v in harness.finished.items() if k not in finished_before}
+    return _diff("finished", got, finished)
+
+
+ExtraCheck = Callable[[Event, StepTrace | None, Harness, Observation, SchedulerState], str | None]
+
+
+def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCheck | None = None) -> Verdict:
+    """Run ``scenario`` on the spec and on ``scheduler_cls``; stop at the first difference.
+
+    ``extra`` adds comparisons (the white-box check passes the rate-limit fields).
+    """
+    harness = ObservedHarness(scheduler_cls, engine_shape(scenario.config))
+    state = initial_state(scenario.config)
+    history = invariants.DispatchHistory() if scenario.config.rate_limited else None
+    verdict = Verdict()
+    for index, event in enumerate(scenario.events):
+        before = state
+        state, obs = spec.step(state, event)
+        verdict.events += 1
+        if history is not None:
+            history = invariants.advance_history(history, before, obs)
+        violated = invariants.check(before, event, state, obs, history)
+        if violated:
+            verdict.failure, verdict.event_index = f"spec invariant {violated}", index
+            return verdict
+        finished_before = dict(harness.finished)
+        trace = apply_event(harness, event)
+        verdict.steps += isinstance(event, Step)
+        failure = (
+            compare_event(event, trace, harness, obs, finished_before)
+            or compare_state(harness, state)
+            or (extra(event, trace, harness, obs, state) if extra is not None else None)
+        )
+        if failure:
+            verdict.failure, verdict.event_index = failure, index
+            return verdict
+    return verdict
+
+
+def describe_failure(scenario: StepScenario, verdict: Verdict) -> list[str]:
+    """The scenario lines up to (and marking) the first differing event."""
+    lines = scenario.lines()
+    if verdict.event_index is None:
+        return lines
+    head, events = lines[:1], lines[1:]
+    shown = events[: verdict.event_index + 1]
+    shown[-1] += "   <-- first difference"
+    return head + shown
+
+
+# -- the generated class -----------------------------------------------------------------
+@dataclass(frozen=True)
+class _Req:
+    add: AddRequest
+    at_step: int
+    abort_at: int | None
+
+
+@st.composite
+def base_configs(draw, async_scheduling: bool, pressure: bool) -> EngineConfig:
+    """Engine shapes. ``pressure``: few small KV blocks and several seats, so that
+    running requests grow into a KV shortage and preempt each other (V6)."""
+    max_num_seqs = draw(st.integers(2, 6) if pressure else st.integers(1, 6))
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(8, 256))
+    if chunked:
+        max_model_len = draw(st.sampled_from([2048, 2048, 66, 80, 128]))
+    else:
+        max_model_len = budget  # vLLM: max_num_batched_tokens >= max_model_len without chunking
+    if pressure:
+        block_size, num_blocks = draw(st.sampled_from([4, 4, 8])), draw(st.integers(4, 14))
+    else:
+        block_size, num_blocks = draw(st.sampled_from([4, 8, 16])), draw(st.integers(4, 40))
+    return EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_active_seqs=draw(st.one_of(st.none(), st.none(), st.integers(1, max_num_seqs))),
+        max_num_batched_tokens=budget,
+        chunked_prefill=chunked,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        async_scheduling=async_scheduling,
+        max_model_len=max_model_len,
+    )
+
+
+@st.composite
+def request_plans(draw, config: EngineConfig, num_steps: int, users: tuple[str, ...], index: int,
+                  pressure: bool) -> _Req:
+    """One request: arrival step, sizes, EOS index, priority, maybe an abort.
+
+    ``pressure``: early arrivals, short prompts, long outputs, few EOS and aborts, so that
+    admitted requests (V8 needs only their current sequence to fit) outgrow the KV cache.
+    """
+    prompt_cap = min(64, config.max_model_len - 1)
+    last_step = max(0, num_steps - 1)
+    if pressure:
+        at_step = draw(st.integers(0, min(6, last_step)))
+        prompt_len = draw(st.integers(1, min(12, prompt_cap)))
+        max_tokens = draw(st.integers(8, 20))
+        eos_index = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 20)))
+        abort_at = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(at_step, max(at_step, num_steps))))
+    else:
+        at_step = draw(st.integers(0, last_step))
+        prompt_len = draw(st.integers(1, prompt_cap))
+        max_tokens = draw(st.integers(1, 20))
+        eos_index = draw(st.one_of(st.none(), st.integers(0, 20)))
+        abort_at = draw(st.one_of(st.none(), st.none(), st.integers(at_step, max(at_step, num_steps))))
+    add = AddRequest(
+        request_id=f"r{index}",
+        user=draw(st.sampled_from(users)),
+        # Under pressure, later arrivals often outrank earlier ones: PRIORITY then preempts
+        # requests already served in the step (V6 budget give-back).
+        priority=draw(st.one_of(st.just(max(0, 2 - index)), st.integers(0, 2)) if pressure else st.integers(0, 2)),
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+        eos_index=eos_index,
+    )
+    return _Req(add, at_step, abort_at)
+
+
+def build_events(plans: list[_Req], num_steps: int, drains: set[int], clock_ns: list[int] | None,
+                 final_drain: bool) -> tuple[Event, ...]:
+    """Lay the plans out on the step axis: before step s, arrivals then aborts of s."""
+    events: list[Event] = []
+    for s in range(num_steps):
+        events.extend(p.add for p in plans if p.at_step == s)
+        events.extend(Abort(p.add.request_id) for p in plans if p.abort_at == s)
+        if s in drains:
+            events.append(Drain())
+        events.append(Step())
+        if clock_ns is not None and clock_ns[s]:
+            events.append(AdvanceClock(clock_ns[s]))
+    events.extend(Abort(p.add.request_id) for p in plans if p.abort_at is not None and p.abort_at >= num_steps)
+    if final_drain:
+        events.append(Drain())
+    return tuple(events)
+
+
+@st.composite
+def base_scenarios(draw, async_scheduling: bool, max_steps: int = 40) -> StepScenario:
+    """Hypothesis strategy: the base-fidelity class (see module docstring, EXCLUSIONS).
+
+    Half of the scenarios run under KV pressure (``base_configs``, ``request_plans``).
+    """
+    pressure = draw(st.booleans())
+    config = draw(base_configs(async_scheduling, pressure))
+    num_steps = draw(st.integers(min(20, max_steps) if pressure else 1, max_steps))
+    num_requests = draw(st.integers(3, 6) if pressure else st.integers(1, 6))
+    plans = [draw(request_plans(config, num_steps, ("u0", "u1"), i, pressure)) for i in range(num_requests)]
+    drains = set(draw(st.lists(st.integers(0, num_steps - 1), max_size=2))) if async_scheduling else set()
+    final_drain = async_scheduling and draw(st.booleans())
+    return StepScenario(config, build_events(plans, num_steps, drains, None, final_drain))
+
+
+def base_scheduler_cls(async_scheduling: bool) -> str:
+    """Stock vLLM: the class base fidelity judges the spec against."""
+    return STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
+
+
+def run_base(scenario: StepScenario) -> Verdict:
+    """Base fidelity of one scenario on stock vLLM (feature off)."""
+    assert not scenario.config.rate_limited, "base fidelity runs with the feature off"
+    return run_step_scenario(base_scheduler_cls(scenario.config.async_scheduling), scenario)
+
+
+def replay_file(path: str, scheduler_cls: str | None = None) -> Verdict:
+    """Replay a saved step-scenario counterexample: base fidelity with the feature off,
+    white box (default class: the reference) with it on. Prints the outcome."""
+    from vllm_output_rate.adapter.whitebox import run_white_box
+
+    with open(path) as handle:
+        scenario = StepScenario.from_json(handle.read())
+    if scenario.config.rate_limited:
+        verdict = run_white_box(scenario, scheduler_cls)
+    else:
+        verdict = run_step_scenario(scheduler_cls or base_scheduler_cls(scenario.config.async_scheduling), scenario)
+    print("\n".join(describe_failure(scenario, verdict)))
+    print(f"FAIL at event {verdict.event_index}: {verdict.failure}" if verdict.failure else
+          f"PASS: {verdict.events} events, {verdict.steps} steps agree")
+    return verdict
+
+
+if __name__ == "__main__":  # python -m vllm_output_rate.adapter.fidelity FILE [SCHEDULER_CLS]
+    import sys
+
+    assert len(sys.argv) in (2, 3), "usage: python -m vllm_output_rate.adapter.fidelity FILE [SCHEDULER_CLS]"
+    sys.exit(1 if replay_file(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else None).failure else 0)

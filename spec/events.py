@@ -1,0 +1,110 @@
+"""The event alphabet: one vocabulary for the spec, the adapter and a model checker.
+
+A scenario is a finite sequence of these events. The spec consumes them with
+``spec.scheduler.step(state, event)``; the adapter (``adapter/fidelity.py``,
+``adapter/whitebox.py``) replays the same sequence on a real vLLM scheduler through
+``adapter.harness.Harness``; a model checker enumerates them. Faults (aborts, KV
+shortage) are ordinary events or consequences of them, never hidden randomness.
+
+| event | Harness call | meaning |
+|---|---|---|
+| ``AddRequest`` | ``add_request`` | a client request arrives (vLLM ``Scheduler.add_request``) |
+| ``Abort`` | ``abort`` | the client disconnects (``finish_requests(..., FINISHED_ABORTED)``) |
+| ``AdvanceClock`` | ``advance`` | the monotonic clock moves forward (R16: the only time source) |
+| ``Step`` | ``step`` | one scheduling cycle and the model output (see below) |
+| ``Drain`` | ``drain`` | async only: deliver the output in flight, schedule nothing |
+
+``Step``: in sync mode, ``schedule()`` and then ``update_from_output()`` of that same
+step. In async mode (``AsyncScheduler``, one step in flight), ``schedule()`` of step N+1
+and then ``update_from_output()`` of step N, exactly as ``Harness.step`` does.
+
+The fabricated model samples one token per sampling dispatch: the token of a request's
+k-th sampling dispatch (k counted from 0 over its whole life, across preemptions) is EOS
+iff ``k == eos_index``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+# Bounds on one event's values (TigerBeetle style: everything has a limit).
+MAX_PROMPT_TOKENS: int = 1 << 16
+MAX_OUTPUT_TOKENS: int = 1 << 16
+MAX_PRIORITY: int = 1 << 16
+MAX_DELTA_NS: int = 10**15  # about 11.6 days of clock advance in one event
+ANONYMOUS_USER: str = "__anonymous__"  # R17: requests that name no user share this bucket
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A request arrives: ``prompt_len`` prompt tokens, at most ``max_tokens`` outputs.
+
+    ``user``: the R17 identity (``extra_args["output_rate_user"]``, or ``__anonymous__``).
+    ``priority``: vLLM's PRIORITY policy serves smaller values first (ignored under FCFS).
+    ``eos_index``: the 0-based output index at which the model emits EOS (None: never).
+    """
+
+    request_id: str
+    user: str = ANONYMOUS_USER
+    priority: int = 0
+    prompt_len: int = 4
+    max_tokens: int = 16
+    eos_index: int | None = None
+
+    def __post_init__(self) -> None:
+        # Every field is inside its bound; a scenario generator that drifts fails here.
+        assert isinstance(self.request_id, str) and self.request_id, f"bad request id {self.request_id!r}"
+        assert isinstance(self.user, str) and self.user, f"bad user {self.user!r}"
+        assert 0 <= self.priority <= MAX_PRIORITY, f"priority {self.priority} out of range"
+        assert 1 <= self.prompt_len <= MAX_PROMPT_TOKENS, f"prompt_len {self.prompt_len} out of range"
+        assert 1 <= self.max_tokens <= MAX_OUTPUT_TOKENS, f"max_tokens {self.max_tokens} out of range"
+        assert self.eos_index is None or 0 <= self.eos_index <= MAX_OUTPUT_TOKENS, f"eos_index {self.eos_index}"
+
+    def __str__(self) -> str:
+        eos = "" if self.eos_index is None else f" eos@{self.eos_index}"
+        return (f"add {self.request_id} user={self.user} prio={self.priority} prompt={self.prompt_len} "
+                f"max_tokens={self.max_tokens}{eos}")
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The client of ``request_id`` disconnects; unknown or finished ids are ignored."""
+
+    request_id: str
+
+    def __str__(self) -> str:
+        return f"abort {self.request_id}"
+
+
+@dataclass(frozen=True)
+class AdvanceClock:
+    """The clock moves ``delta_ns`` >= 0 forward (it never goes back)."""
+
+    delta_ns: int
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.delta_ns <= MAX_DELTA_NS, f"delta_ns {self.delta_ns} out of range"
+
+    def __str__(self) -> str:
+        return f"clock +{self.delta_ns / 1e6:g} ms"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One scheduling cycle plus the delivery of one model output (module docstring)."""
+
+    def __str__(self) -> str:
+        return "step"
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Async mode: deliver the model output in flight without scheduling (no-op in sync)."""
+
+    def __str__(self) -> str:
+        return "drain"
+
+
+Event = Union[AddRequest, Abort, AdvanceClock, Step, Drain]
+EVENT_TYPES = (AddRequest, Abort, AdvanceClock, Step, Drain)

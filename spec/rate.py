@@ -1,0 +1,243 @@
+"""The rate-limit layer of one scheduling cycle: rules R6-R16 on top of V1-V12.
+
+``spec/scheduler.py`` calls these functions only with the feature on (R18: with it off,
+the cycle is vLLM's own). Each one decides one thing at one point of the cycle:
+
+| point of the cycle (V-rule) | function | rules |
+|---|---|---|
+| start of ``schedule()`` | ``begin_cycle`` | R16 (one clock reading), R14 rotation, R13/R11 throttled at start |
+| running loop, last cap on a chunk (V4) | ``decide_running`` | R12 active cap, R7 charge, R10 cap at n-1, R11 skip |
+| waiting loop, before a request is sized (V8) | ``waiting_gate`` | R10: refused users' requests skipped, never blocking others |
+| waiting loop, last cap on a chunk (V8) | ``decide_waiting`` | R7 charge, R10 cap at n-1 |
+| waiting loop, admission cap (V8) | ``admission_cap`` | R12 |
+| preemption (V6) | ``preferred_victim`` | R13 |
+| end of ``schedule()`` | ``end_cycle`` | R9 single refund point, R15 last served, R6 cleanup, R16 wait hint |
+
+The limiter is ``spec.limiter`` (R1-R5, exact rationals). A user refused once in a cycle
+is not asked again in that cycle: grants only push TAT up, so a refusal holds for the
+whole cycle (R2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec.state import (
+    FCFS,
+    CLEANUP_INTERVAL_STEPS,
+    Cycle,
+    RequestState,
+    SchedulerState,
+    get,
+)
+
+
+# -- start of the cycle ----------------------------------------------------------------
+def begin_cycle(cycle: Cycle) -> Cycle:
+    """R14, R13, R11: rotate streams, then find the requests throttled at the start."""
+    state = replace(cycle.state, running=rotated_running(cycle.state))
+    cycle = replace(cycle, state=state)
+    at_start = tuple(rid for rid in state.running if throttled_at_start(cycle, get(state, rid)))
+    return replace(
+        cycle,
+        throttled_at_start=at_start,
+        throttled=frozenset(at_start),  # R11/R12: resident, skipped, not active
+        refused_users=frozenset(get(state, rid).user for rid in at_start),  # R16
+    )
+
+
+def rotated_running(state: SchedulerState) -> tuple[str, ...]:
+    """R14: within each (user, priority) group of ``running``, the stream after the
+    group's last-served one goes first. Only the group's own slots are permuted; every
+    other request keeps its place. Decision: if the last-served stream is no longer
+    running (or is already last), the group keeps its order.
+    """
+    slots_by_group: dict[tuple[str, int], list[int]] = {}
+    for index, rid in enumerate(state.running):
+        request = get(state, rid)
+        slots_by_group.setdefault((request.user, request.priority), []).append(index)
+    running = list(state.running)
+    for (user, priority), slots in slots_by_group.items():
+        members = [state.running[i] for i in slots]
+        last = last_served(state, user, priority)
+        if last not in members or members.index(last) == len(members) - 1:
+            continue
+        cut = members.index(last) + 1
+        for slot, rid in zip(slots, members[cut:] + members[:cut]):
+            running[slot] = rid
+    assert sorted(running) == sorted(state.running), "R14: rotation must only permute"
+    return tuple(running)
+
+
+def last_served(state: SchedulerState, user: str, priority: int) -> str | None:
+    """R15: the group's last dispatched stream, if any."""
+    for u, p, rid in state.last_served:
+        if (u, p) == (user, priority):
+            return rid
+    return None
+
+
+def throttled_at_start(cycle: Cycle, request: RequestState) -> bool:
+    """R13/R11: a running request that can only sample next (R10: nothing left to
+    prefill), is not already carried to ``max_tokens`` by its placeholders (V3), and
+    whose user is refused at this cycle's instant."""
+    only_sampling_left = request.num_computed_tokens >= request.sampling_position - 1
+    below_max = request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+    return only_sampling_left and below_max and not allows(cycle, request.user)
+
+
+def allows(cycle: Cycle, user: str) -> bool:
+    """R2: would a take for ``user`` succeed now (no state change)?"""
+    return spec_limiter.allows(cycle.state.limiter, user, cycle.now_ns, cycle.state.config.burst_ns)
+
+
+# -- the loops -------------------------------------------------------------------------
+def samples(request: RequestState, num_new_tokens: int) -> bool:
+    """R7: the chunk reaches the sampling position (prompt + outputs + placeholders)."""
+    return request.num_computed_tokens + num_new_tokens >= request.sampling_position
+
+
+def try_charge(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
+    """R7, R2: charge one token to the request's user, unless refused in this cycle."""
+    user = request.user
+    if user in cycle.refused_users:
+        return cycle, False
+    config = cycle.state.config
+    limiter, granted = spec_limiter.try_take(
+        cycle.state.limiter, user, config.rate_of(user), cycle.now_ns, config.burst_ns)
+    if not granted:
+        return replace(cycle, refused_users=cycle.refused_users | {user}), False
+    state = replace(cycle.state, limiter=limiter)
+    return replace(cycle, state=state, charged=cycle.charged + (request.request_id,)), True
+
+
+def prefill_room(request: RequestState) -> int:
+    """R10: tokens a refused request may still compute without sampling (up to n-1)."""
+    return request.sampling_position - 1 - request.num_computed_tokens
+
+
+def decide_running(cycle: Cycle, request: RequestState, num_new_tokens: int) -> tuple[Cycle, int]:
+    """R12, R7, R10, R11: the final size of a running request's chunk (0: skip it).
+
+    R12: once A running requests are in the batch, the rest get 0 (not throttled).
+    R7: a chunk that samples is charged; R10: if refused, with chunked prefill it still
+    advances to n-1; R11: otherwise it is throttled: skipped, resident, not active.
+    """
+    assert num_new_tokens > 0, "V4: only non-empty chunks reach the last cap"
+    if len(cycle.scheduled) >= cycle.state.config.active_cap:
+        return cycle, 0  # R12: every scheduled entry so far is a running request
+    if not samples(request, num_new_tokens):
+        return cycle, num_new_tokens
+    cycle, granted = try_charge(cycle, request)
+    if granted:
+        return cycle, num_new_tokens
+    room = prefill_room(request)
+    if not cycle.state.config.chunked_prefill or room <= 0:
+        return replace(cycle, throttled=cycle.throttled | {request.request_id}), 0  # R11
+    return cycle, min(num_new_tokens, room)  # R10
+
+
+def waiting_gate(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
+    """R10: may a waiting request be sized at all?
+
+    Yes if its user is granted now. Otherwise its user is refused for the cycle, and it
+    proceeds only if, with chunked prefill, it can prefill something short of sampling;
+    else it is skipped, and later waiting requests are still considered (the decision
+    of semantics.md R10: vLLM 0.32 would stop admission here).
+    """
+    if request.user not in cycle.refused_users and allows(cycle, request.user):
+        return cycle, True
+    cycle = replace(cycle, refused_users=cycle.refused_users | {request.user})
+    if not cycle.state.config.chunked_prefill:
+        return cycle, False
+    return cycle, request.num_computed_tokens < request.num_tokens - 1
+
+
+def decide_waiting(cycle: Cycle, request: RequestState, num_new_tokens: int) -> tuple[Cycle, int]:
+    """R7, R10: the final size of a waiting request's first chunk (never 0).
+
+    ``waiting_gate`` let the request through, so either its user is granted now (the
+    charge succeeds: same instant, same TAT), or, with chunked prefill, it can stop short
+    of sampling. A refused request therefore never stops admission (R10 decision).
+    """
+    if not samples(request, num_new_tokens):
+        return cycle, num_new_tokens
+    cycle, granted = try_charge(cycle, request)
+    if granted:
+        return cycle, num_new_tokens
+    room = prefill_room(request)
+    # R10: the gate passes a refused request only with chunked prefill and room to prefill.
+    assert cycle.state.config.chunked_prefill and room > 0, f"R10: refused {request} passed the gate"
+    return cycle, min(num_new_tokens, room)
+
+
+def admission_cap(cycle: Cycle) -> int:
+    """R12: admit while ``len(running) < M`` and ``len(running) - throttled < A``."""
+    config = cycle.state.config
+    return min(config.max_num_seqs, config.active_cap + len(cycle.throttled))
+
+
+def preferred_victim(cycle: Cycle, request_id: str) -> str | None:
+    """R13: a request throttled at the start of this cycle is preempted before others.
+
+    FCFS: the last of them in ``running`` order. PRIORITY: only among those at vLLM's
+    victim level (the highest priority value in ``running``), the latest arrival.
+    None: no such request, vLLM's own choice applies (V6).
+    """
+    state = cycle.state
+    candidates = [get(state, rid) for rid in cycle.throttled_at_start if rid in state.running and rid != request_id]
+    if not candidates:
+        return None
+    if state.config.policy == FCFS:
+        return candidates[-1].request_id
+    level = max(get(state, rid).priority for rid in state.running)
+    at_level = [r for r in candidates if r.priority == level]
+    if not at_level:
+        return None
+    return max(at_level, key=lambda r: r.arrival).request_id
+
+
+# -- end of the cycle ------------------------------------------------------------------
+def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState, dict]:
+    """R9, R15, R6, R16: settle the cycle's charges and report the rate-limit fields.
+
+    R9: every charge whose request is not dispatched to sample is refunded, once, here
+    and nowhere else. R15: a dispatched charge makes its request the group's last served.
+    R6: every ``CLEANUP_INTERVAL_STEPS`` cycles, idle users are forgotten (and last-served
+    entries of requests that left). R16: the wait hint is the earliest ready time among
+    the users refused in this cycle.
+    """
+    state = cycle.state
+    limiter = state.limiter
+    served = {(u, p): rid for u, p, rid in state.last_served}
+    refunded = []
+    for rid in cycle.charged:
+        request = get(state, rid)
+        if rid in dispatched:
+            served[(request.user, request.priority)] = rid  # R15
+        else:
+            limiter = spec_limiter.refund(limiter, request.user, state.config.rate_of(request.user))  # R4, R9
+            refunded.append(rid)
+    num_schedules = state.num_schedules + 1
+    if num_schedules % CLEANUP_INTERVAL_STEPS == 0:
+        limiter = spec_limiter.cleanup_idle_users(limiter, cycle.now_ns)  # R6
+        live = {r.request_id for r in state.requests}
+        served = {key: rid for key, rid in served.items() if rid in live}
+    state = replace(
+        state,
+        limiter=limiter,
+        num_schedules=num_schedules,
+        last_served=tuple((u, p, rid) for (u, p), rid in served.items()),
+    )
+    ready = [spec_limiter.ready_at_ns(limiter, u, state.config.burst_ns) for u in cycle.refused_users]
+    ready = [t for t in ready if t is not None]
+    settled = {
+        "charged": cycle.charged,
+        "refunded": tuple(refunded),
+        "throttled": tuple(sorted(cycle.throttled)),
+        "wait_hint_ns": min(ready) if ready else None,
+        "tat_ns": tuple(sorted(limiter.tat_ns.items())),
+        "rate_limited": True,
+    }
+    return state, settled

@@ -1,0 +1,443 @@
+"""One vLLM 0.32 V1 scheduling step, as an executable specification.
+
+``step(state, event) -> (state, observation)`` is the whole model. It predicts, step for
+step, what vLLM 0.32.0's ``Scheduler`` (sync) and ``AsyncScheduler`` (one step in flight)
+do in the configuration class of ``spec/state.py`` (standard causal decoder, no prefix
+caching, FCFS or PRIORITY, token budget, chunked prefill on or off, KV cache of N blocks,
+``max_num_seqs``), and, with the feature on, what the rate-limited scheduler adds on top
+(R7-R18, ``spec/rate.py``). This is our own model written from vLLM's observable
+behaviour; it shares no code with vLLM.
+
+Base behaviour of vLLM 0.32 (V-rules), the vocabulary of the whole spec:
+
+| id | rule |
+|---|---|
+| V1 | Budget. One step's batch holds at most ``max_num_batched_tokens`` tokens. ``running`` is served first, then ``waiting``. |
+| V2 | Running loop. ``running`` is visited in order until the budget is 0 or an allocation fails for good; a request given 0 tokens is skipped, later ones still served. |
+| V3 | Async guard. A running request whose in-flight placeholders already carry it to ``max_tokens`` is skipped (no extra step past ``max_tokens``). |
+| V4 | Chunk size. A running request gets ``num_tokens + placeholders - num_computed_tokens`` tokens, capped by the budget and by ``max_model_len - num_computed_tokens - 1``. |
+| V5 | KV blocks. A request holds ``ceil(tokens / block_size)`` blocks for the tokens it has slots for; a chunk needs ``ceil(min(computed + n, max_model_len) / block_size) - held`` new blocks and fails if more than the free blocks. One block is vLLM's null block, never handed out. |
+| V6 | Preemption. When a running request's allocation fails, a victim is preempted and the allocation retried: FCFS the last of ``running``, PRIORITY the max (priority, arrival). The victim frees all its blocks, restarts at 0 computed tokens, loses its placeholders, keeps its in-flight tokens as stale, and goes back to ``waiting`` (FCFS: at the front). A victim already scheduled in this step gives its tokens back to the budget. If the victim is the request itself, the running loop stops. |
+| V7 | No admission in a step that preempted. |
+| V8 | Waiting loop. ``waiting`` in queue order (FCFS: arrival, preempted in front; PRIORITY: (priority, arrival)). Stops when the budget is 0, when ``len(running)`` reaches the admission cap, when without chunked prefill the request's ``num_tokens`` exceed the budget left, or when the blocks of its whole sequence (``num_tokens``) are not free (vLLM's ``scheduler_reserve_full_isl``). Async: a request whose stale output is still in flight is skipped. An admitted request gets ``min(num_tokens, budget)`` tokens and blocks for that chunk. |
+| V9 | After scheduling: ``num_computed_tokens`` += scheduled tokens; the chunk samples iff it reaches ``num_tokens + placeholders`` (a sampling dispatch); async: each sampling dispatch adds one placeholder. |
+| V10 | Model output. Each sampling dispatch yields one token; on delivery it is appended (stale output too) and the request stops with ``stop`` at EOS, else ``length`` at ``max_tokens`` outputs or ``max_model_len`` tokens. A stopped request frees its blocks and leaves ``running``/``waiting``. Output for a request that already left is dropped. |
+| V11 | Abort. A live request leaves at once (reason ``abort``), freeing its blocks. |
+| V12 | Async pipeline. ``Step`` schedules step N+1 before delivering step N's output, so a request may be dispatched once more after its EOS. |
+
+Every function below cites the rules it implements. ``spec/rate.py`` holds R7-R16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from vllm_output_rate.spec import rate
+from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.state import (
+    ABORT,
+    FCFS,
+    LENGTH,
+    PREEMPTED,
+    RUNNING,
+    STOP,
+    WAITING,
+    Cycle,
+    Finished,
+    Observation,
+    OutputEntry,
+    RequestState,
+    SchedulerState,
+    blocks_for,
+    find,
+    get,
+    initial_state,
+    with_blocks,
+    with_request,
+)
+
+
+# -- the step ------------------------------------------------------------------------
+def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, Observation]:
+    """Apply one event (``spec/events.py``) and say what it did."""
+    if isinstance(event, AddRequest):
+        return add_request(state, event), Observation(str(event), state.now_ns)
+    if isinstance(event, Abort):
+        return abort(state, event.request_id)
+    if isinstance(event, AdvanceClock):
+        # R16: time moves only by this event; the scheduler reads it once per cycle.
+        return replace(state, now_ns=state.now_ns + event.delta_ns), Observation(str(event), state.now_ns)
+    if isinstance(event, Step):
+        return scheduling_step(state)
+    assert isinstance(event, Drain), f"unknown event {event!r}"
+    return drain(state)
+
+
+def add_request(state: SchedulerState, event: AddRequest) -> SchedulerState:
+    """V8: a new request joins ``waiting`` (FCFS: at the back; PRIORITY: by its key)."""
+    assert find(state, event.request_id) is None, f"duplicate request id {event.request_id}"
+    request = RequestState(
+        request_id=event.request_id,
+        user=event.user,
+        priority=event.priority,
+        arrival=state.num_arrivals,
+        prompt_len=event.prompt_len,
+        max_tokens=event.max_tokens,
+        eos_index=event.eos_index,
+    )
+    state = replace(state, requests=state.requests + (request,), num_arrivals=state.num_arrivals + 1)
+    return replace(state, waiting=enqueue(state, request.request_id, front=False))
+
+
+def abort(state: SchedulerState, request_id: str) -> tuple[SchedulerState, Observation]:
+    """V11: a live request leaves with reason ``abort``; an unknown id changes nothing."""
+    request = find(state, request_id)
+    if request is None:
+        return state, Observation(f"abort {request_id}", state.now_ns)
+    state, finished = finish(state, request, ABORT)
+    return state, Observation(f"abort {request_id}", state.now_ns, finished=(finished,))
+
+
+def scheduling_step(state: SchedulerState) -> tuple[SchedulerState, Observation]:
+    """V12: schedule, then deliver (sync: this step's output; async: the previous one)."""
+    state, cycle, settled = schedule(state)
+    state, output = commit(state, cycle)
+    if state.config.async_scheduling:
+        state, to_deliver = replace(state, in_flight=output), state.in_flight
+    else:
+        to_deliver = output
+    state, finished = deliver(state, to_deliver or ())
+    observation = Observation(
+        event="step",
+        now_ns=cycle.now_ns,
+        scheduled=cycle.scheduled,
+        sampled=tuple(e.request_id for e in output if e.sampled),
+        preempted=cycle.preempted,
+        admitted=cycle.admitted,
+        finished=finished,
+        delivered=to_deliver or (),
+        scheduled_running=len(cycle.scheduled) - len(cycle.admitted),
+        **settled,
+    )
+    return state, observation
+
+
+def drain(state: SchedulerState) -> tuple[SchedulerState, Observation]:
+    """V12: async only, deliver the output in flight and schedule nothing."""
+    to_deliver = state.in_flight or ()
+    state, finished = deliver(replace(state, in_flight=None), to_deliver)
+    return state, Observation("drain", state.now_ns, finished=finished, delivered=to_deliver)
+
+
+# -- schedule(): one cycle ----------------------------------------------------------
+def schedule(state: SchedulerState) -> tuple[SchedulerState, Cycle, dict]:
+    """V1-V8 (+ R6-R16 with the feature on): decide this step's batch.
+
+    Returns the state after the loops (before V9), the cycle, and the rate-limit
+    fields of the observation (empty with the feature off, R18).
+    """
+    cycle = Cycle(state=state, token_budget=state.config.max_num_batched_tokens, now_ns=state.now_ns)
+    if state.config.rate_limited:
+        cycle = rate.begin_cycle(cycle)  # R14, R13, R11
+    cycle = running_loop(cycle)
+    cycle = waiting_loop(cycle)
+    if not state.config.rate_limited:
+        return cycle.state, cycle, {}
+    new_state, settled = rate.end_cycle(cycle, dispatched=sampling_dispatches(cycle))  # R9, R15, R6, R16
+    return new_state, replace(cycle, state=new_state), settled
+
+
+def running_loop(cycle: Cycle) -> Cycle:
+    """V2: visit ``running`` in order until the budget is spent or the loop halts.
+
+    A request preempted by an earlier allocation of this loop is not visited.
+    """
+    for request_id in cycle.state.running:
+        if cycle.halted or cycle.token_budget == 0:
+            break
+        if request_id in cycle.state.running:
+            cycle = visit_running(cycle, request_id)
+    return cycle
+
+
+def visit_running(cycle: Cycle, request_id: str) -> Cycle:
+    """V3, V4, V5, V6 (+ R7, R10-R12): give one running request its chunk, or skip it."""
+    request = get(cycle.state, request_id)
+    config = cycle.state.config
+    if config.async_scheduling and max_tokens_in_flight(request):
+        return cycle  # V3
+    num_new_tokens = running_chunk_tokens(request, cycle)
+    if config.rate_limited and num_new_tokens > 0:
+        cycle, num_new_tokens = rate.decide_running(cycle, request, num_new_tokens)  # R7, R10-R12
+    if num_new_tokens == 0:
+        return cycle  # V2: skipped, later requests are still served
+    cycle, allocated = allocate_running(cycle, request_id, num_new_tokens)
+    if not allocated:
+        return replace(cycle, halted=True)  # V6: it preempted itself
+    return add_scheduled(cycle, request_id, num_new_tokens)
+
+
+def max_tokens_in_flight(request: RequestState) -> bool:
+    """V3: the in-flight placeholders already reach ``max_tokens`` (even if every
+    placeholder were a real token, no further step is needed)."""
+    return (
+        request.num_output_placeholders > 0
+        and request.num_computed_tokens + 2 - request.num_output_placeholders
+        >= request.prompt_len + request.max_tokens
+    )
+
+
+def running_chunk_tokens(request: RequestState, cycle: Cycle) -> int:
+    """V4: what a running request still needs, capped by the budget and ``max_model_len``."""
+    wanted = request.sampling_position - request.num_computed_tokens
+    room = cycle.state.config.max_model_len - request.num_computed_tokens - 1
+    return max(min(wanted, cycle.token_budget, room), 0)
+
+
+def allocate_running(cycle: Cycle, request_id: str, num_new_tokens: int) -> tuple[Cycle, bool]:
+    """V5, V6: allocate the chunk's blocks, preempting victims until it fits.
+
+    Returns (cycle, False) when the request itself was the victim. Bounded: every
+    round removes one request from ``running``.
+    """
+    for _ in range(len(cycle.state.running) + 1):
+        request = get(cycle.state, request_id)
+        needed = max(blocks_for(request.num_computed_tokens + num_new_tokens, cycle.state.config) - request.num_blocks, 0)
+        if needed <= cycle.state.num_free_blocks:
+            state = with_blocks(cycle.state, request_id, request.num_blocks + needed)
+            return replace(cycle, state=state), True
+        victim = choose_victim(cycle, request_id)
+        cycle = preempt(cycle, victim)
+        if victim == request_id:
+            return cycle, False
+    raise AssertionError(f"V6: {request_id} still does not fit after preempting every running request")
+
+
+def choose_victim(cycle: Cycle, request_id: str) -> str:
+    """V6 (+ R13): the request to preempt when ``request_id``'s allocation fails."""
+    if cycle.state.config.rate_limited:
+        preferred = rate.preferred_victim(cycle, request_id)  # R13
+        if preferred is not None:
+            return preferred
+    running = [get(cycle.state, rid) for rid in cycle.state.running]
+    assert running, "V6: an allocation failed with nothing running"
+    if cycle.state.config.policy == FCFS:
+        return running[-1].request_id
+    return max(running, key=lambda r: r.queue_key).request_id
+
+
+def preempt(cycle: Cycle, victim_id: str) -> Cycle:
+    """V6: preempt ``victim_id``: free its blocks, reset it, put it back in ``waiting``.
+
+    Tokens it was scheduled in this cycle return to the budget (PRIORITY only: an FCFS
+    victim is never one already served).
+    """
+    victim = get(cycle.state, victim_id)
+    assert victim.status == RUNNING, f"V6: only running requests are preempted, {victim_id} is {victim.status}"
+    state = replace(cycle.state, running=tuple(rid for rid in cycle.state.running if rid != victim_id))
+    state = with_blocks(
+        state,
+        victim_id,
+        0,
+        status=PREEMPTED,
+        num_computed_tokens=0,
+        num_output_placeholders=0,
+        num_stale_output_tokens=victim.num_in_flight_tokens,
+        num_preemptions=victim.num_preemptions + 1,
+    )
+    state = replace(state, waiting=enqueue(state, victim_id, front=True))
+    returned = cycle.scheduled_tokens(victim_id)
+    return replace(
+        cycle,
+        state=state,
+        token_budget=cycle.token_budget + returned,
+        scheduled=tuple((rid, n) for rid, n in cycle.scheduled if rid != victim_id),
+        preempted=cycle.preempted + (victim_id,),
+        throttled=cycle.throttled - {victim_id},  # R11/R12: no longer resident
+    )
+
+
+def add_scheduled(cycle: Cycle, request_id: str, num_new_tokens: int) -> Cycle:
+    """V1: the chunk joins the batch and spends its tokens."""
+    assert 0 < num_new_tokens <= cycle.token_budget, f"V1: {num_new_tokens} tokens, budget {cycle.token_budget}"
+    assert cycle.scheduled_tokens(request_id) == 0, f"V2: {request_id} scheduled twice in one step"
+    return replace(
+        cycle,
+        token_budget=cycle.token_budget - num_new_tokens,
+        scheduled=cycle.scheduled + ((request_id, num_new_tokens),),
+    )
+
+
+def waiting_loop(cycle: Cycle) -> Cycle:
+    """V7, V8: admit waiting requests in queue order until one stops the loop."""
+    if cycle.preempted:
+        return cycle  # V7
+    for request_id in cycle.state.waiting:
+        cycle, go_on = visit_waiting(cycle, request_id)
+        if not go_on:
+            break
+    return cycle
+
+
+def admission_cap(cycle: Cycle) -> int:
+    """V8 (+ R12): admit only while ``len(running)`` is below this."""
+    if cycle.state.config.rate_limited:
+        return rate.admission_cap(cycle)  # R12
+    return cycle.state.config.upstream_admission_cap
+
+
+def visit_waiting(cycle: Cycle, request_id: str) -> tuple[Cycle, bool]:
+    """V8 (+ R7, R10): admit one waiting request, skip it, or stop the loop.
+
+    Returns (cycle, go_on): go_on is False when the loop stops here.
+    """
+    config = cycle.state.config
+    if cycle.token_budget == 0 or len(cycle.state.running) >= admission_cap(cycle):
+        return cycle, False
+    request = get(cycle.state, request_id)
+    if config.rate_limited:
+        cycle, proceed = rate.waiting_gate(cycle, request)  # R10: refused users skipped
+        if not proceed:
+            return cycle, True
+    # V8: vLLM skips a waiting request whose stale output (V6) is still in flight. In the
+    # modelled class none is ever seen here: only a preemption makes output stale, a cycle
+    # that preempts admits nothing (V7), and the stale output is delivered right after
+    # that cycle (V12). So the skip is an invariant instead.
+    assert request.num_stale_output_tokens == 0, f"V8: stale output in flight at admission: {request}"
+    assert request.num_computed_tokens == 0 and request.num_blocks == 0, f"V6/V8: {request}"
+    if not config.chunked_prefill and request.num_tokens > cycle.token_budget:
+        return cycle, False
+    num_new_tokens = min(request.num_tokens, cycle.token_budget)
+    if config.rate_limited:
+        cycle, num_new_tokens = rate.decide_waiting(cycle, request, num_new_tokens)  # R7, R10
+    if blocks_for(request.num_tokens, config) > cycle.state.num_free_blocks:
+        return cycle, False  # V8: the whole sequence must fit
+    return admit(cycle, request_id, num_new_tokens), True
+
+
+def admit(cycle: Cycle, request_id: str, num_new_tokens: int) -> Cycle:
+    """V8: move a waiting request to the end of ``running`` with its first chunk."""
+    needed = blocks_for(num_new_tokens, cycle.state.config)
+    state = with_blocks(cycle.state, request_id, needed, status=RUNNING)
+    state = replace(
+        state,
+        running=state.running + (request_id,),
+        waiting=tuple(rid for rid in state.waiting if rid != request_id),
+    )
+    cycle = replace(cycle, state=state, admitted=cycle.admitted + (request_id,))
+    return add_scheduled(cycle, request_id, num_new_tokens)
+
+
+def enqueue(state: SchedulerState, request_id: str, front: bool) -> tuple[str, ...]:
+    """V6, V8: ``waiting`` with ``request_id`` added (FCFS: front or back; PRIORITY: by key)."""
+    assert request_id not in state.waiting, f"{request_id} queued twice"
+    if state.config.policy == FCFS:
+        return (request_id,) + state.waiting if front else state.waiting + (request_id,)
+    ids = state.waiting + (request_id,)
+    return tuple(sorted(ids, key=lambda rid: get(state, rid).queue_key))
+
+
+def sampling_dispatches(cycle: Cycle) -> frozenset[str]:
+    """V9 / R7: scheduled requests whose chunk reaches the sampling position."""
+    return frozenset(
+        rid for rid, n in cycle.scheduled
+        if get(cycle.state, rid).num_computed_tokens + n >= get(cycle.state, rid).sampling_position
+    )
+
+
+# -- after schedule(): V9 ------------------------------------------------------------
+def commit(state: SchedulerState, cycle: Cycle) -> tuple[SchedulerState, tuple[OutputEntry, ...]]:
+    """V9: advance ``num_computed_tokens`` and fabricate the model output of the batch.
+
+    The fabricated model samples EOS at the request's ``eos_index``-th sampling dispatch.
+    """
+    output = []
+    for request_id, num_tokens in cycle.scheduled:
+        request = get(state, request_id)
+        samples = request.num_computed_tokens + num_tokens >= request.sampling_position
+        eos = samples and request.num_sampling_dispatches == request.eos_index
+        placeholders = 1 if samples and state.config.async_scheduling else 0
+        state = with_request(state, request_id, lambda r: replace(
+            r,
+            num_computed_tokens=r.num_computed_tokens + num_tokens,
+            num_in_flight_tokens=r.num_in_flight_tokens + num_tokens,
+            num_output_placeholders=r.num_output_placeholders + placeholders,
+            num_sampling_dispatches=r.num_sampling_dispatches + (1 if samples else 0),
+        ))
+        output.append(OutputEntry(request_id, num_tokens, samples, eos))
+    return state, tuple(output)
+
+
+# -- update_from_output(): V10 ------------------------------------------------------
+def deliver(state: SchedulerState, output: tuple[OutputEntry, ...]) -> tuple[SchedulerState, tuple[Finished, ...]]:
+    """V10: apply one step's model output, in batch order; return who finished."""
+    finished = []
+    for entry in output:
+        request = find(state, entry.request_id)
+        if request is None:
+            continue  # V10/V12: it left while its output was in flight
+        state, done = deliver_one(state, request, entry)
+        if done is not None:
+            finished.append(done)
+    return state, tuple(finished)
+
+
+def deliver_one(state: SchedulerState, request: RequestState, entry: OutputEntry) -> tuple[SchedulerState, Finished | None]:
+    """V10: one request's part of the output: settle in-flight tokens, append, check stop."""
+    stale = request.num_stale_output_tokens > 0
+    assert request.num_in_flight_tokens >= entry.num_scheduled_tokens, f"V9: in-flight underflow {request}"
+    assert not stale or request.num_stale_output_tokens >= entry.num_scheduled_tokens, f"V6: stale underflow {request}"
+    request = replace(
+        request,
+        num_in_flight_tokens=request.num_in_flight_tokens - entry.num_scheduled_tokens,
+        num_stale_output_tokens=request.num_stale_output_tokens - (entry.num_scheduled_tokens if stale else 0),
+    )
+    if entry.sampled:
+        # V10: a stale token is appended too, but its placeholder was already dropped (V6).
+        drop_placeholder = state.config.async_scheduling and not stale
+        assert not drop_placeholder or request.num_output_placeholders > 0, f"V9: no placeholder for {request}"
+        request = replace(
+            request,
+            num_output_tokens=request.num_output_tokens + 1,
+            num_output_placeholders=request.num_output_placeholders - (1 if drop_placeholder else 0),
+        )
+    state = with_request(state, request.request_id, lambda _: request)
+    reason = stop_reason(request, entry, state.config.max_model_len) if entry.sampled else None
+    if reason is None:
+        return state, None
+    return finish(state, request, reason)
+
+
+def stop_reason(request: RequestState, entry: OutputEntry, max_model_len: int) -> str | None:
+    """V10: ``stop`` at EOS, else ``length`` at ``max_tokens`` outputs or ``max_model_len``."""
+    if entry.eos:
+        return STOP
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        return LENGTH
+    return None
+
+
+def finish(state: SchedulerState, request: RequestState, reason: str) -> tuple[SchedulerState, Finished]:
+    """V10, V11: the request leaves: its blocks are freed, it leaves every queue."""
+    rid = request.request_id
+    assert request.status in (RUNNING, PREEMPTED, WAITING), request
+    state = replace(
+        state,
+        requests=tuple(r for r in state.requests if r.request_id != rid),
+        running=tuple(x for x in state.running if x != rid),
+        waiting=tuple(x for x in state.waiting if x != rid),
+        num_free_blocks=state.num_free_blocks + request.num_blocks,
+    )
+    return state, Finished(rid, reason, request.num_output_tokens)
+
+
+def run(state: SchedulerState, events) -> tuple[SchedulerState, list[Observation]]:
+    """Apply ``events`` in order; return the final state and one observation per event."""
+    observations = []
+    for event in events:
+        state, observation = step(state, event)
+        observations.append(observation)
+    return state, observations
+
+
+__all__ = ["step", "run", "initial_state", "schedule", "commit", "deliver", "WAITING"]

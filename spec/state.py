@@ -1,0 +1,342 @@
+"""The state of the step model: configuration, requests, scheduler state, observations.
+
+Everything here is a frozen dataclass holding ints, strings, booleans, ``Fraction``s and
+tuples. Nothing reads a clock, draws a random number or does I/O. Functions that change a
+state return a new one.
+
+Vocabulary is vLLM 0.32's (``running``, ``waiting``, ``num_computed_tokens``,
+``num_output_placeholders``, ...), so that a reader can hold this file next to
+``vllm/v1/core/sched/scheduler.py`` and ``vllm/v1/request.py``. The behaviour ids
+V1-V12 (base vLLM) and R1-R18 (rate limit) are explained in ``spec/scheduler.py``.
+
+Modelled configuration class (``EngineConfig``): a standard causal decoder, no prefix
+caching (the gate turns it off: every admission starts at 0 computed tokens), no
+speculative decoding, no KV connector, no LoRA, no multimodal inputs, no structured output,
+no pipeline parallelism, watermark 0, ``long_prefill_token_threshold`` 0, one full-attention
+KV cache group of ``num_blocks`` blocks (one of them is vLLM's reserved null block).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Callable
+
+from vllm_output_rate.spec import limiter as spec_limiter
+
+FCFS = "fcfs"
+PRIORITY = "priority"
+POLICIES = (FCFS, PRIORITY)
+
+# vLLM's RequestStatus values that the model needs (finished requests leave the state).
+WAITING = "waiting"
+RUNNING = "running"
+PREEMPTED = "preempted"
+
+# Finish reasons as vLLM's FinishReason prints them.
+STOP = "stop"
+LENGTH = "length"
+ABORT = "abort"
+
+# Bounds (TigerBeetle style). A generated scenario stays far below each.
+MAX_LIVE_REQUESTS: int = 1024
+MAX_NUM_BLOCKS: int = 1 << 20
+MAX_MODEL_LEN: int = 1 << 20
+MAX_NUM_SEQS: int = 1024
+NULL_BLOCKS: int = 1  # vLLM's BlockPool keeps one null block that is never handed out
+# R6: idle users are forgotten every this many schedule() calls with the feature on.
+CLEANUP_INTERVAL_STEPS: int = spec_limiter.CLEANUP_INTERVAL_STEPS
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's configuration, in vLLM's names.
+
+    ``max_num_active_seqs`` is vLLM's upstream admission cap (counts every running
+    request); with the feature on, R12 reinterprets it (see ``active_cap``).
+    ``default_rate_tokens_per_s`` None means the feature is off (R18).
+    """
+
+    max_num_seqs: int = 8
+    max_num_active_seqs: int | None = None
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+    block_size: int = 16
+    num_blocks: int = 1024
+    policy: str = FCFS
+    async_scheduling: bool = False
+    max_model_len: int = 2048
+    default_rate_tokens_per_s: Fraction | None = None
+    user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...] = ()
+    output_rate_max_num_active_seqs: int | None = None
+    burst_ns: int = spec_limiter.BURST_NS
+
+    def __post_init__(self) -> None:
+        # The configuration is one that vLLM 0.32 accepts (SchedulerConfig validation).
+        assert 1 <= self.max_num_seqs <= MAX_NUM_SEQS, f"max_num_seqs {self.max_num_seqs}"
+        assert self.max_num_active_seqs is None or 1 <= self.max_num_active_seqs <= self.max_num_seqs, (
+            f"max_num_active_seqs {self.max_num_active_seqs} must be in [1, max_num_seqs={self.max_num_seqs}]")
+        assert self.max_num_batched_tokens >= 1, f"max_num_batched_tokens {self.max_num_batched_tokens}"
+        assert self.chunked_prefill or self.max_num_batched_tokens >= self.max_model_len, (
+            "without chunked prefill vLLM requires max_num_batched_tokens >= max_model_len")
+        assert self.block_size >= 1, f"block_size {self.block_size}"
+        assert NULL_BLOCKS < self.num_blocks <= MAX_NUM_BLOCKS, f"num_blocks {self.num_blocks}"
+        assert self.policy in POLICIES, f"policy {self.policy!r}"
+        assert 2 <= self.max_model_len <= MAX_MODEL_LEN, f"max_model_len {self.max_model_len}"
+        # R1/R3: rates are positive exact rationals; burst tau > 0.
+        assert self.default_rate_tokens_per_s is None or self.default_rate_tokens_per_s > 0
+        assert all(rate > 0 for _, rate in self.user_rates_tokens_per_s), self.user_rates_tokens_per_s
+        assert self.default_rate_tokens_per_s is not None or not self.user_rates_tokens_per_s, (
+            "per-user rates need a default rate (the feature is off without one)")
+        assert self.burst_ns > 0, f"burst_ns {self.burst_ns}"
+
+    @property
+    def rate_limited(self) -> bool:
+        """R18: the feature is on iff a default rate is configured."""
+        return self.default_rate_tokens_per_s is not None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """V5: blocks a request can ever get (the null block excluded)."""
+        return self.num_blocks - NULL_BLOCKS
+
+    @property
+    def active_cap(self) -> int:
+        """R12: the active cap A with the feature on (the output_rate key wins, then
+        vLLM's flag, then ``max_num_seqs``; never above ``max_num_seqs``)."""
+        cap = self.output_rate_max_num_active_seqs or self.max_num_active_seqs or self.max_num_seqs
+        return min(cap, self.max_num_seqs)
+
+    @property
+    def upstream_admission_cap(self) -> int:
+        """V8: vLLM's own admission cap into RUNNING (feature off)."""
+        return self.max_num_active_seqs if self.max_num_active_seqs is not None else self.max_num_seqs
+
+    def rate_of(self, user: str) -> Fraction:
+        """R1: the user's rate in tokens/s (override, else the default)."""
+        assert self.default_rate_tokens_per_s is not None, "rate_of with the feature off"
+        for name, rate in self.user_rates_tokens_per_s:
+            if name == user:
+                return rate
+        return self.default_rate_tokens_per_s
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """One live request (vLLM ``Request``), the fields the scheduler reads or writes.
+
+    ``arrival``: the index of its ``AddRequest`` (vLLM's ``arrival_time`` in the harness).
+    ``num_sampling_dispatches``: how many sampling steps were dispatched for it so far,
+    i.e. the output index of the next token the fabricated model samples.
+    ``num_blocks``: KV blocks held (V5).
+    """
+
+    request_id: str
+    user: str
+    priority: int
+    arrival: int
+    prompt_len: int
+    max_tokens: int
+    eos_index: int | None
+    status: str = WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    num_stale_output_tokens: int = 0
+    num_blocks: int = 0
+    num_sampling_dispatches: int = 0
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        # Counters are never negative; a waiting request holds no KV and computed nothing.
+        assert self.status in (WAITING, RUNNING, PREEMPTED), self.status
+        assert min(self.num_computed_tokens, self.num_output_tokens, self.num_output_placeholders,
+                   self.num_in_flight_tokens, self.num_stale_output_tokens, self.num_blocks) >= 0, self
+        assert self.status == RUNNING or (self.num_blocks == 0 and self.num_computed_tokens == 0), self
+        assert self.num_output_tokens <= self.max_tokens, self
+
+    @property
+    def num_tokens(self) -> int:
+        """vLLM ``Request.num_tokens``: prompt plus the outputs delivered so far."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def sampling_position(self) -> int:
+        """R7: ``num_computed_tokens`` at which a scheduled chunk samples a token."""
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        """V8: PRIORITY order (vLLM ``Request.__lt__``): smaller priority, then earlier."""
+        return (self.priority, self.arrival)
+
+
+@dataclass(frozen=True)
+class OutputEntry:
+    """One request's part of a fabricated ``ModelRunnerOutput`` (in scheduled order).
+
+    ``sampled``: the chunk reached the sampling position, one token was sampled;
+    ``eos``: that token is EOS.
+    """
+
+    request_id: str
+    num_scheduled_tokens: int
+    sampled: bool
+    eos: bool
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request left the scheduler: vLLM's finish reason and its number of outputs."""
+
+    request_id: str
+    reason: str
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """The whole model state between events.
+
+    ``requests``: live requests in arrival order (finished ones are gone, as from vLLM's
+    ``Scheduler.requests``). ``running``: vLLM's ``running`` list, in order. ``waiting``:
+    the waiting queue in the order vLLM would pop it. ``in_flight``: async only, the
+    model output of the last scheduled step, delivered by the next ``Step``/``Drain``.
+    ``limiter``: per-user TATs (R1). ``last_served``: (user, priority, request id) of each
+    group's last dispatched stream (R15). ``num_schedules``: ``schedule()`` calls with the
+    feature on (R6 cadence).
+    """
+
+    config: EngineConfig
+    now_ns: int = 0
+    requests: tuple[RequestState, ...] = ()
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    num_free_blocks: int = -1
+    in_flight: tuple[OutputEntry, ...] | None = None
+    num_arrivals: int = 0
+    num_schedules: int = 0
+    limiter: spec_limiter.LimiterState = field(default_factory=spec_limiter.LimiterState)
+    last_served: tuple[tuple[str, int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        # Bounded collections; every queued id is a live request; KV is conserved.
+        assert len(self.requests) <= MAX_LIVE_REQUESTS, f"{len(self.requests)} live requests"
+        assert len(self.running) <= self.config.max_num_seqs, f"V8: running {self.running} > max_num_seqs"
+        assert self.num_free_blocks == -1 or self.num_free_blocks + sum(
+            r.num_blocks for r in self.requests) == self.config.num_usable_blocks, "V5: KV blocks not conserved"
+        assert len(self.last_served) <= MAX_LIVE_REQUESTS, "R15: last_served unbounded"
+
+
+def initial_state(config: EngineConfig) -> SchedulerState:
+    """The state of a freshly built scheduler: nothing queued, all KV blocks free."""
+    return SchedulerState(config=config, num_free_blocks=config.num_usable_blocks)
+
+
+def find(state: SchedulerState, request_id: str) -> RequestState | None:
+    """The live request ``request_id``, or None if it is unknown or finished."""
+    for request in state.requests:
+        if request.request_id == request_id:
+            return request
+    return None
+
+
+def get(state: SchedulerState, request_id: str) -> RequestState:
+    """The live request ``request_id`` (it must exist)."""
+    request = find(state, request_id)
+    assert request is not None, f"{request_id} is not a live request"
+    return request
+
+
+def with_request(state: SchedulerState, request_id: str, change: Callable[[RequestState], RequestState]) -> SchedulerState:
+    """``state`` with ``change`` applied to the live request ``request_id``."""
+    requests = tuple(change(r) if r.request_id == request_id else r for r in state.requests)
+    return replace(state, requests=requests)
+
+
+def with_blocks(state: SchedulerState, request_id: str, num_blocks: int, **changes) -> SchedulerState:
+    """V5: ``request_id`` now holds ``num_blocks`` blocks (plus ``changes`` to its fields);
+    the difference moves from or to the free pool in the same state change."""
+    request = get(state, request_id)
+    delta = num_blocks - request.num_blocks
+    assert delta <= state.num_free_blocks, f"V5: {delta} blocks needed, {state.num_free_blocks} free"
+    updated = replace(request, num_blocks=num_blocks, **changes)
+    requests = tuple(updated if r.request_id == request_id else r for r in state.requests)
+    return replace(state, requests=requests, num_free_blocks=state.num_free_blocks - delta)
+
+
+def blocks_for(num_tokens: int, config: EngineConfig) -> int:
+    """V5: blocks that hold ``num_tokens`` slots (capped at ``max_model_len``)."""
+    return math.ceil(min(num_tokens, config.max_model_len) / config.block_size)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one event did (the comparison unit of the gate).
+
+    Base (V-rules): ``scheduled`` (request id, tokens) in ``SchedulerOutput`` order;
+    ``sampled``: ids whose chunk reaches the sampling position; ``preempted`` in
+    preemption order; ``admitted`` from waiting in admission order; ``finished``: requests
+    whose final output was delivered by this event (or that it aborted).
+    Rate limit (R7-R16, empty with the feature off): ``charged`` in charge order,
+    ``refunded``, ``throttled`` (sorted), ``wait_hint_ns``, and every user's TAT after the
+    step (``tat_ns``, sorted by user).
+    """
+
+    event: str
+    now_ns: int
+    scheduled: tuple[tuple[str, int], ...] = ()
+    sampled: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
+    admitted: tuple[str, ...] = ()
+    finished: tuple[Finished, ...] = ()
+    delivered: tuple[OutputEntry, ...] = ()
+    charged: tuple[str, ...] = ()
+    refunded: tuple[str, ...] = ()
+    throttled: tuple[str, ...] = ()
+    wait_hint_ns: int | None = None
+    tat_ns: tuple[tuple[str, Fraction], ...] = ()
+    scheduled_running: int = 0
+    rate_limited: bool = False
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """The working values of one ``schedule()`` call, discarded when it returns.
+
+    ``state``: the scheduler state as the cycle has changed it so far.
+    ``token_budget``: tokens left in this step's batch (V1).
+    ``scheduled``: (request id, tokens) in ``SchedulerOutput`` order; while the running
+    loop runs, every entry is a running request (R12 counts them).
+    ``halted``: an allocation failure stopped the running loop (V6).
+    Rate limit: ``now_ns`` is the cycle's one clock reading (R16); ``charged`` in charge
+    order (R7); ``refused_users``: users refused in this cycle, not asked again;
+    ``throttled``: running requests refused and skipped (R11); ``throttled_at_start``:
+    the preferred victims of this cycle, in ``running`` order (R13).
+    """
+
+    state: SchedulerState
+    token_budget: int
+    scheduled: tuple[tuple[str, int], ...] = ()
+    preempted: tuple[str, ...] = ()
+    admitted: tuple[str, ...] = ()
+    halted: bool = False
+    now_ns: int = 0
+    charged: tuple[str, ...] = ()
+    refused_users: frozenset[str] = frozenset()
+    throttled: frozenset[str] = frozenset()
+    throttled_at_start: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # V1: the budget is never overspent; R7: at most one charge per request per cycle.
+        assert self.token_budget >= 0, f"V1: token budget overspent: {self.token_budget}"
+        assert len(set(self.charged)) == len(self.charged), f"R7: charged twice in one step: {self.charged}"
+
+    def scheduled_tokens(self, request_id: str) -> int:
+        """Tokens scheduled for ``request_id`` in this cycle (0 if none)."""
+        for rid, num_tokens in self.scheduled:
+            if rid == request_id:
+                return num_tokens
+        return 0
