@@ -1,0 +1,38 @@
+"""The pytest plugin runs the gate inside another project's test suite."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER
+
+
+def _pytest(tmp_path, *args):
+    (tmp_path / "test_patch.py").write_text("def test_own():\n    assert sum([1, 1]) == 2\n")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           str(tmp_path / "test_patch.py"), *args],
+                          capture_output=True, text=True, cwd=tmp_path)
+
+
+def test_r2_plugin_passes_the_reference(tmp_path):
+    run = _pytest(tmp_path, f"--outrate-scheduler={REFERENCE_SCHEDULER}",
+                  f"--outrate-async-scheduler={REFERENCE_ASYNC_SCHEDULER}")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "6 passed" in run.stdout  # the patch's own test + 5 gate checks
+
+
+def test_r2_plugin_rejects_stock_vllm_with_counterexample(tmp_path):
+    run = _pytest(tmp_path, f"--outrate-scheduler={STOCK_SCHEDULER}")
+    assert run.returncode == 1
+    assert "rate-limit/sync FAILED: R2" in run.stdout
+    assert "counterexample:" in run.stdout
+
+
+def test_plugin_adds_nothing_without_the_option_and_loads_no_vllm(tmp_path):
+    run = _pytest(tmp_path)
+    assert run.returncode == 0 and "1 passed" in run.stdout
+    probe = subprocess.run([sys.executable, "-c", "import sys, vllm_output_rate.adapter.pytest_plugin; "
+                            "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "False"
