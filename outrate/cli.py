@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -69,6 +70,9 @@ def conform(scheduler_cls, async_scheduler_cls, profile, seed, mutants, json_pat
             except (ValueError, ImportError) as exc:
                 raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
         import vllm
+
+        # The gate builds hundreds of schedulers; vLLM's per-construction warnings are noise here.
+        logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
 
     def scheduler_check(cls, async_mode, pressured):
         examples = budget["pressured"] if pressured else budget["async" if async_mode else "sync"]
@@ -195,22 +199,80 @@ def _run_mutants(budget: dict, seed: int) -> list[dict]:
 @main.command()
 @click.argument("scenario_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
-              help="Class to run the scenario on; default: the reference (sync or async as the scenario says).")
+              help="Class to run the scenario on; default: the class the saving check judged (the reference, sync "
+                   "or async as the scenario says; stock vLLM for a base-fidelity scenario).")
 def replay(scenario_file, scheduler_cls) -> None:
-    """Re-run a saved scenario (a counterexample of `outrate conform`); exit 1 if it fails."""
-    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
-    from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
+    """Re-run a saved counterexample of `outrate conform`; exit 1 if it fails.
 
-    scenario = Scenario.from_json(scenario_file.read_text())
-    cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER)
-    for line in scenario.events():
-        console.print(f"  {line}")
-    verdict = run_scenario(cls, scenario)
+    The format is read from the file's keys. ``rates_tokens_per_s`` + ``requests``: a
+    rate-limit scenario (checks rate-limit/*, invariants/*; adapter/scenarios.py), judged
+    against the spec limiter. ``config`` + ``events``: a step scenario (checks
+    base-fidelity/*, white-box/*; adapter/fidelity.py), judged against the step spec after
+    every event: with the feature off as base fidelity (default class: stock vLLM), with it
+    on as white box (default class: the reference).
+    """
+    from rich.markup import escape
+
+    from vllm_output_rate.adapter import fidelity
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, load_class
+    from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
+    from vllm_output_rate.adapter.whitebox import run_white_box
+
+    text = scenario_file.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{scenario_file} is not JSON: {exc}", param_hint="SCENARIO_FILE") from None
+    keys = set(data) if isinstance(data, dict) else set()
+    if {"config", "events"} <= keys:
+        kind, parse = "step", fidelity.StepScenario.from_json
+    elif {"rates_tokens_per_s", "requests"} <= keys:
+        kind, parse = "rate-limit", Scenario.from_json
+    else:
+        found = sorted(keys) if isinstance(data, dict) else type(data).__name__
+        raise click.BadParameter(
+            f"{scenario_file} is neither a rate-limit scenario (keys rates_tokens_per_s, requests) nor a step "
+            f"scenario (keys config, events); found {found}", param_hint="SCENARIO_FILE")
+    try:
+        scenario = parse(text)
+    except (TypeError, KeyError, ValueError, AssertionError) as exc:
+        raise click.BadParameter(f"{scenario_file}: not a valid {kind} scenario: {exc!r}",
+                                 param_hint="SCENARIO_FILE") from None
+    if scheduler_cls is not None:
+        try:
+            load_class(scheduler_cls)
+        except (ValueError, ImportError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
+
+    if kind == "rate-limit":
+        cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER)
+        console.print(f"rate-limit scenario on {cls}")
+        for line in scenario.events():
+            console.print(f"  {escape(line)}")
+        verdict = run_scenario(cls, scenario)
+        if verdict.failure:
+            console.print(f"[bold red]FAIL[/] {verdict.rule}: step {verdict.step}: {escape(verdict.failure)}")
+            sys.exit(1)
+        console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
+                      f"{verdict.sampled_per_user}")
+        return
+
+    async_mode = scenario.config.async_scheduling
+    if scenario.config.rate_limited:
+        check = "white box"
+        cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER)
+        verdict = run_white_box(scenario, cls)
+    else:
+        check = "base fidelity"
+        cls = scheduler_cls or fidelity.base_scheduler_cls(async_mode)
+        verdict = fidelity.run_step_scenario(cls, scenario)
+    console.print(f"step scenario ({check}: spec vs {cls})")
+    for line in fidelity.describe_failure(scenario, verdict):
+        console.print(f"  {escape(line)}")
     if verdict.failure:
-        console.print(f"[bold red]FAIL[/] {verdict.rule}: step {verdict.step}: {verdict.failure}")
+        console.print(f"[bold red]FAIL[/] event {verdict.event_index}: {escape(verdict.failure)}")
         sys.exit(1)
-    console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
-                  f"{verdict.sampled_per_user}")
+    console.print(f"[green]PASS[/] {verdict.events} events, {verdict.steps} steps: {cls} agrees with the spec")
 
 
 @main.command("tiny-model")

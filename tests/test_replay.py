@@ -1,0 +1,126 @@
+"""`outrate replay` re-runs every kind of counterexample `outrate conform` saves.
+
+The gate saves two JSON formats (``adapter/conform.py``): a rate-limit ``Scenario``
+(checks rate-limit/*, invariants/*) and a ``StepScenario`` (checks base-fidelity/*, with
+the feature off, and white-box/*, with it on). Each test saves a counterexample that fails
+on one class and replays it through the command line: exit 1 and the failure on that
+class, exit 0 on the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+from click.testing import CliRunner
+
+from vllm_output_rate.adapter import conform as gate
+from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
+from vllm_output_rate.cli import main
+from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Step
+from vllm_output_rate.spec.state import EngineConfig
+
+MS = 1_000_000
+NO_ROTATION = "vllm_output_rate.adapter.mutants.NoRotation"
+
+# A stock-vLLM subclass that breaks V4 with the feature off: every chunk is cut to 1 token.
+# Written to a temporary module, as a third-party patch would be (no mutant of
+# adapter/mutants.py differs from stock vLLM with the feature off: they all defer to it).
+ONE_TOKEN_CHUNKS = '''
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+class OneTokenChunks(Scheduler):
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        return min(super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens), 1)
+'''
+
+
+def _noop() -> None:
+    pass
+
+
+def replay(path, *args):
+    """``outrate replay PATH ARGS`` in this process: (exit code, output)."""
+    result = CliRunner().invoke(main, ["replay", str(path), *args])
+    return result.exit_code, result.output
+
+
+def add(rid, user, prompt=4, max_tokens=16):
+    return AddRequest(rid, user=user, prompt_len=prompt, max_tokens=max_tokens)
+
+
+def test_r2_rate_limit_counterexample_replays(tmp_path):
+    # Rate 10 tok/s, one stream of 8 tokens, a step every 10 ms: stock vLLM samples every
+    # step, the third one at t=20 ms is over the rate (the spec limiter refuses it, R2).
+    scenario = Scenario(rates_tokens_per_s={"a": "10"}, requests=(RequestSpec("a0", "a", 3, 8),),
+                        step_interval_ns=10 * MS, num_steps=61)
+    path = tmp_path / "counterexample-rate-limit-sync.json"
+    path.write_text(scenario.to_json())  # what adapter/conform.check_scheduler saves
+    code, out = replay(path, "--scheduler-cls", STOCK_SCHEDULER)
+    assert code == 1, out
+    assert "rate-limit scenario" in out and "FAIL R2" in out
+    code, out = replay(path)
+    assert code == 0, out
+    assert f"PASS 61 steps on {REFERENCE_SCHEDULER}" in out
+
+
+def test_r14_white_box_counterexample_replays(tmp_path):
+    # tests/test_spec_step.py two_users_three_streams: at t=200 ms rotation (R14) serves
+    # a1 after the last-served a0; the NoRotation mutant schedules a0 again.
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65,
+                          default_rate_tokens_per_s=Fraction(10))
+    events = (add("a0", "a"), add("a1", "a"), add("b0", "b"), Step(), Step(), AdvanceClock(100 * MS), Step(),
+              AdvanceClock(100 * MS), Step())
+    path = tmp_path / "counterexample-white-box-sync.json"
+    path.write_text(StepScenario(config, events).to_json())
+    code, out = replay(path, "--scheduler-cls", NO_ROTATION)
+    assert code == 1, out
+    assert "white box" in out and "FAIL event 8: scheduled: vLLM [('a0', 1), ('b0', 1)]" in out
+    code, out = replay(path)
+    assert code == 0, out
+    assert f"PASS 9 events, 4 steps: {REFERENCE_SCHEDULER} agrees with the spec" in out
+
+
+def test_white_box_counterexample_saved_by_the_gate_replays_from_the_command_line(tmp_path):
+    # The gate's white-box check on stock vLLM (which ignores the output_rate section) fails
+    # and saves its counterexample; the installed command replays it.
+    result = gate.check_white_box(STOCK_SCHEDULER, False, 20, seed=0, tick=_noop, save_dir=tmp_path)
+    assert result.result == "fail" and result.saved
+    outrate = [sys.executable, "-m", "vllm_output_rate.cli", "replay", result.saved]
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    bad = subprocess.run(outrate + ["--scheduler-cls", STOCK_SCHEDULER], capture_output=True, text=True, env=env)
+    assert bad.returncode == 1, bad.stdout[-2000:] + bad.stderr[-2000:]
+    assert "FAIL event" in bad.stdout and "first difference" in bad.stdout
+    good = subprocess.run(outrate, capture_output=True, text=True, env=env)
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    assert f"{REFERENCE_SCHEDULER} agrees with the spec" in good.stdout
+
+
+def test_v4_base_fidelity_counterexample_replays(tmp_path, monkeypatch):
+    # Feature off: the spec predicts stock vLLM, and the reference too (R18). A class that
+    # cuts chunks to 1 token differs at the first step.
+    (tmp_path / "outrate_replay_patch.py").write_text(ONE_TOKEN_CHUNKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65)
+    path = tmp_path / "counterexample-base-fidelity-sync.json"
+    path.write_text(StepScenario(config, (add("A", "u", prompt=6, max_tokens=3), Step(), Step())).to_json())
+    code, out = replay(path, "--scheduler-cls", "outrate_replay_patch.OneTokenChunks")
+    assert code == 1, out
+    assert "base fidelity" in out and "FAIL event 1: scheduled" in out
+    code, out = replay(path, "--scheduler-cls", REFERENCE_SCHEDULER)
+    assert code == 0, out
+    code, out = replay(path)  # default: stock vLLM, the class base fidelity judges
+    assert code == 0 and STOCK_SCHEDULER in out, out
+
+
+def test_unknown_file_format_is_refused_naming_the_keys(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text('{"checks": []}')
+    code, out = replay(path)
+    assert code == 2
+    assert "neither a rate-limit scenario" in out and "['checks']" in out
