@@ -8,6 +8,9 @@ Keys (all optional; an empty or missing section means the feature is off, R18):
 ``max_num_active_seqs``         active cap A (R12); default: vLLM's
                                 ``max_num_active_seqs``, else ``max_num_seqs``
 ``burst_ms``                    burst tolerance tau (R1), default 100
+``trace_path``                  file to which the reference scheduler appends one
+                                JSON line per ``schedule()`` (the engine-side event
+                                trace, ``adapter/trace_check.py``); default: off
 =============================== ===================================================
 
 Source: semantics.md "Configuration"; seed article, start-up flags.
@@ -21,7 +24,7 @@ from typing import Any, Mapping
 
 from vllm_output_rate.reference.limiter import BURST_NS, parse_rate
 
-KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms")
+KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path")
 
 
 class OutputRateConfigError(ValueError):
@@ -36,6 +39,7 @@ class OutputRateConfig:
     user_rates: Mapping[str, Fraction] = field(default_factory=dict)
     max_num_active_seqs: int | None = None
     burst_ns: int = BURST_NS
+    trace_path: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -89,7 +93,13 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
     burst_ms = section.get("burst_ms", BURST_NS // 1_000_000)
     if isinstance(burst_ms, bool) or not isinstance(burst_ms, int) or burst_ms < 1:
         raise OutputRateConfigError(f"burst_ms must be an integer number of milliseconds >= 1, got {burst_ms!r}")
-    return OutputRateConfig(default_rate, user_rates, active, burst_ms * 1_000_000)
+    trace_path = section.get("trace_path")
+    if trace_path is not None and (not isinstance(trace_path, str) or not trace_path.strip()):
+        raise OutputRateConfigError(
+            f"trace_path must be a non-empty string naming the file the engine-side event trace is "
+            f"appended to, e.g. \"/tmp/outrate-trace.jsonl\", got {trace_path!r}; remove it to turn tracing off"
+        )
+    return OutputRateConfig(default_rate, user_rates, active, burst_ms * 1_000_000, trace_path)
 
 
 # Start-up validation of the engine configuration (feature on only).

@@ -39,6 +39,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.reference.config import OutputRateConfig, check_engine_supported, parse_output_rate
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
+from vllm_output_rate.reference.trace import TraceWriter
 
 CLEANUP_INTERVAL_STEPS = 256  # R6
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class _RateLimitMixin:
         # R16: the only clock; the gate replaces it with its fake clock.
         self.clock_ns: Callable[[], int] = time.monotonic_ns
         self.rate_limiter: OutputRateLimiter | None = None
+        self._trace: TraceWriter | None = None  # engine-side event trace (reference/trace.py)
         if not self.output_rate_config.enabled:
             return  # R18: feature off, every override below defers to the base class
         cfg = self.output_rate_config
@@ -86,6 +88,14 @@ class _RateLimitMixin:
         self._last_served: dict[tuple[str, int], str] = {}  # (user, priority) -> request id (R15)
         self._steps = 0
         self._reset_step_state(0)
+        if cfg.trace_path is not None:
+            self._trace = TraceWriter(cfg.trace_path, {
+                "scheduler": type(self).__name__,
+                "async_scheduling": isinstance(self, AsyncScheduler),
+                "default_tokens_per_s": str(cfg.default_rate),
+                "user_tokens_per_s": {u: str(r) for u, r in cfg.user_rates.items()},
+                "burst_ns": cfg.burst_ns,
+            })
         if self.policy == SchedulingPolicy.PRIORITY:
             # R13: vLLM picks a PRIORITY victim inside schedule() right after a failed
             # allocate_slots; wrapping it lets a throttled request of that level go first.
@@ -145,6 +155,8 @@ class _RateLimitMixin:
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         if self.rate_limiter is not None:
             self._user_cache.pop(request.request_id, None)
+            if self._trace is not None:
+                self._trace.note_freed(request.request_id, request.status.name, request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
 
     # -- the step ---------------------------------------------------------------
@@ -165,7 +177,57 @@ class _RateLimitMixin:
             # so this map stays bounded by the live requests.
             self._last_served = {k: rid for k, rid in self._last_served.items() if rid in self.requests}
         self._observe(scheduler_output, refunded)
+        if self._trace is not None:
+            self._trace_step(scheduler_output, refunded)
         return scheduler_output
+
+    # -- the engine-side event trace (output_rate.trace_path; reference/trace.py) -------
+    def _trace_step(self, scheduler_output, refunded: list[str]) -> None:
+        """One trace line from this step's own data (charges, refunds, throttled, batch)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        charged = [r.request_id for r in self._charged]
+        charged_set, refunded_set, throttled = set(charged), set(refunded), self._throttled
+        requests: dict[str, dict[str, Any]] = {}
+        for rid in [*scheduled, *charged, *sorted(throttled)]:
+            if rid in requests:
+                continue
+            request = self.requests.get(rid)
+            tokens = scheduled.get(rid, 0)
+            user = self._user_cache.get(rid)
+            if user is None and request is not None:
+                user = self._user(request)
+            requests[rid] = {
+                "user": user,
+                "tokens": tokens,
+                "sampled": tokens > 0 and request is not None and not request.is_prefill_chunk,
+                "charged": rid in charged_set,
+                "refunded": rid in refunded_set,
+                "throttled": rid in throttled,
+            }
+        self._trace.write_step(self._steps - 1, self._now_ns, requests, charged, refunded,
+                               sorted(scheduler_output.preempted_req_ids), len(self.running),
+                               len(self.waiting), len(self.rate_limiter))
+
+    def _trace_if_idle(self) -> None:
+        if self._trace is not None and not self.requests:
+            self._trace.idle(self.clock_ns())
+
+    def update_from_output(self, *args: Any, **kwargs: Any):
+        outputs = super().update_from_output(*args, **kwargs)
+        if self._trace is not None:
+            self._trace_if_idle()
+        return outputs
+
+    def finish_requests(self, *args: Any, **kwargs: Any):
+        result = super().finish_requests(*args, **kwargs)
+        if self._trace is not None:
+            self._trace_if_idle()
+        return result
+
+    def shutdown(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+        super().shutdown()
 
     def _rotate_running(self) -> None:
         """R14: same-user same-priority streams: the one after the last served goes first.

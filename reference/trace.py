@@ -1,0 +1,119 @@
+"""The engine-side event trace: one JSON line per ``schedule()`` (``output_rate.trace_path``).
+
+Written by the reference scheduler only when ``additional_config["output_rate"]["trace_path"]``
+is set; read by ``vllm_output_rate.adapter.trace_check`` (the online checker). Off, it
+costs one attribute check per step.
+
+File format (JSON lines, appended; one run = one header line followed by its records):
+
+- header: ``{"header": {"version": 1, "pid", "scheduler", "async_scheduling",
+  "default_tokens_per_s": "20", "user_tokens_per_s": {"u": "1/3"}, "burst_ns"}}`` --
+  rates as exact fractions written as strings;
+- step: ``{"step", "now_ns", "requests": {req_id: {"user", "tokens", "sampled", "charged",
+  "refunded", "throttled"}}, "charges": [req_id...], "refunds": [req_id...],
+  "preempted": [req_id...], "running", "waiting", "limiter_users", "finished": {req_id: {"status", "output_tokens"}}}``.
+  ``requests`` holds every request scheduled, charged or throttled in the step;
+  ``charges``/``refunds`` are in call order (a duplicate would be a bug: R7/R9);
+  ``finished`` lists the requests freed since the previous line (finished or aborted),
+  with their output-token count at that moment; ``limiter_users`` is the number of users
+  holding a TAT (R6 keeps it bounded);
+- idle: ``{"now_ns", "finished": {...}}`` -- written when the scheduler runs out of
+  requests, so the trace is complete whenever the engine is idle.
+
+Writes are buffered; the file is flushed every ``FLUSH_INTERVAL_NS`` of scheduler time,
+whenever the scheduler becomes idle, and at shutdown (``close``, also registered with
+``atexit``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import weakref
+from typing import Any, Iterable
+
+FLUSH_INTERVAL_NS = 500_000_000  # flush at least every 0.5 s of steps
+TRACE_VERSION = 1
+_BUFFER_BYTES = 1 << 16
+
+
+def _close_ref(ref: "weakref.ref[TraceWriter]") -> None:
+    writer = ref()
+    if writer is not None:
+        writer.close()
+
+
+class TraceWriter:
+    """Appends the trace of one scheduler to ``path`` (see module docstring)."""
+
+    def __init__(self, path: str, header: dict[str, Any]) -> None:
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        self._file = open(path, "a", buffering=_BUFFER_BYTES, encoding="utf-8")
+        self._dumps = json.JSONEncoder(separators=(",", ":")).encode
+        self._last_flush_ns: int | None = None
+        self.finished: dict[str, dict[str, Any]] = {}  # freed since the last line
+        self._write({"header": {"version": TRACE_VERSION, "pid": os.getpid(), **header}})
+        self._file.flush()
+        atexit.register(_close_ref, weakref.ref(self))
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(self._dumps(record))
+        self._file.write("\n")
+
+    def note_freed(self, request_id: str, status: str, output_tokens: int) -> None:
+        self.finished[request_id] = {"status": status, "output_tokens": output_tokens}
+
+    def write_step(
+        self,
+        step: int,
+        now_ns: int,
+        requests: dict[str, dict[str, Any]],
+        charges: Iterable[str],
+        refunds: Iterable[str],
+        preempted: list[str],
+        running: int,
+        waiting: int,
+        limiter_users: int,
+    ) -> None:
+        if self._file is None:
+            return
+        record = {
+            "step": step,
+            "now_ns": now_ns,
+            "requests": requests,
+            "charges": list(charges),
+            "refunds": list(refunds),
+            "preempted": preempted,
+            "running": running,
+            "waiting": waiting,
+            "limiter_users": limiter_users,
+            "finished": self.finished,
+        }
+        self.finished = {}
+        self._write(record)
+        if self._last_flush_ns is None or now_ns - self._last_flush_ns >= FLUSH_INTERVAL_NS:
+            self._file.flush()
+            self._last_flush_ns = now_ns
+
+    def idle(self, now_ns: int) -> None:
+        """The scheduler has no requests left: write pending finishes and flush."""
+        if self._file is None:
+            return
+        if self.finished:
+            self._write({"now_ns": now_ns, "finished": self.finished})
+            self.finished = {}
+        self._file.flush()
+        self._last_flush_ns = now_ns
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        try:
+            if self.finished:
+                self._write({"now_ns": None, "finished": self.finished})
+                self.finished = {}
+            self._file.close()
+        finally:
+            self._file = None

@@ -1,0 +1,216 @@
+"""The engine-side event trace (``output_rate.trace_path``) and its online checker.
+
+The reference scheduler runs in-process (``adapter.harness.Harness``: fake clock,
+fabricated model outputs) with tracing on; ``adapter.trace_check`` must accept its
+traces, and must reject synthetic traces that break each invariant it checks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from fractions import Fraction
+
+import pytest
+
+from vllm_output_rate.adapter.harness import (
+    REFERENCE_ASYNC_SCHEDULER,
+    REFERENCE_SCHEDULER,
+    EngineShape,
+    Harness,
+)
+from vllm_output_rate.adapter.trace_check import check_records, check_trace, engine_id_matches
+from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+from vllm_output_rate.spec.limiter import window_bound_tokens
+
+MS = 1_000_000
+
+
+# -- configuration -----------------------------------------------------------------
+def test_trace_path_parsed():
+    cfg = parse_output_rate({"default_tokens_per_s": 10, "trace_path": "/tmp/x.jsonl"})
+    assert cfg.trace_path == "/tmp/x.jsonl"
+    assert parse_output_rate({"default_tokens_per_s": 10}).trace_path is None
+
+
+@pytest.mark.parametrize("bad", [3, True, ["/tmp/x"], "", "  "])
+def test_trace_path_must_be_a_string(bad):
+    with pytest.raises(OutputRateConfigError, match="trace_path must be a non-empty string") as err:
+        parse_output_rate({"default_tokens_per_s": 10, "trace_path": bad})
+    assert repr(bad) in str(err.value)
+
+
+# -- the reference scheduler writes a trace the checker accepts ---------------------
+def _run(async_scheduling: bool, path, eos_first: bool = True, abort: str | None = None, tag: str = "") -> Harness:
+    cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
+    section = {"default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 20}, "trace_path": str(path)}
+    h = Harness(cls, EngineShape(async_scheduling=async_scheduling, output_rate=section))
+    for i in range(3):
+        h.add_request(f"{tag}slow{i}", "slow", max_tokens=10, eos_index=4 if (i == 0 and eos_first) else None)
+    h.add_request(f"{tag}fast0", "fast", prompt_len=40, max_tokens=12)
+    for n in range(400):
+        if len(h.finished) == len(h.num_outputs) and h._in_flight is None:
+            break
+        if not h.scheduler.has_requests() and h._in_flight is not None:
+            h.drain()
+            continue
+        if abort is not None and n == 20:
+            h.abort(abort)
+        h.step()
+        h.advance(10 * MS)
+    else:
+        raise AssertionError("not finished")
+    return h
+
+
+def test_trace_written_and_checked(async_scheduling, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    h = _run(async_scheduling, path)
+    # Complete once the scheduler is idle, before shutdown (the live test reads it then).
+    report = check_trace(path, completions={rid: n for rid, (_, n) in h.finished.items()})
+    assert report.ok, report.summary()
+    h.scheduler.shutdown()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    header = lines[0]["header"]
+    assert header["async_scheduling"] is async_scheduling
+    assert header["user_tokens_per_s"] == {"slow": "20"} and header["default_tokens_per_s"] == "100"
+    steps = [r for r in lines[1:] if "requests" in r]
+    assert [r["step"] for r in steps] == list(range(len(steps)))
+    assert any(info["throttled"] for r in steps for info in r["requests"].values())  # "slow" was paced
+    finished = {rid: info for r in lines for rid, info in (r.get("finished") or {}).items()}
+    assert finished["slow0"] == {"status": "FINISHED_STOPPED", "output_tokens": 5}
+    assert finished["fast0"] == {"status": "FINISHED_LENGTH_CAPPED", "output_tokens": 12}
+    run = report.runs[0]
+    assert run.users["slow"].rate == 20 and run.users["fast"].rate == 100
+    assert run.users["slow"].dispatches == 5 + 10 + 10
+    assert run.requests["fast0"].sampled == 12
+    assert run.max_limiter_users >= 1
+
+
+def test_trace_with_abort_and_second_run_appends(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    h1 = _run(False, path, abort="slow1")
+    h1.scheduler.shutdown()
+    h2 = _run(True, path, tag="b-")
+    h2.scheduler.shutdown()
+    completions = {rid: n for h in (h1, h2) for rid, (_, n) in h.finished.items()}
+    report = check_trace(path, completions=completions, cancelled={"slow1"})
+    assert report.ok, report.summary()
+    assert len(report.runs) == 2
+    assert report.runs[0].requests["slow1"].status == "FINISHED_ABORTED"
+
+
+def test_trace_off_costs_nothing(tmp_path):
+    h = Harness(REFERENCE_SCHEDULER, EngineShape(output_rate={"default_tokens_per_s": 100}))
+    assert h.scheduler._trace is None
+    h.add_request("a", "u", max_tokens=2)
+    h.step()
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the checker on synthetic traces ------------------------------------------------
+HEADER = {"header": {"version": 1, "async_scheduling": False, "default_tokens_per_s": "10",
+                     "user_tokens_per_s": {"slow": "1"}, "burst_ns": 100 * MS}}
+
+
+def _step(step, now_ms, reqs, charges=None, refunds=(), finished=None, preempted=()):
+    """reqs: {rid: (user, tokens, sampled, throttled)}; charges default: the sampled ones."""
+    requests = {rid: {"user": u, "tokens": t, "sampled": s, "charged": False, "refunded": False, "throttled": th}
+                for rid, (u, t, s, th) in reqs.items()}
+    if charges is None:
+        charges = [rid for rid, (_, _, s, _) in reqs.items() if s]
+    for rid in charges:
+        requests.setdefault(rid, {"user": "u", "tokens": 0, "sampled": False, "throttled": False})["charged"] = True
+    for rid in refunds:
+        requests[rid]["refunded"] = True
+    return {"step": step, "now_ns": now_ms * MS, "requests": requests, "charges": list(charges),
+            "refunds": list(refunds), "preempted": list(preempted), "running": len(reqs), "waiting": 0,
+            "limiter_users": 1, "finished": finished or {}}
+
+
+def _lines(*records, header=HEADER):
+    return [json.dumps(r) + "\n" for r in (header, *records)]
+
+
+def _rules(report):
+    return sorted({v.rule for v in report.violations})
+
+
+def test_checker_accepts_a_paced_user():
+    # rate 10/s, tau 100 ms: grants at 0, 0 (burst: floor(0.1 x 10) + 1 = 2), then every 100 ms.
+    recs = [_step(0, 0, {"a": ("u", 4, True, False), "b": ("u", 4, True, False)})]
+    recs += [_step(k, 100 * k, {"a": ("u", 1, True, False)}) for k in range(1, 10)]
+    recs.append({"now_ns": None, "finished": {"a": {"status": "FINISHED_LENGTH_CAPPED", "output_tokens": 10},
+                                              "b": {"status": "FINISHED_ABORTED", "output_tokens": 1}}})
+    report = check_records(_lines(*recs), completions={"a": 10})
+    assert report.ok, report.summary()
+    assert report.runs[0].users["u"].dispatches == 11
+
+
+def test_checker_window_bound_violation():
+    # Three dispatches at t=0 exceed the idle burst of 2 at 10 tok/s.
+    recs = [_step(0, 0, {"a": ("u", 1, True, False), "b": ("u", 1, True, False), "c": ("u", 1, True, False)})]
+    report = check_records(_lines(*recs))
+    assert _rules(report) == ["R2-gcra", "R2-window"]
+    assert "3 sampling dispatches in a window of 0.000 ms (bound 2" in str(report.violations[0]) + str(
+        report.violations[1])
+
+
+def test_checker_accounting_double_charge_refund_and_throttled():
+    recs = [
+        _step(0, 0, {"a": ("u", 1, True, False)}, charges=["a", "a"], refunds=["a"]),  # charged twice
+        _step(1, 500, {"a": ("u", 1, True, False)}, charges=[]),  # dispatched without a charge
+        _step(2, 1000, {"a": ("u", 1, False, False)}, charges=["a"]),  # charged, not dispatched, no refund
+        _step(3, 1500, {"a": ("u", 1, True, True)}),  # throttled yet scheduled
+        _step(4, 2000, {"a": ("u", 0, False, False)}, charges=[], refunds=["a"]),  # refund without charge
+    ]
+    report = check_records(_lines(*recs))
+    assert _rules(report) == ["R11-throttled", "R7-once", "R7/R9-accounting", "R9-refund"]
+    steps = sorted({v.step for v in report.violations if v.rule == "R7/R9-accounting"})
+    assert steps == [1, 2]
+
+
+def test_checker_clock_identity_and_format():
+    recs = [_step(0, 100, {"a": ("u", 1, True, False)}), _step(2, 50, {"a": ("v", 1, True, False)})]
+    lines = _lines(*recs) + ["{not json\n"]
+    assert _rules(check_records(lines)) == ["R17-identity", "clock", "format"]
+    # While the engine writes, an unterminated last line is skipped.
+    partial = _lines(_step(0, 0, {"a": ("u", 1, True, False)})) + ['{"step": 1, "now']
+    report = check_records(partial, partial=True)
+    assert report.ok and report.ignored_partial_line
+    assert _rules(check_records(["{}\n"])) == ["format"]  # a record before any header
+
+
+def test_checker_lost_and_duplicated_tokens():
+    recs = [_step(k, 200 * k, {"a-12345678": ("u", 1, True, False)}) for k in range(5)]
+    recs.append({"now_ns": None, "finished": {"a-12345678": {"status": "FINISHED_STOPPED", "output_tokens": 5}}})
+    assert check_records(_lines(*recs), completions={"a": 5}).ok
+    assert _rules(check_records(_lines(*recs), completions={"a": 6})) == ["tokens"]  # a token lost
+    assert _rules(check_records(_lines(*recs), completions={"a": 4})) == ["tokens"]  # one duplicated (sync)
+    assert check_records(_lines(*recs), completions={"a": 4}, cancelled={"a"}).ok  # cancelled: >= only
+    assert _rules(check_records(_lines(*recs), completions={"b": 4})) == ["tokens"]  # unknown request
+    # Async: one dispatch past a stop is allowed, two are not.
+    async_header = {"header": {**HEADER["header"], "async_scheduling": True}}
+    recs[-1]["finished"]["a-12345678"]["output_tokens"] = 4
+    assert check_records(_lines(*recs, header=async_header), completions={"a": 4}).ok
+    assert _rules(check_records(_lines(*recs, header=async_header), completions={"a": 3})) == ["tokens"]
+    assert engine_id_matches("chatcmpl-x-abcdefgh", "chatcmpl-x") and not engine_id_matches("a-1", "a")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_window_check_matches_brute_force(seed):
+    # The O(n) window check agrees with every pair (i, j) checked by window_bound_tokens.
+    rnd = random.Random(seed)
+    rate = Fraction(rnd.choice([1, 3, 10, 20]), rnd.choice([1, 2]))
+    t, times = 0, []
+    for _ in range(rnd.randint(2, 40)):
+        t += rnd.choice([0, 0, 10, 30, 50, 100, 400]) * MS
+        times.append(t)
+    brute_ok = all(j - i + 1 <= window_bound_tokens(times[j] - times[i], rate)
+                   for i in range(len(times)) for j in range(i, len(times)))
+    header = {"header": {**HEADER["header"], "default_tokens_per_s": str(rate)}}
+    recs = [_step(k, t // MS, {f"r{k}": ("u", 1, True, False)}) for k, t in enumerate(times)]
+    report = check_records(_lines(*recs, header=header))
+    assert ("R2-window" not in _rules(report)) == brute_ok
+    if "R2-window" in _rules(report):
+        assert "R2-gcra" in _rules(report)  # GCRA conformance implies the window bound
