@@ -34,6 +34,14 @@ spec-only scenarios/s when ``vllm_output_rate.spec`` has a step model (a module 
 or ``scheduler`` with ``run_scenario(scenario)``), and model-checker states/s when
 ``vllm_output_rate.proofs.modelcheck`` has ``explore(max_states) -> int``; otherwise the
 row says why it was skipped.
+
+Live (``--live``, default on except with ``--quick``; or ``--only live``): a real vLLM
+engine on this machine with the project's tiny model (dummy weights), in child processes
+(``livebench.py``): (a) engine tokens/s with the feature off (stock ``Scheduler``) and on
+but never binding (``RateLimitedScheduler``, 10**9 tokens/s), two engines side by side,
+the same batch through each in interleaved rounds; medians and the median per-round ratio
+on / off. (b) engine-core CPU use (percent of one core, psutil) while every user is
+throttled, with the engine-wait plugin (R16) and without it (``VLLM_PLUGINS=""``).
 """
 
 from __future__ import annotations
@@ -83,12 +91,23 @@ class Plan:
     limiter_batches: int
     gate_scenarios: int
     gate_max_steps: int
+    live_rounds: int = 11
+    live_streams: int = 32
+    live_tokens: int = 128
+    live_throttled_users: int = 4
+    live_throttled_tokens: int = 6
+    live_throttled_rate: float = 2.0
 
 
 FULL = Plan(sizes=(16, 64, 256, 1024), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=41,
             steps_per_round=16, limiter_batches=15, gate_scenarios=40, gate_max_steps=40)
 QUICK = Plan(sizes=(8, 16), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=3,
-             steps_per_round=2, limiter_batches=3, gate_scenarios=3, gate_max_steps=10)
+             steps_per_round=2, limiter_batches=3, gate_scenarios=3, gate_max_steps=10,
+             live_rounds=2, live_streams=4, live_tokens=8, live_throttled_users=2, live_throttled_tokens=2,
+             live_throttled_rate=4.0)
+# Targets of the live section (reported, not asserted).
+LIVE_RATIO_TARGET = 0.98  # on-but-not-binding tokens/s within 2% of off
+LIVE_CPU_TARGET_PERCENT = 5.0  # engine core with every user throttled, with the wait plugin
 
 
 # -- scheduler step cost ----------------------------------------------------------------
@@ -418,13 +437,59 @@ def measure_gate(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     if explore is not None:
         budget = 2_000 if plan.gate_scenarios <= QUICK.gate_scenarios else 200_000
         started = time.perf_counter()
-        states = explore(budget)
-        seconds = time.perf_counter() - started
-        rows.append({"check": "model-checker", "what": mc_where, "states": states, "seconds": seconds,
-                     "states_per_s": states / seconds})
+        try:
+            states = _explore_states(explore, budget)
+        except Exception as exc:  # report, do not fail the benchmark
+            skipped["model-checker"] = f"not measured: {type(exc).__name__}: {exc}"
+        else:
+            seconds = time.perf_counter() - started
+            rows.append({"check": "model-checker", "what": mc_where, "states": states, "seconds": seconds,
+                         "states_per_s": states / seconds})
     else:
         skipped["model-checker"] = mc_where
     return {"rows": rows, "skipped": skipped}
+
+
+def _explore_states(explore: Callable, budget: int) -> int:
+    """Distinct states the model checker explores in its first declared scope (<= budget)."""
+    from vllm_output_rate.proofs import modelcheck
+
+    scope = modelcheck.profile_scopes("quick")[0]
+    result = explore(scope, max_states=budget, raise_on_bound=False)
+    return int(getattr(result, "states", result))
+
+
+# -- live engine ------------------------------------------------------------------------
+def live_steps(plan: Plan) -> int:
+    """Progress ticks of ``measure_live`` (rounds, then the two throttled runs)."""
+    return plan.live_rounds + 2
+
+
+def measure_live(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
+    """Live engine: tokens/s off vs on-not-binding, engine CPU while throttled (module docstring)."""
+    from vllm_output_rate.livebench import run_child
+
+    throughput = run_child({"part": "throughput", "streams": plan.live_streams, "tokens": plan.live_tokens,
+                            "rounds": plan.live_rounds}, tick=tick)
+    throttled_cfg = {"part": "throttled", "users": plan.live_throttled_users, "streams_per_user": 2,
+                     "tokens": plan.live_throttled_tokens, "rate": plan.live_throttled_rate}
+    with_wait = run_child(throttled_cfg)
+    tick()
+    without_wait = run_child(throttled_cfg, {"VLLM_PLUGINS": ""})
+    tick()
+    return {
+        "tokens_per_s_off": throughput["tokens_per_s_off"],
+        "tokens_per_s_on": throughput["tokens_per_s_on"],
+        "ratio": throughput["ratio"],
+        "engine_cpu_throttled_with_wait": with_wait["engine_cpu_percent"],
+        "engine_cpu_throttled_without_wait": without_wait["engine_cpu_percent"],
+        "cpu_unit": "percent of one core",
+        "ratio_target": LIVE_RATIO_TARGET,
+        "engine_cpu_target": LIVE_CPU_TARGET_PERCENT,
+        "throughput": throughput,
+        "throttled_with_wait": with_wait,
+        "throttled_without_wait": without_wait,
+    }
 
 
 # -- profile ----------------------------------------------------------------------------
@@ -511,6 +576,25 @@ def _limiter_table(lim: dict[str, Any]) -> Table:
     return table
 
 
+def _live_table(live: dict[str, Any]) -> Table:
+    t = live["throughput"]
+    table = Table(title=f"live engine (tiny model): {t['streams']} streams x {t['tokens_per_stream']} tokens, "
+                        f"median of {t['rounds']} interleaved rounds; engine-core CPU with every user throttled")
+    for col in ("measure", "value", "target", "result"):
+        table.add_column(col, justify="left" if col in ("measure", "target") else "right")
+    ok = live["ratio"] >= LIVE_RATIO_TARGET
+    table.add_row("tokens/s, feature off", f"{live['tokens_per_s_off']:,.0f}", "", "")
+    table.add_row("tokens/s, on, not binding", f"{live['tokens_per_s_on']:,.0f}", "", "")
+    table.add_row("ratio on / off", f"{live['ratio']:.3f} ({t['ratio_min']:.2f}-{t['ratio_max']:.2f})",
+                  f">= {LIVE_RATIO_TARGET}", "[green]met[/]" if ok else "[red]missed[/]")
+    cpu_ok = live["engine_cpu_throttled_with_wait"] < LIVE_CPU_TARGET_PERCENT
+    table.add_row("engine CPU % throttled, wait plugin", f"{live['engine_cpu_throttled_with_wait']:.1f}",
+                  f"< {LIVE_CPU_TARGET_PERCENT:g}", "[green]met[/]" if cpu_ok else "[red]missed[/]")
+    table.add_row('engine CPU % throttled, VLLM_PLUGINS=""', f"{live['engine_cpu_throttled_without_wait']:.1f}",
+                  "", "")
+    return table
+
+
 def _gate_table(gate: dict[str, Any]) -> Table:
     table = Table(title="gate throughput")
     for col in ("check", "what", "scenarios", "steps", "seconds", "rate"):
@@ -594,11 +678,13 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
               help="Interleaved rounds per configuration (default 41; --quick 3).")
 @click.option("--clock", type=click.Choice(sorted(CLOCKS)), default="cpu", show_default=True,
               help="Step clock: this thread's CPU time (robust on a shared machine) or wall time.")
-@click.option("--only", type=click.Choice(["scheduler", "limiter", "gate"]), multiple=True,
+@click.option("--only", type=click.Choice(["scheduler", "limiter", "gate", "live"]), multiple=True,
               help="Run only these parts (repeatable); default: all.")
+@click.option("--live/--no-live", default=None,
+              help="Also start a real vLLM engine (tiny model) for the live section; default: on, off with --quick.")
 @click.option("--profile", "profile_n", type=click.IntRange(1), default=None, metavar="N",
               help="Instead of the benchmark: cProfile the reference's schedule() at N running requests.")
-def bench(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) -> None:
+def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile_n) -> None:
     """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     plan = QUICK if quick else FULL
@@ -610,7 +696,11 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) ->
     if overrides:
         plan = Plan(**{**asdict(plan), **overrides})
     parts = set(only) or {"scheduler", "limiter", "gate"}
-    command = _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n)
+    if live or (live is None and not only and not quick):
+        parts.add("live")
+    elif live is False:
+        parts.discard("live")
+    command = _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live)
     started = time.monotonic()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with console.status("importing vLLM"):
@@ -646,6 +736,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) ->
     scheduler_rows: list[SchedulerRow] = []
     limiter: dict[str, Any] | None = None
     gate: dict[str, Any] | None = None
+    live_result: dict[str, Any] | None = None
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=False)
     with progress:
@@ -662,6 +753,9 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) ->
         if "gate" in parts:
             task = progress.add_task("gate (differential)", total=2 * plan.gate_scenarios)
             gate = measure_gate(plan, lambda: progress.advance(task))
+        if "live" in parts:
+            task = progress.add_task("live engine (tiny model)", total=live_steps(plan))
+            live_result = measure_live(plan, lambda: progress.advance(task))
 
     env = machine()
     env["load_average_at_start"] = load_at_start
@@ -676,6 +770,8 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) ->
         console.print(_gate_table(gate))
         for name, why in gate["skipped"].items():
             console.print(f"{name}: {why}")
+    if live_result is not None:
+        console.print(_live_table(live_result))
     if plot_path is not None and scheduler_rows:
         write_plot(scheduler_rows, plot_path,
                    f"outrate bench, vLLM {vllm.__version__}, {env['cores']} cores {env['cpu']}, {when}")
@@ -694,6 +790,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) ->
             "scheduler": [asdict(r) for r in scheduler_rows],
             "limiter": limiter,
             "gate": gate,
+            "live": live_result,
         }
         json_path.write_text(json.dumps(report, indent=2, default=_json_default))
         console.print(f"wrote {json_path}")
@@ -703,7 +800,7 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n) -> str:
+def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live=None) -> str:
     """The command that reproduces this run (for the report)."""
     words = ["outrate", "bench"]
     words += ["--quick"] if quick else []
@@ -712,6 +809,7 @@ def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profi
     words += ["--clock", clock] if clock != "cpu" else []
     for part in only:
         words += ["--only", part]
+    words += [] if live is None else ["--live" if live else "--no-live"]
     words += ["--profile", str(profile_n)] if profile_n is not None else []
     words += ["--json", str(json_path)] if json_path is not None else []
     words += ["--plot", str(plot_path)] if plot_path is not None else []

@@ -1,0 +1,275 @@
+"""The "live" section of ``outrate bench``: a real vLLM engine on this machine (CPU or GPU).
+
+Run by ``outrate bench`` in child processes (``python -m vllm_output_rate.livebench
+CONFIG_JSON``, one JSON object on the last line of stdout), so that every measurement gets
+fresh engine-core processes and its own environment (``VLLM_PLUGINS=""`` for the run
+without the engine-wait plugin). The model is the project's tiny decoder
+(``tinymodel.default_model_dir()``, dummy weights, no tokenizer), as in
+``gpu_tests/test_live_engine.py``.
+
+- ``throughput``: two engines in one process, started side by side -- feature off (stock
+  vLLM ``Scheduler``) and feature on but never binding (``RateLimitedScheduler``,
+  ``default_tokens_per_s = 10**9``). After one warm-up batch each, ``rounds`` rounds: a
+  round runs the same batch (``streams`` prompts x ``tokens`` output tokens, ``ignore_eos``)
+  through ``LLM.generate`` on one engine and then the other, the order alternating between
+  rounds. A batch's rate is its output tokens / the wall time of its ``generate`` call
+  (prefill, every decode step, the front end). The idle engine's core blocks on its input
+  queue while the other one runs. Reported: medians over rounds and the median of the
+  per-round ratios on / off.
+- ``throttled``: one engine, feature on, every user limited to ``rate`` tokens/s so that
+  almost all of the run is spent with every request throttled; ``users`` x
+  ``streams_per_user`` streams of ``tokens`` tokens. Reported: the CPU time of the
+  engine-core process (psutil: user + system) over the wall time of the ``generate`` call,
+  in percent of one core. With the plugin, the engine core waits on its input queue until
+  the earliest user is ready (R16); without it (``VLLM_PLUGINS=""``), vLLM's own idle loop
+  polls every millisecond.
+
+Source: semantics.md R16; docs/PERFORMANCE.md "Live engine".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
+FREE_RATE = 10**9
+
+
+def _engine(output_rate: dict[str, Any] | None, max_num_seqs: int):
+    from vllm import LLM
+
+    from vllm_output_rate.tinymodel import default_model_dir
+
+    kwargs: dict[str, Any] = {}
+    if output_rate is not None:
+        kwargs = {"scheduler_cls": REFERENCE_SCHEDULER, "additional_config": {"output_rate": output_rate}}
+    return LLM(
+        model=str(default_model_dir()),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        async_scheduling=False,  # the same (sync) scheduler loop for both classes
+        gpu_memory_utilization=0.2,  # on CPU: the share of RAM vLLM checks at start
+        kv_cache_memory_bytes=128 * 2**20,
+        seed=0,
+        **kwargs,
+    )
+
+
+def _batch(streams: int, tokens: int, users: list[str]):
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [11 + (i % 200), 12, 13, 14 + (i % 7)]} for i in range(streams)]
+    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, detokenize=False,
+                             extra_args={"output_rate_user": users[i % len(users)]}) for i in range(streams)]
+    return prompts, params
+
+
+def _generate(llm, prompts, params, expected_tokens: int) -> float:
+    """Run the batch; return its wall time in seconds (checks every stream's length)."""
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if produced != expected_tokens:
+        raise RuntimeError(f"batch produced {produced} tokens, expected {expected_tokens}")
+    return elapsed
+
+
+def _engine_processes() -> dict[str, Any]:
+    """This process's engine-core and worker processes (psutil), by role."""
+    from vllm_output_rate.loadtest import engine_processes
+
+    found = engine_processes(os.getpid())
+    if "engine_core" not in found:
+        raise RuntimeError("no engine-core process found (is VLLM_ENABLE_V1_MULTIPROCESSING off?)")
+    return found
+
+
+def _cpu_s(procs: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for role, proc in procs.items():
+        times = proc.cpu_times()
+        out[role] = times.user + times.system
+    return out
+
+
+def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
+    streams, tokens, rounds = cfg["streams"], cfg["tokens"], cfg["rounds"]
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    off = _engine(None, max_num_seqs=streams)
+    off_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    before |= {p.pid for p in off_procs}
+    on = _engine({"default_tokens_per_s": FREE_RATE}, max_num_seqs=streams)
+    on_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    engine_procs = {id(off): off_procs, id(on): on_procs}
+
+    def engine_cpu_s(llm) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in engine_procs[id(llm)]))
+    prompts, params = _batch(streams, tokens, [f"u{i}" for i in range(max(1, streams // 4))])
+    total = streams * tokens
+    for llm in (off, on):  # warm-up: first-call costs are not results
+        _generate(llm, prompts, params, total)
+    off_rates: list[float] = []
+    on_rates: list[float] = []
+    cpu_us: dict[str, list[float]] = {"off": [], "on": []}
+    for k in range(rounds):
+        order = ((off, off_rates), (on, on_rates)) if k % 2 == 0 else ((on, on_rates), (off, off_rates))
+        for llm, rates in order:
+            cpu0 = engine_cpu_s(llm)
+            rates.append(total / _generate(llm, prompts, params, total))
+            cpu_us["off" if llm is off else "on"].append((engine_cpu_s(llm) - cpu0) / total * 1e6)
+        _progress()
+    ratios = [a / b for a, b in zip(on_rates, off_rates)]
+    return {
+        "tokens_per_s_off": statistics.median(off_rates),
+        "tokens_per_s_on": statistics.median(on_rates),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        # CPU time of the engine's processes (engine core + workers) per output token: less
+        # sensitive than wall time to other jobs on a shared machine.
+        "engine_cpu_us_per_token_off": statistics.median(cpu_us["off"]),
+        "engine_cpu_us_per_token_on": statistics.median(cpu_us["on"]),
+        "engine_cpu_ratio": statistics.median(b / a for a, b in zip(cpu_us["off"], cpu_us["on"])),
+        "rounds": rounds,
+        "streams": streams,
+        "tokens_per_stream": tokens,
+        "tokens_per_s_off_rounds": off_rates,
+        "tokens_per_s_on_rounds": on_rates,
+    }
+
+
+def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
+    import psutil
+
+    users = [f"slow{i}" for i in range(cfg["users"])]
+    rate = cfg["rate"]
+    llm = _engine({"default_tokens_per_s": rate}, max_num_seqs=cfg["users"] * cfg["streams_per_user"])
+    procs = _engine_processes()
+    streams = cfg["users"] * cfg["streams_per_user"]
+    prompts, params = _batch(streams, cfg["tokens"], users)
+    total = streams * cfg["tokens"]
+    warm_prompts, warm_params = _batch(1, cfg["tokens"], ["warm-up"])  # its own bucket
+    _generate(llm, warm_prompts, warm_params, cfg["tokens"])
+    procs["front_end"] = psutil.Process()
+    idle_s = cfg.get("idle_s", 1.0)
+    idle0 = _cpu_s(procs)
+    time.sleep(idle_s)  # no requests: stock vLLM blocks on its input queue
+    idle1 = _cpu_s(procs)
+    wall = _generate(llm, prompts, params, total)
+    busy1 = _cpu_s(procs)
+    per_user = cfg["streams_per_user"] * cfg["tokens"]
+    return {
+        "engine_cpu_percent": 100 * (busy1["engine_core"] - idle1["engine_core"]) / wall,
+        "cpu_percent": {role: 100 * (busy1[role] - idle1[role]) / wall for role in procs},
+        "idle_cpu_percent": {role: 100 * (idle1[role] - idle0[role]) / idle_s for role in procs},
+        "wall_s": wall,
+        # R2 read backwards: a user's N tokens need at least (N - 1)/rate - tau seconds.
+        "min_wall_s": max(0.0, (per_user - 1) / rate - 0.1),
+        "users": cfg["users"],
+        "streams_per_user": cfg["streams_per_user"],
+        "tokens_per_stream": cfg["tokens"],
+        "rate": rate,
+        "plugins": os.environ.get("VLLM_PLUGINS"),
+    }
+
+
+def _progress() -> None:
+    print("progress", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    cfg = json.loads(argv[0])
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    try:
+        result = run_throughput(cfg) if cfg["part"] == "throughput" else run_throttled(cfg)
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        _stop_engines()
+    os._exit(0)  # skip the slow interpreter teardown
+
+
+def _stop_engines() -> None:
+    """End the engine-core and worker processes this process started (by pid)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for proc in children:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=5)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def run_child(cfg: dict[str, Any], env_overrides: dict[str, str] | None = None, tick=lambda: None,
+              timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run one part in a child process; return its result (RuntimeError with its stderr tail).
+
+    The child runs in its own session; whatever of it is left after the result or after
+    ``timeout_s`` (its engine processes included) is ended through that process group.
+    """
+    import signal
+    import tempfile
+    import threading
+
+    env = dict(os.environ)
+    env.update(env_overrides or {})
+    found: list[dict[str, Any]] = []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_output_rate.livebench", json.dumps(cfg)],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+
+        def read() -> None:
+            assert proc.stdout is not None
+            # Stop at RESULT: the engine processes hold the pipe open until they end.
+            for line in proc.stdout:
+                if line.startswith("progress"):
+                    tick()
+                elif line.startswith("RESULT "):
+                    found.append(json.loads(line[len("RESULT "):]))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        try:
+            proc.wait(timeout=30 if found else 1)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this call started (no-op if all ended)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        err.seek(0)
+        stderr = err.read()
+    result = found[0] if found else None
+    if result is None:
+        raise RuntimeError(f"live bench part {cfg['part']!r} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
