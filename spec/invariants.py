@@ -19,16 +19,38 @@ user's earlier dispatch times: ``DispatchHistory`` carries them (bounded).
 | I10 | no admission in a step that preempted | V7 |
 | I11 | KV blocks are conserved: free + held = usable blocks | V5 |
 | I12 | with the feature off nothing is charged, refunded or throttled | R18 |
+| I13 | every user's TAT equals the GCRA replay of its sampling dispatches (up to idle: ``max(TAT, now)``) | R4, R7, R9 |
+| I14 | the wait hint is some user's ready time, no later than any throttled user's | R5, R16 |
+| I15 | a request throttled at the start of a step is preempted before any other (same priority under PRIORITY) | R13 |
+| I16 | a step preempts only when KV really ran short (a throttled request keeps its blocks otherwise) | R11, V6 |
+| I17 | a waiting request is admitted unless refused (and unable to prefill) or admission stopped at or before it | R10, R12, P4 |
+
+I13-I17 were added with the model checker (``proofs/modelcheck.py``): each one is the
+property whose absence let a spec mutation through (docs/SPEC_MUTATIONS.md). I13 needs the
+dispatch ledger that ``advance_history`` keeps in ``DispatchHistory`` (exact, one number
+per user, never truncated).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.events import Event, Step
-from vllm_output_rate.spec.state import ABORT, LENGTH, STOP, Observation, SchedulerState, find
+from vllm_output_rate.spec.state import (
+    ABORT,
+    FCFS,
+    LENGTH,
+    STOP,
+    Observation,
+    RequestState,
+    SchedulerState,
+    blocks_for,
+    find,
+)
 
 MAX_HISTORY_PER_USER: int = 4096  # I7 looks back this many dispatches per user (bounded)
 
@@ -89,15 +111,33 @@ def i6_seats(after: SchedulerState, obs: Observation) -> str | None:
 
 @dataclass(frozen=True)
 class DispatchHistory:
-    """I7: each user's sampling-dispatch times (ns), the newest last, bounded."""
+    """I7: each user's sampling-dispatch times (ns), the newest last, bounded.
+
+    I13: ``ledger_tat_ns``, each user's GCRA replay of all its sampling dispatches (exact
+    ns, ``L := max(L, t) + T`` per dispatch at ``t``), what the limiter's TAT must equal.
+    """
 
     times_ns: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    ledger_tat_ns: tuple[tuple[str, Fraction], ...] = ()
 
     def of(self, user: str) -> tuple[int, ...]:
         for u, times in self.times_ns:
             if u == user:
                 return times
         return ()
+
+    def ledger_of(self, user: str) -> Fraction | None:
+        for u, tat in self.ledger_tat_ns:
+            if u == user:
+                return tat
+        return None
+
+    def replay(self, user: str, now_ns: int, interval_ns: Fraction) -> "DispatchHistory":
+        """I13: one sampling dispatch of ``user`` at ``now_ns`` enters the ledger."""
+        tat = self.ledger_of(user)
+        new_tat = max(tat if tat is not None else Fraction(now_ns), Fraction(now_ns)) + interval_ns
+        rest = tuple((u, t) for u, t in self.ledger_tat_ns if u != user)
+        return replace(self, ledger_tat_ns=rest + ((user, new_tat),))
 
     def add(self, user: str, now_ns: int) -> "DispatchHistory":
         times = (self.of(user) + (now_ns,))[-MAX_HISTORY_PER_USER:]
@@ -162,13 +202,160 @@ def i12_feature_off(after: SchedulerState, obs: Observation) -> str | None:
     return None
 
 
+def i13_limiter_matches_ledger(history: DispatchHistory, after: SchedulerState) -> str | None:
+    """I13 (R4, R7, R9): the limiter charged exactly the sampling dispatches, net of refunds.
+
+    For every user, ``max(TAT, now)`` equals ``max(L, now)`` where ``L`` is the GCRA
+    replay of the user's sampling dispatches (a TAT <= now, or none, is idle, R6). A charge
+    that is refunded in the same step leaves ``max(TAT, now)`` unchanged, so only a
+    missing, doubled or misplaced charge or refund breaks it.
+    """
+    now = Fraction(after.now_ns)
+    users = set(after.limiter.tat_ns) | {u for u, _ in history.ledger_tat_ns}
+    for user in sorted(users):
+        tat = after.limiter.tat_ns.get(user)
+        ledger = history.ledger_of(user)
+        effective_tat = now if tat is None else max(tat, now)
+        effective_ledger = now if ledger is None else max(ledger, now)
+        if effective_tat != effective_ledger:
+            return (f"I13 (R4/R7/R9): user {user}: limiter TAT {float(effective_tat):.0f} ns != "
+                    f"{float(effective_ledger):.0f} ns, the replay of its sampling dispatches (now {after.now_ns})")
+    return None
+
+
+def i14_wait_hint(before: SchedulerState, after: SchedulerState, obs: Observation) -> str | None:
+    """I14 (R5, R16): ``wait_hint_ns`` is the ready time ``ceil(TAT - tau)`` of some known
+    user, no later than that of any user throttled in the step; None only if no throttled
+    user has a TAT left."""
+    burst = after.config.burst_ns
+    ready = {u: math.ceil(t - burst) for u, t in after.limiter.tat_ns.items()}
+    users = {r.user for r in before.requests if r.request_id in set(obs.throttled)}
+    throttled_ready = [ready[u] for u in sorted(users) if u in ready]
+    hint = obs.wait_hint_ns
+    if hint is None:
+        if throttled_ready:
+            return f"I14 (R16): users {sorted(users)} throttled with ready times {throttled_ready} but no wait hint"
+        return None
+    if hint not in ready.values():
+        return f"I14 (R5): wait hint {hint} ns is no user's ready time {sorted(ready.values())}"
+    if throttled_ready and hint > min(throttled_ready):
+        return f"I14 (R16): wait hint {hint} ns after the earliest throttled user's ready time {min(throttled_ready)}"
+    return None
+
+
+def _throttled_at_start(state: SchedulerState, request: RequestState) -> bool:
+    """R11/R13: running, nothing left but sampling, below max_tokens, user refused now."""
+    only_sampling_left = request.num_computed_tokens >= request.sampling_position - 1
+    below_max = request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+    return only_sampling_left and below_max and not spec_limiter.allows(
+        state.limiter, request.user, state.now_ns, state.config.burst_ns)
+
+
+def i15_preferred_victims(before: SchedulerState, obs: Observation) -> str | None:
+    """I15 (R13): no request outside the throttled-at-start set is preempted while one of
+    that set is still running (PRIORITY: one of the victim's own priority)."""
+    if not obs.preempted:
+        return None
+    requests = {r.request_id: r for r in before.requests}
+    throttled = [rid for rid in before.running if _throttled_at_start(before, requests[rid])]
+    for i, victim in enumerate(obs.preempted):
+        if victim in throttled:
+            continue
+        gone = set(obs.preempted[:i])
+        for rid in throttled:
+            if rid in gone or rid == victim:
+                continue
+            if before.config.policy == FCFS or requests[rid].priority == requests[victim].priority:
+                return f"I15 (R13): {victim} preempted while the throttled {rid} was still running"
+    return None
+
+
+def _blocks_after_schedule(before: SchedulerState, after: SchedulerState, obs: Observation) -> dict[str, int]:
+    """V5: the blocks each request running at the end of ``schedule()`` held then (the
+    output delivered by the same event may have finished some of them since)."""
+    scheduled = dict(obs.scheduled)
+    live_after = {r.request_id: r for r in after.requests}
+    held = {}
+    for rid in tuple(before.running) + tuple(obs.admitted):
+        if rid in obs.preempted:
+            continue
+        if rid in live_after:
+            held[rid] = live_after[rid].num_blocks
+        else:
+            request = find(before, rid)
+            held[rid] = max(request.num_blocks,
+                            blocks_for(request.num_computed_tokens + scheduled.get(rid, 0), before.config))
+    return held
+
+
+def i16_preemption_needed(before: SchedulerState, after: SchedulerState, obs: Observation) -> str | None:
+    """I16 (R11, V6): a step preempts only when an allocation really failed.
+
+    At the last failed allocation, the blocks held by the requests then running plus the
+    allocating request's need exceeded the usable blocks. Those requests are the ones that
+    stayed running (their blocks at the end of ``schedule()`` are an upper bound) and the
+    last victim (at most the blocks of its whole sampling position). So that upper bound
+    must exceed the usable blocks; if it does not, some victim was preempted for nothing.
+    """
+    if not obs.preempted:
+        return None
+    config = before.config
+    held = sum(_blocks_after_schedule(before, after, obs).values())
+    last = find(before, obs.preempted[-1])
+    peak = max(last.num_blocks, blocks_for(last.sampling_position, config))
+    if held + peak <= config.num_usable_blocks:
+        return (f"I16 (R11/V6): preempted {list(obs.preempted)} although the survivors' {held} blocks plus the last "
+                f"victim's {peak} fit the {config.num_usable_blocks} usable blocks")
+    return None
+
+
+def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, obs: Observation) -> str | None:
+    """I17 (R10, R12, P4): a throttled user never holds back another's admission.
+
+    In a step that preempted nothing, every waiting request that was not admitted is owed
+    a reason: its user is refused and it cannot prefill (R10: without chunked prefill, or
+    nothing short of sampling left), or the waiting loop may have stopped at it or at a
+    request ahead of it (V8: token budget spent, ``len(running)`` at the R12 admission cap
+    ``min(M, A + throttled)``, too few tokens without chunked prefill, too few free blocks
+    for its whole sequence). Each stop condition is evaluated with the values at the end
+    of ``schedule()``, which are the values at the stop (nothing is admitted after it); a
+    refused user is still refused after the step (grants only push TAT up; the only
+    refunds in such a step are of a charge at the loop's stop). So a missing reason means
+    admission stopped short or skipped a request it owed a place.
+    """
+    if obs.preempted:
+        return None
+    config = before.config
+    held = _blocks_after_schedule(before, after, obs)
+    free = config.num_usable_blocks - sum(held.values())
+    budget = config.max_num_batched_tokens - sum(n for _, n in obs.scheduled)
+    num_running = len(before.running) + len(obs.admitted)
+    cap = min(config.max_num_seqs, config.active_cap + len(obs.throttled))
+    admitted = set(obs.admitted)
+    for rid in before.waiting:
+        if rid in admitted:
+            continue
+        request = find(before, rid)
+        if (budget == 0 or num_running >= cap or (not config.chunked_prefill and request.num_tokens > budget)
+                or blocks_for(request.num_tokens, config) > free):
+            return None  # admission may have stopped here; nothing behind it is owed a place
+        refused = not spec_limiter.allows(after.limiter, request.user, after.now_ns, config.burst_ns)
+        can_prefill = config.chunked_prefill and request.num_computed_tokens < request.num_tokens - 1
+        if refused and not can_prefill:
+            continue  # R10: skipped, the loop goes on
+        return (f"I17 (R10/R12/P4): {rid} (user {request.user}) waits although nothing stopped admission before "
+                f"it: budget {budget}, running {num_running} < cap {cap}, {free} free blocks, "
+                f"user {'refused' if refused else 'not refused'}")
+    return None
+
+
 def check(
     before: SchedulerState, event: Event, after: SchedulerState, obs: Observation,
     history: DispatchHistory | None = None,
 ) -> str | None:
     """Run every invariant that applies to this event; the first violation, or None.
 
-    With ``history`` given, I7 is checked too; it must already hold this step's
+    With ``history`` given, I7 and I13 are checked too; it must already hold this step's
     dispatches (``advance_history(history, before, obs)``).
     """
     found = i8_pause_not_truncate(before, obs) or i11_kv_conserved(after) or i12_feature_off(after, obs)
@@ -180,19 +367,28 @@ def check(
     found = (i1_charges_match_dispatches(after, obs) or i2_one_charge_per_request(obs)
              or i3_refunds_only_undispatched_charges(obs) or i4_throttled_not_scheduled(obs)
              or i5_active_cap(after, obs))
-    if found or history is None:
+    if found:
         return found
-    for user in sorted({find(before, rid).user for rid in obs.sampled if find(before, rid) is not None}):
-        found = i7_window_bound(history, user, after)
+    if history is not None:
+        for user in sorted({find(before, rid).user for rid in obs.sampled if find(before, rid) is not None}):
+            found = i7_window_bound(history, user, after)
+            if found:
+                return found
+        found = i13_limiter_matches_ledger(history, after)
         if found:
             return found
-    return None
+    return (i14_wait_hint(before, after, obs) or i15_preferred_victims(before, obs)
+            or i16_preemption_needed(before, after, obs) or i17_admission_not_held_back(before, after, obs))
 
 
 def advance_history(history: DispatchHistory, before: SchedulerState, obs: Observation) -> DispatchHistory:
-    """I7: record the step's sampling dispatches at the step's instant."""
+    """I7, I13: record the step's sampling dispatches at the step's instant (and, with the
+    feature on, replay them into the ledger)."""
     for rid in obs.sampled:
         request = find(before, rid)
         assert request is not None, f"{rid} sampled without being live"
         history = history.add(request.user, obs.now_ns)
+        if before.config.rate_limited:
+            interval = spec_limiter.emission_interval_ns(before.config.rate_of(request.user))
+            history = history.replay(request.user, obs.now_ns, interval)
     return history
