@@ -294,6 +294,7 @@ main.add_command(serve)
 from vllm_output_rate.loadtest import measure  # noqa: E402
 main.add_command(measure)
 from vllm_output_rate.prove import prove; main.add_command(prove)  # noqa: E402,E702
+from vllm_output_rate.check import check; main.add_command(check)  # noqa: E402,E702
 from vllm_output_rate.soak import soak; main.add_command(soak)  # noqa: E402,E702
 
 

@@ -19,11 +19,11 @@ user's earlier dispatch times: ``DispatchHistory`` carries them (bounded).
 | I10 | no admission in a step that preempted | V7 |
 | I11 | KV blocks are conserved: free + held = usable blocks | V5 |
 | I12 | with the feature off nothing is charged, refunded or throttled | R18 |
-| I13 | every user's TAT equals the GCRA replay of its sampling dispatches (up to idle: ``max(TAT, now)``) | R4, R7, R9 |
+| I13 | each user's TAT equals the GCRA replay of its sampling dispatches (up to idle) | R4, R7, R9 |
 | I14 | the wait hint is some user's ready time, no later than any throttled user's | R5, R16 |
 | I15 | a request throttled at the start of a step is preempted before any other (same priority under PRIORITY) | R13 |
 | I16 | a step preempts only when KV really ran short (a throttled request keeps its blocks otherwise) | R11, V6 |
-| I17 | a waiting request is admitted unless refused (and unable to prefill) or admission stopped at or before it | R10, R12, P4 |
+| I17 | a waiting request is admitted unless refused and unable to prefill, or admission stopped | R10, R12, P4 |
 
 I13-I17 were added with the model checker (``proofs/modelcheck.py``): each one is the
 property whose absence let a spec mutation through (docs/SPEC_MUTATIONS.md). I13 needs the
