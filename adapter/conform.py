@@ -227,3 +227,37 @@ def check_white_box(
     return _check_step_scenarios(name, rules, white_box_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS),
                                  lambda scenario: run_white_box(scenario, scheduler_cls),
                                  examples, seed, tick, save_dir)
+
+
+def check_proofs(tick: Callable[[], None]) -> CheckResult:
+    """R1-R6 for all inputs: the Z3 proofs of ``proofs/z3_limiter.py`` (``outrate prove``
+    adds the CrossHair contracts, which take about a minute)."""
+    from vllm_output_rate.proofs.z3_limiter import run_all
+
+    result = CheckResult("proofs/z3", ["R1", "R2", "R3", "R4", "R5", "R6"])
+    for record in run_all():
+        tick()
+        result.examples += 1
+        if record["result"] != "proved" or not record.get("vacuity_ok", True):
+            result.result = "fail"
+            result.failure = f"{record['name']}: {record['result']}"
+            result.counterexample.append(str(record.get("counterexample")))
+    return result
+
+
+def check_model(tick: Callable[[], None]) -> CheckResult:
+    """Every invariant in every state of the quick scopes of the model checker over the spec
+    (``outrate check --profile ci|release`` explores the larger ones)."""
+    from vllm_output_rate.proofs.modelcheck import explore, profile_scopes
+
+    result = CheckResult("model-check/quick", ["I1-I17", "F1", "R6", "liveness"])
+    for scope in profile_scopes("quick"):
+        tick()
+        outcome = explore(scope)
+        result.examples += 1
+        result.steps += outcome.states
+        if outcome.violations:
+            name, violation = next(iter(outcome.violations.items()))
+            result.result = "fail"
+            result.failure = f"scope {scope.name}: {name}: {violation}"
+    return result

@@ -24,6 +24,10 @@ MANIFEST = {
                    "scheduled; active cap; TAT = spec replay; wait hint"),
     "base-fidelity": ("spec/ step model vs stock vLLM", "differential (Hypothesis)",
                       "spec predicts stock vLLM step for step with the limit off"),
+    "proofs": ("spec/limiter.py, reference/limiter.py", "proof (Z3, unbounded integers)",
+               "window bound, idle burst, integer scaling = spec, ready_at exact, refund and cleanup change nothing"),
+    "model-check": ("spec/ step model", "explicit-state model checking",
+                    "every invariant in every reachable state of the quick scopes; liveness"),
     "white-box": ("spec/ step model vs scheduler class", "differential (Hypothesis)",
                   "every observation field equal after every step"),
 }

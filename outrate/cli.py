@@ -102,6 +102,11 @@ def conform(scheduler_cls, async_scheduler_cls, profile, seed, mutants, json_pat
                      lambda tick: gate.check_white_box(async_scheduler_cls, True, step_budget["white_async"], seed,
                                                        tick, counterexamples)))
 
+    from vllm_output_rate.proofs.modelcheck import profile_scopes
+
+    plan += [("proofs/z3", 6, gate.check_proofs),
+             ("model-check/quick", len(profile_scopes("quick")), gate.check_model)]
+
     results = []
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=False)
