@@ -38,16 +38,8 @@ class ChargeFirstChunkInstead(RateLimitedScheduler):
 class ChargeOnModelOutput(RateLimitedScheduler):
     """R7 broken: the limiter is only asked at dispatch; the charge happens on model output."""
 
-    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
-        limiter = self.rate_limiter
-        if limiter is None:
-            return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        take = limiter.try_take
-        limiter.try_take = limiter.allows  # decide without taking
-        try:
-            return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        finally:
-            limiter.try_take = take
+    def _commit_grants(self):
+        return None  # decided at dispatch, but nothing taken there
 
     def _settle(self, scheduler_output):
         self._charged = []  # nothing was taken, nothing to refund
@@ -222,8 +214,15 @@ class _RollingWindowLimiter(OutputRateLimiter):
         return super().try_take(user, now_ns) or True
 
     def allows(self, user, now_ns):
+        return self.grants_at(user, now_ns) > 0
+
+    def grants_at(self, user, now_ns):
         grants = [t for t in self._grants.get(user, []) if t > now_ns - 1_000_000_000]
-        return len(grants) < max(1, int(self.rate_of(user)))
+        return max(0, max(1, int(self.rate_of(user))) - len(grants))
+
+    def take_many(self, user, now_ns, count):
+        for _ in range(count):
+            self.try_take(user, now_ns)
 
 
 class RollingWindow(RateLimitedScheduler):
@@ -276,8 +275,8 @@ class CleanupActiveUsers(RateLimitedScheduler):
 class BudgetPerRequest(RateLimitedScheduler):
     """P2/R1 broken: one budget per request instead of one per user."""
 
-    def _user(self, request):
-        super()._user(request)
+    @staticmethod
+    def _resolve_user(request):
         return request.request_id
 
 

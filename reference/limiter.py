@@ -126,6 +126,41 @@ class OutputRateLimiter:
         self._tat[user] = tat + s.inc
         return True
 
+    def grants_at(self, user: str, now_ns: int) -> int:
+        """R2 in closed form: how many ``try_take(user, now_ns)`` in a row would succeed.
+
+        With ``d = max(TAT, now) - now`` (scaled), a run of takes at one ``now`` is granted
+        while ``d + (j - 1) T <= tau``, so the count is ``floor((tau - d) / T) + 1`` when
+        ``d <= tau`` and 0 otherwise. Changes nothing. O(1). The scheduler asks once per
+        user per step and charges against the count (``take_many``), which is the same as
+        calling ``try_take`` once per charge.
+        """
+        s = self._scales.get(user) or self._default
+        now = now_ns * s.p
+        tat = self._tat.get(user)
+        lead = 0 if tat is None or tat < now else tat - now
+        if lead > s.burst:
+            return 0
+        return (s.burst - lead) // s.inc + 1
+
+    def take_many(self, user: str, now_ns: int, count: int) -> None:
+        """R2: ``count`` grants at ``now_ns`` at once: ``TAT := max(TAT, now) + count x T``.
+
+        The same state as ``count`` successful ``try_take(user, now_ns)`` calls; the caller
+        keeps ``count <= grants_at(user, now_ns)`` (not checked again here).
+
+        Raises:
+            ValueError: ``count`` < 1.
+        """
+        if count < 1:
+            raise ValueError(f"take_many needs count >= 1, got {count!r}")
+        s = self._scales.get(user) or self._default
+        now = now_ns * s.p
+        tat = self._tat.get(user)
+        if tat is None or tat < now:
+            tat = now
+        self._tat[user] = tat + count * s.inc
+
     def allows(self, user: str, now_ns: int) -> bool:
         """R2: would ``try_take(user, now_ns)`` succeed? Changes nothing."""
         tat = self._tat.get(user)

@@ -28,6 +28,7 @@ Source: semantics.md R7-R18; seed article, "Scheduler" section.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Any, Callable
 
@@ -42,7 +43,15 @@ from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.reference.trace import TraceWriter
 
 CLEANUP_INTERVAL_STEPS = 256  # R6
+_RUNNING = RequestStatus.RUNNING
+_REQUEST_ID = operator.attrgetter("request_id")
+_IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
 logger = logging.getLogger(__name__)
+
+
+def group_key(user: str, priority: int) -> str:
+    """R14/R15: the key of a (user, priority) group of streams, a str (its hash is cached)."""
+    return f"{priority}\x1f{user}"
 
 
 def user_of(request: Request) -> str:
@@ -75,6 +84,12 @@ class _RateLimitMixin:
         self.clock_ns: Callable[[], int] = time.monotonic_ns
         self.rate_limiter: OutputRateLimiter | None = None
         self._trace: TraceWriter | None = None  # engine-side event trace (reference/trace.py)
+        # vLLM's _reserve_prefill_lookahead changes a chunk only for an MTP drafter looking
+        # ahead more than one token (speculative decoding, refused with the feature on);
+        # otherwise it only clamps at 0, which the hot path below does itself.
+        self._base_lookahead = not output_rate_config.enabled or self.num_prefill_lookahead > 1
+        self._rotation_noop = False  # R14: the last step proved the next rotation a no-op
+        self._hook_fast = False  # see _reserve_prefill_lookahead
         if not self.output_rate_config.enabled:
             return  # R18: feature off, every override below defers to the base class
         cfg = self.output_rate_config
@@ -84,8 +99,16 @@ class _RateLimitMixin:
             cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs or self.max_num_running_reqs,
             self.max_num_running_reqs,
         )
+        # R12 needs the set of running requests given tokens only if the cap can bind.
+        self._cap_binds = self._active_cap < self.max_num_running_reqs
+        self._may_be_refused: set[str] = set()  # users the next step start may find refused
+        # The hook's short path: the active cap cannot bind, vLLM's hook only clamps at 0,
+        # and ``_samples`` (R7) is ours, so it can be inlined.
+        self._hook_fast = (not self._cap_binds and not self._base_lookahead
+                           and type(self)._samples is _RateLimitMixin._samples)
         self._user_cache: dict[str, str] = {}  # request id -> user (R17, resolved once)
-        self._last_served: dict[tuple[str, int], str] = {}  # (user, priority) -> request id (R15)
+        self._group_cache: dict[str, str] = {}  # request id -> group_key(user, priority) (R14/R15)
+        self._last_served: dict[str, str] = {}  # group key (user, priority) -> request id (R15)
         self._steps = 0
         self._reset_step_state(0)
         if cfg.trace_path is not None:
@@ -105,6 +128,8 @@ class _RateLimitMixin:
     def _reset_step_state(self, now_ns: int) -> None:
         self._now_ns = now_ns
         self._charged: list[Request] = []  # R7: in charge order
+        self._grants: dict[str, int] = {}  # R2: user -> grants left in this step
+        self._grants_at_start: dict[str, int] = {}  # R2: user -> grants_at(user, now) at first ask
         self._refused_users: set[str] = set()  # users refused in this step: not asked again
         self._throttled: set[str] = set()  # running requests refused and skipped (R11)
         self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
@@ -129,7 +154,13 @@ class _RateLimitMixin:
     def _user(self, request: Request) -> str:
         user = self._user_cache.get(request.request_id)
         if user is None:
-            user = self._user_cache[request.request_id] = self._resolve_user(request)
+            user = self._remember_user(request)
+        return user
+
+    def _remember_user(self, request: Request) -> str:
+        """R17: resolve ``request``'s user once and cache it with its R14 group key."""
+        user = self._user_cache[request.request_id] = self._resolve_user(request)
+        self._group_cache[request.request_id] = group_key(user, request.priority)
         return user
 
     @staticmethod
@@ -149,12 +180,13 @@ class _RateLimitMixin:
         still arrives is charged to ``__anonymous__`` and logged.
         """
         if self.rate_limiter is not None:
-            self._user_cache[request.request_id] = self._resolve_user(request)
+            self._remember_user(request)
         super().add_request(request)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         if self.rate_limiter is not None:
             self._user_cache.pop(request.request_id, None)
+            self._group_cache.pop(request.request_id, None)
             if self._trace is not None:
                 self._trace.note_freed(request.request_id, request.status.name, request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
@@ -167,6 +199,7 @@ class _RateLimitMixin:
         self._rotate_running()  # R14
         stock_order = self._move_throttled_last()  # R13
         scheduler_output = super().schedule(*args, **kwargs)
+        self._commit_grants()  # R2/R7: the charges of this step, into the limiter
         if stock_order is not None:
             self._restore_order(stock_order)  # R13: only the choice of victims changed
         refunded = self._settle(scheduler_output)  # R9
@@ -235,11 +268,19 @@ class _RateLimitMixin:
         Only the slots these streams occupy are permuted; all others keep their place.
         If the last-served stream is no longer running, that group keeps its order.
         """
-        groups: dict[tuple[str, int], list[int]] = {}
-        running, cache = self.running, self._user_cache
+        if self._rotation_noop:
+            # Every request in ``running`` was dispatched to sample in the last step, in
+            # ``running`` order, so each group's last-served stream is its last member and
+            # the rotation below would leave every group as it is (see ``_settle``).
+            return
+        groups: dict[str, list[int]] = {}
+        running, cache = self.running, self._group_cache
         for index, request in enumerate(running):
-            user = cache.get(request.request_id) or self._user(request)
-            groups.setdefault((user, request.priority), []).append(index)
+            key = cache.get(request.request_id)
+            if key is None:
+                self._user(request)
+                key = cache[request.request_id]
+            groups.setdefault(key, []).append(index)
         for key, slots in groups.items():
             last = self._last_served.get(key)
             if last is None or len(slots) < 2:
@@ -266,8 +307,10 @@ class _RateLimitMixin:
         """
         running = self.running
         limiter, now = self.rate_limiter, self._now_ns
-        # One allows() per known user, not per request; nothing to scan if nobody is refused.
-        refused = {u for u in limiter.users() if not limiter.allows(u, now)}
+        # Only users that ran out of grants in the last step, or were refused in it, can be
+        # refused now: a user left with a grant at t still has one at every t' >= t, and an
+        # untouched TAT refuses at t' only if it refused at t (``_commit_grants``).
+        refused = {u for u in self._may_be_refused if not limiter.allows(u, now)}
         if not refused:
             return None
         cache = self._user_cache
@@ -332,28 +375,91 @@ class _RateLimitMixin:
         return num_computed_tokens + num_new_tokens >= request.num_tokens + request.num_output_placeholders
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
-        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if self.rate_limiter is None or num_new_tokens == 0:
+        """R7, R10, R11, R12: the sampling decision for one (step, request); see module docstring.
+
+        Called by vLLM once per request that reaches the end of the running or waiting loop;
+        returns the tokens it may schedule (0: skip it this step). This is the hottest code
+        of the feature (once per running request per step): charges count down a per-user
+        allowance taken from the limiter once per step (``_grants_left``) and are written
+        back to the limiter in one operation per user after vLLM's loops (``_commit_grants``).
+        The common configuration (no binding active cap, no MTP drafter, ``_samples`` not
+        replaced) takes the short path below; ``_reserve_general`` is the same decision
+        with every case handled.
+        """
+        if not self._hook_fast:
+            return self._reserve_general(request, num_computed_tokens, num_new_tokens)
+        if num_new_tokens <= 0:
+            return 0  # vLLM's hook, without an MTP drafter, only clamps at 0
+        end = request.num_tokens + request.num_output_placeholders
+        if num_computed_tokens + num_new_tokens < end:
+            return num_new_tokens  # R7: a prefill chunk that does not sample is not charged
+        user = self._user_cache.get(request.request_id) or self._user(request)
+        grants = self._grants
+        left = grants.get(user)
+        if left is None:
+            left = self._grants_left(user)
+        if left:
+            grants[user] = left - 1
+            self._charged.append(request)  # R7: charged at dispatch
             return num_new_tokens
-        is_running = request.status == RequestStatus.RUNNING
+        return self._refuse(request, user, num_computed_tokens, num_new_tokens, end)
+
+    def _reserve_general(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """``_reserve_prefill_lookahead`` for every configuration (R7, R10, R11, R12, R18)."""
+        if self._base_lookahead:
+            num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+            if self.rate_limiter is None:
+                return num_new_tokens  # R18
+        elif num_new_tokens < 0:
+            num_new_tokens = 0
+        if num_new_tokens == 0:
+            return 0
+        is_running = request.status is _RUNNING
         if is_running and len(self._scheduled_running) >= self._active_cap:
             return 0  # R12: the step's batch already holds A running requests
-        if self._samples(request, num_computed_tokens, num_new_tokens):
+        end = request.num_tokens + request.num_output_placeholders
+        if self._samples(request, num_computed_tokens, num_new_tokens):  # R7: this chunk samples
             user = self._user(request)
-            if user not in self._refused_users and self.rate_limiter.try_take(user, self._now_ns):
+            if self._grants_left(user):
+                self._grants[user] -= 1
                 self._charged.append(request)  # R7: charged at dispatch
             else:
-                self._refused_users.add(user)
-                # R10: with chunked prefill, advance to the position just before sampling.
-                capped = request.num_tokens + request.num_output_placeholders - 1 - num_computed_tokens
-                if not self.scheduler_config.enable_chunked_prefill or capped <= 0:
-                    if is_running:
-                        self._throttled.add(request.request_id)  # R11: skip, keep resident
-                    return 0
-                num_new_tokens = min(num_new_tokens, capped)
-        if is_running:
+                num_new_tokens = self._refuse(request, user, num_computed_tokens, num_new_tokens, end)
+        if num_new_tokens and is_running:
             self._scheduled_running.add(request.request_id)
         return num_new_tokens
+
+    def _refuse(self, request: Request, user: str, num_computed_tokens: int, num_new_tokens: int,
+                end: int) -> int:
+        """R10/R11: ``user`` is refused; advance a prefill to n-1 or skip the request (0)."""
+        self._refused_users.add(user)
+        # R10: with chunked prefill, advance to the position just before sampling.
+        capped = end - 1 - num_computed_tokens
+        if capped <= 0 or not self.scheduler_config.enable_chunked_prefill:
+            if request.status is _RUNNING:
+                self._throttled.add(request.request_id)  # R11: skip, keep resident
+            return 0
+        return min(num_new_tokens, capped)
+
+    def _grants_left(self, user: str) -> int:
+        """R2: grants ``user`` may still receive in this step (the limiter asked once per step)."""
+        left = self._grants.get(user)
+        if left is None:
+            left = self._grants[user] = self._grants_at_start[user] = self.rate_limiter.grants_at(user, self._now_ns)
+        return left
+
+    def _commit_grants(self) -> None:
+        """R2/R7: write this step's charges to the limiter, one ``take_many`` per user.
+
+        Equal to one ``try_take`` per charge at the step's clock reading (``limiter.py``).
+        """
+        limiter, now, left = self.rate_limiter, self._now_ns, self._grants
+        for user, at_start in self._grants_at_start.items():
+            taken = at_start - left[user]
+            if taken:
+                limiter.take_many(user, now, taken)
+        # R13/R16: the users the next step start has to look at (``_move_throttled_last``).
+        self._may_be_refused = self._refused_users.union([u for u, n in left.items() if not n])
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):
@@ -361,7 +467,7 @@ class _RateLimitMixin:
         if self.rate_limiter is None:
             return True
         user = self._user(request)
-        if user not in self._refused_users and self.rate_limiter.allows(user, self._now_ns):
+        if self._grants_left(user):
             return True
         self._refused_users.add(user)
         # R10: a refused user's waiting request proceeds only if it can prefill without
@@ -384,17 +490,37 @@ class _RateLimitMixin:
         return super()._preempt_request(request, *args, **kwargs)
 
     def _settle(self, scheduler_output) -> list[str]:
-        """R9: the single refund point; R15: record the last-served stream per user."""
+        """R9: the single refund point; R15: record the last-served stream per user.
+
+        Also decides whether the next step's R14 rotation can be skipped: if every request
+        left in ``running`` was dispatched to sample in this step, then (charges follow
+        ``running`` order: the running loop walks it, admitted requests are appended in
+        admission order) each (user, priority) group's last-served stream is its last
+        member, and until the next ``schedule()`` ``running`` only loses finished requests,
+        which cannot put an unserved stream after a group's last-served one.
+        """
         scheduled = scheduler_output.num_scheduled_tokens
+        charged = self._charged
+        ids = list(map(_REQUEST_ID, charged))
+        if all(map(scheduled.__contains__, ids)) and not any(map(_IS_PREFILL_CHUNK, charged)):
+            # Every charge was dispatched to sample (the usual step): nothing to refund, and
+            # R15 in one pass over the step's charges, later charges winning.
+            self._last_served.update(zip(map(self._group_cache.__getitem__, ids), ids))
+            self._rotation_noop = len(ids) == len(self.running)
+            return []
         refunded = []
-        for request in self._charged:
-            dispatched = request.request_id in scheduled and not request.is_prefill_chunk
-            user = self._user(request)
-            if dispatched:
-                self._last_served[(user, request.priority)] = request.request_id  # R15
+        served = 0
+        last_served, cache = self._last_served, self._user_cache
+        for request in charged:
+            rid = request.request_id
+            user = cache.get(rid) or self._user(request)
+            if rid in scheduled and not request.is_prefill_chunk:
+                last_served[self._group_cache[rid]] = rid  # R15
+                served += 1
             else:
                 self.rate_limiter.refund(user)  # R4/R9
-                refunded.append(request.request_id)
+                refunded.append(rid)
+        self._rotation_noop = served == len(self.running)
         return refunded
 
     def _observe(self, scheduler_output, refunded: list[str]) -> None:

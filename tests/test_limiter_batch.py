@@ -1,0 +1,82 @@
+"""R2 in closed form: ``grants_at`` / ``take_many`` of the reference limiter against ``try_take``.
+
+The reference scheduler asks the limiter once per user per step (``grants_at``) and writes
+the step's charges back in one ``take_many``; these must equal one ``try_take`` per charge
+at the same clock reading, for every rate (integral and fractional), TAT lead and count.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.reference.limiter import OutputRateLimiter
+
+RATES = st.sampled_from([Fraction(1, 1000), Fraction(1, 3), Fraction(1, 2), Fraction(7), Fraction(10),
+                         Fraction(20), Fraction(100), Fraction(333333, 1000), Fraction(10**6)])
+BURSTS = st.sampled_from([1, 1_000_000, 100_000_000, 250_000_000])
+HISTORY = st.lists(st.tuples(st.integers(0, 400_000_000), st.booleans()), max_size=12)
+
+
+def _replay(rate: Fraction, burst_ns: int, history: list[tuple[int, bool]]) -> tuple[OutputRateLimiter, int]:
+    """A limiter after ``history`` (clock steps, take or refund-after-take); returns it and now."""
+    lim = OutputRateLimiter(rate, burst_ns=burst_ns)
+    now = 10**12
+    for gap, refund in history:
+        now += gap
+        if lim.try_take("u", now) and refund:
+            lim.refund("u")
+    return lim, now
+
+
+def _count_takes(lim: OutputRateLimiter, now: int, cap: int) -> int:
+    taken = 0
+    while taken < cap and lim.try_take("u", now):
+        taken += 1
+    return taken
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(RATES, BURSTS, HISTORY, st.integers(0, 300_000_000))
+def test_r2_grants_at_counts_consecutive_try_takes(rate, burst_ns, history, later) -> None:
+    lim, now = _replay(rate, burst_ns, history)
+    now += later
+    expected_cap = 250_001  # 10**6 tok/s x 250 ms + 1: the most any of these allows at one instant
+    predicted = lim.grants_at("u", now)
+    assert predicted <= expected_cap
+    assert _count_takes(lim, now, expected_cap + 1) == predicted
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(RATES, BURSTS, HISTORY, st.integers(0, 300_000_000), st.integers(1, 50))
+def test_r2_take_many_equals_try_take_loop(rate, burst_ns, history, later, count) -> None:
+    one, now = _replay(rate, burst_ns, history)
+    many, _ = _replay(rate, burst_ns, history)
+    now += later
+    count = min(count, one.grants_at("u", now))
+    if count == 0:
+        assert many.grants_at("u", now) == 0
+        return
+    for _ in range(count):
+        assert one.try_take("u", now)
+    many.take_many("u", now, count)
+    assert many.tat_ns("u") == one.tat_ns("u")
+    assert many.grants_at("u", now) == one.grants_at("u", now)
+
+
+def test_r2_grants_at_idle_user_is_the_burst() -> None:
+    # Idle at 10 tok/s, tau 100 ms: floor(0.1 x 10) + 1 = 2 grants (R2 idle burst).
+    lim = OutputRateLimiter(10)
+    assert lim.grants_at("u", 5_000_000_000) == 2
+    assert lim.grants_at("u", 5_000_000_000) == 2  # asking changes nothing
+    assert len(lim) == 0
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_r2_take_many_rejects_count_below_one(count: int) -> None:
+    lim = OutputRateLimiter(10)
+    with pytest.raises(ValueError, match=f"count >= 1, got {count}"):
+        lim.take_many("u", 0, count)
