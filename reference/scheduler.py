@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -107,6 +108,8 @@ class _RateLimitMixin:
         self._hook_fast = (not self._cap_binds and not self._base_lookahead
                            and type(self)._samples is _RateLimitMixin._samples)
         self._user_cache: dict[str, str] = {}  # request id -> user (R17, resolved once)
+        self._user_requests: dict[str, int] = {}  # user -> requests in the scheduler (any state)
+        self._spare: dict[str, int] = {}  # user -> a lower bound on grants_at(user, now) for now >= last step
         self._group_cache: dict[str, str] = {}  # request id -> group_key(user, priority) (R14/R15)
         self._last_served: dict[str, str] = {}  # group key (user, priority) -> request id (R15)
         self._steps = 0
@@ -135,6 +138,7 @@ class _RateLimitMixin:
         self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
         self._throttled_at_start: list[Request] = []  # R13: preferred victims of this step
         self._preempted_for_r13 = False  # R13: we preempted; the waiting loop must not run
+        self._unconstrained = False  # no user can be refused in this step (_nobody_can_run_out)
 
     # -- R12: admission cap read by vLLM's waiting loop -------------------------
     @property
@@ -161,6 +165,7 @@ class _RateLimitMixin:
         """R17: resolve ``request``'s user once and cache it with its R14 group key."""
         user = self._user_cache[request.request_id] = self._resolve_user(request)
         self._group_cache[request.request_id] = group_key(user, request.priority)
+        self._user_requests[user] = self._user_requests.get(user, 0) + 1
         return user
 
     @staticmethod
@@ -185,7 +190,13 @@ class _RateLimitMixin:
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         if self.rate_limiter is not None:
-            self._user_cache.pop(request.request_id, None)
+            user = self._user_cache.pop(request.request_id, None)
+            if user is not None:
+                left = self._user_requests[user] - 1
+                if left:
+                    self._user_requests[user] = left
+                else:
+                    del self._user_requests[user]
             self._group_cache.pop(request.request_id, None)
             if self._trace is not None:
                 self._trace.note_freed(request.request_id, request.status.name, request.num_output_tokens)
@@ -198,6 +209,7 @@ class _RateLimitMixin:
         self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
         self._rotate_running()  # R14
         stock_order = self._move_throttled_last()  # R13
+        self._unconstrained = not self._refused_users and self._hook_fast and self._nobody_can_run_out()
         scheduler_output = super().schedule(*args, **kwargs)
         self._commit_grants()  # R2/R7: the charges of this step, into the limiter
         if stock_order is not None:
@@ -393,6 +405,9 @@ class _RateLimitMixin:
         end = request.num_tokens + request.num_output_placeholders
         if num_computed_tokens + num_new_tokens < end:
             return num_new_tokens  # R7: a prefill chunk that does not sample is not charged
+        if self._unconstrained:
+            self._charged.append(request)  # R7: charged at dispatch, counted per user at commit
+            return num_new_tokens
         user = self._user_cache.get(request.request_id) or self._user(request)
         grants = self._grants
         left = grants.get(user)
@@ -448,16 +463,52 @@ class _RateLimitMixin:
             left = self._grants[user] = self._grants_at_start[user] = self.rate_limiter.grants_at(user, self._now_ns)
         return left
 
+    def _nobody_can_run_out(self) -> bool:
+        """R2: can every user be granted one token per request it has, at the step's clock?
+
+        Each request is charged at most once per step (R7), so then no user is refused in
+        this step and the hook only records charges (``_unconstrained``). Asks the limiter
+        only for users whose spare grants from the last step (a lower bound now, as grants
+        only grow with time) do not already cover their requests. Fills ``_bound`` with a
+        lower bound on each user's grants, for ``_commit_grants``. O(users).
+        """
+        spare, limiter, now = self._spare, self.rate_limiter, self._now_ns
+        bound = self._bound = {}
+        for user, requests in self._user_requests.items():
+            grants = spare.get(user, 0)
+            if grants < requests:
+                grants = limiter.grants_at(user, now)
+                if grants < requests:
+                    return False
+            bound[user] = grants
+        return True
+
     def _commit_grants(self) -> None:
         """R2/R7: write this step's charges to the limiter, one ``take_many`` per user.
 
         Equal to one ``try_take`` per charge at the step's clock reading (``limiter.py``).
+        Also records, per user, grants left at this clock reading (a lower bound for later
+        steps, ``_nobody_can_run_out``) and the users the next step start must look at.
         """
-        limiter, now, left = self.rate_limiter, self._now_ns, self._grants
+        limiter, now = self.rate_limiter, self._now_ns
+        if self._unconstrained:
+            spare = self._bound
+            taken = Counter(map(self._user_cache.__getitem__, map(_REQUEST_ID, self._charged)))
+            exhausted = []
+            for user, count in taken.items():
+                limiter.take_many(user, now, count)
+                spare[user] -= count
+                if not spare[user]:
+                    exhausted.append(user)
+            self._spare = spare
+            self._may_be_refused = set(exhausted)
+            return
+        left = self._grants
         for user, at_start in self._grants_at_start.items():
             taken = at_start - left[user]
             if taken:
                 limiter.take_many(user, now, taken)
+        self._spare = dict(left)
         # R13/R16: the users the next step start has to look at (``_move_throttled_last``).
         self._may_be_refused = self._refused_users.union([u for u, n in left.items() if not n])
 
@@ -465,6 +516,8 @@ class _RateLimitMixin:
         if not super()._handle_blocked_waiting_request(request):
             return False
         if self.rate_limiter is None:
+            return True
+        if self._unconstrained:
             return True
         user = self._user(request)
         if self._grants_left(user):

@@ -671,3 +671,24 @@ def test_r18_feature_off_is_trace_identical_to_stock(async_scheduling, section, 
 def test_config_bad_output_rate_fails_at_construction(async_scheduling, section, message):
     with pytest.raises(OutputRateConfigError, match=re.escape(message)):
         make(async_scheduling, output_rate=section)
+
+
+# -- R2/R7: the per-step fast path (no user can run out of grants) -------------------------
+def test_r2_unconstrained_step_needs_a_grant_for_every_request_of_every_user(async_scheduling):
+    # The hook skips per-user bookkeeping only in a step where every user can be granted
+    # one token per request it has (R7: at most one charge per request per step).
+    # "fast" 1000 tok/s: idle burst floor(0.1 x 1000) + 1 = 101 grants >= 2 requests.
+    # "slow" 10 tok/s: idle burst floor(0.1 x 10) + 1 = 2 grants; 2 requests fit, 3 do not.
+    h = make(async_scheduling, output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"slow": 10}})
+    for k in range(2):
+        h.add_request(f"f{k}", "fast", max_tokens=8)
+        h.add_request(f"s{k}", "slow", max_tokens=8)
+    step(h, 1)
+    assert h.scheduler._unconstrained
+    assert sorted(h.scheduler.last_step_observation["charged"]) == ["f0", "f1", "s0", "s1"]
+    # slow spent its burst at t=0: TAT = 200 ms, 0 spare grants -> the next step asks the limiter.
+    h.add_request("s2", "slow", max_tokens=8)
+    step(h, 1)
+    assert not h.scheduler._unconstrained
+    assert "s2" not in h.scheduler.last_step_observation["charged"]
+    assert "slow" in h.scheduler._refused_users
