@@ -12,8 +12,6 @@ import time
 
 import pytest
 
-from vllm_output_rate.tinymodel import default_model_dir
-
 pytestmark = pytest.mark.live
 
 RATE_TOKENS_PER_S = 50
@@ -23,41 +21,18 @@ BURST_S = 0.1
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(default_model_dir()),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=8,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.2,  # on CPU: the share of RAM reserved (vLLM checks it at start)
-        kv_cache_memory_bytes=128 * 2**20,
-        scheduler_cls="vllm_output_rate.reference.scheduler.RateLimitedScheduler",
-        additional_config={"output_rate": {"default_tokens_per_s": 1000,
-                                           "user_tokens_per_s": {"slow": RATE_TOKENS_PER_S}}},
-    )
+def llm(tiny_llm):
+    engine = tiny_llm({"default_tokens_per_s": 1000, "user_tokens_per_s": {"slow": RATE_TOKENS_PER_S}})
     yield engine
     del engine
 
 
-def _params(user: str, n: int):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False,
-                          extra_args={"output_rate_user": user})
-
-
-def test_r7_r11_live_user_is_paced_and_every_stream_completes(llm):
+def test_r7_r11_live_user_is_paced_and_every_stream_completes(llm, sampling):
     # R2 window bound read backwards: 80 grants need (80 - 1 - floor(0.1 x 50)) / 50 =
     # 74 / 50 = 1.48 s at least. Every stream still ends with exactly 20 tokens (pause, not cut).
     prompts = [{"prompt_token_ids": [11 + i, 12, 13, 14]} for i in range(STREAMS)]
     started = time.monotonic()
-    outputs = llm.generate(prompts, [_params("slow", TOKENS_PER_STREAM)] * STREAMS, use_tqdm=False)
+    outputs = llm.generate(prompts, [sampling("slow", TOKENS_PER_STREAM)] * STREAMS, use_tqdm=False)
     elapsed_s = time.monotonic() - started
     total = STREAMS * TOKENS_PER_STREAM
     min_s = (total - 1 - math.floor(BURST_S * RATE_TOKENS_PER_S)) / RATE_TOKENS_PER_S
@@ -66,9 +41,9 @@ def test_r7_r11_live_user_is_paced_and_every_stream_completes(llm):
     assert elapsed_s >= min_s, f"{total} tokens in {elapsed_s:.2f} s beat the {RATE_TOKENS_PER_S} tok/s limit"
 
 
-def test_r17_live_bad_identity_does_not_disturb_others(llm):
+def test_r17_live_bad_identity_does_not_disturb_others(llm, sampling):
     # The bad request is refused with a message naming the value; a good one still completes.
     with pytest.raises(Exception, match="output_rate_user"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params(12345, 4), use_tqdm=False)  # type: ignore[arg-type]
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], _params("fast", 4), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], sampling(12345, 4), use_tqdm=False)  # type: ignore[arg-type]
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sampling("fast", 4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -8,7 +8,12 @@ dummy weights) on a free loopback port, then:
   pause never cut), the slow user's tokens respect the GCRA lower bound (R2), and both
   users still make progress at a rate near their limit (P3 resume, P4);
 - beam search and a bad identity are refused with HTTP 400 (plugin.py), and the server
-  still serves a good request afterwards.
+  still serves a good request afterwards;
+- R9, client cancel: one of two streams of the throttled user is cancelled by closing its
+  HTTP connection after a few tokens; the other streams still end with exactly
+  ``max_tokens`` tokens, the server serves a new request normally, and the engine-side
+  trace (``outrate serve --trace-path``) shows the cancelled request aborted with at least
+  as many sampling dispatches as tokens the client received, and no violation.
 
 The server is always shut down (its whole process group), even when a test fails.
 About 60-90 s on a 2-core CPU machine, most of it server start-up.
@@ -70,10 +75,15 @@ def _shutdown(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def work(tmp_path_factory) -> Path:
+    """The server's directory: model, log and the engine trace (``trace.jsonl``)."""
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def server(work):
     import httpx
 
-    work = tmp_path_factory.mktemp("serve")
     model = write_config(work / "model", tokenizer=True)
     port = _free_port()
     log_path = work / "serve.log"
@@ -84,6 +94,7 @@ def server(tmp_path_factory):
         "--default-user-output-tokens-per-second", str(DEFAULT_RATE),
         "--user-output-tokens-per-second", json.dumps({"slow": SLOW_RATE}),
         "--max-num-seqs", "8",
+        "--trace-path", str(work / "trace.jsonl"),
         "--host", "127.0.0.1", "--port", str(port),
         "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
         "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(128 * 2**20),
@@ -150,3 +161,39 @@ def test_beam_search_and_bad_identity_refused_with_400(server):
                       timeout=30)
     assert good.status_code == 200, good.text
     assert good.json()["usage"]["completion_tokens"] == 4
+
+
+CANCEL_AFTER = 5  # tokens the cancelled stream receives before its client disconnects
+
+
+def test_r9_live_http_disconnect_cancel_aborts_in_engine_and_others_complete(server, work, wait_for_finish):
+    import httpx
+
+    from vllm_output_rate.adapter.trace_check import check_trace
+
+    trace = work / "trace.jsonl"
+    _, streams = run_measurement(server, [("slow", STREAMS), ("fast", 1)], TOKENS, timeout_s=120,
+                                 cancel_after={("slow", 0): CANCEL_AFTER})
+    assert [s.error for s in streams] == [None] * len(streams)
+    cancelled, *others = streams
+    assert cancelled.cancelled and len(cancelled.token_times_s) == CANCEL_AFTER and cancelled.request_id
+    # P3: the other throttled stream and the other user are not disturbed by the cancel.
+    assert [s.completion_tokens for s in others] == [TOKENS] * len(others)
+    assert [len(s.token_times_s) for s in others] == [TOKENS] * len(others)
+    # The server serves a new request normally afterwards.
+    model = httpx.get(f"{server}/v1/models", timeout=10).json()["data"][0]["id"]
+    after = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True,
+        "vllm_xargs": {"output_rate_user": "slow"}})
+    assert after.status_code == 200, after.text
+    assert after.json()["usage"]["completion_tokens"] == 4
+    # The abort reaches the engine core asynchronously (the API server notices the closed
+    # connection when it next writes to it): wait for it in the trace.
+    freed = wait_for_finish(trace, [cancelled.request_id])[cancelled.request_id]
+    assert freed is not None and freed.status == "FINISHED_ABORTED", freed
+    report = check_trace(trace, cancelled=[cancelled.request_id],
+                         completions={s.request_id: len(s.token_times_s) for s in streams})
+    print(f"\ncancelled after {CANCEL_AFTER} tokens: {freed.sampled} sampling dispatches in the engine\n"
+          f"{report.summary()}")
+    assert report.ok, report.summary()
+    assert freed.sampled >= CANCEL_AFTER

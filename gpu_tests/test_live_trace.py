@@ -18,7 +18,6 @@ import time
 import pytest
 
 from vllm_output_rate.adapter.trace_check import check_trace
-from vllm_output_rate.tinymodel import default_model_dir
 
 pytestmark = pytest.mark.live
 
@@ -26,35 +25,13 @@ SLOW_RATE, SLOW_STREAMS, SLOW_TOKENS = 20, 4, 50
 FAST_RATE, FAST_STREAMS, FAST_TOKENS = 100, 1, 300
 
 
-def _params(user: str, n: int):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, extra_args={"output_rate_user": user})
-
-
-def test_live_trace_two_users_checked_online(tmp_path):
-    from vllm import LLM
-
+def test_live_trace_two_users_checked_online(tmp_path, tiny_llm, sampling):
     trace = tmp_path / "trace.jsonl"
-    llm = LLM(
-        model=str(default_model_dir()),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=8,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.2,
-        kv_cache_memory_bytes=128 * 2**20,
-        scheduler_cls="vllm_output_rate.reference.scheduler.RateLimitedScheduler",
-        additional_config={"output_rate": {"default_tokens_per_s": FAST_RATE,
-                                           "user_tokens_per_s": {"slow": SLOW_RATE},
-                                           "trace_path": str(trace)}},
-    )
+    llm = tiny_llm({"default_tokens_per_s": FAST_RATE, "user_tokens_per_s": {"slow": SLOW_RATE},
+                    "trace_path": str(trace)})
     try:
         prompts = [{"prompt_token_ids": [11 + i, 12, 13, 14, 15]} for i in range(SLOW_STREAMS + FAST_STREAMS)]
-        params = [_params("slow", SLOW_TOKENS)] * SLOW_STREAMS + [_params("fast", FAST_TOKENS)] * FAST_STREAMS
+        params = [sampling("slow", SLOW_TOKENS)] * SLOW_STREAMS + [sampling("fast", FAST_TOKENS)] * FAST_STREAMS
         started = time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.monotonic() - started

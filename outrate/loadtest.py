@@ -16,7 +16,8 @@ reports, per user:
 - with ``--server-pid``, the CPU used by the engine-core (and worker) processes during the
   run, from psutil.
 
-The core is ``run_measurement()`` (asyncio + httpx), reused by the live test.
+The core is ``run_measurement()`` (asyncio + httpx), reused by the live test; it can also
+cancel chosen streams by closing their connection after some tokens (``cancel_after``).
 
 Source: seed article, "measurements" section; semantics.md R2, R16.
 """
@@ -47,6 +48,8 @@ class StreamResult:
     finish_reason: str | None = None
     engine_metrics: dict[str, Any] | None = None
     error: str | None = None
+    request_id: str | None = None  # the chunks' "id"; the engine's id is this plus "-" and 8 characters
+    cancelled: bool = False  # the client closed the connection after ``cancel_after`` tokens
 
     @property
     def engine_first_last_s(self) -> tuple[float, float] | None:
@@ -103,7 +106,7 @@ async def _sse_data(response):
 
 
 async def _one_stream(client, url: str, model: str, user: str, index: int, tokens: int, prompt: str,
-                      t0: float) -> StreamResult:
+                      t0: float, cancel_after: int | None = None) -> StreamResult:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -125,6 +128,7 @@ async def _one_stream(client, url: str, model: str, user: str, index: int, token
                     break
                 now = time.monotonic() - t0
                 chunk = json.loads(data)
+                result.request_id = result.request_id or chunk.get("id")
                 for choice in chunk.get("choices") or ():
                     ids = choice.get("token_ids")
                     n = len(ids) if ids else (1 if (choice.get("delta") or {}).get("content") else 0)
@@ -135,13 +139,16 @@ async def _one_stream(client, url: str, model: str, user: str, index: int, token
                     result.completion_tokens = chunk["usage"].get("completion_tokens")
                 if chunk.get("metrics"):
                     result.engine_metrics = chunk["metrics"]
+                if cancel_after is not None and len(result.token_times_s) >= cancel_after:
+                    result.cancelled = True
+                    break  # leaving the stream context closes the connection: the server aborts
     except Exception as exc:  # reported per stream; the other streams go on
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
 
 async def _run(base_url: str, model: str | None, streams: list[tuple[str, int]], tokens: int, prompt: str,
-               timeout_s: float) -> tuple[str, list[StreamResult]]:
+               timeout_s: float, cancel_after: dict[tuple[str, int], int]) -> tuple[str, list[StreamResult]]:
     import httpx
 
     limits = httpx.Limits(max_connections=sum(n for _, n in streams) + 2)
@@ -152,7 +159,7 @@ async def _run(base_url: str, model: str | None, streams: list[tuple[str, int]],
             model = response.json()["data"][0]["id"]
         t0 = time.monotonic()
         jobs = [
-            _one_stream(client, "/v1/chat/completions", model, user, i, tokens, prompt, t0)
+            _one_stream(client, "/v1/chat/completions", model, user, i, tokens, prompt, t0, cancel_after.get((user, i)))
             for user, n in streams
             for i in range(n)
         ]
@@ -161,10 +168,15 @@ async def _run(base_url: str, model: str | None, streams: list[tuple[str, int]],
 
 def run_measurement(base_url: str, streams: list[tuple[str, int]], tokens: int, model: str | None = None,
                     limits: dict[str, float] | None = None, prompt: str = DEFAULT_PROMPT,
-                    timeout_s: float = 600.0) -> tuple[list[UserReport], list[StreamResult]]:
-    """Run the streams concurrently; return one report per user and the raw stream results."""
+                    timeout_s: float = 600.0, cancel_after: dict[tuple[str, int], int] | None = None,
+                    ) -> tuple[list[UserReport], list[StreamResult]]:
+    """Run the streams concurrently; return one report per user and the raw stream results.
+
+    ``cancel_after``: (user, stream index) -> close that stream's connection (a client
+    cancel) once it has received this many tokens.
+    """
     limits = limits or {}
-    _, results = asyncio.run(_run(base_url, model, streams, tokens, prompt, timeout_s))
+    _, results = asyncio.run(_run(base_url, model, streams, tokens, prompt, timeout_s, cancel_after or {}))
     reports = []
     for user, n in streams:
         mine = [r for r in results if r.user == user]

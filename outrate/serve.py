@@ -13,6 +13,9 @@ Accepts the seed article's start-up flags and turns them into the plain vLLM com
 ``--max-num-seqs M``                          resident requests (passed to vLLM)
 ``--max-num-active-seqs A``                   requests in a step's batch, A <= M (passed to
                                               vLLM and, feature on, to ``output_rate``)
+``--trace-path FILE``                         append the engine-side event trace to FILE
+                                              (``output_rate.trace_path``, checked by
+                                              ``adapter/trace_check.py``); feature on only
 =========================================== ==============================================
 
 The scheduler class is ``RateLimitedScheduler``, or ``RateLimitedAsyncScheduler`` when
@@ -42,6 +45,7 @@ SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
 FLAG_DEFAULT = "--default-user-output-tokens-per-second"
 FLAG_USERS = "--user-output-tokens-per-second"
+FLAG_TRACE = "--trace-path"
 # `outrate` quiets vLLM's logging for its own commands (cli._offline_env, run after this
 # module is imported); the server keeps vLLM's default INFO unless the user set a level.
 _USER_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
@@ -103,12 +107,13 @@ def _pop_option(args: list[str], name: str) -> tuple[list[str], str | None]:
 
 
 def build_output_rate_section(
-    default_rate: str | None, user_rates: str | None, max_num_seqs: int | None, max_num_active_seqs: int | None
+    default_rate: str | None, user_rates: str | None, max_num_seqs: int | None, max_num_active_seqs: int | None,
+    trace_path: str | None = None,
 ) -> dict[str, Any] | None:
     """The ``output_rate`` section for these flags (None: feature off).
 
     Raises:
-        click.UsageError: bad rate or JSON, overrides without a default, A > M.
+        click.UsageError: bad rate or JSON, overrides or a trace path without a default, A > M.
     """
     if max_num_seqs is not None and max_num_active_seqs is not None and max_num_active_seqs > max_num_seqs:
         raise click.UsageError(
@@ -116,17 +121,21 @@ def build_output_rate_section(
             "lower --max-num-active-seqs or raise --max-num-seqs"
         )
     if default_rate is None:
-        if user_rates is not None:
-            raise click.UsageError(
-                f"{FLAG_USERS} needs {FLAG_DEFAULT}: the default rate turns the feature on "
-                f"(add e.g. {FLAG_DEFAULT} 100, or drop {FLAG_USERS})"
-            )
+        for flag, value in ((FLAG_USERS, user_rates), (FLAG_TRACE, trace_path)):
+            if value is not None:
+                raise click.UsageError(
+                    f"{flag} needs {FLAG_DEFAULT}: the default rate turns the feature on "
+                    f"(add e.g. {FLAG_DEFAULT} 100, or drop {flag})"
+                )
         return None
     section: dict[str, Any] = {"default_tokens_per_s": _parse_default_rate(default_rate)}
     if user_rates is not None:
         section["user_tokens_per_s"] = _parse_user_rates(user_rates)
     if max_num_active_seqs is not None:
         section["max_num_active_seqs"] = max_num_active_seqs
+    if trace_path is not None:
+        # Absolute: the engine-core process opens it, and a reader should find the same file.
+        section["trace_path"] = os.path.abspath(trace_path) if trace_path.strip() else trace_path
     try:
         parse_output_rate(section)  # the scheduler's own parser: what passes here starts
     except OutputRateConfigError as exc:
@@ -141,6 +150,7 @@ def build_command(
     user_rates: str | None = None,
     max_num_seqs: int | None = None,
     max_num_active_seqs: int | None = None,
+    trace_path: str | None = None,
 ) -> list[str]:
     """The full command line (argv) that starts vLLM's OpenAI server.
 
@@ -148,7 +158,7 @@ def build_command(
         click.UsageError: bad flags (see ``build_output_rate_section``), or a conflicting
             ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
     """
-    section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs)
+    section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path)
     args = list(vllm_args)
     args, scheduler_cls = _pop_option(args, "--scheduler-cls")
     if scheduler_cls is None:
@@ -172,7 +182,8 @@ def build_command(
             raise click.UsageError(f"--additional-config must be a JSON object, got {additional_text!r}")
     if "output_rate" in additional:
         raise click.UsageError(
-            f"give the output-rate settings as flags ({FLAG_DEFAULT}, {FLAG_USERS}, --max-num-active-seqs), "
+            f"give the output-rate settings as flags ({FLAG_DEFAULT}, {FLAG_USERS}, --max-num-active-seqs, "
+            f"{FLAG_TRACE}), "
             "not as an output_rate key of --additional-config"
         )
     if section is not None:
@@ -207,15 +218,20 @@ def build_command(
               help="Resident requests (worker slots); throttled requests keep theirs.")
 @click.option("--max-num-active-seqs", type=click.IntRange(min=1), default=None, metavar="A",
               help="Requests in a step's batch (A <= M); throttled ones do not count.")
+@click.option(FLAG_TRACE, "trace_path", metavar="FILE", default=None,
+              help="Append the engine-side event trace (one JSON line per step) to FILE, for "
+                   "`vllm_output_rate.adapter.trace_check`; needs the default rate.")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit without starting it.")
 @click.pass_context
-def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, print_command) -> None:
+def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path,
+          print_command) -> None:
     """Start vLLM's OpenAI server on MODEL with per-user output-rate limiting.
 
     Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
     user with "vllm_xargs": {"output_rate_user": "..."} (a trusted gateway must set it).
     """
-    command = build_command(model, list(ctx.args), default_rate, user_rates, max_num_seqs, max_num_active_seqs)
+    command = build_command(model, list(ctx.args), default_rate, user_rates, max_num_seqs, max_num_active_seqs,
+                            trace_path)
     if print_command:
         click.echo(shlex.join(command))
         return

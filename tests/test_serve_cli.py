@@ -62,6 +62,14 @@ def test_user_additional_config_is_merged():
     assert argv.count("--additional-config") == 1
 
 
+def test_trace_path_goes_into_the_section_as_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "10", "--trace-path", "t/trace.jsonl")
+    assert json.loads(option(argv, "--additional-config"))["output_rate"] == {
+        "default_tokens_per_s": 10, "trace_path": str(tmp_path / "t" / "trace.jsonl")}
+    assert "--trace-path" not in argv  # ours, not vLLM's
+
+
 def test_p5_async_scheduling_selects_the_async_class():
     from vllm_output_rate.serve import ASYNC_SCHEDULER_CLS
 
@@ -101,6 +109,8 @@ def test_r18_no_default_rate_feature_off():
          "non-empty strings"),
         (["--user-output-tokens-per-second", '{"user-a": 5}'],
          "needs --default-user-output-tokens-per-second"),
+        (["--trace-path", "/tmp/t.jsonl"], "--trace-path needs --default-user-output-tokens-per-second"),
+        (["--default-user-output-tokens-per-second", "10", "--trace-path", " "], "trace_path must be a non-empty"),
         (["--max-num-seqs", "4", "--max-num-active-seqs", "8"],
          "--max-num-active-seqs (8) must be <= --max-num-seqs (4)"),
         (["--max-num-active-seqs", "0"], "0 is not in the range x>=1"),
