@@ -6,8 +6,9 @@ invariant that a live engine exposes:
 
 - ``R2-window``: sampling dispatches of one user in any closed window of W ns are at
   most ``spec.limiter.window_bound_tokens(W, rate, tau)``. Checked exactly over all
-  windows in O(n): with dispatch k at time t_k and rate p/q, a window [t_i, t_j] breaks
-  the bound iff ``A_j - A_i > tau * p`` with ``A_k = k * q * 10**9 - p * t_k``.
+  windows in O(n) time and O(1) memory per user: with dispatch k at time t_k and rate
+  p/q, a window [t_i, t_j] breaks the bound iff ``A_j - A_i > tau * p`` with
+  ``A_k = k * q * 10**9 - p * t_k``, so a running minimum of A suffices.
 - ``R2-gcra``: the user's dispatch sequence replayed through the exact spec limiter
   (``spec.limiter.try_take``) is granted at every dispatch. Charges refunded in the same
   step can only make the engine's own TAT higher, never lower, so this is sound.
@@ -23,17 +24,23 @@ invariant that a live engine exposes:
   the in-flight output). Given the client's ``completion_tokens`` (``completions``), the
   same bounds hold for every stream not cancelled, and for a cancelled one
   ``dispatches >= tokens received``.
+- ``format``: a line that is not a JSON object, or a record before any header.
+
+Every check is streaming: records are checked as they arrive and each violation is
+reported once. ``TraceFollower(path)`` follows a file that the engine still writes
+(``poll()`` reads only the bytes appended since the previous poll, ``finish()`` gives the
+final verdict); ``check_trace(path)`` and ``check_records(lines)`` check a whole trace at
+once with the same machinery. Memory is O(users + requests), plus one int per sampling
+dispatch while dispatch times are kept (``UserSummary.dispatch_ns``, for plots).
 
 Request ids: vLLM appends ``-XXXXXXXX`` (8 random characters) to the id a client or
 ``vllm.LLM`` gave; ``completions`` may use either form.
-
-Use ``check_trace(path)`` for a finished run, ``check_trace(path, partial=True)`` while
-the engine still writes (an incomplete last line is ignored).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -45,10 +52,15 @@ from vllm_output_rate.spec import limiter as spec_limiter
 NS_PER_S = 1_000_000_000
 ABORTED = "FINISHED_ABORTED"
 MAX_VIOLATIONS = 200  # keep a broken trace's report readable
+READ_CHUNK_BYTES = 1 << 20  # TraceFollower reads the file in pieces of at most this size
+ENGINE_SUFFIX_LEN = 8  # vLLM's id = client id + "-" + 8 random characters
 
 
 @dataclass(frozen=True)
 class Violation:
+    """One broken invariant: ``rule`` (e.g. ``"R2-window"``), in run ``run`` (0-based
+    header index), at trace step ``step`` (None: not tied to one step), for ``user``."""
+
     rule: str
     message: str
     run: int = 0
@@ -63,21 +75,40 @@ class Violation:
 
 @dataclass
 class UserSummary:
-    """One user's sampling dispatches in one run (engine side)."""
+    """One user's sampling dispatches in one run (engine side).
+
+    ``dispatch_ns``: engine clock (ns) of every sampling dispatch, in trace order; left
+    empty by ``TraceFollower(keep_dispatch_ns=False)``. ``dispatches`` and the first and
+    last dispatch times are counted either way.
+    """
 
     user: str
     rate: Fraction
     dispatch_ns: list[int] = field(default_factory=list)
+    dispatches: int = field(init=False, default=0)
+    first_dispatch_ns: int | None = field(init=False, default=None)
+    last_dispatch_ns: int | None = field(init=False, default=None)
 
-    @property
-    def dispatches(self) -> int:
-        return len(self.dispatch_ns)
+    def __post_init__(self) -> None:
+        self.dispatches = len(self.dispatch_ns)
+        if self.dispatch_ns:
+            self.first_dispatch_ns, self.last_dispatch_ns = self.dispatch_ns[0], self.dispatch_ns[-1]
+
+    def add(self, now_ns: int, keep: bool = True) -> None:
+        """Count one sampling dispatch at ``now_ns``; ``keep``: also append it to ``dispatch_ns``."""
+        if keep:
+            self.dispatch_ns.append(now_ns)
+        if self.first_dispatch_ns is None:
+            self.first_dispatch_ns = now_ns
+        self.last_dispatch_ns = now_ns
+        self.dispatches += 1
 
     @property
     def span_s(self) -> float | None:
-        if len(self.dispatch_ns) < 2:
+        """Seconds from the first to the last dispatch; None below two dispatches."""
+        if self.dispatches < 2:
             return None
-        return (self.dispatch_ns[-1] - self.dispatch_ns[0]) / NS_PER_S
+        return (self.last_dispatch_ns - self.first_dispatch_ns) / NS_PER_S
 
     @property
     def engine_rate(self) -> float | None:
@@ -86,8 +117,10 @@ class UserSummary:
         return self.dispatches / span if span else None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestSummary:
+    """One engine request in one run: its user, sampling dispatches, and how it was freed."""
+
     user: str | None = None
     sampled: int = 0
     preempted: bool = False
@@ -97,6 +130,8 @@ class RequestSummary:
 
 @dataclass
 class RunReport:
+    """One run (one header line and its records); times are engine ns."""
+
     header: dict[str, Any]
     steps: int = 0
     users: dict[str, UserSummary] = field(default_factory=dict)
@@ -113,6 +148,12 @@ class RunReport:
 
 @dataclass
 class TraceReport:
+    """The checker's verdict: every run so far and every violation, each listed once.
+
+    ``ignored_partial_line``: an unterminated last line was left unchecked (the engine
+    is still writing it).
+    """
+
     runs: list[RunReport]
     violations: list[Violation]
     ignored_partial_line: bool = False
@@ -133,40 +174,15 @@ class TraceReport:
         return "\n".join(lines)
 
 
+def _base_id(engine_id: str) -> str | None:
+    """The client id inside a vLLM engine id ``client-XXXXXXXX``, or None if none fits."""
+    base, sep, suffix = engine_id.rpartition("-")
+    return base if sep and len(suffix) == ENGINE_SUFFIX_LEN else None
+
+
 def engine_id_matches(engine_id: str, client_id: str) -> bool:
     """vLLM's internal id is the client's id plus ``-`` and 8 random characters."""
-    if engine_id == client_id:
-        return True
-    base, sep, suffix = engine_id.rpartition("-")
-    return bool(sep) and len(suffix) == 8 and base == client_id
-
-
-def read_runs(lines: Iterable[str], partial: bool = False) -> tuple[list[tuple[dict, list[dict]]], list[str], bool]:
-    """Split trace lines into runs ``(header, records)``; returns (runs, errors, ignored tail)."""
-    runs: list[tuple[dict, list[dict]]] = []
-    errors: list[str] = []
-    lines = list(lines)
-    ignored = False
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if partial and number == len(lines) and not line.endswith("\n"):
-                ignored = True  # still being written
-                continue
-            errors.append(f"line {number}: not JSON ({exc.msg})")
-            continue
-        if not isinstance(record, dict):
-            errors.append(f"line {number}: not a JSON object")
-        elif "header" in record:
-            runs.append((record["header"], []))
-        elif not runs:
-            errors.append(f"line {number}: record before any header")
-        else:
-            runs[-1][1].append(record)
-    return runs, errors, ignored
+    return engine_id == client_id or _base_id(engine_id) == client_id
 
 
 def _rate_of(header: Mapping[str, Any], user: str) -> Fraction:
@@ -174,51 +190,157 @@ def _rate_of(header: Mapping[str, Any], user: str) -> Fraction:
     return Fraction(overrides.get(user, header["default_tokens_per_s"]))
 
 
-class _Checker:
-    def __init__(self) -> None:
-        self.violations: list[Violation] = []
+class _UserWindow:
+    """Running R2 state of one user in one run: O(1) memory whatever the dispatch count.
 
+    R2-window keeps the running minimum of ``A_k = k * q * 10**9 - p * t_k`` (its value,
+    index and time); R2-gcra keeps the spec limiter state holding this user's TAT. Each
+    check stops at its first violation (one report per user and run).
+    """
+
+    __slots__ = ("user", "rate", "burst_ns", "p", "unit", "limit", "count", "min_a", "min_index", "min_ns",
+                 "window_ok", "gcra", "gcra_ok")
+
+    def __init__(self, user: str, rate: Fraction, burst_ns: int) -> None:
+        self.user, self.rate, self.burst_ns = user, rate, burst_ns
+        self.p = rate.numerator
+        self.unit, self.limit = rate.denominator * NS_PER_S, burst_ns * rate.numerator
+        self.count = 0
+        self.min_a: int | None = None
+        self.min_index, self.min_ns = 0, 0
+        self.window_ok = self.gcra_ok = True
+        self.gcra = spec_limiter.EMPTY
+
+    def dispatch(self, now_ns: int) -> list[tuple[str, str]]:
+        """Add the next dispatch (at ``now_ns``); returns the (rule, message) pairs it breaks."""
+        broken = []
+        k = self.count
+        self.count += 1
+        if self.window_ok:
+            a = k * self.unit - self.p * now_ns
+            if self.min_a is None or a < self.min_a:
+                self.min_a, self.min_index, self.min_ns = a, k, now_ns
+            if a - self.min_a > self.limit:
+                self.window_ok = False
+                window = now_ns - self.min_ns
+                bound = spec_limiter.window_bound_tokens(window, self.rate, self.burst_ns)
+                broken.append(("R2-window", f"{k - self.min_index + 1} sampling dispatches in a window of "
+                               f"{window / 1e6:.3f} ms (bound {bound} at {float(self.rate):g} tok/s)"))
+        if self.gcra_ok:
+            self.gcra, granted = spec_limiter.try_take(self.gcra, self.user, self.rate, now_ns, self.burst_ns)
+            if not granted:
+                self.gcra_ok = False
+                broken.append(("R2-gcra", f"dispatch #{k} at {now_ns} ns not allowed by GCRA "
+                               f"(TAT {float(self.gcra.tat_ns[self.user]):.0f} ns)"))
+        return broken
+
+
+class _Run:
+    """Streaming state of the run being read: clock, per-user R2 state, token re-checks."""
+
+    def __init__(self, index: int, header: dict) -> None:
+        self.index = index
+        self.report = RunReport(header)
+        self.burst_ns = int(header.get("burst_ns", spec_limiter.BURST_NS))
+        self.last_ns: int | None = None
+        self.last_step: int | None = None
+        self.windows: dict[str | None, _UserWindow] = {}
+        self.dirty: set[str] = set()  # freed, token-checked, then touched again: check at the end
+        self.flagged: set[str] = set()  # token bounds found broken (reported once)
+
+
+class _Checker:
+    """The one implementation: checks trace lines one at a time (see module docstring).
+
+    ``line()`` takes each line in file order; ``end()`` closes the checks of the last run
+    and checks ``completions``. State: O(users + requests), no per-record objects.
+    """
+
+    def __init__(self, keep_dispatch_ns: bool = True) -> None:
+        self.keep_dispatch_ns = keep_dispatch_ns
+        self.violations: list[Violation] = []
+        self.runs: list[RunReport] = []
+        self.current: _Run | None = None
+        self.line_number = 0
+        self.ignored_partial_line = False
+
+    # -- input ---------------------------------------------------------------------
     def fail(self, rule: str, message: str, run: int = 0, step: int | None = None, user: str | None = None) -> None:
         if len(self.violations) < MAX_VIOLATIONS:
             self.violations.append(Violation(rule, message, run, step, user))
 
-    def run(self, index: int, header: dict, records: list[dict]) -> RunReport:
-        report = RunReport(header)
-        burst_ns = int(header.get("burst_ns", spec_limiter.BURST_NS))
-        last_ns: int | None = None
-        last_step: int | None = None
-        for rec in records:
-            if "requests" not in rec:  # idle / shutdown line: finishes only
-                self.finishes(report, rec.get("finished") or {})
-                continue
-            step, now = rec["step"], rec["now_ns"]
-            if last_ns is not None and now < last_ns:
-                self.fail("clock", f"now_ns {now} < previous {last_ns}", index, step)
-            if last_step is not None and step != last_step + 1:
-                self.fail("clock", f"step {step} after step {last_step}", index, step)
-            last_ns, last_step = now, step
-            report.steps += 1
-            report.first_ns = now if report.first_ns is None else report.first_ns
-            report.last_ns = now
-            report.max_limiter_users = max(report.max_limiter_users, rec.get("limiter_users", 0))
-            report.max_running = max(report.max_running, rec.get("running", 0))
-            # Finishes listed here happened before this step was scheduled.
-            self.finishes(report, rec.get("finished") or {})
-            self.step(index, report, rec)
-        for user in report.users.values():
-            self.window_bound(index, user, burst_ns)
-            self.gcra_replay(index, user, burst_ns)
-        for rid, req in report.requests.items():
-            if req.status is not None and req.status != ABORTED:
-                self.token_bounds(index, report, rid, req.output_tokens, f"engine output tokens ({req.status})")
-        return report
+    def line(self, text: str, partial_tail: bool = False) -> None:
+        """Check one line; ``partial_tail``: the unterminated last line of a file still written."""
+        self.line_number += 1
+        if not text.strip():
+            return
+        run = self.current.index if self.current is not None else 0
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if partial_tail:
+                self.ignored_partial_line = True  # still being written
+            else:
+                self.fail("format", f"line {self.line_number}: not JSON ({exc.msg})", run)
+            return
+        if not isinstance(record, dict):
+            self.fail("format", f"line {self.line_number}: not a JSON object", run)
+        elif "header" in record:
+            self.end_run()
+            self.current = _Run(len(self.runs), record["header"])
+            self.runs.append(self.current.report)
+        elif self.current is None:
+            self.fail("format", f"line {self.line_number}: record before any header", run)
+        else:
+            self.record(self.current, record)
 
-    def finishes(self, report: RunReport, finished: Mapping[str, Any]) -> None:
+    def report(self) -> TraceReport:
+        return TraceReport(list(self.runs), list(self.violations), self.ignored_partial_line)
+
+    # -- per record ----------------------------------------------------------------
+    def record(self, run: _Run, rec: dict) -> None:
+        report = run.report
+        if "requests" not in rec:  # idle / shutdown line: finishes only
+            self.finishes(run, rec.get("finished") or {})
+            return
+        step, now = rec["step"], rec["now_ns"]
+        if run.last_ns is not None and now < run.last_ns:
+            self.fail("clock", f"now_ns {now} < previous {run.last_ns}", run.index, step)
+        if run.last_step is not None and step != run.last_step + 1:
+            self.fail("clock", f"step {step} after step {run.last_step}", run.index, step)
+        run.last_ns, run.last_step = now, step
+        report.steps += 1
+        report.first_ns = now if report.first_ns is None else report.first_ns
+        report.last_ns = now
+        report.max_limiter_users = max(report.max_limiter_users, rec.get("limiter_users", 0))
+        report.max_running = max(report.max_running, rec.get("running", 0))
+        # Finishes listed here happened before this step was scheduled.
+        self.finishes(run, rec.get("finished") or {})
+        self.step(run, rec)
+
+    def finishes(self, run: _Run, finished: Mapping[str, Any]) -> None:
+        """Record freed requests and check the token bounds of those not aborted."""
         for rid, info in finished.items():
-            req = report.requests.setdefault(rid, RequestSummary())
+            req = run.report.requests.setdefault(rid, RequestSummary())
             req.status, req.output_tokens = info.get("status"), info.get("output_tokens")
+            run.dirty.discard(rid)
+            self.engine_tokens(run, rid)
 
-    def step(self, index: int, report: RunReport, rec: dict) -> None:
+    def engine_tokens(self, run: _Run, rid: str) -> None:
+        req = run.report.requests[rid]
+        if req.status is None or req.status == ABORTED or rid in run.flagged:
+            return
+        if not self.token_bounds(run.index, run.report, rid, req.output_tokens, f"engine output tokens ({req.status})"):
+            run.flagged.add(rid)
+
+    @staticmethod
+    def touched(run: _Run, rid: str, req: RequestSummary) -> None:
+        """A freed request changed again (a broken trace): re-check it at the end of the run."""
+        if req.status is not None and req.status != ABORTED:
+            run.dirty.add(rid)
+
+    def step(self, run: _Run, rec: dict) -> None:
+        index, report = run.index, run.report
         step, now = rec["step"], rec["now_ns"]
         charges, refunds = rec.get("charges", []), rec.get("refunds", [])
         twice = [rid for rid, n in Counter(charges).items() if n > 1]
@@ -246,12 +368,13 @@ class _Checker:
             if info.get("sampled"):
                 sampled.add(rid)
                 req.sampled += 1
-                if user not in report.users:
-                    report.users[user] = UserSummary(user, _rate_of(report.header, user))
-                report.users[user].dispatch_ns.append(now)
+                self.touched(run, rid, req)
+                self.dispatch(run, user, now)
                 per_user[user][1] += 1
         for rid in rec.get("preempted", []):
-            report.requests.setdefault(rid, RequestSummary()).preempted = True
+            req = report.requests.setdefault(rid, RequestSummary())
+            req.preempted = True
+            self.touched(run, rid, req)
         net = Counter(charges) - Counter(refunds)
         for rid, n in net.items():
             per_user[(rec["requests"].get(rid) or {}).get("user")][0] += n
@@ -263,36 +386,64 @@ class _Checker:
                 self.fail("R7/R9-accounting", f"charges - refunds = {charged} != {dispatched} sampling dispatches",
                           index, step, user)
 
-    def window_bound(self, index: int, user: UserSummary, burst_ns: int) -> None:
-        """R2 bound over every window [t_i, t_j] of dispatch times, exactly, in O(n)."""
-        p, q = user.rate.numerator, user.rate.denominator
-        unit, limit = q * NS_PER_S, burst_ns * p
-        best_i, min_a = 0, None
-        for j, t in enumerate(user.dispatch_ns):
-            a = j * unit - p * t
-            if min_a is None or a < min_a:
-                best_i, min_a = j, a
-            if a - min_a > limit:
-                i = best_i
-                window = t - user.dispatch_ns[i]
-                bound = spec_limiter.window_bound_tokens(window, user.rate, burst_ns)
-                self.fail("R2-window", f"{j - i + 1} sampling dispatches in a window of {window / 1e6:.3f} ms "
-                          f"(bound {bound} at {float(user.rate):g} tok/s)", index, None, user.user)
-                return
+    def dispatch(self, run: _Run, user: str | None, now: int) -> None:
+        """One sampling dispatch of ``user`` at ``now`` ns: summary, then R2-window and R2-gcra."""
+        summary = run.report.users.get(user)
+        if summary is None:
+            summary = run.report.users[user] = UserSummary(user, _rate_of(run.report.header, user))
+            run.windows[user] = _UserWindow(user, summary.rate, run.burst_ns)
+        summary.add(now, self.keep_dispatch_ns)
+        for rule, message in run.windows[user].dispatch(now):
+            self.fail(rule, message, run.index, None, user)
 
-    def gcra_replay(self, index: int, user: UserSummary, burst_ns: int) -> None:
-        state = spec_limiter.EMPTY
-        for k, t in enumerate(user.dispatch_ns):
-            state, granted = spec_limiter.try_take(state, user.user, user.rate, t, burst_ns)
-            if not granted:
-                self.fail("R2-gcra", f"dispatch #{k} at {t} ns not allowed by GCRA "
-                          f"(TAT {float(state.tat_ns[user.user]):.0f} ns)", index, None, user.user)
-                return
+    # -- end -----------------------------------------------------------------------
+    def end_run(self) -> None:
+        """The current run is over: re-check freed requests that changed after their check."""
+        run, self.current = self.current, None
+        if run is not None:
+            for rid in run.report.requests:
+                if rid in run.dirty:
+                    self.engine_tokens(run, rid)
 
-    def token_bounds(self, index: int, report: RunReport, rid: str, tokens: int | None, what: str) -> None:
+    def end(self, completions: Mapping[str, int] | None, cancelled: Iterable[str]) -> TraceReport:
+        """Close the last run and check the client's ``completions`` (client id -> tokens)."""
+        self.end_run()
+        if completions:
+            self.client_tokens(completions, set(cancelled))
+        return self.report()
+
+    def client_tokens(self, completions: Mapping[str, int], cancelled: set[str]) -> None:
+        """tokens: each client stream matches one engine request whose dispatches fit its tokens.
+
+        O(requests + clients): engine ids are indexed by themselves and by their client id.
+        """
+        by_client: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        for i, run in enumerate(self.runs):
+            for rid in run.requests:
+                by_client[rid].append((i, rid))
+                base = _base_id(rid)
+                if base is not None:
+                    by_client[base].append((i, rid))
+        for client_id, tokens in completions.items():
+            found = by_client.get(client_id, [])
+            if len(found) != 1:
+                self.fail("tokens", f"client request {client_id!r}: {len(found)} engine requests match it")
+                continue
+            i, rid = found[0]
+            run = self.runs[i]
+            req = run.requests[rid]
+            if client_id in cancelled or rid in cancelled:
+                if req.sampled < tokens:
+                    self.fail("tokens", f"cancelled request {rid}: {req.sampled} sampling "
+                              f"dispatches < {tokens} tokens received", i, None, req.user)
+            else:
+                self.token_bounds(i, run, rid, tokens, "client completion_tokens")
+
+    def token_bounds(self, index: int, report: RunReport, rid: str, tokens: int | None, what: str) -> bool:
+        """tokens: ``tokens`` outputs against the request's dispatches; False if broken."""
         req = report.requests[rid]
         if tokens is None:
-            return
+            return True
         upper = tokens + 1 if report.async_scheduling else tokens
         if req.preempted and report.async_scheduling:
             upper = None  # an in-flight output of a preempted request may be dropped
@@ -300,37 +451,123 @@ class _Checker:
             expected = f"{tokens}" if upper == tokens else f"{tokens}..{upper if upper is not None else 'any'}"
             self.fail("tokens", f"request {rid}: {req.sampled} sampling dispatches, {what} {tokens} "
                       f"(expected {expected})", index, None, req.user)
+            return False
+        return True
+
+
+class TraceFollower:
+    """Incremental checker of a trace file the engine is still appending to.
+
+    Each ``poll()`` reads only the bytes appended since the previous one (a byte offset
+    is kept; an unterminated last line stays unread until its newline arrives) and checks
+    the new records: ``clock``, ``R7-once``, ``R9-refund``, ``R7/R9-accounting``,
+    ``R11-throttled``, ``R17-identity`` per record, ``R2-window`` and ``R2-gcra`` per
+    user with O(1) running state, ``tokens`` when a request is freed. A violation is
+    listed once, when found, and stays in every later report (``report.violations[n:]``
+    are those found after a report with ``n``).
+
+    Memory: O(users + requests) across all runs, plus one int per sampling dispatch in
+    ``UserSummary.dispatch_ns`` unless ``keep_dispatch_ns=False``.
+
+    Args:
+        path: the trace file (JSON lines, ``reference/trace.py``). It need not exist
+            until the first ``poll()``.
+        keep_dispatch_ns: keep every dispatch time (ns) for plots.
+    """
+
+    def __init__(self, path: str | Path, keep_dispatch_ns: bool = True) -> None:
+        self.path = Path(path)
+        self.offset = 0  # bytes of the file checked so far: always the end of a whole line
+        self._checker = _Checker(keep_dispatch_ns)
+        self._tail = b""  # unterminated bytes seen at the last read (re-read next time)
+        self._done = False
+
+    def poll(self) -> TraceReport:
+        """Check the lines appended since the last poll; returns the report so far.
+
+        The runs are live objects (later polls update them); the end-of-run checks of the
+        run still being written wait for a new header or ``finish()``.
+
+        Raises:
+            FileNotFoundError / OSError: the file cannot be read.
+            ValueError: the file is shorter than what was already checked (truncated or
+                replaced).
+            RuntimeError: after ``finish()``.
+        """
+        self._read()
+        report = self._checker.report()
+        report.ignored_partial_line = bool(self._tail.strip())
+        return report
+
+    def finish(self, completions: Mapping[str, int] | None = None, cancelled: Iterable[str] = (),
+               partial: bool = False) -> TraceReport:
+        """Read the rest of the file and return the final verdict.
+
+        The last line is checked even without its newline (``partial=True``: it is
+        skipped if it is not JSON yet, ``ignored_partial_line``). Then the last run's
+        end checks run and, given ``completions`` (client or engine request id ->
+        completion tokens received) and ``cancelled`` (ids the client aborted), the
+        ``tokens`` check of each client stream. The follower cannot be used after.
+
+        Raises:
+            the errors of ``poll()``.
+        """
+        self._read()
+        self._done = True
+        if self._tail:
+            self._checker.line(self._tail.decode("utf-8", errors="replace"), partial_tail=partial)
+            self.offset += len(self._tail)
+            self._tail = b""
+        return self._checker.end(completions, cancelled)
+
+    def _read(self) -> None:
+        if self._done:
+            raise RuntimeError("TraceFollower.finish() was called already")
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < self.offset:
+                raise ValueError(f"{self.path}: {size} bytes < {self.offset} already checked (truncated?)")
+            f.seek(self.offset)
+            carry = b""
+            while chunk := f.read(READ_CHUNK_BYTES):
+                data = carry + chunk
+                cut = data.rfind(b"\n") + 1
+                for text in data[:cut].decode("utf-8", errors="replace").split("\n")[:-1]:
+                    self._checker.line(text)
+                self.offset += cut
+                carry = data[cut:]
+        self._tail = carry
 
 
 def check_records(lines: Iterable[str], completions: Mapping[str, int] | None = None,
                   cancelled: Iterable[str] = (), partial: bool = False) -> TraceReport:
-    """Check trace lines (see module docstring). ``completions``: client id -> completion tokens."""
-    runs, errors, ignored = read_runs(lines, partial)
+    """Check a whole trace given as lines (see module docstring for the rules).
+
+    Args:
+        lines: the trace's lines, each one JSON record (a trailing newline is optional).
+        completions: client (or engine) request id -> completion tokens received.
+        cancelled: ids of the streams the client aborted.
+        partial: the engine still writes: an unterminated last line that is not JSON yet
+            is skipped (``ignored_partial_line``) instead of reported.
+    Returns:
+        the ``TraceReport``; a malformed line is a ``format`` violation, never an error.
+    """
     checker = _Checker()
-    for error in errors:
-        checker.fail("format", error, len(runs) - 1 if runs else 0)
-    reports = [checker.run(i, header, records) for i, (header, records) in enumerate(runs)]
-    if completions:
-        cancelled = set(cancelled)
-        for client_id, tokens in completions.items():
-            found = [(i, rid) for i, run in enumerate(reports) for rid in run.requests
-                     if engine_id_matches(rid, client_id)]
-            if len(found) != 1:
-                checker.fail("tokens", f"client request {client_id!r}: {len(found)} engine requests match it")
-                continue
-            i, rid = found[0]
-            run = reports[i]
-            if client_id in cancelled or rid in cancelled:
-                if run.requests[rid].sampled < tokens:
-                    checker.fail("tokens", f"cancelled request {rid}: {run.requests[rid].sampled} sampling "
-                                 f"dispatches < {tokens} tokens received", i, None, run.requests[rid].user)
-            else:
-                checker.token_bounds(i, run, rid, tokens, "client completion_tokens")
-    return TraceReport(reports, checker.violations, ignored)
+    previous: str | None = None
+    for text in lines:
+        if previous is not None:
+            checker.line(previous)
+        previous = text
+    if previous is not None:
+        checker.line(previous, partial_tail=partial and not previous.endswith("\n"))
+    return checker.end(completions, cancelled)
 
 
 def check_trace(path: str | Path, completions: Mapping[str, int] | None = None,
                 cancelled: Iterable[str] = (), partial: bool = False) -> TraceReport:
-    """Check the trace file at ``path``; ``partial=True`` while the engine still writes it."""
-    with open(path, encoding="utf-8") as f:
-        return check_records(f.readlines(), completions, cancelled, partial)
+    """Check the trace file at ``path`` at once; ``partial=True`` while the engine still writes it.
+
+    Same as ``TraceFollower(path).finish(completions, cancelled, partial)``; arguments and
+    result as ``check_records``. Raises ``OSError`` if the file cannot be read.
+    """
+    return TraceFollower(path).finish(completions, cancelled, partial)

@@ -5,7 +5,8 @@ the project's tiny model with dummy weights, or ``--model``) with ``output_rate.
 set, and drives a seeded random load: ``--users`` users with random limits arrive over the
 first third of the run, each keeps up to ``--streams`` streams going with random prompt and
 output lengths, and some streams are cancelled mid-way (client abort). Periodically and at
-the end the online checker (``adapter.trace_check``) verifies the trace; the process RSS
+the end the online checker (``adapter.trace_check.TraceFollower``: each check reads only
+what the engine appended since the previous one) verifies the trace; the process RSS
 (this process and the engine core) and the limiter size (users holding a TAT, from the
 trace) are watched. Prints a summary table and writes a PNG of cumulative sampling
 dispatches per user over time against each user's R2 bound line.
@@ -85,7 +86,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     from rich.console import Console
     from rich.table import Table
 
-    from vllm_output_rate.adapter.trace_check import check_trace
+    from vllm_output_rate.adapter.trace_check import TraceFollower
     from vllm_output_rate.tinymodel import default_model_dir
 
     console = Console()
@@ -116,6 +117,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
                                            "trace_path": str(trace)}},
     )
     engine = llm.llm_engine
+    follower = TraceFollower(trace)
     rss_start = _rss_mb()
     started = time.monotonic()
     deadline = started + minutes * 60
@@ -166,7 +168,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
         else:
             time.sleep(0.01)
         if time.monotonic() >= next_check:
-            partial = check_trace(trace, partial=True)
+            partial = follower.poll()
             rss = _rss_mb()
             rss_max = {k: max(v, rss_max.get(k, 0.0)) for k, v in rss.items()}
             checks.append({"t_s": round(time.monotonic() - started, 1), "violations": len(partial.violations),
@@ -178,7 +180,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     wall_s = time.monotonic() - started
     rss_end = _rss_mb()
     del llm, engine
-    report = check_trace(trace, completions=completions, cancelled=cancelled)
+    report = follower.finish(completions=completions, cancelled=cancelled)
     run = report.runs[-1]
     table = Table(title=f"outrate soak: {minutes:g} min, {users} users x {streams} streams, seed {seed}, "
                         f"{'async' if async_mode else 'sync'}")
