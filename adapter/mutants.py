@@ -170,9 +170,9 @@ class NoActiveCapInRunningLoop(RateLimitedScheduler):
 class ThrottledNotPreferredVictims(RateLimitedScheduler):
     """R13 broken: vLLM's own victim choice, throttled or not."""
 
-    def _move_throttled_last(self):
+    def _move_throttled_last(self, refused):
         running = list(self.running)
-        stock = super()._move_throttled_last()
+        stock = super()._move_throttled_last(refused)
         if stock is not None:
             self.running[:] = running
         return None

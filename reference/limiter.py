@@ -161,6 +161,26 @@ class OutputRateLimiter:
             tat = now
         self._tat[user] = tat + count * s.inc
 
+    def take_counts(self, counts: Mapping[str, int], now_ns: int) -> None:
+        """R2: ``take_many(user, now_ns, n)`` for every ``user -> n`` of ``counts`` (n >= 1).
+
+        One call for a whole scheduler step; the caller keeps every ``n`` within
+        ``grants_at(user, now_ns)``.
+
+        Raises:
+            ValueError: a count < 1, naming the user.
+        """
+        tat_of, scales, default = self._tat, self._scales, self._default
+        for user, count in counts.items():
+            if count < 1:
+                raise ValueError(f"take_counts needs counts >= 1, got {count!r} for user {user!r}")
+            s = scales.get(user) or default
+            now = now_ns * s.p
+            tat = tat_of.get(user)
+            if tat is None or tat < now:
+                tat = now
+            tat_of[user] = tat + count * s.inc
+
     def allows(self, user: str, now_ns: int) -> bool:
         """R2: would ``try_take(user, now_ns)`` succeed? Changes nothing."""
         tat = self._tat.get(user)

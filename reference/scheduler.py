@@ -91,6 +91,7 @@ class _RateLimitMixin:
         self._base_lookahead = not output_rate_config.enabled or self.num_prefill_lookahead > 1
         self._rotation_noop = False  # R14: the last step proved the next rotation a no-op
         self._hook_fast = False  # see _reserve_prefill_lookahead
+        self._record_only = False  # see _reserve_prefill_lookahead
         if not self.output_rate_config.enabled:
             return  # R18: feature off, every override below defers to the base class
         cfg = self.output_rate_config
@@ -102,14 +103,16 @@ class _RateLimitMixin:
         )
         # R12 needs the set of running requests given tokens only if the cap can bind.
         self._cap_binds = self._active_cap < self.max_num_running_reqs
-        self._may_be_refused: set[str] = set()  # users the next step start may find refused
         # The hook's short path: the active cap cannot bind, vLLM's hook only clamps at 0,
         # and ``_samples`` (R7) is ours, so it can be inlined.
         self._hook_fast = (not self._cap_binds and not self._base_lookahead
                            and type(self)._samples is _RateLimitMixin._samples)
         self._user_cache: dict[str, str] = {}  # request id -> user (R17, resolved once)
         self._user_requests: dict[str, int] = {}  # user -> requests in the scheduler (any state)
-        self._spare: dict[str, int] = {}  # user -> a lower bound on grants_at(user, now) for now >= last step
+        # user -> spare grants at the last step's clock reading, minus ``_spare_taken`` (a
+        # lower bound on grants_at(user, now) for every later now: ``_survey_users``).
+        self._spare: dict[str, int] = {}
+        self._spare_taken: dict[str, int] = {}
         self._group_cache: dict[str, str] = {}  # request id -> group_key(user, priority) (R14/R15)
         self._last_served: dict[str, str] = {}  # group key (user, priority) -> request id (R15)
         self._steps = 0
@@ -138,7 +141,10 @@ class _RateLimitMixin:
         self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
         self._throttled_at_start: list[Request] = []  # R13: preferred victims of this step
         self._preempted_for_r13 = False  # R13: we preempted; the waiting loop must not run
-        self._unconstrained = False  # no user can be refused in this step (_nobody_can_run_out)
+        self._unconstrained = False  # no user can be refused in this step (_survey_users)
+        self._record_only = False  # the hook's shortest path: _unconstrained and _hook_fast
+        self._charge = self._charged.append
+        self._charged_ids: list[str] | None = None  # ids of _charged, once computed
 
     # -- R12: admission cap read by vLLM's waiting loop -------------------------
     @property
@@ -208,8 +214,9 @@ class _RateLimitMixin:
             return super().schedule(*args, **kwargs)  # R18
         self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
         self._rotate_running()  # R14
-        stock_order = self._move_throttled_last()  # R13
-        self._unconstrained = not self._refused_users and self._hook_fast and self._nobody_can_run_out()
+        enough, refused = self._survey_users()  # R2 at the step's clock, once per user
+        stock_order = self._move_throttled_last(refused) if refused else None  # R13
+        self._record_only = self._unconstrained = enough and self._hook_fast
         scheduler_output = super().schedule(*args, **kwargs)
         self._commit_grants()  # R2/R7: the charges of this step, into the limiter
         if stock_order is not None:
@@ -305,7 +312,7 @@ class _RateLimitMixin:
             for slot, request in zip(slots, rotated):
                 running[slot] = request
 
-    def _move_throttled_last(self) -> list[Request] | None:
+    def _move_throttled_last(self, refused: set[str]) -> list[Request] | None:
         """R13: stable-move the requests throttled at the step start to the end of ``running``.
 
         Throttled at the start: the user is refused at ``now`` (a refusal holds for the
@@ -315,16 +322,10 @@ class _RateLimitMixin:
         ``running[-1]``; PRIORITY: see ``_allocate_slots_throttled_victims_first``).
         They are recorded as throttled (R11/R12) and their users as refused (R16) even if
         the active cap stops the running loop before it reaches them. Returns the order
-        before the move, or None if nothing moved.
+        before the move, or None if nothing moved. ``refused``: the users with requests
+        that the limiter refuses at the step's clock reading (``_survey_users``).
         """
         running = self.running
-        limiter, now = self.rate_limiter, self._now_ns
-        # Only users that ran out of grants in the last step, or were refused in it, can be
-        # refused now: a user left with a grant at t still has one at every t' >= t, and an
-        # untouched TAT refuses at t' only if it refused at t (``_commit_grants``).
-        refused = {u for u in self._may_be_refused if not limiter.allows(u, now)}
-        if not refused:
-            return None
         cache = self._user_cache
         throttled = [
             r
@@ -398,6 +399,12 @@ class _RateLimitMixin:
         replaced) takes the short path below; ``_reserve_general`` is the same decision
         with every case handled.
         """
+        if self._record_only:  # no user can be refused in this step: only record charges
+            if num_new_tokens <= 0:
+                return 0  # vLLM's hook, without an MTP drafter, only clamps at 0
+            if num_computed_tokens + num_new_tokens >= request.num_tokens + request.num_output_placeholders:
+                self._charge(request)  # R7: charged at dispatch, counted per user at commit
+            return num_new_tokens
         if not self._hook_fast:
             return self._reserve_general(request, num_computed_tokens, num_new_tokens)
         if num_new_tokens <= 0:
@@ -405,9 +412,6 @@ class _RateLimitMixin:
         end = request.num_tokens + request.num_output_placeholders
         if num_computed_tokens + num_new_tokens < end:
             return num_new_tokens  # R7: a prefill chunk that does not sample is not charged
-        if self._unconstrained:
-            self._charged.append(request)  # R7: charged at dispatch, counted per user at commit
-            return num_new_tokens
         user = self._user_cache.get(request.request_id) or self._user(request)
         grants = self._grants
         left = grants.get(user)
@@ -463,54 +467,55 @@ class _RateLimitMixin:
             left = self._grants[user] = self._grants_at_start[user] = self.rate_limiter.grants_at(user, self._now_ns)
         return left
 
-    def _nobody_can_run_out(self) -> bool:
-        """R2: can every user be granted one token per request it has, at the step's clock?
+    def _survey_users(self) -> tuple[bool, set[str]]:
+        """R2 at the step's clock reading, once per user with requests in the scheduler.
 
-        Each request is charged at most once per step (R7), so then no user is refused in
-        this step and the hook only records charges (``_unconstrained``). Asks the limiter
-        only for users whose spare grants from the last step (a lower bound now, as grants
-        only grow with time) do not already cover their requests. Fills ``_bound`` with a
-        lower bound on each user's grants, for ``_commit_grants``. O(users).
+        Returns ``(enough, refused)``: ``enough`` if every user can be granted one token
+        per request it has (each request is charged at most once per step, R7, so then no
+        user is refused in this step and the hook only records charges); ``refused``, the
+        users the limiter refuses now (R13, R16). The limiter is asked only for users whose
+        spare grants from the last step do not cover their requests: spare grants at an
+        earlier clock reading are a lower bound now, as grants only grow with time and
+        with refunds. Seeds this step's allowances (``_grants``) with the result: exact
+        where the limiter was asked, otherwise a lower bound that the user's requests
+        cannot use up in one step. O(users).
         """
-        spare, limiter, now = self._spare, self.rate_limiter, self._now_ns
-        bound = self._bound = {}
+        spare, taken, limiter, now = self._spare, self._spare_taken, self.rate_limiter, self._now_ns
+        bound: dict[str, int] = {}
+        refused: set[str] = set()
+        enough = True
         for user, requests in self._user_requests.items():
-            grants = spare.get(user, 0)
+            grants = spare.get(user, 0) - taken.get(user, 0)
             if grants < requests:
                 grants = limiter.grants_at(user, now)
                 if grants < requests:
-                    return False
+                    enough = False
+                    if not grants:
+                        refused.add(user)
             bound[user] = grants
-        return True
+        self._grants_at_start = bound
+        self._grants = dict(bound)
+        return enough, refused
 
     def _commit_grants(self) -> None:
         """R2/R7: write this step's charges to the limiter, one ``take_many`` per user.
 
         Equal to one ``try_take`` per charge at the step's clock reading (``limiter.py``).
-        Also records, per user, grants left at this clock reading (a lower bound for later
-        steps, ``_nobody_can_run_out``) and the users the next step start must look at.
+        Also keeps, per user, the grants left at this clock reading (``_survey_users``).
         """
         limiter, now = self.rate_limiter, self._now_ns
         if self._unconstrained:
-            spare = self._bound
-            taken = Counter(map(self._user_cache.__getitem__, map(_REQUEST_ID, self._charged)))
-            exhausted = []
-            for user, count in taken.items():
-                limiter.take_many(user, now, count)
-                spare[user] -= count
-                if not spare[user]:
-                    exhausted.append(user)
-            self._spare = spare
-            self._may_be_refused = set(exhausted)
+            ids = self._charged_ids = list(map(_REQUEST_ID, self._charged))
+            taken = Counter(map(self._user_cache.__getitem__, ids))
+            limiter.take_counts(taken, now)
+            self._spare, self._spare_taken = self._grants_at_start, taken
             return
         left = self._grants
         for user, at_start in self._grants_at_start.items():
             taken = at_start - left[user]
             if taken:
                 limiter.take_many(user, now, taken)
-        self._spare = dict(left)
-        # R13/R16: the users the next step start has to look at (``_move_throttled_last``).
-        self._may_be_refused = self._refused_users.union([u for u, n in left.items() if not n])
+        self._spare, self._spare_taken = left, {}
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):
@@ -554,7 +559,9 @@ class _RateLimitMixin:
         """
         scheduled = scheduler_output.num_scheduled_tokens
         charged = self._charged
-        ids = list(map(_REQUEST_ID, charged))
+        ids = self._charged_ids
+        if ids is None:
+            ids = list(map(_REQUEST_ID, charged))
         if all(map(scheduled.__contains__, ids)) and not any(map(_IS_PREFILL_CHUNK, charged)):
             # Every charge was dispatched to sample (the usual step): nothing to refund, and
             # R15 in one pass over the step's charges, later charges winning.
