@@ -170,10 +170,11 @@ class OutputRateLimiter:
         Raises:
             ValueError: a count < 1, naming the user.
         """
+        if counts and min(counts.values()) < 1:  # checked before any TAT changes
+            user, count = next((u, n) for u, n in counts.items() if n < 1)
+            raise ValueError(f"take_counts needs counts >= 1, got {count!r} for user {user!r}")
         tat_of, scales, default = self._tat, self._scales, self._default
         for user, count in counts.items():
-            if count < 1:
-                raise ValueError(f"take_counts needs counts >= 1, got {count!r} for user {user!r}")
             s = scales.get(user) or default
             now = now_ns * s.p
             tat = tat_of.get(user)

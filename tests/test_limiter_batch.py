@@ -80,3 +80,31 @@ def test_r2_take_many_rejects_count_below_one(count: int) -> None:
     lim = OutputRateLimiter(10)
     with pytest.raises(ValueError, match=f"count >= 1, got {count}"):
         lim.take_many("u", 0, count)
+
+
+@settings(max_examples=100, derandomize=True, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 3), max_size=4), HISTORY)
+def test_r2_take_counts_equals_take_many_per_user(counts, history) -> None:
+    # Users a-c have their own rates (b fractional); d takes the default rate.
+    def limiter() -> OutputRateLimiter:
+        lim = OutputRateLimiter(100, {"a": 10, "b": Fraction(1, 3), "c": 1000})
+        now = 10**12
+        for gap, refund in history:
+            now += gap
+            for user in "abcd":
+                if lim.try_take(user, now) and refund:
+                    lim.refund(user)
+        return lim
+    one, many = limiter(), limiter()
+    now = 10**12 + sum(gap for gap, _ in history)
+    for user, n in counts.items():
+        one.take_many(user, now, n)
+    many.take_counts(counts, now)
+    assert {u: many.tat_ns(u) for u in "abcd"} == {u: one.tat_ns(u) for u in "abcd"}
+
+
+def test_r2_take_counts_rejects_a_count_below_one_naming_the_user_and_takes_nothing() -> None:
+    lim = OutputRateLimiter(10)
+    with pytest.raises(ValueError, match="got 0 for user 'bob'"):
+        lim.take_counts({"alice": 1, "bob": 0}, 0)
+    assert len(lim) == 0  # nothing taken: the whole batch is checked first
