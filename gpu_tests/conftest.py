@@ -27,13 +27,44 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
+REFERENCE_ASYNC_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
+SOAK_SKIP = ("soak runs for minutes (OUTRATE_SOAK_MINUTES, default 10): select it with "
+             "`pytest -m soak gpu_tests/`")
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is usable (the CUDA build of vLLM and torch are installed)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``soak`` tests run only when selected with ``-m``; ``gpu`` tests only with CUDA."""
+    markexpr = config.getoption("markexpr") or ""
+    no_cuda = None
+    for item in items:
+        if "soak" in item.keywords and "soak" not in markexpr:
+            item.add_marker(pytest.mark.skip(reason=SOAK_SKIP))
+        if "gpu" in item.keywords:
+            if no_cuda is None:
+                no_cuda = not cuda_available()
+            if no_cuda:
+                item.add_marker(pytest.mark.skip(
+                    reason="needs a CUDA GPU and the CUDA build of vLLM 0.32.0 (on CPU vLLM forces "
+                           "async_scheduling off); see docs/GPU_RUNBOOK.md"))
 
 
 def tiny_llm(output_rate: dict[str, Any] | None = None, **overrides: Any):
-    """A ``vllm.LLM`` on the tiny model (eager, float32) running ``RateLimitedScheduler``.
+    """A ``vllm.LLM`` on the tiny model (eager, float32) running the reference scheduler.
 
     ``output_rate`` becomes ``additional_config["output_rate"]``; ``overrides`` replace or
-    add ``LLM`` arguments (e.g. ``enable_prefix_caching=True``).
+    add ``LLM`` arguments (e.g. ``enable_prefix_caching=True``). Scheduling is sync unless
+    ``async_scheduling=True`` is given (GPU only), which selects
+    ``RateLimitedAsyncScheduler``: the same suites then run unchanged on CPU and on CUDA,
+    where vLLM would otherwise turn async scheduling on by itself.
     """
     from vllm import LLM
 
@@ -50,7 +81,8 @@ def tiny_llm(output_rate: dict[str, Any] | None = None, **overrides: Any):
         enable_prefix_caching=False,
         gpu_memory_utilization=0.2,  # on CPU: the share of RAM reserved (vLLM checks it at start)
         kv_cache_memory_bytes=128 * 2**20,
-        scheduler_cls=REFERENCE_SCHEDULER,
+        scheduler_cls=REFERENCE_ASYNC_SCHEDULER if overrides.get("async_scheduling") else REFERENCE_SCHEDULER,
+        async_scheduling=False,
     )
     if output_rate is not None:
         kwargs["additional_config"] = {"output_rate": output_rate}

@@ -204,6 +204,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     (out_dir / "soak.json").write_text(json.dumps({
         "minutes": minutes, "users": users, "streams": streams, "seed": seed, "async": async_mode,
         "limits": limits, "wall_s": wall_s, "steps": run.steps, "max_limiter_users": run.max_limiter_users,
+        "streams_done": len(completions), "cancelled": len(cancelled),
         "violations": [str(v) for v in report.violations], "checks": checks,
         "rss_mb": {"start": rss_start, "max": rss_max, "end": rss_end},
         "per_user": {u: {"dispatches": s.dispatches, "engine_rate": s.engine_rate} for u, s in run.users.items()},
