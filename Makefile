@@ -41,7 +41,7 @@ conform: $(STAMP)
 
 bench: $(STAMP)
 	@mkdir -p reports
-	$(VENV)/bin/outrate bench --json reports/bench.json
+	$(VENV)/bin/outrate bench --json reports/bench.json --plot reports/perf_scaling.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q

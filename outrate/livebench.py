@@ -13,8 +13,10 @@ without the engine-wait plugin). The model is the project's tiny decoder
   round runs the same batch (``streams`` prompts x ``tokens`` output tokens, ``ignore_eos``)
   through ``LLM.generate`` on one engine and then the other, the order alternating between
   rounds. A batch's rate is its output tokens / the wall time of its ``generate`` call
-  (prefill, every decode step, the front end). The idle engine's core blocks on its input
-  queue while the other one runs. Reported: medians over rounds and the median of the
+  (prefill, every decode step, the front end). While one engine runs its batch, the
+  other engine's processes are suspended (SIGSTOP, psutil): on vLLM's CPU backend an idle
+  engine's worker busy-polls a whole core, which on a 2-core machine would otherwise take
+  a share of the running engine's cores that varies from round to round. Reported: medians over rounds and the median of the
   per-round ratios on / off.
 - ``throttled``: one engine, feature on, every user limited to ``rate`` tokens/s so that
   almost all of the run is spent with every request throttled; ``users`` x
@@ -104,6 +106,17 @@ def _cpu_s(procs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _pause(procs: list[Any]) -> None:
+    """Suspend (SIGSTOP) an idle engine's processes so they do not compete for the cores."""
+    for proc in procs:
+        proc.suspend()
+
+
+def _resume(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.resume()
+
+
 def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     streams, tokens, rounds = cfg["streams"], cfg["tokens"], cfg["rounds"]
     import psutil
@@ -128,9 +141,14 @@ def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     for k in range(rounds):
         order = ((off, off_rates), (on, on_rates)) if k % 2 == 0 else ((on, on_rates), (off, off_rates))
         for llm, rates in order:
-            cpu0 = engine_cpu_s(llm)
-            rates.append(total / _generate(llm, prompts, params, total))
-            cpu_us["off" if llm is off else "on"].append((engine_cpu_s(llm) - cpu0) / total * 1e6)
+            idle = engine_procs[id(on if llm is off else off)]
+            _pause(idle)  # the idle engine's worker busy-polls a core (vLLM CPU backend)
+            try:
+                cpu0 = engine_cpu_s(llm)
+                rates.append(total / _generate(llm, prompts, params, total))
+                cpu_us["off" if llm is off else "on"].append((engine_cpu_s(llm) - cpu0) / total * 1e6)
+            finally:
+                _resume(idle)
         _progress()
     ratios = [a / b for a, b in zip(on_rates, off_rates)]
     return {
@@ -139,6 +157,8 @@ def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        # The spread of single rounds, to judge what the median can resolve.
+        "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2] if len(ratios) >= 2 else [ratios[0]] * 2,
         # CPU time of the engine's processes (engine core + workers) per output token: less
         # sensitive than wall time to other jobs on a shared machine.
         "engine_cpu_us_per_token_off": statistics.median(cpu_us["off"]),
