@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
@@ -129,6 +129,24 @@ def check_scheduler(
     if async_mode:  # the under-grant and rotation checks need sync's immediate outputs
         rules = [r for r in rules if r not in ("R10", "R14")] + ["R8"]
     result = CheckResult(name, rules)
+    failed = _hunt(result, strategy, lambda scenario: run_scenario(scheduler_cls, scenario), examples, seed, tick)
+    if failed is not None:
+        scenario = minimize(scheduler_cls, failed[0])
+        verdict = run_scenario(scheduler_cls, scenario)
+        result.result = "fail"
+        result.failure = f"{verdict.rule}: step {verdict.step}: {verdict.failure}"
+        result.counterexample = scenario.events()
+        _save_counterexample(result, scenario, save_dir)
+    return result
+
+
+def _hunt(result: CheckResult, strategy, run: Callable, examples: int, seed: int,
+          tick: Callable[[], None]) -> tuple[Any, Any] | None:
+    """Run ``run(scenario)`` on ``examples`` seeded Hypothesis scenarios of ``strategy``.
+
+    Counts examples and steps into ``result``. Returns None if every verdict passed, else
+    the (scenario, verdict) of the failure as Hypothesis left it after shrinking.
+    """
     last: dict = {}
 
     @_settings(examples)
@@ -137,7 +155,7 @@ def check_scheduler(
     def prop(scenario):
         result.examples += 1
         tick()
-        verdict = run_scenario(scheduler_cls, scenario)
+        verdict = run(scenario)
         result.steps += verdict.steps
         last["scenario"], last["verdict"] = scenario, verdict
         assert verdict.failure is None, verdict.failure
@@ -145,17 +163,18 @@ def check_scheduler(
     try:
         prop()
     except AssertionError:
-        scenario = minimize(scheduler_cls, last["scenario"])
-        verdict = run_scenario(scheduler_cls, scenario)
-        result.result = "fail"
-        result.failure = f"{verdict.rule}: step {verdict.step}: {verdict.failure}"
-        result.counterexample = scenario.events()
-        if save_dir is not None:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            path = save_dir / f"counterexample-{name.replace('/', '-')}.json"
-            path.write_text(scenario.to_json())
-            result.saved = str(path)
-    return result
+        return last["scenario"], last["verdict"]
+    return None
+
+
+def _save_counterexample(result: CheckResult, scenario, save_dir: Path | None) -> None:
+    """Write the failing scenario's JSON to ``save_dir`` (replayable with ``outrate replay``)."""
+    if save_dir is None:
+        return
+    save_dir.mkdir(parents=True, exist_ok=True)
+    path = save_dir / f"counterexample-{result.name.replace('/', '-')}.json"
+    path.write_text(scenario.to_json())
+    result.saved = str(path)
 
 
 def _check_step_scenarios(
@@ -173,31 +192,13 @@ def _check_step_scenarios(
     from vllm_output_rate.adapter.fidelity import describe_failure
 
     result = CheckResult(name, rules)
-    last: dict = {}
-
-    @_settings(examples)
-    @hseed(seed)
-    @given(scenario=strategy)
-    def prop(scenario):
-        result.examples += 1
-        tick()
-        verdict = run(scenario)
-        result.steps += verdict.steps
-        last["scenario"], last["verdict"] = scenario, verdict
-        assert verdict.failure is None, verdict.failure
-
-    try:
-        prop()
-    except AssertionError:
-        scenario, verdict = last["scenario"], last["verdict"]
+    failed = _hunt(result, strategy, run, examples, seed, tick)
+    if failed is not None:
+        scenario, verdict = failed
         result.result = "fail"
         result.failure = f"event {verdict.event_index}: {verdict.failure}"
         result.counterexample = describe_failure(scenario, verdict)
-        if save_dir is not None:
-            save_dir.mkdir(parents=True, exist_ok=True)
-            path = save_dir / f"counterexample-{name.replace('/', '-')}.json"
-            path.write_text(scenario.to_json())
-            result.saved = str(path)
+        _save_counterexample(result, scenario, save_dir)
     return result
 
 
