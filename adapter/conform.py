@@ -8,7 +8,6 @@ as JSON for ``outrate replay``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable

@@ -220,9 +220,10 @@ class _RollingWindowLimiter(OutputRateLimiter):
         grants = [t for t in self._grants.get(user, []) if t > now_ns - 1_000_000_000]
         return max(0, max(1, int(self.rate_of(user))) - len(grants))
 
-    def take_many(self, user, now_ns, count):
-        for _ in range(count):
-            self.try_take(user, now_ns)
+    def take_counts(self, counts, now_ns):  # also what take_many calls
+        for user, count in counts.items():
+            for _ in range(count):
+                self.try_take(user, now_ns)
 
 
 class RollingWindow(RateLimitedScheduler):

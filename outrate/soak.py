@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import tempfile
 import time
 from pathlib import Path
 

@@ -132,7 +132,7 @@ class OutputRateLimiter:
         With ``d = max(TAT, now) - now`` (scaled), a run of takes at one ``now`` is granted
         while ``d + (j - 1) T <= tau``, so the count is ``floor((tau - d) / T) + 1`` when
         ``d <= tau`` and 0 otherwise. Changes nothing. O(1). The scheduler asks once per
-        user per step and charges against the count (``take_many``), which is the same as
+        user per step and charges against the count (``take_counts``), which is the same as
         calling ``try_take`` once per charge.
         """
         s = self._scales.get(user) or self._default
@@ -154,12 +154,7 @@ class OutputRateLimiter:
         """
         if count < 1:
             raise ValueError(f"take_many needs count >= 1, got {count!r}")
-        s = self._scales.get(user) or self._default
-        now = now_ns * s.p
-        tat = self._tat.get(user)
-        if tat is None or tat < now:
-            tat = now
-        self._tat[user] = tat + count * s.inc
+        self.take_counts({user: count}, now_ns)
 
     def take_counts(self, counts: Mapping[str, int], now_ns: int) -> None:
         """R2: ``take_many(user, now_ns, n)`` for every ``user -> n`` of ``counts`` (n >= 1).

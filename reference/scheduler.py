@@ -134,8 +134,6 @@ class _RateLimitMixin:
     def _reset_step_state(self, now_ns: int) -> None:
         self._now_ns = now_ns
         self._charged: list[Request] = []  # R7: in charge order
-        self._grants: dict[str, int] = {}  # R2: user -> grants left in this step
-        self._grants_at_start: dict[str, int] = {}  # R2: user -> grants_at(user, now) at first ask
         self._refused_users: set[str] = set()  # users refused in this step: not asked again
         self._throttled: set[str] = set()  # running requests refused and skipped (R11)
         self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
@@ -498,7 +496,7 @@ class _RateLimitMixin:
         return enough, refused
 
     def _commit_grants(self) -> None:
-        """R2/R7: write this step's charges to the limiter, one ``take_many`` per user.
+        """R2/R7: write this step's charges to the limiter in one ``take_counts``.
 
         Equal to one ``try_take`` per charge at the step's clock reading (``limiter.py``).
         Also keeps, per user, the grants left at this clock reading (``_survey_users``).
@@ -511,10 +509,7 @@ class _RateLimitMixin:
             self._spare, self._spare_taken = self._grants_at_start, taken
             return
         left = self._grants
-        for user, at_start in self._grants_at_start.items():
-            taken = at_start - left[user]
-            if taken:
-                limiter.take_many(user, now, taken)
+        limiter.take_counts({u: n - left[u] for u, n in self._grants_at_start.items() if n > left[u]}, now)
         self._spare, self._spare_taken = left, {}
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
