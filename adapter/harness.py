@@ -67,7 +67,9 @@ def patched_time(clock: FakeClock) -> Iterator[None]:
 class EngineShape:
     """The engine configuration of one scenario (vLLM's names).
 
-    ``output_rate`` is ``additional_config["output_rate"]`` (None: feature off).
+    ``output_rate`` is ``additional_config["output_rate"]`` (None: feature off); how it
+    reaches the scheduler depends on the ``adapter.configstyle.ConfigStyle`` in use.
+    ``enable_prefix_caching``: off by default, since the spec does not model prefix caching.
     """
 
     max_num_seqs: int = 8
@@ -80,6 +82,7 @@ class EngineShape:
     async_scheduling: bool = False
     max_model_len: int = 2048
     output_rate: dict[str, Any] | None = None
+    enable_prefix_caching: bool = False
 
 
 @dataclass
@@ -135,7 +138,13 @@ def _block_hasher(block_size: int):
 
 
 def build_vllm_config(shape: EngineShape):
-    """A ``VllmConfig`` for the tiny local model with ``shape``'s scheduler settings."""
+    """A ``VllmConfig`` for the tiny local model with ``shape``'s scheduler settings.
+
+    The rates go to ``additional_config["output_rate"]`` (the reference's configuration;
+    ``adapter.configstyle.AdditionalConfigStyle``). vLLM's CPU platform forces
+    ``scheduler_config.async_scheduling`` to False here; the harness still drives async
+    mode when ``shape.async_scheduling`` is set.
+    """
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(
@@ -154,8 +163,8 @@ def build_vllm_config(shape: EngineShape):
         is_encoder_decoder=False,
         async_scheduling=shape.async_scheduling,
     )
-    # Prefix caching is not modelled by the spec: the gate turns it off.
-    cache_config = CacheConfig(block_size=shape.block_size, enable_prefix_caching=False)
+    # Prefix caching is not modelled by the spec: the gate's shapes leave it off.
+    cache_config = CacheConfig(block_size=shape.block_size, enable_prefix_caching=shape.enable_prefix_caching)
     additional = {"output_rate": shape.output_rate} if shape.output_rate is not None else {}
     config = VllmConfig(
         model_config=model_config,
@@ -187,18 +196,25 @@ class Harness:
         scheduler_cls: dotted path of the class under test.
         shape: engine configuration.
         clock: the fake clock (a new one at 0 ns if omitted).
+        style: how the rates reach the class (``adapter.configstyle.ConfigStyle``); default
+            ``AdditionalConfigStyle`` (``additional_config["output_rate"]``).
     Raises:
-        ValueError: bad class path; whatever the class raises for the config.
+        ValueError: bad class path; a shape the style cannot express; whatever the class
+            raises for the config.
     """
 
-    def __init__(self, scheduler_cls: str, shape: EngineShape, clock: FakeClock | None = None) -> None:
+    def __init__(self, scheduler_cls: str, shape: EngineShape, clock: FakeClock | None = None,
+                 style: Any = None) -> None:
         from vllm.v1.structured_output import StructuredOutputManager
+
+        from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
 
         self.shape = shape
         self.clock = clock or FakeClock()
         self.cls_path = scheduler_cls
+        self.style = style if style is not None else AdditionalConfigStyle()
         cls = load_class(scheduler_cls)
-        vllm_config = build_vllm_config(shape)
+        vllm_config = self.style.build_vllm_config(shape)
         with patched_time(self.clock):
             self.scheduler = cls(
                 vllm_config=vllm_config,

@@ -44,7 +44,7 @@ class RequestSpec:
     """One request: it is added just before step ``at_step`` is scheduled."""
 
     request_id: str
-    user: str
+    user: str | None  # None: no ``output_rate_user`` (the shared ``__anonymous__`` bucket, R17)
     prompt_len: int
     max_tokens: int
     eos_index: int | None = None
@@ -71,21 +71,37 @@ class Scenario:
     num_blocks: int | None = None
     block_size: int = 16
     policy: str = "fcfs"
+    # Burst tolerance in ms; None: the article's fixed 100 ms, and no ``burst_ms`` key is
+    # configured (only candidates that read ``burst_ms`` get other values).
+    burst_ms: int | None = None
+    feature_on: bool = True  # False: no output-rate configuration at all (R18)
 
     @property
     def ample(self) -> bool:
-        """True when nothing but the rate limit can keep a request from sampling."""
-        return (self.max_num_seqs, self.max_num_active_seqs, self.max_num_batched_tokens, self.num_blocks) == (
-            None, None, None, None) and not any(r.abort_at_step is not None for r in self.requests)
+        """True when nothing but the rate limit (and the active cap, R12) can keep a request
+        from sampling: ample seats, budget and KV, no aborts."""
+        return (self.max_num_seqs, self.max_num_batched_tokens, self.num_blocks) == (
+            None, None, None) and not any(r.abort_at_step is not None for r in self.requests)
 
-    def output_rate_config(self) -> dict[str, Any]:
-        """``additional_config["output_rate"]`` for this scenario."""
-        return {
+    @property
+    def burst_ns(self) -> int:
+        """The GCRA burst tolerance tau in ns (R2)."""
+        return (self.burst_ms if self.burst_ms is not None else 100) * 1_000_000
+
+    def output_rate_config(self) -> dict[str, Any] | None:
+        """``additional_config["output_rate"]`` for this scenario (None: feature off)."""
+        if not self.feature_on:
+            return None
+        config: dict[str, Any] = {
             "default_tokens_per_s": _as_number(self.default_rate_tokens_per_s),
             "user_tokens_per_s": {u: _as_number(r) for u, r in self.rates_tokens_per_s.items()},
         }
+        if self.burst_ms is not None:
+            config["burst_ms"] = self.burst_ms
+        return config
 
     def rate_of(self, user: str) -> Fraction:
+        """The configured rate of bucket ``user`` (override, else the default), tokens/s."""
         return Fraction(self.rates_tokens_per_s.get(user, self.default_rate_tokens_per_s))
 
     def to_json(self) -> str:
@@ -95,28 +111,33 @@ class Scenario:
     def from_json(text: str) -> "Scenario":
         data = json.loads(text)
         data["requests"] = tuple(RequestSpec(**r) for r in data["requests"])
+        # Counterexamples saved before a field existed replay with its default.
         return Scenario(**data)
 
     def events(self) -> list[str]:
-        """The scenario as a short list of events, for printing counterexamples."""
+        """The scenario as a short list of events, for printing counterexamples: the first
+        line gives every configuration value the scenario sets (burst included)."""
         out = []
         for r in sorted(self.requests, key=lambda r: r.at_step):
             eos = f", eos@{r.eos_index}" if r.eos_index is not None else ""
             prio = f", priority={r.priority}" if self.policy == "priority" else ""
+            user = "(none: __anonymous__)" if r.user is None else repr(r.user)
             out.append(
-                f"step {r.at_step}: add {r.request_id} user={r.user} prompt={r.prompt_len} "
+                f"step {r.at_step}: add {r.request_id} user={user} prompt={r.prompt_len} "
                 f"max_tokens={r.max_tokens}{eos}{prio}"
             )
             if r.abort_at_step is not None:
                 out.append(f"step {r.abort_at_step}: abort {r.request_id}")
-        out.append(f"then {self.num_steps} steps, clock +{self.step_interval_ns / 1e6:g} ms each")
-        rates = ", ".join(f"{u}={r}" for u, r in sorted(self.rates_tokens_per_s.items()))
-        shape = "" if self.ample else (
-            f"; max_num_seqs={self.max_num_seqs}, max_num_active_seqs={self.max_num_active_seqs}, "
-            f"max_num_batched_tokens={self.max_num_batched_tokens}, num_blocks={self.num_blocks}x{self.block_size}, "
-            f"policy={self.policy}")
-        out.insert(0, f"rates (tokens/s): {rates}; chunked_prefill={self.chunked_prefill}, "
-                      f"async={self.async_scheduling}{shape}")
+        out.append(f"then {self.num_steps} steps, clock +{self.step_interval_ns} ns each")
+        rates = ", ".join(f"{u!r}={r}" for u, r in sorted(self.rates_tokens_per_s.items()))
+        burst = f"{self.burst_ms} ms (burst_ms)" if self.burst_ms is not None else "100 ms (fixed)"
+        seqs = self.max_num_seqs or max(len(self.requests), 1)
+        feature = (f"default rate {self.default_rate_tokens_per_s} tokens/s, overrides {{{rates}}}, burst {burst}"
+                   if self.feature_on else "feature OFF (no output-rate configuration)")
+        out.insert(0, f"config: {feature}; max_num_seqs={seqs}, max_num_active_seqs={self.max_num_active_seqs}, "
+                      f"max_num_batched_tokens={self.max_num_batched_tokens or 2048}, "
+                      f"num_blocks={self.num_blocks or 4096}x{self.block_size}, policy={self.policy}, "
+                      f"chunked_prefill={self.chunked_prefill}, async={self.async_scheduling}")
         return out
 
 
@@ -134,25 +155,59 @@ class Verdict:
     rule: str | None = None
     step: int | None = None
     sampled_per_user: dict[str, int] = field(default_factory=dict)
+    level: str | None = None  # the level of the failed property (adapter/levels.py)
 
 
-RATES = ("2", "5", "10", "20", "50", "100", "3.5", "0.5")
+def spec_limiter_user(user: str | None) -> str:
+    """R17: the limiter bucket of a request's ``output_rate_user`` (None: anonymous)."""
+    return "__anonymous__" if user is None else user
+
+
+RATES = ("2", "5", "10", "20", "50", "100", "3.5", "0.5", "0.3", "1000", "7.25")
+INTEGER_RATES = ("1", "2", "5", "10", "20", "50", "100", "1000")
+BURSTS_MS = (100, 100, 20, 250)
+# User ids real traffic has (R17: ids are kept exactly as given; None = no
+# ``output_rate_user``, the shared ``__anonymous__`` bucket).
+USER_IDS = ("u0", "u1", "u2", "User-A", "user-a", " spaced ", "ünï-東京", "x" * 256, None)
+# Clock advances between steps, ns: 1 ns to 250 ms (sub-ms steps reach the burst edge and
+# ``ready_at`` closely).
+STEP_INTERVALS_NS = (1, 999_999, 1_000_000, 5_000_000, 10_000_000, 20_000_000, 33_333_333,
+                     50_000_000, 100_000_000, 250_000_000)
 
 
 @st.composite
-def scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40) -> Scenario:
-    """Hypothesis strategy: 1-3 users, 1-4 streams each, ample budget, KV and seats."""
-    num_users = draw(st.integers(1, 3))
-    users = [f"u{i}" for i in range(num_users)]
-    rates = {u: draw(st.sampled_from(RATES)) for u in users}
+def _users(draw, integer_rates: bool) -> tuple[list[str | None], dict[str, str], str]:
+    """1-3 distinct users drawn from ``USER_IDS``; overrides for some of them (the others,
+    and the anonymous bucket, use the default rate). Returns (users, overrides, default)."""
+    users = draw(st.lists(st.sampled_from(USER_IDS), min_size=1, max_size=3, unique=True))
+    pool = INTEGER_RATES if integer_rates else RATES
+    default = draw(st.sampled_from(pool))
+    overrides = {u: draw(st.sampled_from(pool)) for u in users if u is not None and draw(st.booleans())}
+    return users, overrides, default
+
+
+def _request_id(user: str | None, k: int, index: int) -> str:
+    return f"anon-r{k}" if user is None else f"u{index}-r{k}"
+
+
+@st.composite
+def scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40, integer_rates: bool = False,
+              burst_configurable: bool = False) -> Scenario:
+    """Hypothesis strategy: 1-3 users (named, odd ids, anonymous), 1-4 streams each, ample
+    budget, KV and seats, sometimes an active cap (R12) below the number of streams.
+
+    ``integer_rates``: draw integer rates only (the article's flags take integers).
+    ``burst_configurable``: sometimes configure a ``burst_ms`` other than 100.
+    """
+    users, overrides, default = draw(_users(integer_rates))
     num_steps = draw(st.integers(1, max_steps))
     requests = []
-    for user in users:
+    for index, user in enumerate(users):
         for k in range(draw(st.integers(1, 4))):
             eos = draw(st.one_of(st.none(), st.integers(0, 20)))
             requests.append(
                 RequestSpec(
-                    request_id=f"{user}-r{k}",
+                    request_id=_request_id(user, k, index),
                     user=user,
                     prompt_len=draw(st.integers(1, 40)),
                     max_tokens=draw(st.integers(1, 24)),
@@ -160,61 +215,80 @@ def scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40) -
                     at_step=draw(st.integers(0, max(0, num_steps - 1))),
                 )
             )
+    cap = draw(st.one_of(st.none(), st.integers(1, max(1, len(requests) - 1)))) if len(requests) > 1 else None
     return Scenario(
-        rates_tokens_per_s=rates,
+        rates_tokens_per_s=overrides,
+        default_rate_tokens_per_s=default,
         requests=tuple(requests),
-        step_interval_ns=draw(st.sampled_from([1, 5, 10, 20, 33, 50, 100, 250])) * 1_000_000,
+        step_interval_ns=draw(st.sampled_from(STEP_INTERVALS_NS)),
         num_steps=num_steps,
         chunked_prefill=draw(st.booleans()),
         async_scheduling=draw(st.booleans()) if async_scheduling is None else async_scheduling,
+        max_num_active_seqs=cap,
+        burst_ms=draw(st.sampled_from(BURSTS_MS)) if burst_configurable and draw(st.booleans()) else None,
     )
 
 
 @st.composite
-def pressured_scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40) -> Scenario:
-    """Hypothesis strategy with resource pressure for the white-box checks: few KV blocks
-    (preemption), small token budgets (chunking), an active cap below max_num_seqs, FCFS or
-    PRIORITY, aborts; and sometimes a run past step 256 (R6 cleanup)."""
-    num_users = draw(st.integers(1, 3))
-    users = [f"u{i}" for i in range(num_users)]
-    rates = {u: draw(st.sampled_from(RATES)) for u in users}
+def pressured_scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40,
+                        integer_rates: bool = False, burst_configurable: bool = False) -> Scenario:
+    """Hypothesis strategy with resource pressure: few KV blocks (preemption), small token
+    budgets (chunking), an active cap below max_num_seqs, FCFS or PRIORITY, aborts; and
+    sometimes a run past step 256 (R6 cleanup). Users, rates and clock steps as in
+    ``scenarios``."""
+    users, overrides, default = draw(_users(integer_rates))
     long_run = draw(st.integers(0, 9)) == 0
     num_steps = 260 if long_run else draw(st.integers(1, max_steps))
     policy = draw(st.sampled_from(["fcfs", "priority"]))
     requests = []
-    for user in users:
+    for index, user in enumerate(users):
         for k in range(draw(st.integers(1, 3))):
             at = draw(st.integers(0, max(0, min(num_steps, 40) - 1)))
             abort = draw(st.integers(at + 1, at + 30)) if draw(st.integers(0, 4)) == 0 else None
             requests.append(RequestSpec(
-                request_id=f"{user}-r{k}", user=user, prompt_len=draw(st.integers(1, 40)),
+                request_id=_request_id(user, k, index), user=user, prompt_len=draw(st.integers(1, 40)),
                 max_tokens=draw(st.integers(1, 16)), eos_index=draw(st.one_of(st.none(), st.integers(0, 16))),
-                at_step=at, priority=draw(st.integers(0, 2)) if policy == "priority" else 0,
+                at_step=at, priority=draw(st.integers(0, 4)) if policy == "priority" else 0,
                 abort_at_step=abort,
             ))
     max_num_seqs = draw(st.integers(1, len(requests) + 1))
     block_size = draw(st.sampled_from([4, 8, 16]))
-    longest_blocks = -(-(40 + 16) // block_size)
+    # The longest request (prompt 40 + 16 outputs) must fit alone; vLLM keeps one null block.
+    longest_blocks = -(-(40 + 16) // block_size) + 1
     chunked = draw(st.booleans())
     return Scenario(
-        rates_tokens_per_s=rates,
+        rates_tokens_per_s=overrides,
+        default_rate_tokens_per_s=default,
         requests=tuple(requests),
-        step_interval_ns=draw(st.sampled_from([1, 5, 10, 20, 33, 50, 100])) * 1_000_000,
+        step_interval_ns=draw(st.sampled_from(STEP_INTERVALS_NS[1:])),
         num_steps=num_steps,
         chunked_prefill=chunked,
         async_scheduling=draw(st.booleans()) if async_scheduling is None else async_scheduling,
         max_num_seqs=max_num_seqs,
         max_num_active_seqs=draw(st.integers(1, max_num_seqs)),
         # Without chunked prefill a whole prompt must fit the budget.
-        max_num_batched_tokens=draw(st.sampled_from([8, 16, 32, 64, 2048])) if chunked else 2048,
+        # vLLM requires max_num_batched_tokens >= max_num_seqs.
+        max_num_batched_tokens=max(draw(st.sampled_from([8, 16, 32, 64, 2048])), max_num_seqs) if chunked else 2048,
         num_blocks=draw(st.integers(longest_blocks, longest_blocks * 3)),
         block_size=block_size,
         policy=policy,
+        burst_ms=draw(st.sampled_from(BURSTS_MS)) if burst_configurable and draw(st.booleans()) else None,
     )
 
 
-def build_harness(scheduler_cls: str, scenario: Scenario):
-    """A ``Harness`` for ``scenario`` with ample resources (only the limit can pause)."""
+def feature_off(scenario: Scenario) -> Scenario:
+    """The same scenario with no output-rate configuration at all (R18)."""
+    from dataclasses import replace
+
+    return replace(scenario, feature_on=False, burst_ms=None)
+
+
+def build_harness(scheduler_cls: str, scenario: Scenario, style=None):
+    """A ``Harness`` for ``scenario`` with ample resources (only the limit can pause).
+
+    ``style``: an ``adapter.configstyle.ConfigStyle`` (None: ``AdditionalConfigStyle``).
+    Raises ``ValueError`` when the style cannot express the scenario's rates.
+    """
     from vllm_output_rate.adapter.harness import EngineShape, Harness
 
     shape = EngineShape(
@@ -228,18 +302,32 @@ def build_harness(scheduler_cls: str, scenario: Scenario):
         async_scheduling=scenario.async_scheduling,
         output_rate=scenario.output_rate_config(),
     )
-    return Harness(scheduler_cls, shape)
+    return Harness(scheduler_cls, shape, style=style)
 
 
-def run_scenario(scheduler_cls: str, scenario: Scenario) -> Verdict:
-    """Run ``scenario`` on ``scheduler_cls``; stop at the first failing check.
+def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None) -> Verdict:
+    """Run ``scenario`` on ``scheduler_cls``; stop at the first failing property.
 
-    Black-box checks always (R2 grants, R2 window bound, R11 pause-not-truncate); in ample
-    sync scenarios also R11 under-grant, R11 no preemption and R14 fairness; white-box
-    invariants whenever the scheduler exposes ``last_step_observation``.
+    ``level`` (``adapter/levels.py``) chooses which properties are judged, each tagged with
+    its level in the verdict:
+
+    - must: R2/R7 every sampling dispatch granted by the spec limiter at its instant;
+      R2 window bound; R11/P3 every request ends with exactly its outputs; in ample sync
+      scenarios P4 no under-grant (a request of a user the limiter still grants is not
+      paused, unless the active cap is full).
+    - should: R11 throttled requests stay resident (no preemption in ample scenarios);
+      R12 scheduled running requests <= the active cap; R14 a user's streams take turns
+      (bounded bypass, ``R14_BYPASS_FACTOR``).
+    - exact: the white-box invariants on the scheduler's ``last_step_observation``.
+
+    ``style``: how the candidate is configured (``adapter/configstyle.py``; None: through
+    ``additional_config["output_rate"]``).
     """
-    harness = build_harness(scheduler_cls, scenario)
-    judge = _Judge(scenario, harness)
+    from vllm_output_rate.adapter.levels import includes
+
+    harness = build_harness(scheduler_cls, scenario, style) if style is not None else build_harness(
+        scheduler_cls, scenario)
+    judge = _Judge(scenario, harness, level)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
     aborts = sorted((r for r in scenario.requests if r.abort_at_step is not None), key=lambda r: r.abort_at_step)
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
@@ -251,10 +339,11 @@ def run_scenario(scheduler_cls: str, scenario: Scenario) -> Verdict:
         if step >= scenario.num_steps and not pending and not aborts and len(harness.finished) == len(judge.by_id):
             break
         unfinished = [rid for rid in harness.num_outputs if rid not in harness.finished]
+        resident = {r.request_id for r in harness.scheduler.running}
         trace = harness.step()
-        failure = judge.after_step(step, trace, unfinished)
+        failure = judge.after_step(step, trace, unfinished, resident)
         if failure:
-            return Verdict(judge.steps, failure[1], failure[0], step)
+            return Verdict(judge.steps, failure[2], failure[0], step, level=failure[1])
         harness.advance(_next_advance_ns(scenario, step, trace, judge.state, judge.by_id, harness))
     harness.drain()
     for rid, r in judge.by_id.items():
@@ -263,69 +352,120 @@ def run_scenario(scheduler_cls: str, scenario: Scenario) -> Verdict:
             continue
         expected = r.max_tokens if r.eos_index is None or r.eos_index >= r.max_tokens else r.eos_index + 1
         if got is None or got[1] != expected:
-            return Verdict(judge.steps, f"{rid} ended with {got} but must end with {expected} outputs "
-                           "(pause, not truncate)", "R11", None)
+            return Verdict(judge.steps, f"{judge.name}: {rid} ended with {got} but must end with {expected} "
+                           "outputs: the article pauses a request, it never cuts or fails it", "R11", None,
+                           level="must")
+    assert includes(level, "must")
     return Verdict(judge.steps, None, sampled_per_user={u: len(t) for u, t in judge.history.items()})
 
 
-class _Judge:
-    """Per-step checks of one scenario run; keeps the spec limiter replay."""
+R14_BYPASS_FACTOR = 2  # R14: a ready stream waits at most this x (the user's streams) grants
 
-    def __init__(self, scenario: Scenario, harness) -> None:
+
+class _Judge:
+    """Per-step checks of one scenario run; keeps the spec limiter replay.
+
+    A failure is ``(rule, level, message)``; messages name the class under test.
+    """
+
+    def __init__(self, scenario: Scenario, harness, level: str) -> None:
+        from vllm_output_rate.adapter.levels import includes
+
         self.scenario = scenario
         self.harness = harness
+        self.name = harness.cls_path.rpartition(".")[2]
+        self.should = includes(level, "should")
+        self.exact = includes(level, "exact")
         self.by_id = {r.request_id: r for r in scenario.requests}
         self.state = spec_limiter.EMPTY
         self.history: dict[str, list[int]] = {}  # user -> time of each sampling dispatch
         self.last_sample_step: dict[str, int] = {}  # request id -> last step it sampled
+        self.bypassed: dict[str, int] = {}  # R14: request id -> same-user grants since it last sampled
         self.steps = 0
 
-    def after_step(self, step: int, trace, unfinished: list[str]) -> tuple[str, str] | None:
+    def user_of(self, rid: str) -> str:
+        """The R17 bucket of request ``rid``."""
+        user = self.by_id[rid].user
+        return spec_limiter_user(user)
+
+    def after_step(self, step: int, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
         self.steps += 1
         scenario, now = self.scenario, trace.now_ns
+        if not scenario.feature_on:
+            return None
         for rid in trace.sampled:
-            user = self.by_id[rid].user
-            self.state, granted = spec_limiter.try_take(self.state, user, scenario.rate_of(user), now)
+            user = self.user_of(rid)
+            self.state, granted = spec_limiter.try_take(self.state, user, scenario.rate_of(user), now,
+                                                        scenario.burst_ns)
             if not granted:
-                return "R2", (f"{rid} (user {user}) sampled at t={now / 1e6:g} ms but the spec limiter "
-                              "refuses: over the rate")
+                return "R2", "must", (
+                    f"{self.name} dispatched {rid} (user {user!r}) to sample at t={now} ns although the GCRA "
+                    f"(rate {scenario.rate_of(user)} tokens/s, burst {scenario.burst_ns // 1_000_000} ms) "
+                    f"refuses it: over the user's rate")
             self.history.setdefault(user, []).append(now)
         if self.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
             self.state = spec_limiter.cleanup_idle_users(self.state, now)  # R6, same cadence
         if scenario.ample and not scenario.async_scheduling:
-            failure = self._ample_sync_checks(step, trace, unfinished)
+            failure = self._ample_sync_checks(step, trace, unfinished, resident)
             if failure:
                 return failure
         for rid in trace.sampled:
             self.last_sample_step[rid] = step
         failure = _window_violation(self.history, scenario)
         if failure:
-            return "R2", failure
-        if trace.white is not None:
-            return self._white_box_checks(trace)
+            return "R2", "must", f"{self.name}: {failure}"
+        if self.should and scenario.max_num_active_seqs is not None:
+            scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
+            if len(scheduled_running) > scenario.max_num_active_seqs:
+                return "R12", "should", (
+                    f"{self.name} scheduled {len(scheduled_running)} running requests in one step, more than "
+                    f"--max-num-active-seqs {scenario.max_num_active_seqs}")
+        if self.exact and trace.white is not None:
+            failure2 = self._white_box_checks(trace)
+            return (failure2[0], "exact", failure2[1]) if failure2 else None
         return None
 
-    def _ample_sync_checks(self, step: int, trace, unfinished: list[str]) -> tuple[str, str] | None:
-        now, sampled = trace.now_ns, set(trace.sampled)
+    def _ample_sync_checks(self, step: int, trace, unfinished: list[str],
+                           resident: set[str]) -> tuple[str, str, str] | None:
+        now, sampled, cap = trace.now_ns, set(trace.sampled), self.scenario.max_num_active_seqs
+        cap_full = cap is not None and len(trace.scheduled) >= cap
         for rid in unfinished:
-            user = self.by_id[rid].user
-            if rid not in sampled and spec_limiter.allows(self.state, user, now):
-                return "R11", (f"{rid} (user {user}) was paused at t={now / 1e6:g} ms although the spec "
-                               "limiter still grants: under-grant")
+            user = self.user_of(rid)
+            if cap is not None and rid not in resident:
+                continue  # admission under an active cap is the article's open choice
+            if rid not in sampled and not cap_full and spec_limiter.allows(self.state, user, now,
+                                                                           self.scenario.burst_ns):
+                return "R11", "must", (
+                    f"{self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
+                    f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant")
+        if not self.should:
+            return None
         if trace.preempted:
-            return "R11", f"{trace.preempted} preempted although KV and seats are ample: throttled must stay resident"
-        # R14: between two samples of one stream, every other stream of the same user that
-        # was ready (decoding, unfinished) all along samples at least once.
-        for rid in trace.sampled:
-            previous = self.last_sample_step.get(rid)
-            if previous is None:
-                continue
-            for other in unfinished:
-                started = self.last_sample_step.get(other)
-                if (other != rid and self.by_id[other].user == self.by_id[rid].user and started is not None
-                        and started < previous and other not in sampled):
-                    return "R14", (f"{rid} sampled at steps {previous} and {step} while {other} of the same "
-                                   f"user waited since step {started}: no rotation")
+            return "R11", "should", (f"{self.name} preempted {trace.preempted} although KV and seats are ample: "
+                                     "the article keeps throttled requests resident")
+        return self._bypass_check(step, trace, unfinished)
+
+    def _bypass_check(self, step: int, trace, unfinished: list[str]) -> tuple[str, str, str] | None:
+        """R14 as bounded bypass: while stream ``s`` of a user is decoding and unfinished,
+        at most ``R14_BYPASS_FACTOR x n`` of that user's grants go to its other streams
+        before ``s`` samples again (n: the user's unfinished streams)."""
+        sampled = set(trace.sampled)
+        by_user: dict[str, list[str]] = {}
+        for rid in unfinished:
+            by_user.setdefault(self.user_of(rid), []).append(rid)
+        for user, streams in by_user.items():
+            grants = [rid for rid in trace.sampled if self.user_of(rid) == user]
+            bound = R14_BYPASS_FACTOR * len(streams)
+            for rid in streams:
+                if rid in sampled:
+                    self.bypassed[rid] = 0
+                elif rid in self.last_sample_step:
+                    self.bypassed[rid] = self.bypassed.get(rid, 0) + len(grants)
+                    if self.bypassed[rid] > bound:
+                        return "R14", "should", (
+                            f"{self.name}: {rid} of user {user!r} waited while {self.bypassed[rid]} of that "
+                            f"user's tokens went to its other streams (bound {bound}): the article's streams "
+                            "of one user take turns")
         return None
 
     def _white_box_checks(self, trace) -> tuple[str, str] | None:
@@ -359,7 +499,7 @@ class _Judge:
         hint = white["wait_hint_ns"]
         if hint is not None:
             ready = {u: spec_limiter.ready_at_ns(self.state, u) for u in self.state.tat_ns}
-            throttled_users = {self.by_id[r].user for r in white["throttled"] if r in self.by_id}
+            throttled_users = {self.user_of(r) for r in white["throttled"] if r in self.by_id}
             if hint not in ready.values() or any(ready.get(u) is not None and hint > ready[u] for u in throttled_users):
                 return "R16", (f"wait hint {hint} ns is not the earliest ready time of the refused users "
                                f"(spec ready_at: {ready})")
@@ -376,8 +516,8 @@ def _next_advance_ns(scenario, step, trace, state, by_id, harness) -> int:
     interval = scenario.step_interval_ns
     if step < scenario.num_steps or trace.sampled or trace.scheduled:
         return interval
-    users = {by_id[rid].user for rid in harness.num_outputs if rid not in harness.finished}
-    ready = [spec_limiter.ready_at_ns(state, u) for u in users]
+    users = {spec_limiter_user(by_id[rid].user) for rid in harness.num_outputs if rid not in harness.finished}
+    ready = [spec_limiter.ready_at_ns(state, u, scenario.burst_ns) for u in users]
     ready = [t for t in ready if t is not None]
     return max(interval, min(ready) - trace.now_ns) if ready else interval
 
@@ -391,20 +531,26 @@ def _window_violation(history: dict[str, list[int]], scenario: Scenario) -> str 
         rate = scenario.rate_of(user)
         for i, start in enumerate(times):
             count = len(times) - i
-            bound = spec_limiter.window_bound_tokens(end - start, rate)
+            bound = spec_limiter.window_bound_tokens(end - start, rate, scenario.burst_ns)
             if count > bound:
-                return (f"user {user}: {count} sampling dispatches in [{start / 1e6:g}, {end / 1e6:g}] ms "
-                        f"> bound {bound} = floor((W + tau) x {rate}) + 1")
+                return (f"user {user!r}: {count} sampling dispatches in [{start}, {end}] ns "
+                        f"> bound {bound} = floor((W + tau) x {rate}) + 1: over the user's rate")
     return None
 
 
-def minimize(scheduler_cls: str, scenario: Scenario) -> Scenario:
+def minimize(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None,
+             run=None) -> Scenario:
     """Make a failing scenario 1-minimal: drop single requests, aborts and trailing steps
-    while it still fails (after Hypothesis's own shrinking)."""
+    while it still fails (after Hypothesis's own shrinking). ``run(scenario) -> Verdict``
+    replaces ``run_scenario`` (the feature-off comparison uses its own)."""
     from dataclasses import replace
 
+    if run is None:
+        def run(candidate: Scenario) -> Verdict:
+            return run_scenario(scheduler_cls, candidate, level, style)
+
     def fails(candidate: Scenario) -> bool:
-        return bool(candidate.requests) and run_scenario(scheduler_cls, candidate).failure is not None
+        return bool(candidate.requests) and run(candidate).failure is not None
 
     assert fails(scenario), "minimize() needs a failing scenario"
     progress = True
@@ -422,7 +568,7 @@ def minimize(scheduler_cls: str, scenario: Scenario) -> Scenario:
                     break
             if progress:
                 break
-    step = run_scenario(scheduler_cls, scenario).step
+    step = run(scenario).step
     if step is not None and step + 1 < scenario.num_steps:
         candidate = replace(scenario, num_steps=step + 1)
         if fails(candidate):

@@ -125,8 +125,11 @@ def reference_cls(async_scheduling: bool) -> str:
     return REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
 
 
-def run_white_box(scenario: StepScenario, scheduler_cls: str | None = None) -> Verdict:
-    """White-box check of one scenario on ``scheduler_cls`` (default: the reference)."""
+def run_white_box(scenario: StepScenario, scheduler_cls: str | None = None, style: Any = None) -> Verdict:
+    """White-box check of one scenario on ``scheduler_cls`` (default: the reference).
+
+    ``style``: an ``adapter.configstyle.ConfigStyle`` (None: ``AdditionalConfigStyle``).
+    """
     assert scenario.config.rate_limited, "the white-box check runs with the feature on"
     cls = scheduler_cls or reference_cls(scenario.config.async_scheduling)
-    return run_step_scenario(cls, scenario, extra=compare_white)
+    return run_step_scenario(cls, scenario, extra=compare_white, style=style)

@@ -39,7 +39,23 @@ def main() -> None:
               help="Scheduler class under test (sync); default: the reference RateLimitedScheduler.")
 @click.option("--async-scheduler-cls", default=None, metavar="DOTTED.PATH",
               help="Async scheduler class under test; default: the reference's async class when "
-                   "--scheduler-cls is the reference; otherwise the async checks run only if this is given.")
+                   "--scheduler-cls is the reference. Without it the async checks are NOT TESTED (exit 2) "
+                   "unless --sync-only is given.")
+@click.option("--level", type=click.Choice(["must", "should", "exact"]), default="should", show_default=True,
+              help="must: the article's promises and the bound; should: also its design rules, every open "
+                   "choice accepted; exact: step identity with this project's spec (white-box).")
+@click.option("--sync-only", is_flag=True, help="Judge the sync class alone (the async checks are left out).")
+@click.option("--config-style", "config_style", default="additional-config", show_default=True,
+              metavar="additional-config|engine-args|hook:pkg.module.function",
+              help="How the candidate is configured: additional_config['output_rate'], the article's engine "
+                   "flags through vLLM's own EngineArgs parser, or a function (vllm_config, rates) -> None.")
+@click.option("--burst-configurable", is_flag=True,
+              help="The candidate reads burst_ms; otherwise every scenario uses the article's fixed 100 ms.")
+@click.option("--integer-rates", is_flag=True,
+              help="The candidate takes integer rates only (the article's flags); scenarios draw integers.")
+@click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Directory to put on the import path first (the candidate's source tree); repeatable.")
+@click.option("--no-spec-health", is_flag=True, help="Skip the spec-health checks (they never judge the candidate).")
 @click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
 @click.option("--mutants", is_flag=True, help="Also run the mutant catalogue; every mutant must be killed.")
@@ -51,119 +67,171 @@ def main() -> None:
               help="Write the gate manifest as Markdown here.")
 @click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Directory where failing scenarios are saved for replay.")
-def conform(scheduler_cls, async_scheduler_cls, profile, seed, mutants, json_path, junit_path, markdown_path,
+def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, burst_configurable, integer_rates,
+            paths, no_spec_health, profile, seed, mutants, json_path, junit_path, markdown_path,
             counterexamples) -> None:
-    """Run the conformance gate on a scheduler class; exit 1 if any check fails or a mutant survives."""
-    from vllm_output_rate.adapter import conform as gate
-    from vllm_output_rate.adapter import reports
+    """Run the conformance gate on a scheduler class at a level.
+
+    Exit 0: every candidate check passed; 1: a candidate check failed (or a mutant
+    survived); 2: some check was NOT TESTED; 3: spec health failed (the verdict cannot be
+    trusted on this vLLM).
+    """
+    from vllm_output_rate.adapter import registry
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, load_class
 
+    for directory in reversed(paths):
+        sys.path.insert(0, str(Path(directory).resolve()))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(directory).resolve()),
+                                                                 os.environ.get("PYTHONPATH")]))
     sync_cls = scheduler_cls or REFERENCE_SCHEDULER
-    if async_scheduler_cls is None and sync_cls == REFERENCE_SCHEDULER:
+    if async_scheduler_cls is None and sync_cls == REFERENCE_SCHEDULER and not sync_only:
         async_scheduler_cls = REFERENCE_ASYNC_SCHEDULER
-    budget = gate.PROFILES[profile]
+    if sync_only:
+        async_scheduler_cls = None
     started = time.monotonic()
     with console.status("importing vLLM and the scheduler under test"):
-        for path in {sync_cls, async_scheduler_cls} - {None}:
+        for path, hint in ((sync_cls, "--scheduler-cls"), (async_scheduler_cls, "--async-scheduler-cls")):
+            if path is None:
+                continue
             try:
                 load_class(path)
             except (ValueError, ImportError) as exc:
-                raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
+                raise click.BadParameter(str(exc), param_hint=hint) from None
+        style = _config_style(config_style)
         import vllm
 
         # The gate builds hundreds of schedulers; vLLM's per-construction warnings are noise here.
         logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
-
-    def scheduler_check(cls, async_mode, pressured):
-        examples = budget["pressured"] if pressured else budget["async" if async_mode else "sync"]
-        return examples, lambda tick: gate.check_scheduler(cls, async_mode, examples, budget["max_steps"], seed,
-                                                           tick, counterexamples, pressured=pressured)
-
-    plan = [("limiter-differential", budget["limiter"],
-             lambda tick: gate.check_limiter_differential(budget["limiter"], seed, tick))]
-    modes = [(sync_cls, False)] + ([(async_scheduler_cls, True)] if async_scheduler_cls else [])
-    for cls, async_mode in modes:
-        tag = "async" if async_mode else "sync"
-        for pressured, prefix in ((False, "rate-limit"), (True, "invariants")):
-            plan.append((f"{prefix}/{tag}", *scheduler_check(cls, async_mode, pressured)))
-    if async_scheduler_cls is None:
-        console.print("async checks not run: give --async-scheduler-cls to judge an async class")
-    step_budget = gate.STEP_SPEC_PROFILES[profile]
-    plan += [
-        ("base-fidelity/sync", step_budget["base_sync"],
-         lambda tick: gate.check_base_fidelity(False, step_budget["base_sync"], seed, tick, counterexamples)),
-        ("base-fidelity/async", step_budget["base_async"],
-         lambda tick: gate.check_base_fidelity(True, step_budget["base_async"], seed, tick, counterexamples)),
-        ("white-box/sync", step_budget["white_sync"],
-         lambda tick: gate.check_white_box(sync_cls, False, step_budget["white_sync"], seed, tick, counterexamples)),
-    ]
-    if async_scheduler_cls is not None:
-        plan.append(("white-box/async", step_budget["white_async"],
-                     lambda tick: gate.check_white_box(async_scheduler_cls, True, step_budget["white_async"], seed,
-                                                       tick, counterexamples)))
-
-    from vllm_output_rate.proofs.modelcheck import profile_scopes
-
-    plan += [("proofs/z3", 6, gate.check_proofs),
-             ("model-check/quick", len(profile_scopes("quick")), gate.check_model)]
+    options = registry.GateOptions(
+        scheduler_cls=sync_cls, async_scheduler_cls=async_scheduler_cls, level=level, profile=profile, seed=seed,
+        style=style, integer_rates=integer_rates, burst_configurable=burst_configurable, sync_only=sync_only,
+        spec_health=not no_spec_health, save_dir=counterexamples)
+    plan = registry.plan(options)
 
     results = []
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=False)
     with progress:
-        for name, total, run in plan:
-            task = progress.add_task(name, total=total)
-            t0 = time.monotonic()
-            result = run(lambda: progress.advance(task))
-            result.seconds = time.monotonic() - t0
+        for item in plan:
+            total = item.spec.total(options) if item.skip is None else 1
+            task = progress.add_task(item.spec.name, total=total)
+            result = registry.run_planned(item, options, lambda: progress.advance(task))
             progress.update(task, completed=total)
             results.append(result)
 
-    header = (f"outrate conform -- vLLM {vllm.__version__} -- {sync_cls} / {async_scheduler_cls}"
-              f" -- profile {profile}, seed {seed}")
-    table = Table(title=header)
-    for col in ("check", "rules", "examples", "steps", "examples/s", "steps/s", "result", "seconds"):
-        table.add_column(col, justify="right" if col not in ("check", "rules", "result") else "left")
+    header = (f"outrate conform -- vLLM {vllm.__version__} -- {sync_cls} / {async_scheduler_cls or '-'}"
+              f" -- level {level}, profile {profile}, seed {seed}, config {config_style}, "
+              f"burst {'configurable' if burst_configurable else 'fixed 100 ms'}"
+              f"{', integer rates' if integer_rates else ''}")
+    for part, title in (("candidate", f"{header}\ncandidate checks (the verdict)"),
+                        ("spec health", "spec health (never the candidate's verdict)")):
+        rows = [r for r in results if r.part == part]
+        if rows:
+            console.print(_results_table(title, rows))
     for r in results:
-        style = "green" if r.result == "pass" else "bold red"
-        table.add_row(r.name, " ".join(r.rules), str(r.examples), str(r.steps),
-                      f"{r.examples / r.seconds:.0f}" if r.seconds else "-",
-                      f"{r.steps / r.seconds:.0f}" if r.seconds else "-",
-                      f"[{style}]{r.result.upper()}[/]", f"{r.seconds:.1f}")
-    console.print(table)
-    failed = [r for r in results if r.result != "pass"]
-    for r in failed:
-        console.print(f"[bold red]{r.name} FAILED[/]: {r.failure}")
-        console.print("  counterexample (shrunk, 1-minimal):")
+        if r.result != "fail":
+            continue
+        console.print(f"[bold red]{r.name} FAILED[/] ({r.part}): {escape_markup(r.failure)}")
+        console.print("  counterexample (" + ("shrunk, 1-minimal" if r.minimal else
+                                              "shrunk by Hypothesis, not proven 1-minimal") + "):")
         for line in r.counterexample:
-            console.print(f"    {line}")
+            console.print(f"    {escape_markup(line)}")
         if r.saved:
-            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls ...)")
+            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {sync_cls})")
 
-    mutant_rows = _run_mutants(budget, seed) if mutants else []
+    mutant_rows = _run_mutants(_budget(profile), seed) if mutants else []
     survivors = [m for m in mutant_rows if not m["killed"]]
-
     checks_json = [r.as_json() for r in results]
+    code = registry.exit_code(results)
+    if survivors and code == 0:
+        code = 1
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({
             "vllm_version": vllm.__version__,
             "scheduler": sync_cls,
             "async_scheduler": async_scheduler_cls,
+            "level": level,
+            "config_style": config_style,
+            "burst_configurable": burst_configurable,
+            "integer_rates": integer_rates,
             "profile": profile,
             "seed": seed,
             "seconds": round(time.monotonic() - started, 2),
+            "exit_code": code,
             "checks": checks_json,
             "mutants": mutant_rows,
         }, indent=2))
     if junit_path is not None:
+        from vllm_output_rate.adapter import reports
+
         reports.junit(junit_path, header, checks_json, mutant_rows)
     if markdown_path is not None:
-        reports.markdown(markdown_path, header, checks_json, mutant_rows, budget)
-    console.print(f"{len(results) - len(failed)}/{len(results)} checks passed"
-                  + (f", {len(mutant_rows) - len(survivors)}/{len(mutant_rows)} mutants killed" if mutants else "")
-                  + f" in {time.monotonic() - started:.0f} s")
-    sys.exit(1 if failed or survivors else 0)
+        from vllm_output_rate.adapter import reports
+
+        reports.markdown(markdown_path, header, checks_json, mutant_rows, _budget(profile))
+    console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started))
+    sys.exit(code)
+
+
+def _budget(profile: str) -> dict:
+    from vllm_output_rate.adapter.conform import PROFILES
+
+    return PROFILES[profile]
+
+
+def escape_markup(text: str | None) -> str:
+    """``text`` with rich markup escaped (counterexamples hold brackets)."""
+    from rich.markup import escape
+
+    return escape(text or "")
+
+
+def _config_style(text: str):
+    """The ``--config-style`` object, or a click error naming the bad value."""
+    if text == "additional-config":
+        return None
+    try:
+        from vllm_output_rate.adapter.configstyle import parse_config_style
+
+        return parse_config_style(text)
+    except (ValueError, ImportError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--config-style") from None
+
+
+def _results_table(title: str, rows: list) -> Table:
+    """One rich table of check results."""
+    table = Table(title=title)
+    for col in ("check", "level", "rules", "examples", "steps", "steps/s", "result", "seconds"):
+        table.add_column(col, justify="right" if col in ("examples", "steps", "steps/s", "seconds") else "left")
+    styles = {"pass": "green", "fail": "bold red", "not tested": "bold yellow"}
+    for r in rows:
+        table.add_row(r.name, r.level, " ".join(r.rules), str(r.examples), str(r.steps),
+                      f"{r.steps / r.seconds:.0f}" if r.seconds else "-",
+                      f"[{styles[r.result]}]{r.result.upper()}[/]", f"{r.seconds:.1f}")
+    return table
+
+
+def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) -> str:
+    """The last line of a gate run: the verdict at the level, what was not tested."""
+    candidate = [r for r in results if r.part == "candidate"]
+    passed = sum(r.result == "pass" for r in candidate)
+    failed = [r.name for r in candidate if r.result == "fail"]
+    untested = [r.name for r in results if r.result == "not tested"]
+    health_failed = [r.name for r in results if r.part == "spec health" and r.result == "fail"]
+    parts = [f"level {level}: {passed}/{len(candidate)} candidate checks passed"]
+    if mutant_rows:
+        parts.append(f"{sum(m['killed'] for m in mutant_rows)}/{len(mutant_rows)} mutants killed")
+    line = ", ".join(parts) + f" in {seconds:.0f} s"
+    if failed:
+        line += f" -- REJECTED: {', '.join(failed)} failed"
+    elif health_failed:
+        line += f" -- SPEC HEALTH FAILED ({', '.join(health_failed)}): no verdict on this vLLM"
+    elif untested:
+        line += f" -- NOT TESTED: {', '.join(untested)} (give --async-scheduler-cls, or --sync-only)"
+    else:
+        line += " -- ACCEPTED"
+    return line
 
 
 def _run_mutants(budget: dict, seed: int) -> list[dict]:
@@ -278,6 +346,86 @@ def replay(scenario_file, scheduler_cls) -> None:
         console.print(f"[bold red]FAIL[/] event {verdict.event_index}: {escape(verdict.failure)}")
         sys.exit(1)
     console.print(f"[green]PASS[/] {verdict.events} events, {verdict.steps} steps: {cls} agrees with the spec")
+
+
+@main.command()
+@click.option("--base-model", "base_version", default=None, metavar="VERSION",
+              help="Judge the installed vLLM against the base-model rows of this release (spec/versions.py); "
+                   "default: the installed vLLM's own rows.")
+@click.option("--examples", type=int, default=300, show_default=True, help="Scenarios per hunt.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--mode", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True)
+@click.option("--time-budget", "time_budget_s", type=float, default=None, metavar="SECONDS",
+              help="Start no new hunt after this many seconds.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the findings as JSON here.")
+@click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
+              show_default=True, help="Directory where each rule's counterexample is saved for `outrate replay`.")
+def drift(base_version, examples, seed, mode, time_budget_s, json_path, counterexamples) -> None:
+    """Spec health: per V-rule, the first divergence of the installed vLLM from the base model.
+
+    Runs base fidelity (stock vLLM, feature off) and prints, for each V-rule that diverges,
+    its 1-minimal counterexample and the time it took. Exit 1 if any rule diverges.
+    """
+    from rich.markup import escape
+
+    from vllm_output_rate.adapter import drift as drift_mod
+    from vllm_output_rate.adapter.versions import installed_version, installed_warning, profile_named
+
+    started = time.monotonic()
+    with console.status("importing vLLM"):
+        import vllm.v1.core.sched.async_scheduler  # noqa: F401
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+
+        logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
+        version, warning = installed_version(), installed_warning()
+        try:
+            base = profile_named(base_version)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--base-model") from None
+    console.print(f"outrate drift -- vLLM {version} -- base model: vLLM {base.version} rows -- "
+                  f"{examples} examples per hunt, seed {seed}")
+    if warning:
+        console.print(f"[bold yellow]{escape(warning)}[/]")
+    modes = {"sync": (False,), "async": (True,), "both": (False, True)}[mode]
+
+    def shown(entry) -> None:
+        console.print(f"[bold red]{entry.rule}[/] ({entry.mode}) diverges: {escape(entry.failure)}")
+        console.print(f"  found in {entry.seconds_to_find:.1f} s ({entry.examples} scenarios), 1-minimal in "
+                      f"{entry.seconds_to_minimize:.1f} s, {entry.events} events:")
+        for line in entry.counterexample:
+            console.print(f"    {escape(line)}")
+        counterexamples.mkdir(parents=True, exist_ok=True)
+        path = counterexamples / f"drift-{entry.rule.replace('/', '-')}-{entry.mode}.json"
+        path.write_text(entry.scenario.to_json())
+        console.print(f"  saved: {path}  (outrate replay {path})")
+
+    progress = Progress(TextColumn("{task.description:<20}"), TextColumn("{task.completed} runs"),
+                        TimeElapsedColumn(), console=console, transient=True)
+    with progress:
+        task = progress.add_task("hunting", total=None)
+        report = drift_mod.drift(base, version, warning, examples=examples, seed=seed, modes=modes,
+                                 time_budget_s=time_budget_s, tick=lambda: progress.advance(task),
+                                 on_found=shown)
+    table = Table(title=f"drift: vLLM {version} vs base model {base.version}")
+    for col in ("V-rule", "mode", "first divergence", "events", "seconds to find", "seconds to 1-minimal"):
+        table.add_column(col)
+    for e in report.found:
+        table.add_row(e.rule, e.mode, escape(e.failure[:90]), str(e.events), f"{e.seconds_to_find:.1f}",
+                      f"{e.seconds_to_minimize:.1f}")
+    if report.found:
+        console.print(table)
+    for m, n in report.examples.items():
+        state = "clean last round" if report.complete.get(m) else "time budget reached"
+        console.print(f"{m}: {n} scenarios ({state})")
+    console.print(f"{len(report.found)} V-rule(s) diverge; {time.monotonic() - started:.1f} s in all")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({
+            "vllm_version": version, "base_version": base.version, "warning": warning,
+            "examples": report.examples, "complete": report.complete, "seconds": round(report.seconds, 2),
+            "found": [e.as_json() for e in report.found]}, indent=2))
+    sys.exit(1 if report.found else 0)
 
 
 @main.command("tiny-model")

@@ -17,13 +17,18 @@ Base behaviour of vLLM 0.32 (V-rules), the vocabulary of the whole spec:
 | V3 | Async guard. A running request whose in-flight placeholders already carry it to ``max_tokens`` is skipped (no extra step past ``max_tokens``). |
 | V4 | Chunk size. A running request gets ``num_tokens + placeholders - num_computed_tokens`` tokens, capped by the budget and by ``max_model_len - num_computed_tokens - 1``. |
 | V5 | KV blocks. A request holds ``ceil(tokens / block_size)`` blocks for the tokens it has slots for; a chunk needs ``ceil(min(computed + n, max_model_len) / block_size) - held`` new blocks and fails if more than the free blocks. One block is vLLM's null block, never handed out. |
-| V6 | Preemption. When a running request's allocation fails, a victim is preempted and the allocation retried: FCFS the last of ``running``, PRIORITY the max (priority, arrival). The victim frees all its blocks, restarts at 0 computed tokens, loses its placeholders, keeps its in-flight tokens as stale, and goes back to ``waiting`` (FCFS: at the front). A victim already scheduled in this step gives its tokens back to the budget. If the victim is the request itself, the running loop stops. |
+| V6 | Preemption. When a running request's allocation fails, a victim is preempted and the allocation retried: FCFS the last of ``running``, PRIORITY the max (priority, arrival). The victim frees all its blocks, restarts at 0 computed tokens, loses its placeholders, keeps its in-flight tokens as stale, and goes back to ``waiting`` (FCFS: at the front). A victim already scheduled in this step gives its tokens back to the budget. If the victim is the request itself, the running loop stops (0.32; 0.33 under PRIORITY: the loop continues with the next running request, ``priority_self_preemption_stops_running_loop``). |
 | V7 | No admission in a step that preempted. |
-| V8 | Waiting loop. ``waiting`` in queue order (FCFS: arrival, preempted in front; PRIORITY: (priority, arrival)). Stops when the budget is 0, when ``len(running)`` reaches the admission cap, when without chunked prefill the request's ``num_tokens`` exceed the budget left, or when the blocks of its whole sequence (``num_tokens``) are not free (vLLM's ``scheduler_reserve_full_isl``). Async: a request whose stale output is still in flight is skipped. An admitted request gets ``min(num_tokens, budget)`` tokens and blocks for that chunk. |
+| V8 | Waiting loop. ``waiting`` in queue order (FCFS: arrival, preempted in front; PRIORITY: (priority, arrival)). A request given 0 tokens at the last cap stops the loop (0.32) or is skipped (0.33, ``zero_token_waiting_stops_admission``). Stops when the budget is 0, when ``len(running)`` reaches the admission cap, when without chunked prefill the request's ``num_tokens`` exceed the budget left, or when the blocks of its whole sequence (``num_tokens``) are not free (vLLM's ``scheduler_reserve_full_isl``). Async: a request whose stale output is still in flight is skipped. An admitted request gets ``min(num_tokens, budget)`` tokens and blocks for that chunk. |
 | V9 | After scheduling: ``num_computed_tokens`` += scheduled tokens; the chunk samples iff it reaches ``num_tokens + placeholders`` (a sampling dispatch); async: each sampling dispatch adds one placeholder. |
 | V10 | Model output. Each sampling dispatch yields one token; on delivery it is appended (stale output too) and the request stops with ``stop`` at EOS, else ``length`` at ``max_tokens`` outputs or ``max_model_len`` tokens. A stopped request frees its blocks and leaves ``running``/``waiting``. Output for a request that already left is dropped. |
 | V11 | Abort. A live request leaves at once (reason ``abort``), freeing its blocks. |
 | V12 | Async pipeline. ``Step`` schedules step N+1 before delivering step N's output, so a request may be dispatched once more after its EOS. |
+
+Where vLLM releases differ, the rule reads the release's value from ``state.base`` (a
+``spec/versions.py`` profile, data passed in by the caller; default 0.32.0). Every decision
+about a request is also recorded with its V-rule (``Cycle.decide``), so that a divergence
+from vLLM can be named by rule.
 
 Every function below cites the rules it implements. ``spec/rate.py`` holds R7-R16.
 """
@@ -117,6 +122,7 @@ def scheduling_step(state: SchedulerState) -> tuple[SchedulerState, Observation]
         finished=finished,
         delivered=to_deliver or (),
         scheduled_running=len(cycle.scheduled) - len(cycle.admitted),
+        decided=cycle.decided,
         **settled,
     )
     return state, observation
@@ -150,10 +156,16 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, Cycle, dict]:
 def running_loop(cycle: Cycle) -> Cycle:
     """V2: visit ``running`` in order until the budget is spent or the loop halts.
 
-    A request preempted by an earlier allocation of this loop is not visited.
+    A request preempted by an earlier allocation of this loop is not visited. Requests the
+    loop does not reach are recorded with the rule that ended it (V6 halt, V1 budget).
     """
-    for request_id in cycle.state.running:
+    order = cycle.state.running
+    for index, request_id in enumerate(order):
         if cycle.halted or cycle.token_budget == 0:
+            rule = "V6" if cycle.halted else "V1"
+            for rid in order[index:]:
+                if rid in cycle.state.running:
+                    cycle = cycle.decide(rid, rule)
             break
         if request_id in cycle.state.running:
             cycle = visit_running(cycle, request_id)
@@ -165,16 +177,20 @@ def visit_running(cycle: Cycle, request_id: str) -> Cycle:
     request = get(cycle.state, request_id)
     config = cycle.state.config
     if config.async_scheduling and max_tokens_in_flight(request):
-        return cycle  # V3
+        return cycle.decide(request_id, "V3")  # V3
     num_new_tokens = running_chunk_tokens(request, cycle)
     if config.rate_limited and num_new_tokens > 0:
         cycle, num_new_tokens = rate.decide_running(cycle, request, num_new_tokens)  # R7, R10-R12
     if num_new_tokens == 0:
-        return cycle  # V2: skipped, later requests are still served
+        return cycle.decide(request_id, "V2")  # V2: skipped, later requests are still served
     cycle, allocated = allocate_running(cycle, request_id, num_new_tokens)
     if not allocated:
-        return replace(cycle, halted=True)  # V6: it preempted itself
-    return add_scheduled(cycle, request_id, num_new_tokens)
+        # V6: it preempted itself. 0.32 (and FCFS, where it was the last of ``running``)
+        # ends the loop; 0.33 under PRIORITY goes on with the next running request.
+        if config.policy == FCFS or cycle.state.base.priority_self_preemption_stops_running_loop:
+            return replace(cycle, halted=True)
+        return cycle
+    return add_scheduled(cycle, request_id, num_new_tokens).decide(request_id, "V4")
 
 
 def max_tokens_in_flight(request: RequestState) -> bool:
@@ -254,6 +270,7 @@ def preempt(cycle: Cycle, victim_id: str) -> Cycle:
         scheduled=tuple((rid, n) for rid, n in cycle.scheduled if rid != victim_id),
         preempted=cycle.preempted + (victim_id,),
         throttled=cycle.throttled - {victim_id},  # R11/R12: no longer resident
+        decided=cycle.decided + ((victim_id, "V6"),),
     )
 
 
@@ -270,12 +287,15 @@ def add_scheduled(cycle: Cycle, request_id: str, num_new_tokens: int) -> Cycle:
 
 def waiting_loop(cycle: Cycle) -> Cycle:
     """V7, V8: admit waiting requests in queue order until one stops the loop."""
+    order = cycle.state.waiting
     if cycle.preempted:
-        return cycle  # V7
-    for request_id in cycle.state.waiting:
+        return replace(cycle, decided=cycle.decided + tuple((rid, "V7") for rid in order))  # V7
+    for index, request_id in enumerate(order):
         cycle, go_on = visit_waiting(cycle, request_id)
         if not go_on:
-            break
+            # The requests behind the one that stopped the loop are held back by the same rule.
+            rule = cycle.decided[-1][1]
+            return replace(cycle, decided=cycle.decided + tuple((rid, rule) for rid in order[index + 1:]))
     return cycle
 
 
@@ -292,13 +312,15 @@ def visit_waiting(cycle: Cycle, request_id: str) -> tuple[Cycle, bool]:
     Returns (cycle, go_on): go_on is False when the loop stops here.
     """
     config = cycle.state.config
-    if cycle.token_budget == 0 or len(cycle.state.running) >= admission_cap(cycle):
-        return cycle, False
+    if cycle.token_budget == 0:
+        return cycle.decide(request_id, "V1"), False
+    if len(cycle.state.running) >= admission_cap(cycle):
+        return cycle.decide(request_id, "V8"), False
     request = get(cycle.state, request_id)
     if config.rate_limited:
         cycle, proceed = rate.waiting_gate(cycle, request)  # R10: refused users skipped
         if not proceed:
-            return cycle, True
+            return cycle.decide(request_id, "R10"), True
     # V8: vLLM skips a waiting request whose stale output (V6) is still in flight. In the
     # modelled class none is ever seen here: only a preemption makes output stale, a cycle
     # that preempts admits nothing (V7), and the stale output is delivered right after
@@ -306,13 +328,18 @@ def visit_waiting(cycle: Cycle, request_id: str) -> tuple[Cycle, bool]:
     assert request.num_stale_output_tokens == 0, f"V8: stale output in flight at admission: {request}"
     assert request.num_computed_tokens == 0 and request.num_blocks == 0, f"V6/V8: {request}"
     if not config.chunked_prefill and request.num_tokens > cycle.token_budget:
-        return cycle, False
+        return cycle.decide(request_id, "V8"), False
     num_new_tokens = min(request.num_tokens, cycle.token_budget)
     if config.rate_limited:
         cycle, num_new_tokens = rate.decide_waiting(cycle, request, num_new_tokens)  # R7, R10
+    if num_new_tokens == 0:
+        # V8: 0 tokens at the last cap: 0.32 stops admission, 0.33 skips only this request.
+        # Not reached in the modelled class (decide_waiting never gives 0); the reference
+        # reaches vLLM's version of this point (reference/scheduler.py, R10).
+        return cycle.decide(request_id, "V8"), not cycle.state.base.zero_token_waiting_stops_admission
     if blocks_for(request.num_tokens, config) > cycle.state.num_free_blocks:
-        return cycle, False  # V8: the whole sequence must fit
-    return admit(cycle, request_id, num_new_tokens), True
+        return cycle.decide(request_id, "V5"), False  # V8: the whole sequence must fit
+    return admit(cycle, request_id, num_new_tokens).decide(request_id, "V8"), True
 
 
 def admit(cycle: Cycle, request_id: str, num_new_tokens: int) -> Cycle:

@@ -24,6 +24,7 @@ from fractions import Fraction
 from typing import Callable
 
 from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec.versions import DEFAULT_PROFILE, VllmVersionProfile
 
 FCFS = "fcfs"
 PRIORITY = "priority"
@@ -206,7 +207,9 @@ class SchedulerState:
     model output of the last scheduled step, delivered by the next ``Step``/``Drain``.
     ``limiter``: per-user TATs (R1). ``last_served``: (user, priority, request id) of each
     group's last dispatched stream (R15). ``num_schedules``: ``schedule()`` calls with the
-    feature on (R6 cadence).
+    feature on (R6 cadence). ``base``: the vLLM release whose behaviour the V-rules follow
+    where releases differ (``spec/versions.py``); data chosen by the caller, never read
+    from vLLM.
     """
 
     config: EngineConfig
@@ -220,6 +223,7 @@ class SchedulerState:
     num_schedules: int = 0
     limiter: spec_limiter.LimiterState = field(default_factory=spec_limiter.LimiterState)
     last_served: tuple[tuple[str, int, str], ...] = ()
+    base: VllmVersionProfile = DEFAULT_PROFILE
 
     def __post_init__(self) -> None:
         # Bounded collections; every queued id is a live request; KV is conserved.
@@ -230,9 +234,12 @@ class SchedulerState:
         assert len(self.last_served) <= MAX_LIVE_REQUESTS, "R15: last_served unbounded"
 
 
-def initial_state(config: EngineConfig) -> SchedulerState:
-    """The state of a freshly built scheduler: nothing queued, all KV blocks free."""
-    return SchedulerState(config=config, num_free_blocks=config.num_usable_blocks)
+def initial_state(config: EngineConfig, base: VllmVersionProfile = DEFAULT_PROFILE) -> SchedulerState:
+    """The state of a freshly built scheduler: nothing queued, all KV blocks free.
+
+    ``base``: the vLLM release the V-rules model where releases differ (``spec/versions.py``).
+    """
+    return SchedulerState(config=config, num_free_blocks=config.num_usable_blocks, base=base)
 
 
 def find(state: SchedulerState, request_id: str) -> RequestState | None:
@@ -283,6 +290,9 @@ class Observation:
     Rate limit (R7-R16, empty with the feature off): ``charged`` in charge order,
     ``refunded``, ``throttled`` (sorted), ``wait_hint_ns``, and every user's TAT after the
     step (``tat_ns``, sorted by user).
+    ``decided``: (request id, V-rule) of the decision the cycle took last about each request
+    it looked at or passed over (why it was scheduled, skipped, preempted, admitted or not
+    reached); it names the V-rule of a divergence (``adapter/drift.py``) and is not compared.
     """
 
     event: str
@@ -300,6 +310,7 @@ class Observation:
     tat_ns: tuple[tuple[str, Fraction], ...] = ()
     scheduled_running: int = 0
     rate_limited: bool = False
+    decided: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -315,6 +326,7 @@ class Cycle:
     order (R7); ``refused_users``: users refused in this cycle, not asked again;
     ``throttled``: running requests refused and skipped (R11); ``throttled_at_start``:
     the preferred victims of this cycle, in ``running`` order (R13).
+    ``decided``: the V-rule trail of the cycle (``Observation.decided``).
     """
 
     state: SchedulerState
@@ -328,11 +340,16 @@ class Cycle:
     refused_users: frozenset[str] = frozenset()
     throttled: frozenset[str] = frozenset()
     throttled_at_start: tuple[str, ...] = ()
+    decided: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # V1: the budget is never overspent; R7: at most one charge per request per cycle.
         assert self.token_budget >= 0, f"V1: token budget overspent: {self.token_budget}"
         assert len(set(self.charged)) == len(self.charged), f"R7: charged twice in one step: {self.charged}"
+
+    def decide(self, request_id: str, rule: str) -> "Cycle":
+        """The cycle with ``rule`` recorded as the reason for what happened to ``request_id``."""
+        return replace(self, decided=self.decided + ((request_id, rule),))
 
     def scheduled_tokens(self, request_id: str) -> int:
         """Tokens scheduled for ``request_id`` in this cycle (0 if none)."""

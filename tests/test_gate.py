@@ -37,8 +37,9 @@ def test_r2_r7_gate_passes_reference(cls, async_mode, tmp_path):
 def test_r2_gate_rejects_stock_vllm_with_short_replayable_counterexample(cls, async_mode, tmp_path):
     result = check_scheduler(cls, async_mode, 50, 30, seed=0, tick=_noop, save_dir=tmp_path)
     assert result.result == "fail"
-    assert result.failure.startswith("R2")
-    # rates line + request events + the "then N steps" line: a handful of events.
+    assert result.failure.startswith("[must] R2:"), result.failure
+    assert result.failed_level == "must"
+    # config line + request events + the "then N steps" line: a handful of events.
     assert len(result.counterexample) <= 5, result.counterexample
     saved = Scenario.from_json(open(result.saved).read())
     assert run_scenario(cls, saved).failure is not None  # the saved file replays the failure

@@ -1,0 +1,65 @@
+"""R18 for any candidate: with the feature off, the class under test is its base class,
+step for step.
+
+The same scenario (no output-rate configuration at all) runs on the candidate and on stock
+vLLM's ``Scheduler`` / ``AsyncScheduler``; after every step the two ``SchedulerOutput``s must
+agree on the batch (request ids and ``num_scheduled_tokens``, in order), the preemptions
+and the admissions, and the delivered outputs on the finishes. A patch that still rotates,
+charges or reorders with the feature off fails here with the first differing step.
+"""
+
+from __future__ import annotations
+
+from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
+from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, Scenario, Verdict, build_harness, feature_off
+
+
+def base_class(async_mode: bool) -> str:
+    """The stock vLLM class a candidate is compared with (R18)."""
+    return STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER
+
+
+def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdict:
+    """Run ``scenario`` with the feature off on ``scheduler_cls`` and on its stock base;
+    ``failure`` names the first step at which they differ (rule R18, level must)."""
+    scenario = feature_off(scenario)
+    base_cls = base_class(scenario.async_scheduling)
+    name = scheduler_cls.rpartition(".")[2]
+    pair = []
+    for cls in (scheduler_cls, base_cls):
+        pair.append(build_harness(cls, scenario, style) if style is not None and cls == scheduler_cls
+                    else build_harness(cls, scenario))
+    candidate, base = pair
+    pending = sorted(scenario.requests, key=lambda r: r.at_step)
+    aborts = sorted((r for r in scenario.requests if r.abort_at_step is not None), key=lambda r: r.abort_at_step)
+    steps = 0
+    for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
+        while pending and pending[0].at_step <= step:
+            r = pending.pop(0)
+            for h in pair:
+                h.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
+        while aborts and aborts[0].abort_at_step <= step and aborts[0].at_step < step:
+            rid = aborts.pop(0).request_id
+            for h in pair:
+                h.abort(rid)
+        if step >= scenario.num_steps and not pending and not aborts and len(base.finished) == len(scenario.requests):
+            break
+        got, want = candidate.step(), base.step()
+        steps += 1
+        for field, a, b in (("batch", list(got.scheduled.items()), list(want.scheduled.items())),
+                            ("preempted", got.preempted, want.preempted),
+                            ("admitted", sorted(got.admitted), sorted(want.admitted)),
+                            ("finished", got.finished, want.finished)):
+            if a != b:
+                return Verdict(steps, f"with the feature off, {name} differs from stock vLLM {base_cls.rpartition('.')[2]} "
+                               f"at step {step}: {field} {a!r} != {b!r}; the article's patch behaves exactly like "
+                               "upstream when --default-user-output-tokens-per-second is not set",
+                               "R18", step, level="must")
+        for h in pair:
+            h.advance(scenario.step_interval_ns)
+    for h in pair:
+        h.drain()
+    if candidate.finished != base.finished:
+        return Verdict(steps, f"with the feature off, {name} finished {candidate.finished!r} but stock vLLM "
+                       f"finished {base.finished!r}", "R18", None, level="must")
+    return Verdict(steps, None)

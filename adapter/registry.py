@@ -1,0 +1,243 @@
+"""The one registry of gate checks, used by ``outrate conform`` and by the pytest plugin.
+
+Every check is a ``CheckSpec``: its name, its part (``candidate``: it runs the class under
+test; ``spec health``: the spec against itself or against stock vLLM, never the
+candidate's verdict), the lowest level at which it runs (``adapter/levels.py``), the rules
+it covers, and how to run it from ``GateOptions``. ``plan(options)`` lists the checks of a
+run with, for each, either a runner or the reason it is not tested; the CLI and the
+plugin both run exactly that list, so they give the same verdict at the same level,
+profile and seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from vllm_output_rate.adapter.levels import check_level, includes
+
+Tick = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    """One gate run's settings.
+
+    ``scheduler_cls`` / ``async_scheduler_cls``: dotted class paths (async None: the async
+    checks are NOT TESTED unless ``sync_only``). ``style``: an ``adapter.configstyle``
+    object (None: ``additional_config["output_rate"]``). ``integer_rates``: the candidate
+    takes integer rates only (the article's flags). ``burst_configurable``: the candidate
+    reads ``burst_ms`` (otherwise every scenario uses the article's fixed 100 ms).
+    """
+
+    scheduler_cls: str
+    async_scheduler_cls: str | None = None
+    level: str = "should"
+    profile: str = "ci"
+    seed: int = 0
+    style: Any = None
+    integer_rates: bool = False
+    burst_configurable: bool = False
+    sync_only: bool = False
+    spec_health: bool = True
+    save_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        check_level(self.level)
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One registered check (see module docstring). ``total(options)``: the progress bar's
+    length; ``run(options, tick) -> CheckResult``. ``async_mode`` None: mode-independent."""
+
+    name: str
+    part: str
+    level: str
+    rules: tuple[str, ...]
+    async_mode: bool | None
+    total: Callable[[GateOptions], int]
+    run: Callable[[GateOptions, Tick], Any]
+
+
+@dataclass(frozen=True)
+class PlannedCheck:
+    """A check of one run: ``skip`` is None when it runs, else why it is not tested."""
+
+    spec: CheckSpec
+    skip: str | None = None
+
+
+def _budget(options: GateOptions) -> dict:
+    from vllm_output_rate.adapter.conform import PROFILES
+
+    return PROFILES[options.profile]
+
+
+def _step_budget(options: GateOptions) -> dict:
+    from vllm_output_rate.adapter.conform import STEP_SPEC_PROFILES
+
+    return STEP_SPEC_PROFILES[options.profile]
+
+
+def _cls(options: GateOptions, async_mode: bool) -> str | None:
+    return options.async_scheduler_cls if async_mode else options.scheduler_cls
+
+
+def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:
+    from vllm_output_rate.adapter import conform as gate
+
+    tag = "async" if async_mode else "sync"
+    key = "pressured" if pressured else tag
+
+    def run(options: GateOptions, tick: Tick):
+        budget = _budget(options)
+        result = gate.check_scheduler(
+            _cls(options, async_mode), async_mode, budget[key], budget["max_steps"], options.seed, tick,
+            options.save_dir, pressured=pressured, level=options.level, style=options.style,
+            integer_rates=options.integer_rates, burst_configurable=options.burst_configurable)
+        return result
+
+    name = f"{'invariants' if pressured else 'rate-limit'}/{tag}"
+    rules = ("R1", "R2", "R6", "R7", "R9", "R11", "R12", "R17") if pressured else (
+        "R2", "R7", "R11", "R12", "R14", "R17")
+    return CheckSpec(name, "candidate", "must", rules, async_mode, lambda o: _budget(o)[key], run)
+
+
+def _feature_off_check(async_mode: bool) -> CheckSpec:
+    from vllm_output_rate.adapter import conform as gate
+
+    key = "async" if async_mode else "sync"
+
+    def run(options: GateOptions, tick: Tick):
+        budget = _budget(options)
+        return gate.check_feature_off(_cls(options, async_mode), async_mode, max(budget[key] // 4, 5),
+                                      budget["max_steps"], options.seed, tick, options.save_dir, options.style)
+
+    return CheckSpec(f"feature-off/{key}", "candidate", "must", ("R18",), async_mode,
+                     lambda o: max(_budget(o)[key] // 4, 5), run)
+
+
+def _white_box_check(async_mode: bool) -> CheckSpec:
+    from vllm_output_rate.adapter import conform as gate
+
+    key = "white_async" if async_mode else "white_sync"
+
+    def run(options: GateOptions, tick: Tick):
+        return gate.check_white_box(_cls(options, async_mode), async_mode, _step_budget(options)[key],
+                                    options.seed, tick, options.save_dir,
+                                    burst_configurable=options.burst_configurable)
+
+    rules = ("R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16")
+    return CheckSpec(f"white-box/{'async' if async_mode else 'sync'}", "candidate", "exact", rules, async_mode,
+                     lambda o: _step_budget(o)[key], run)
+
+
+def _engine_wait_check() -> CheckSpec | None:
+    try:
+        from vllm_output_rate.adapter import engine_wait
+    except ImportError:
+        return None
+
+    def run(options: GateOptions, tick: Tick):
+        result = engine_wait.check_engine_wait(options.scheduler_cls, options.seed, tick, style=options.style)
+        result.level = "should"
+        if result.result == "fail" and result.failed_level is None:
+            result.failed_level = "should"
+        return result
+
+    return CheckSpec("engine-wait/sync", "candidate", "should", ("R16",), False, lambda o: 1, run)
+
+
+def _spec_health_checks() -> list[CheckSpec]:
+    from vllm_output_rate.adapter import conform as gate
+
+    def fidelity(async_mode: bool) -> CheckSpec:
+        key = "base_async" if async_mode else "base_sync"
+        rules = tuple(f"V{i}" for i in range(1, 12)) + (("V12",) if async_mode else ())
+        return CheckSpec(f"base-fidelity/{'async' if async_mode else 'sync'}", "spec health", "must", rules,
+                         None, lambda o: _step_budget(o)[key],
+                         lambda o, tick: gate.check_base_fidelity(async_mode, _step_budget(o)[key], o.seed, tick,
+                                                                  o.save_dir))
+
+    def scopes() -> int:
+        from vllm_output_rate.proofs.modelcheck import profile_scopes
+
+        return len(profile_scopes("quick"))
+
+    return [
+        CheckSpec("limiter-differential", "spec health", "must", ("R1", "R2", "R3", "R4", "R5", "R6"), None,
+                  lambda o: _budget(o)["limiter"],
+                  lambda o, tick: gate.check_limiter_differential(_budget(o)["limiter"], o.seed, tick)),
+        fidelity(False),
+        fidelity(True),
+        CheckSpec("proofs/z3", "spec health", "must", ("R1", "R2", "R3", "R4", "R5", "R6"), None, lambda o: 6,
+                  lambda o, tick: gate.check_proofs(tick)),
+        CheckSpec("model-check/quick", "spec health", "must", ("I1-I17", "F1", "R6", "liveness"), None,
+                  lambda o: scopes(), lambda o, tick: gate.check_model(tick)),
+    ]
+
+
+def registry() -> list[CheckSpec]:
+    """Every check the gate knows, candidate checks first, in running order."""
+    checks: list[CheckSpec] = []
+    for async_mode in (False, True):
+        checks += [_scheduler_check(async_mode, False), _scheduler_check(async_mode, True),
+                   _feature_off_check(async_mode)]
+    wait = _engine_wait_check()
+    if wait is not None:
+        checks.append(wait)
+    checks += [_white_box_check(False), _white_box_check(True)]
+    return checks + _spec_health_checks()
+
+
+def plan(options: GateOptions) -> list[PlannedCheck]:
+    """The checks of one run: those at or below ``options.level``; an async check without
+    an async class is planned as NOT TESTED (or left out with ``sync_only``); spec health
+    is left out with ``spec_health=False``."""
+    planned = []
+    for spec in registry():
+        if spec.part == "spec health" and not options.spec_health:
+            continue
+        if not includes(options.level, spec.level):
+            continue
+        if spec.async_mode and options.async_scheduler_cls is None:
+            if options.sync_only:
+                continue
+            planned.append(PlannedCheck(spec, "no --async-scheduler-cls given (use --sync-only to judge sync alone)"))
+            continue
+        planned.append(PlannedCheck(spec))
+    return planned
+
+
+def run_planned(item: PlannedCheck, options: GateOptions, tick: Tick):
+    """Run one planned check (or build its NOT TESTED row); returns a ``CheckResult`` with
+    ``part`` and ``level`` set from the registry."""
+    import time
+
+    from vllm_output_rate.adapter.conform import CheckResult
+
+    spec = item.spec
+    if item.skip is not None:
+        return CheckResult(spec.name, list(spec.rules), result="not tested", failure=item.skip, part=spec.part,
+                           level=spec.level)
+    started = time.monotonic()
+    result = spec.run(options, tick)
+    result.seconds = time.monotonic() - started
+    result.part, result.level = spec.part, spec.level
+    return result
+
+
+def exit_code(results: list) -> int:
+    """0: every candidate check at or below the level passed and spec health is sound;
+    1: a candidate check failed; 2: a check was NOT TESTED (nothing failed); 3: spec
+    health failed (the gate's own model is out of step with the installed vLLM or itself:
+    the verdict cannot be trusted)."""
+    if any(r.result == "fail" and r.part == "candidate" for r in results):
+        return 1
+    if any(r.result == "fail" for r in results):
+        return 3
+    if any(r.result == "not tested" for r in results):
+        return 2
+    return 0
