@@ -1,10 +1,16 @@
 """pytest plugin: run the conformance gate inside a patch's own test suite.
 
     pytest --outrate-scheduler=my_pkg.sched.MyScheduler [--outrate-async-scheduler=...]
+           [--outrate-level must|should|exact] [--outrate-sync-only]
+           [--outrate-config-style additional-config|engine-args|hook:pkg.mod.fn]
+           [--outrate-burst-configurable] [--outrate-integer-rates]
            [--outrate-profile quick|ci|release] [--outrate-seed N]
 
-adds one test item per gate check (``outrate::rate-limit/sync`` ...), each failing with
-the check's shrunk, 1-minimal counterexample. Without ``--outrate-scheduler`` the plugin
+adds one test item per check of the gate's registry (``adapter/registry.py``, the same
+list ``outrate conform`` runs at that level and profile): ``outrate::rate-limit/sync`` ...
+Each fails with the check's counterexample; a candidate check that cannot run (no async
+class) is an xfail-free failure naming why (NOT TESTED), as in the CLI. Spec-health
+checks run only with ``--outrate-spec-health``. Without ``--outrate-scheduler`` the plugin
 adds nothing. Registered through the ``pytest11`` entry point; importing it loads no vLLM.
 """
 
@@ -22,6 +28,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--outrate-profile", default="quick", choices=["quick", "ci", "release"],
                     help="gate budget (default quick)")
     group.addoption("--outrate-seed", type=int, default=0, help="gate seed (default 0)")
+    group.addoption("--outrate-level", default="should", choices=["must", "should", "exact"],
+                    help="conformance level (default should)")
+    group.addoption("--outrate-sync-only", action="store_true", help="judge the sync class alone")
+    group.addoption("--outrate-config-style", default="additional-config",
+                    help="additional-config | engine-args | hook:pkg.module.function")
+    group.addoption("--outrate-burst-configurable", action="store_true", help="the candidate reads burst_ms")
+    group.addoption("--outrate-integer-rates", action="store_true", help="the candidate takes integer rates only")
+    group.addoption("--outrate-spec-health", action="store_true", help="also run the spec-health checks")
 
 
 class GateCheckItem(pytest.Item):
@@ -33,13 +47,15 @@ class GateCheckItem(pytest.Item):
 
     def runtest(self) -> None:
         result = self.check()
+        self.user_properties.append(("outrate_result", result.result))
         if result.result != "pass":
             raise GateCheckFailed(result)
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, GateCheckFailed):
             r = excinfo.value.result
-            return "\n".join([f"{r.name} FAILED: {r.failure}", "counterexample:"]
+            verdict = "NOT TESTED" if r.result == "not tested" else "FAILED"
+            return "\n".join([f"{r.name} {verdict}: {r.failure}", "counterexample:"]
                              + [f"  {line}" for line in r.counterexample]
                              + ([f"saved: {r.saved}"] if r.saved else []))
         return super().repr_failure(excinfo, style)
@@ -58,22 +74,24 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     sync_cls = config.getoption("--outrate-scheduler")
     if not sync_cls:
         return
-    from vllm_output_rate.adapter import conform as gate
+    from vllm_output_rate.adapter import registry
 
-    async_cls = config.getoption("--outrate-async-scheduler")
-    budget = gate.PROFILES[config.getoption("--outrate-profile")]
-    seed = config.getoption("--outrate-seed")
-    save_dir = config.rootpath / "reports"
+    style_text = config.getoption("--outrate-config-style")
+    style = None
+    if style_text != "additional-config":
+        from vllm_output_rate.adapter.configstyle import parse_config_style
 
-    def scheduler_check(cls, async_mode, pressured):
-        examples = budget["pressured"] if pressured else budget["async" if async_mode else "sync"]
-        return lambda: gate.check_scheduler(cls, async_mode, examples, budget["max_steps"], seed,
-                                            lambda: None, save_dir, pressured=pressured)
+        style = parse_config_style(style_text)
+    sync_only = config.getoption("--outrate-sync-only")
+    options = registry.GateOptions(
+        scheduler_cls=sync_cls, async_scheduler_cls=None if sync_only else config.getoption("--outrate-async-scheduler"),
+        level=config.getoption("--outrate-level"), profile=config.getoption("--outrate-profile"),
+        seed=config.getoption("--outrate-seed"), style=style,
+        integer_rates=config.getoption("--outrate-integer-rates"),
+        burst_configurable=config.getoption("--outrate-burst-configurable"), sync_only=sync_only,
+        spec_health=config.getoption("--outrate-spec-health"), save_dir=config.rootpath / "reports")
+    for planned in registry.plan(options):
+        def check(planned=planned):
+            return registry.run_planned(planned, options, lambda: None)
 
-    checks = [("limiter-differential", lambda: gate.check_limiter_differential(budget["limiter"], seed, lambda: None))]
-    for cls, async_mode in [(sync_cls, False)] + ([(async_cls, True)] if async_cls else []):
-        tag = "async" if async_mode else "sync"
-        checks.append((f"rate-limit/{tag}", scheduler_check(cls, async_mode, False)))
-        checks.append((f"invariants/{tag}", scheduler_check(cls, async_mode, True)))
-    for name, check in checks:
-        items.append(GateCheckItem.from_parent(session, name=f"outrate::{name}", check=check))
+        items.append(GateCheckItem.from_parent(session, name=f"outrate::{planned.spec.name}", check=check))

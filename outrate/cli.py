@@ -170,7 +170,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
         from vllm_output_rate.adapter import reports
 
         reports.markdown(markdown_path, header, checks_json, mutant_rows, _budget(profile))
-    console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started))
+    console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started), soft_wrap=True)
     sys.exit(code)
 
 

@@ -1,4 +1,4 @@
-"""``RateLimitedScheduler``: per-user output-rate limiting inside stock vLLM 0.32.0.
+"""``RateLimitedScheduler``: per-user output-rate limiting inside stock vLLM 0.32.0 and 0.33.0.
 
 Subclasses of vLLM's ``Scheduler`` and ``AsyncScheduler`` that add the rules of
 docs/SPEC.md without copying vLLM code. ``schedule()`` is wrapped, and three hooks that
@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
+import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -42,8 +43,12 @@ from vllm_output_rate.reference.config import OutputRateConfig, check_engine_sup
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.reference.trace import TraceWriter
+from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
 
 CLEANUP_INTERVAL_STEPS = 256  # R6
+# Where the installed vLLM release differs near the hooks (docs/SPEC.md "vLLM versions"):
+# the zero-token stop of the waiting loop (V8) and the LoRA count of its max_loras check.
+VLLM_PROFILE: VllmVersionProfile = select_profile(vllm.__version__)[0]
 _RUNNING = RequestStatus.RUNNING
 _REQUEST_ID = operator.attrgetter("request_id")
 _IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
@@ -512,11 +517,32 @@ class _RateLimitMixin:
         limiter.take_counts({u: n - left[u] for u, n in self._grants_at_start.items() if n > left[u]}, now)
         self._spare, self._spare_taken = left, {}
 
+    # The vLLM release's behaviour near the hooks; an instance attribute may replace it
+    # (the tests show what each per-version workaround prevents).
+    vllm_profile: VllmVersionProfile = VLLM_PROFILE
+
+    def _lora_would_exceed(self, request: Request) -> bool:
+        """V8, LoRA: admitting ``request`` would make the running LoRAs exceed ``max_loras``.
+
+        vLLM 0.32 counts only the LoRAs of running requests scheduled in this step, so a
+        throttled request's LoRA (R11: resident but not scheduled) would not count, a new LoRA
+        would be admitted beside it, and the step that serves both would exceed
+        ``max_loras``. Counted here over every running request, as vLLM 0.33 does itself.
+        """
+        lora = request.lora_request
+        if self.lora_config is None or lora is None or lora.lora_int_id <= 0:
+            return False
+        running = {r.lora_request.lora_int_id for r in self.running
+                   if r.lora_request is not None and r.lora_request.lora_int_id > 0}
+        return lora.lora_int_id not in running and len(running) >= self.lora_config.max_loras
+
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):
             return False
         if self.rate_limiter is None:
             return True
+        if not self.vllm_profile.loras_counted_over_all_running and self._lora_would_exceed(request):
+            return False  # V8 (0.32): skipped like vLLM's own max_loras skip
         if self._unconstrained:
             return True
         user = self._user(request)
@@ -524,10 +550,14 @@ class _RateLimitMixin:
             return True
         self._refused_users.add(user)
         # R10: a refused user's waiting request proceeds only if it can prefill without
-        # sampling; otherwise it is skipped and later waiting requests are still admitted
-        # (vLLM 0.32 stops admission at a waiting request given 0 tokens).
+        # sampling; otherwise it is skipped and later waiting requests are still admitted.
         if not self.scheduler_config.enable_chunked_prefill:
             return False
+        if not self.vllm_profile.zero_token_waiting_stops_admission:
+            # V8 (0.33): the 0 tokens _refuse gives it at the last cap skip just this request.
+            return True
+        # V8 (0.32): a waiting request given 0 tokens there would stop admission of every
+        # later one, so one that can only sample is skipped here, before it is sized.
         num_computed_tokens = request.num_computed_tokens
         if num_computed_tokens == 0:
             # R10: a fresh admission starts at its prefix-cache hit, which vLLM caps at
@@ -615,8 +645,8 @@ class _RateLimitMixin:
 
 
 class RateLimitedScheduler(_RateLimitMixin, Scheduler):
-    """vLLM 0.32.0 ``Scheduler`` with per-user output-rate limiting (R6-R18)."""
+    """vLLM (0.32.0, 0.33.0) ``Scheduler`` with per-user output-rate limiting (R6-R18)."""
 
 
 class RateLimitedAsyncScheduler(_RateLimitMixin, AsyncScheduler):
-    """vLLM 0.32.0 ``AsyncScheduler`` with per-user output-rate limiting (R6-R18, P5)."""
+    """vLLM (0.32.0, 0.33.0) ``AsyncScheduler`` with per-user output-rate limiting (R6-R18, P5)."""

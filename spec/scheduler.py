@@ -289,7 +289,8 @@ def waiting_loop(cycle: Cycle) -> Cycle:
     """V7, V8: admit waiting requests in queue order until one stops the loop."""
     order = cycle.state.waiting
     if cycle.preempted:
-        return replace(cycle, decided=cycle.decided + tuple((rid, "V7") for rid in order))  # V7
+        # V7 (the requests this cycle preempted keep their V6)
+        return replace(cycle, decided=cycle.decided + tuple((rid, "V7") for rid in order if rid not in cycle.preempted))
     for index, request_id in enumerate(order):
         cycle, go_on = visit_waiting(cycle, request_id)
         if not go_on:

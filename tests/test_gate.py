@@ -72,7 +72,7 @@ def test_r2_window_bound_hand_computed_single_stream():
 def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     out = tmp_path / "conform.json"
-    ok = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--json", str(out),
+    ok = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--level", "exact", "--json", str(out),
                                    "--counterexamples", str(tmp_path)], capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -80,6 +80,7 @@ def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
     assert report["scheduler"] == REFERENCE_SCHEDULER
     assert {"limiter-differential", "rate-limit/sync", "rate-limit/async", "base-fidelity/sync",
             "base-fidelity/async", "white-box/sync", "white-box/async"} <= {c["name"] for c in report["checks"]}
+    assert report["level"] == "exact" and report["exit_code"] == 0
     for check in report["checks"]:
         assert check["result"] == "pass"
         assert check["examples"] > 0 and check["seconds"] >= 0 and check["rules"]

@@ -19,13 +19,17 @@ def test_r2_plugin_passes_the_reference(tmp_path):
     run = _pytest(tmp_path, f"--outrate-scheduler={REFERENCE_SCHEDULER}",
                   f"--outrate-async-scheduler={REFERENCE_ASYNC_SCHEDULER}")
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "6 passed" in run.stdout  # the patch's own test + 5 gate checks
+    from vllm_output_rate.adapter import registry
+
+    planned = registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick",
+                                                 spec_health=False))
+    assert f"{len(planned) + 1} passed" in run.stdout  # the patch's own test + every planned gate check
 
 
 def test_r2_plugin_rejects_stock_vllm_with_counterexample(tmp_path):
     run = _pytest(tmp_path, f"--outrate-scheduler={STOCK_SCHEDULER}")
     assert run.returncode == 1
-    assert "rate-limit/sync FAILED: R2" in run.stdout
+    assert "rate-limit/sync FAILED: [must] R2" in run.stdout
     assert "counterexample:" in run.stdout
 
 

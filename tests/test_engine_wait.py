@@ -1,0 +1,129 @@
+"""R16 judged black-box through vLLM's own engine-core loop (``adapter/engine_wait.py``).
+
+All candidates run in one child process (one vLLM import, one fork per candidate), so the
+module costs one engine-core import plus about a second per candidate:
+
+- the reference (``RateLimitedScheduler`` + its ``vllm.general_plugins`` engine wait) passes,
+  and the new request and the abort are handled at the fake instant they arrive; so does
+  ``RateLimitedAsyncScheduler`` through vLLM's ``step_with_batch_queue``;
+- the reference without its plugin (``VLLM_PLUGINS`` empty) is stock vLLM's 1 ms idle loop:
+  it fails with "spun";
+- a reference whose wait hint is ``LATE_NS`` late fails with "overslept";
+- a candidate that sleeps inside ``schedule()`` (the article's rejected first idea) neither
+  spins nor oversleeps, but a request arriving mid-sleep waits: it fails on the new request;
+- stock vLLM (no rate limit) throttles nobody: the wait cannot be judged, which is a failure.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vllm_output_rate.adapter import engine_wait as ew
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER
+from vllm_output_rate.reference.scheduler import RateLimitedScheduler
+
+MS = 1_000_000
+LATE_NS = 20 * MS  # how late the oversleeping candidate's wait hint is
+
+
+class LateHintScheduler(RateLimitedScheduler):
+    """The reference, but its R16 wait hint is ``LATE_NS`` after the real ready time: the
+    reference's plugin then waits past the throttled user's ready time."""
+
+    def next_ready_ns(self):
+        hint = super().next_ready_ns()
+        return None if hint is None else hint + LATE_NS
+
+
+class SleepInScheduleScheduler(RateLimitedScheduler):
+    """The reference, but when a step schedules nothing it sleeps inside ``schedule()``
+    until the next ready time (at most 50 ms) -- the engine cannot see input meanwhile."""
+
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        hint = self.next_ready_ns()
+        if output.total_num_scheduled_tokens == 0 and hint is not None:
+            time.sleep(min(ew.R16_MAX_WAIT_NS, max(0, hint - self.clock_ns())) / 1e9)
+        return output
+
+
+HERE = __name__  # the module name the child imports these classes by (tests/ is on sys.path)
+CANDIDATES = {
+    "reference": (REFERENCE_SCHEDULER, None),
+    "reference-async": (REFERENCE_ASYNC_SCHEDULER, None),
+    "no-plugin": (REFERENCE_SCHEDULER, []),
+    "late-hint": (f"{HERE}.LateHintScheduler", None),
+    "sleep-in-schedule": (f"{HERE}.SleepInScheduleScheduler", []),
+    "stock": (STOCK_SCHEDULER, None),
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict[str, ew.EngineWaitVerdict]:
+    results = ew.run_engine_waits(list(CANDIDATES.values()), seed=3)
+    return dict(zip(CANDIDATES, results))
+
+
+def test_reference_passes(verdicts):
+    v = verdicts["reference"]
+    assert v.failure is None, (v.failure, v.error)
+    assert v.plugins == ["output_rate"] and v.engine_step == "step" and not v.async_mode
+    assert v.stopped_by == "fake time" and v.fake_ns == ew.RUN_NS
+    # Waits until the next ready time, capped at 50 ms: a handful of wake-ups per 200 ms.
+    assert 0 < v.idle_wakeups <= v.allowed_idle_wakeups
+    assert v.idle_wakeups * 20 * MS < v.throttled_ns
+    assert v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+    assert v.max_wait_ns <= ew.R16_MAX_WAIT_NS + ew.LATENESS_TOLERANCE_NS
+    # A at 5 tok/s, burst 100 ms, over 1.2 s: tokens at 0, 100, 300, ..., 1100 ms.
+    assert v.tokens[ew.USER_A] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
+    assert v.over_grants == 0
+
+
+def test_async_reference_passes_through_the_batch_queue(verdicts):
+    v = verdicts["reference-async"]
+    assert v.async_mode and v.engine_step == "step_with_batch_queue"
+    assert v.failure is None, (v.failure, v.error)
+    assert 0 < v.idle_wakeups <= v.allowed_idle_wakeups
+    assert v.tokens[ew.USER_A] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
+
+
+def test_new_input_wakes_the_reference_at_once(verdicts):
+    v = verdicts["reference"]
+    assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ew.WAKE_TOLERANCE_NS
+    assert v.abort_latency_ns is not None and v.abort_latency_ns <= ew.WAKE_TOLERANCE_NS
+
+
+def test_without_the_plugin_the_engine_spins(verdicts):
+    v = verdicts["no-plugin"]
+    assert v.plugins == []
+    assert v.failure is not None and "spun" in v.failure and "1 ms idle loop" in v.failure, v.failure
+    assert v.idle_wakeups > 10 * v.allowed_idle_wakeups
+    # Stock pacing is still correct: about one wake-up per ms, nobody late by more than 1 ms.
+    assert v.median_idle_gap_ns == ew.STOCK_IDLE_SLEEP_NS
+    assert v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+
+
+def test_a_late_wait_hint_oversleeps(verdicts):
+    v = verdicts["late-hint"]
+    assert v.failure is not None and "overslept" in v.failure, v.failure
+    assert LATE_NS - ew.LATENESS_TOLERANCE_NS <= v.max_lateness_ns <= LATE_NS + ew.LATENESS_TOLERANCE_NS
+
+
+def test_sleeping_inside_schedule_misses_new_requests(verdicts):
+    v = verdicts["sleep-in-schedule"]
+    assert v.failure is not None and "new request did not wake" in v.failure, v.failure
+    assert v.new_request_latency_ns is not None and v.new_request_latency_ns > ew.WAKE_TOLERANCE_NS
+
+
+def test_a_scheduler_that_throttles_nobody_cannot_pass(verdicts):
+    v = verdicts["stock"]
+    assert v.failure is not None and "no user was ever throttled" in v.failure, v.failure
+
+
+def test_check_row_names_the_rule(verdicts, monkeypatch):
+    monkeypatch.setattr(ew, "run_engine_wait", lambda *a, **k: verdicts["no-plugin"])
+    row = ew.check_engine_wait(REFERENCE_SCHEDULER, seed=3, tick=lambda: None)
+    assert row.name == "engine-wait/sync" and row.rules == ["R16"]
+    assert row.result == "fail" and row.failure.startswith("R16: the engine spun")
