@@ -248,7 +248,9 @@ class EngineArgsStyle(ConfigStyle):
                     "additional-config or hook:pkg.module.function"
                 )
         def reject(message: str):
-            raise ValueError(f"vLLM's engine arguments reject {argv}: {message}")
+            hint = (" (if the candidate takes integer rates only, as the article's flags do, give the gate "
+                    "--integer-rates)" if "tokens-per-second" in message else "")
+            raise ValueError(f"vLLM's engine arguments reject {argv}: {message}{hint}")
 
         # Raise instead of printing usage and exiting (argparse's error path).
         parser.error = reject  # type: ignore[method-assign]

@@ -7,7 +7,9 @@ spec differ and says which field differed. This module turns that into a V-rule 
   ``admitted``) names the rule of the spec's own decision about the first request on which
   the two sides differ (``Observation.decided``: why the spec scheduled, skipped,
   preempted, admitted or did not reach it); e.g. vLLM schedules ``r2`` while the spec's
-  running loop had stopped at a self-preemption before it: V6;
+  running loop had stopped at a self-preemption before it: V6. When the spec served a
+  request that vLLM did not serve at all, vLLM stopped earlier: the rule is the spec's
+  nearest earlier decision that was not a plain serve (the same V6 seen from 0.32);
 - deliveries and finishes name V10 (sync), V12 (async), V11 (abort);
 - state differences name the rule that owns the field: KV blocks V5, computed tokens and
   placeholders V9, outputs V10, ``running``/``waiting`` the spec's decision about the first
@@ -50,11 +52,24 @@ def _first_out_of_place(got: list, want: list) -> list[str]:
     return ids
 
 
-def _by_decision(obs: Observation, ids: list[str], default: str) -> str:
+def _by_decision(obs: Observation, ids: list[str], default: str, vllm_ids: set[str] | None = None) -> str:
+    """The rule of the spec's decision about the first of ``ids`` it decided on.
+
+    If the spec served that request (V4 scheduled, V8 admitted) and vLLM did not serve it at
+    all (``vllm_ids``), vLLM stopped before it: the cause is the spec's nearest earlier
+    decision that was not a plain serve (e.g. the V6 self-preemption 0.32 stops at).
+    """
     for rid in ids:
         rule = _decision(obs, rid)
-        if rule is not None:
-            return rule
+        if rule is None:
+            continue
+        if rule in ("V4", "V8") and vllm_ids is not None and rid not in vllm_ids:
+            trail = list(obs.decided)
+            last = max(i for i, (r, _) in enumerate(trail) if r == rid)
+            for _, earlier in reversed(trail[:last]):
+                if earlier.startswith("V") and earlier not in ("V4", "V8"):
+                    return earlier
+        return rule
     return default
 
 
@@ -81,7 +96,8 @@ def rule_of(failure: str, event: Event, trace: Any, harness: Any, obs: Observati
     field = failure.split(":", 1)[0]
     if field in _FIELD_RULE and isinstance(event, Step):
         got, want = batch_lists(trace, harness.last_scheduler_output, obs)[field]
-        return _by_decision(obs, _first_out_of_place(got, want), _FIELD_RULE[field])
+        vllm_ids = {x[0] if isinstance(x, tuple) else x for x in got}
+        return _by_decision(obs, _first_out_of_place(got, want), _FIELD_RULE[field], vllm_ids)
     if field == "finished":
         if isinstance(event, Abort):
             return "V11"

@@ -360,9 +360,9 @@ def check_engine_wait(scheduler_cls: str, seed: int, tick: Callable[[], None], s
     if verdict.failure is not None:
         result.result = "fail"
         result.failure = f"R16: {verdict.failure}"
-        result.counterexample = [
-            f"seed {seed}: {ev.kind} {ev.request_id} at {ev.at_ns / MS:.3f} ms" for ev in engine_wait_scenario(seed).inputs
-        ] + [_numbers(verdict)]
+        inputs = engine_wait_scenario(seed).inputs
+        result.counterexample = [f"seed {seed}: {ev.kind} {ev.request_id} at {ev.at_ns / MS:.3f} ms" for ev in inputs]
+        result.counterexample.append(_numbers(verdict))
     return result
 
 
@@ -427,7 +427,7 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
     from vllm_output_rate.spec import limiter
 
     if obs.get("error") and "end_ns" not in obs:
-        verdict.failure = f"the engine loop could not be run: {obs['error'].splitlines()[0]}"
+        verdict.failure = f"the engine could not be built around the candidate: {obs['error'].strip().splitlines()[-1]}"
         verdict.error = obs["error"]
         return verdict
     end_ns = obs["end_ns"]
@@ -629,8 +629,8 @@ class _World:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
 
-        from vllm_output_rate.tinymodel import EOS_TOKEN_ID
         from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
+        from vllm_output_rate.tinymodel import EOS_TOKEN_ID
 
         engine = self.engine
         while self.script and self.script[0].at_ns <= self.clock.now_ns() and engine is not None:

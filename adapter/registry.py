@@ -134,20 +134,18 @@ def _white_box_check(async_mode: bool) -> CheckSpec:
                      lambda o: _step_budget(o)[key], run)
 
 
-def _engine_wait_check() -> CheckSpec | None:
-    try:
-        from vllm_output_rate.adapter import engine_wait
-    except ImportError:
-        return None
-
+def _engine_wait_check(async_mode: bool) -> CheckSpec:
     def run(options: GateOptions, tick: Tick):
-        result = engine_wait.check_engine_wait(options.scheduler_cls, options.seed, tick, style=options.style)
-        result.level = "should"
-        if result.result == "fail" and result.failed_level is None:
+        from vllm_output_rate.adapter import engine_wait
+
+        result = engine_wait.check_engine_wait(_cls(options, async_mode), options.seed, tick, style=options.style)
+        if result.result == "fail":
             result.failed_level = "should"
+            result.failure = f"[should] {result.failure}"
         return result
 
-    return CheckSpec("engine-wait/sync", "candidate", "should", ("R16",), False, lambda o: 1, run)
+    tag = "async" if async_mode else "sync"
+    return CheckSpec(f"engine-wait/{tag}", "candidate", "should", ("R16",), async_mode, lambda o: 1, run)
 
 
 def _spec_health_checks() -> list[CheckSpec]:
@@ -185,9 +183,7 @@ def registry() -> list[CheckSpec]:
     for async_mode in (False, True):
         checks += [_scheduler_check(async_mode, False), _scheduler_check(async_mode, True),
                    _feature_off_check(async_mode)]
-    wait = _engine_wait_check()
-    if wait is not None:
-        checks.append(wait)
+    checks += [_engine_wait_check(False), _engine_wait_check(True)]
     checks += [_white_box_check(False), _white_box_check(True)]
     return checks + _spec_health_checks()
 
