@@ -292,7 +292,7 @@ def check_base_fidelity(
 
 def check_white_box(
     scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
-    save_dir: Path | None, burst_configurable: bool = True,
+    save_dir: Path | None, burst_configurable: bool = True, style=None, integer_rates: bool = False,
 ) -> CheckResult:
     """R1-R18 + V1-V12 (level exact): the step spec predicts the class under test exactly,
     including every field of its ``last_step_observation`` (charged, refunded, throttled,
@@ -305,8 +305,15 @@ def check_white_box(
     strategy = white_box_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS)
     if not burst_configurable:
         strategy = strategy.filter(lambda scenario: scenario.config.burst_ns == 100_000_000)
+    if style is not None:  # output_rate.max_num_active_seqs is this project's key, not the article's flag
+        strategy = strategy.filter(lambda scenario: scenario.config.output_rate_max_num_active_seqs is None)
+    if integer_rates:
+        strategy = strategy.filter(lambda scenario: all(
+            rate.denominator == 1 for rate in [scenario.config.default_rate_tokens_per_s]
+            + [r for _, r in scenario.config.user_rates_tokens_per_s]))
     result = _check_step_scenarios(name, rules, strategy,
-                                   _guarded_step(lambda scenario: run_white_box(scenario, scheduler_cls), scheduler_cls),
+                                   _guarded_step(lambda scenario: run_white_box(scenario, scheduler_cls, style=style),
+                                                 scheduler_cls),
                                    examples, seed, tick, save_dir, subject=scheduler_cls.rpartition(".")[2])
     result.level = "exact"
     if result.result == "fail":
@@ -331,6 +338,8 @@ def _guarded_step(run: Callable, cls: str) -> Callable:
 # docs/SPEC.md "What the article leaves open": the row a white-box difference most likely
 # comes from, by the field that differed first.
 OPEN_CHOICES = (
+    ("max_num_active_seqs", "how the active cap is configured"),
+    ("tokens-per-second", "how rates are configured / fractional rates"),
     ("preempted", "which throttled requests are preferred victims (R13)"),
     ("wait_hint", "when the wait hint is taken (R16)"),
     ("admitted", "where a waiting request's user is checked (R10)"),

@@ -127,7 +127,8 @@ def _white_box_check(async_mode: bool) -> CheckSpec:
     def run(options: GateOptions, tick: Tick):
         return gate.check_white_box(_cls(options, async_mode), async_mode, _step_budget(options)[key],
                                     options.seed, tick, options.save_dir,
-                                    burst_configurable=options.burst_configurable)
+                                    burst_configurable=options.burst_configurable, style=options.style,
+                                    integer_rates=options.integer_rates)
 
     rules = ("R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16")
     return CheckSpec(f"white-box/{'async' if async_mode else 'sync'}", "candidate", "exact", rules, async_mode,

@@ -429,12 +429,22 @@ class _Judge:
                            resident: set[str]) -> tuple[str, str, str] | None:
         now, sampled, cap = trace.now_ns, set(trace.sampled), self.scenario.max_num_active_seqs
         cap_full = cap is not None and len(trace.scheduled) >= cap
-        for rid in unfinished:
+        burst = self.scenario.burst_ns
+        blocked_behind = False  # an earlier waiting request of a refused user was not admitted
+        for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
             user = self.user_of(rid)
+            if rid not in resident and rid not in trace.scheduled and not spec_limiter.allows(self.state, user, now,
+                                                                                            burst):
+                # Open choice (docs/SPEC.md "What the article leaves open"): checking the user at
+                # the charge point, after vLLM's own checks, gives that request 0 tokens, and vLLM
+                # 0.32 then stops admitting the waiting requests behind it in this step.
+                blocked_behind = True
+                continue
             if cap is not None and rid not in resident:
                 continue  # admission under an active cap is the article's open choice
-            if rid not in sampled and not cap_full and spec_limiter.allows(self.state, user, now,
-                                                                           self.scenario.burst_ns):
+            if rid not in resident and blocked_behind:
+                continue
+            if rid not in sampled and not cap_full and spec_limiter.allows(self.state, user, now, burst):
                 return "R11", "must", (
                     f"{self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
                     f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant")

@@ -5,7 +5,6 @@ outputs and a fake clock."""
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import random
@@ -45,10 +44,25 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from article_style import hook  # noqa: E402
 from article_style.limiter import _BURST_NS, OutputRateLimiter  # noqa: E402
-from article_style.scheduler import (  # noqa: E402
-    ArticleAsyncScheduler,
-    ArticleScheduler,
-)
+
+# Bound by the module fixture below: importing article_style.scheduler
+# installs the CLI flags into vLLM's EngineArgs, which is undone when this
+# module's tests are over so other test modules see stock vLLM.
+ArticleScheduler = ArticleAsyncScheduler = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _article_style_installed():
+    global ArticleScheduler, ArticleAsyncScheduler
+    from article_style import engine, flags
+    from article_style.scheduler import ArticleAsyncScheduler as _async
+    from article_style.scheduler import ArticleScheduler as _sync
+
+    flags.install()  # again, in case an earlier module uninstalled it
+    ArticleScheduler, ArticleAsyncScheduler = _sync, _async
+    yield
+    flags.uninstall()
+    engine.uninstall()
 
 BLOCK = 16
 MS = 1_000_000
@@ -500,15 +514,19 @@ def _random_workload(sim, seed):
 
 
 @pytest.mark.parametrize(
-    "stock_cls,our_cls,kw",
+    "mode,kw",
     [
-        (Scheduler, ArticleScheduler, dict(num_blocks=30, max_num_seqs=6, max_active=4)),
-        (Scheduler, ArticleScheduler, dict(num_blocks=25, policy="priority", batched_tokens=64)),
-        (AsyncScheduler, ArticleAsyncScheduler, dict(num_blocks=30, max_num_seqs=5)),
-        (Scheduler, ArticleScheduler, dict(num_blocks=60, chunked=False)),
+        ("sync", dict(num_blocks=30, max_num_seqs=6, max_active=4)),
+        ("sync", dict(num_blocks=25, policy="priority", batched_tokens=64)),
+        ("async", dict(num_blocks=30, max_num_seqs=5)),
+        ("sync", dict(num_blocks=60, chunked=False)),
     ],
 )
-def test_feature_off_schedules_are_identical_to_stock(model_dir, clock, stock_cls, our_cls, kw):
+def test_feature_off_schedules_are_identical_to_stock(model_dir, clock, mode, kw):
+    if mode == "sync":
+        stock_cls, our_cls = Scheduler, ArticleScheduler
+    else:
+        stock_cls, our_cls = AsyncScheduler, ArticleAsyncScheduler
     logs = []
     for cls in (stock_cls, our_cls):
         vc = make_config(model_dir, **kw)
@@ -531,7 +549,6 @@ def test_feature_off_schedules_are_identical_to_stock(model_dir, clock, stock_cl
 
 # ------------------------------------------------------- configuration
 def test_flags_path_configures_the_scheduler(model_dir, clock):
-    import article_style.flags  # noqa: F401  (installed on scheduler import)
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -586,6 +603,27 @@ def test_flags_path_configures_the_scheduler(model_dir, clock):
     ).create_engine_config()
     assert getattr(plain.scheduler_config, "default_user_output_tokens_per_second", None) is None
     assert plain.scheduler_config.scheduler_cls is None
+
+
+def test_flags_install_is_idempotent_and_reversible(model_dir):
+    from article_style import flags
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    flags.install()
+    flags.install()
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert parser.parse_args(
+        ["--model", model_dir, "--default-user-output-tokens-per-second", "3"]
+    ).default_user_output_tokens_per_second == 3
+    flags.uninstall()
+    try:
+        with pytest.raises(SystemExit):
+            EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+                ["--model", model_dir, "--default-user-output-tokens-per-second", "3"]
+            )
+    finally:
+        flags.install()
 
 
 def test_hook_path_configures_the_scheduler(model_dir, clock):
