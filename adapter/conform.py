@@ -123,10 +123,24 @@ def _guarded(run: Callable, cls: str) -> Callable:
         try:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding, not a gate crash
+            _reraise_gate_error(exc)
             return Verdict(0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash", None,
                            level="must")
 
     return guarded
+
+
+def _reraise_gate_error(exc: Exception) -> None:
+    """Re-raise ``exc`` if it was raised by the gate's own code (adapter/, spec/), not by the
+    class under test, vLLM, or the candidate's configuration: a gate bug must never be
+    reported as the candidate's failure."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames and any(part in frames[-1].filename for part in ("/adapter/", "/spec/", "vllm_output_rate/adapter",
+                                                               "vllm_output_rate/spec")):
+        if "configstyle" not in frames[-1].filename:  # a style that cannot express the scenario is a finding
+            raise exc
 
 
 def check_scheduler(
@@ -330,6 +344,7 @@ def _guarded_step(run: Callable, cls: str) -> Callable:
         try:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding
+            _reraise_gate_error(exc)
             return Verdict(0, 0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", None)
 
     return guarded

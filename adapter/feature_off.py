@@ -55,8 +55,10 @@ def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
                                f"at step {step}: {field} {a!r} != {b!r}; the article's patch behaves exactly like "
                                "upstream when --default-user-output-tokens-per-second is not set",
                                "R18", step, level="must")
+        advance = (scenario.advances_ns[step] if scenario.advances_ns is not None and step < len(scenario.advances_ns)
+                   else scenario.step_interval_ns)
         for h in pair:
-            h.advance(scenario.step_interval_ns)
+            h.advance(advance)
     for h in pair:
         h.drain()
     if candidate.finished != base.finished:

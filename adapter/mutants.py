@@ -182,8 +182,8 @@ class ThrottledNotPreferredVictims(RateLimitedScheduler):
 class NoRotation(RateLimitedScheduler):
     """R14 broken: same-user streams are served in list order; the first one starves the rest."""
 
-    def _rotate_running(self) -> None:
-        return None
+    def _turn_order(self, streams):
+        return list(streams)
 
 
 # -- R1/R2/R3/R5/R6: the limiter ----------------------------------------------------------------

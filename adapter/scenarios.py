@@ -37,6 +37,7 @@ from vllm_output_rate.spec import limiter as spec_limiter
 
 MAX_SCENARIO_STEPS = 400
 DRAIN_STEP_LIMIT = 2_000  # steps allowed after the scenario to let every request finish
+DRAIN_IDLE_NS = 10_000_000  # clock advance of an idle drain step when the spec sees no one waiting
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class Scenario:
     # configured (only candidates that read ``burst_ms`` get other values).
     burst_ms: int | None = None
     feature_on: bool = True  # False: no output-rate configuration at all (R18)
+    # Per-step clock advances in ns (step i advances by advances_ns[i]); None, or past its
+    # end: ``step_interval_ns``. Boundary scenarios (adapter/boundaries.py) set it.
+    advances_ns: tuple[int, ...] | None = None
 
     @property
     def ample(self) -> bool:
@@ -111,6 +115,8 @@ class Scenario:
     def from_json(text: str) -> "Scenario":
         data = json.loads(text)
         data["requests"] = tuple(RequestSpec(**r) for r in data["requests"])
+        if data.get("advances_ns") is not None:
+            data["advances_ns"] = tuple(data["advances_ns"])
         # Counterexamples saved before a field existed replay with its default.
         return Scenario(**data)
 
@@ -128,7 +134,11 @@ class Scenario:
             )
             if r.abort_at_step is not None:
                 out.append(f"step {r.abort_at_step}: abort {r.request_id}")
-        out.append(f"then {self.num_steps} steps, clock +{self.step_interval_ns} ns each")
+        if self.advances_ns is not None:
+            out.append(f"clock advances after each step (ns): {list(self.advances_ns)}, then "
+                       f"+{self.step_interval_ns} ns each; {self.num_steps} steps")
+        else:
+            out.append(f"then {self.num_steps} steps, clock +{self.step_interval_ns} ns each")
         rates = ", ".join(f"{u!r}={r}" for u, r in sorted(self.rates_tokens_per_s.items()))
         burst = f"{self.burst_ms} ms (burst_ms)" if self.burst_ms is not None else "100 ms (fixed)"
         seqs = self.max_num_seqs or max(len(self.requests), 1)
@@ -524,12 +534,16 @@ def _next_advance_ns(scenario, step, trace, state, by_id, harness) -> int:
     """The scenario's clock step; after its last step, an idle step jumps to the next
     instant at which the spec limiter grants one of the waiting users (drain phase)."""
     interval = scenario.step_interval_ns
+    if scenario.advances_ns is not None and step < len(scenario.advances_ns):
+        return scenario.advances_ns[step]
     if step < scenario.num_steps or trace.sampled or trace.scheduled:
         return interval
     users = {spec_limiter_user(by_id[rid].user) for rid in harness.num_outputs if rid not in harness.finished}
     ready = [spec_limiter.ready_at_ns(state, u, scenario.burst_ns) for u in users]
-    ready = [t for t in ready if t is not None]
-    return max(interval, min(ready) - trace.now_ns) if ready else interval
+    ready = [t for t in ready if t is not None and t > trace.now_ns]
+    # A candidate may be more conservative than the spec replay (R8: async over-charges are
+    # allowed): when the spec says "ready now" and nothing ran, move on by DRAIN_IDLE_NS.
+    return max(interval, min(ready) - trace.now_ns) if ready else max(interval, DRAIN_IDLE_NS)
 
 
 def _window_violation(history: dict[str, list[int]], scenario: Scenario) -> str | None:

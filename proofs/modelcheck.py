@@ -72,6 +72,10 @@ Properties
   another stream of its (user, priority) group was dispatched has been bypassed; its
   count resets when it is dispatched or leaves ``running``. Rotation guarantees at most
   (streams of one user at that priority in the scope - 1) consecutive bypasses.
+- I18 (R19, not binding = stock): in every Step in which no limit binds (no user refused
+  or held, nothing throttled, the active cap never reached), the spec's step equals the
+  base scheduler's step from the same state (``invariants.i18_not_binding_is_stock``);
+  coverage ``not_binding`` counts those steps per scope.
 - Liveness (a): from every reachable state, a state where every live request has
   finished is reachable by ``Step`` and ``AdvanceClock`` events alone (no adds, aborts
   or drains): every request that is not aborted eventually finishes.
@@ -131,7 +135,7 @@ LIVENESS_TAIL_ROUNDS = 8  # a liveness counterexample ends with this many rounds
 PROGRESS_EVERY = 2000  # states between two progress reports
 
 CHECK_IDS = ("assert", "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12", "I13", "I14",
-             "I15", "I16", "I17", "R6", "F1", "liveness-a", "liveness-b")
+             "I15", "I16", "I17", "I18", "R6", "F1", "liveness-a", "liveness-b")
 NEW_CHECKS = ("I13", "I14", "I15", "I16", "I17", "F1", "R6")  # added with the checker (docs/SPEC_MUTATIONS.md)
 ORIGINAL_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12")
 
@@ -618,7 +622,8 @@ class ScopeBoundExceeded(AssertionError):
 
 
 COVERAGE_KEYS = ("scheduled", "sampled", "charged", "refunded", "throttled", "refused_prefill", "wait_hint",
-                 "preempted", "preempted_throttled", "admitted", "stop", "length", "stale_output", "rotation")
+                 "preempted", "preempted_throttled", "admitted", "stop", "length", "stale_output", "rotation",
+                 "not_binding", "held")
 
 
 def _cover(coverage: dict[str, int], obs: Observation, before: SchedulerState) -> None:
@@ -643,7 +648,9 @@ def _cover(coverage: dict[str, int], obs: Observation, before: SchedulerState) -
             rid not in obs.sampled and r.user in throttled_users | {u for u, _ in obs.tat_ns}
             and not spec_limiter.allows(before.limiter, r.user, before.now_ns, before.config.burst_ns)
             for rid, _ in obs.scheduled for r in before.requests if r.request_id == rid)
-        coverage["rotation"] += spec_rate.rotated_running(before) != before.running
+        coverage["rotation"] += spec_rate.turn_order(before) != before.running
+        coverage["not_binding"] += not obs.limit_bound  # R19: compared with the base step (I18)
+        coverage["held"] += bool(spec_rate.start_turns(before)[2])  # R14: some user granted, not for all
     coverage["stale_output"] += any(r.request_id in obs.preempted and r.num_in_flight_tokens
                                     for r in before.requests)
 
@@ -654,7 +661,7 @@ def _invariants_per_transition(event: Event, cs: Compiled) -> int:
         return 3  # I8, I11, I12
     if not cs.rate_limited:
         return 6  # + I6, I9, I10
-    return 6 + 11 + 3  # + I1-I5, I7, I13-I17; + R6, F1, assert
+    return 6 + 12 + 3  # + I1-I5, I7, I13-I18; + R6, F1, assert
 
 
 def explore(scope: Scope, *, max_states: int | None = None, stop_at_first: bool = False,
@@ -1164,7 +1171,17 @@ def _m_victims_ignore_throttled(config):
 
 
 def _m_no_rotation(config):
-    return [(spec_rate, "rotated_running", lambda state: state.running)]
+    return [(spec_rate, "turn_order", lambda state: state.running)]
+
+
+def _m_rotate_running(config):
+    begin = spec_rate.begin_cycle
+
+    def begin_cycle(cycle):  # the article's rotation: the turn order is applied to ``running``
+        cycle = begin(cycle)
+        return replace(cycle, state=replace(cycle.state, running=cycle.turn_order))
+
+    return [(spec_rate, "begin_cycle", begin_cycle)]
 
 
 def _m_burst_one_second(config):
@@ -1250,6 +1267,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("ThrottledNotPreferredVictims", "R13", "victim choice ignores throttling (vLLM's own choice)",
              _m_victims_ignore_throttled),
     Mutation("NoRotation", "R14", "same-user streams are served in list order", _m_no_rotation),
+    Mutation("RotateRunning", "R19", "rotation reorders `running` (the article's swap): budget is spent in the "
+                                     "rotated order", _m_rotate_running),
     Mutation("BurstOneSecond", "R1/R2", "burst tolerance tau of 1 s instead of 100 ms", _m_burst_one_second),
     Mutation("ReadyAtRoundedDown", "R5", "ready_at = floor(TAT - tau) instead of ceil", _m_ready_at_floor),
     Mutation("CleanupActiveUsers", "R6", "cleanup also forgets users whose TAT is up to tau ahead",

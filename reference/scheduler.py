@@ -94,7 +94,6 @@ class _RateLimitMixin:
         # ahead more than one token (speculative decoding, refused with the feature on);
         # otherwise it only clamps at 0, which the hot path below does itself.
         self._base_lookahead = not output_rate_config.enabled or self.num_prefill_lookahead > 1
-        self._rotation_noop = False  # R14: the last step proved the next rotation a no-op
         self._hook_fast = False  # see _reserve_prefill_lookahead
         self._record_only = False  # see _reserve_prefill_lookahead
         if not self.output_rate_config.enabled:
@@ -143,6 +142,7 @@ class _RateLimitMixin:
         self._throttled: set[str] = set()  # running requests refused and skipped (R11)
         self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
         self._throttled_at_start: list[Request] = []  # R13: preferred victims of this step
+        self._held: set[str] = set()  # R14: throttled at the start although the user has grants
         self._preempted_for_r13 = False  # R13: we preempted; the waiting loop must not run
         self._unconstrained = False  # no user can be refused in this step (_survey_users)
         self._record_only = False  # the hook's shortest path: _unconstrained and _hook_fast
@@ -216,9 +216,8 @@ class _RateLimitMixin:
         if self.rate_limiter is None:
             return super().schedule(*args, **kwargs)  # R18
         self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
-        self._rotate_running()  # R14
-        enough, refused = self._survey_users()  # R2 at the step's clock, once per user
-        stock_order = self._move_throttled_last(refused) if refused else None  # R13
+        enough, short = self._survey_users()  # R2 at the step's clock, once per user
+        stock_order = self._move_throttled_last(short) if short else None  # R11, R13, R14
         self._record_only = self._unconstrained = enough and self._hook_fast
         scheduler_output = super().schedule(*args, **kwargs)
         self._commit_grants()  # R2/R7: the charges of this step, into the limiter
@@ -284,67 +283,75 @@ class _RateLimitMixin:
             self._trace.close()
         super().shutdown()
 
-    def _rotate_running(self) -> None:
-        """R14: same-user same-priority streams: the one after the last served goes first.
-
-        Only the slots these streams occupy are permuted; all others keep their place.
-        If the last-served stream is no longer running, that group keeps its order.
+    def _turn_order(self, streams: list[Request]) -> list[Request]:
+        """R14: one user's running requests (``streams``, in ``running`` order) in the
+        user's turn order: each (user, priority) group rotated within its own places so
+        that the stream after the group's last-served one comes first. ``running`` itself
+        is never reordered (R19). If the last-served stream is no longer running (or is
+        already last), that group keeps its order (spec ``rate.turn_order``).
         """
-        if self._rotation_noop:
-            # Every request in ``running`` was dispatched to sample in the last step, in
-            # ``running`` order, so each group's last-served stream is its last member and
-            # the rotation below would leave every group as it is (see ``_settle``).
-            return
-        groups: dict[str, list[int]] = {}
-        running, cache = self.running, self._group_cache
-        for index, request in enumerate(running):
-            key = cache.get(request.request_id)
-            if key is None:
-                self._user(request)
-                key = cache[request.request_id]
-            groups.setdefault(key, []).append(index)
-        for key, slots in groups.items():
+        places: dict[str, list[int]] = {}
+        cache = self._group_cache
+        for index, request in enumerate(streams):
+            places.setdefault(cache[request.request_id], []).append(index)
+        order = list(streams)
+        for key, slots in places.items():
             last = self._last_served.get(key)
             if last is None or len(slots) < 2:
                 continue
-            members = [running[i] for i in slots]
+            members = [streams[i] for i in slots]
             pos = next((k for k, r in enumerate(members) if r.request_id == last), None)
             if pos is None or pos == len(members) - 1:
                 continue
-            rotated = members[pos + 1 :] + members[: pos + 1]
-            for slot, request in zip(slots, rotated):
-                running[slot] = request
+            for slot, request in zip(slots, members[pos + 1 :] + members[: pos + 1]):
+                order[slot] = request
+        return order
 
-    def _move_throttled_last(self, refused: set[str]) -> list[Request] | None:
-        """R13: stable-move the requests throttled at the step start to the end of ``running``.
+    def _move_throttled_last(self, short: dict[str, int]) -> list[Request] | None:
+        """R11, R13, R14: find the requests throttled at the step start and stable-move
+        them to the end of ``running`` for the duration of vLLM's loops.
 
-        Throttled at the start: the user is refused at ``now`` (a refusal holds for the
-        whole step, grants only push TAT up), only the sampling position is left (R10) and
-        its last output is not already in flight (async: vLLM skips those itself). The
-        running loop skips them anyway; the move changes only vLLM's victims (FCFS:
-        ``running[-1]``; PRIORITY: see ``_allocate_slots_throttled_victims_first``).
-        They are recorded as throttled (R11/R12) and their users as refused (R16) even if
-        the active cap stops the running loop before it reaches them. Returns the order
-        before the move, or None if nothing moved. ``refused``: the users with requests
-        that the limiter refuses at the step's clock reading (``_survey_users``).
+        ``short``: users whose grants at the step's clock reading (``_survey_users``,
+        exact) are fewer than their requests, with those grants. A user's *decoding*
+        streams (only the sampling position left, R10; last output not already in
+        flight, V3) beyond its grants, in its turn order (``_turn_order``), are throttled
+        at the start: all of them if the user is refused (a refusal holds for the whole
+        step, grants only push TAT up), otherwise those whose turn it is not (``_held``):
+        the user's grants go to the others (R14). The running loop skips them anyway; the
+        move changes only vLLM's victims (FCFS: ``running[-1]``; PRIORITY: see
+        ``_allocate_slots_throttled_victims_first``). They are recorded as throttled
+        (R11/R12) and their users for the wait hint (R16) even if the active cap stops the
+        running loop before it reaches them. Returns the order before the move, or None
+        if nothing moved.
         """
         running = self.running
         cache = self._user_cache
-        throttled = [
-            r
-            for r in running
-            if (cache.get(r.request_id) or self._user(r)) in refused
-            and r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
-            and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
-        ]
+        streams: dict[str, list[Request]] = {}
+        for r in running:
+            user = cache.get(r.request_id) or self._user(r)
+            if user in short:
+                streams.setdefault(user, []).append(r)
+        passed: set[int] = set()
+        for user, mine in streams.items():
+            grants = short[user]
+            decoding = [
+                r for r in self._turn_order(mine)
+                if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
+                and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+            ]
+            if len(decoding) <= grants:
+                continue
+            passed.update(id(r) for r in decoding[grants:])
+            if grants:
+                self._held.update(r.request_id for r in decoding[grants:])  # R14: not its turn
+        throttled = [r for r in running if id(r) in passed]
         self._throttled_at_start = throttled
         self._throttled.update(r.request_id for r in throttled)
         self._refused_users.update(self._user(r) for r in throttled)
         if not throttled or running[-len(throttled) :] == throttled:
             return None
         stock_order = list(running)
-        moved = {id(r) for r in throttled}
-        running[:] = [r for r in running if id(r) not in moved] + throttled
+        running[:] = [r for r in running if id(r) not in passed] + throttled
         return stock_order
 
     def _restore_order(self, stock_order: list[Request]) -> None:
@@ -420,7 +427,7 @@ class _RateLimitMixin:
         left = grants.get(user)
         if left is None:
             left = self._grants_left(user)
-        if left:
+        if left and not (self._held and request.request_id in self._held):  # R14: its turn
             grants[user] = left - 1
             self._charged.append(request)  # R7: charged at dispatch
             return num_new_tokens
@@ -442,7 +449,7 @@ class _RateLimitMixin:
         end = request.num_tokens + request.num_output_placeholders
         if self._samples(request, num_computed_tokens, num_new_tokens):  # R7: this chunk samples
             user = self._user(request)
-            if self._grants_left(user):
+            if self._grants_left(user) and not (self._held and request.request_id in self._held):  # R14
                 self._grants[user] -= 1
                 self._charged.append(request)  # R7: charged at dispatch
             else:
@@ -470,13 +477,14 @@ class _RateLimitMixin:
             left = self._grants[user] = self._grants_at_start[user] = self.rate_limiter.grants_at(user, self._now_ns)
         return left
 
-    def _survey_users(self) -> tuple[bool, set[str]]:
+    def _survey_users(self) -> tuple[bool, dict[str, int]]:
         """R2 at the step's clock reading, once per user with requests in the scheduler.
 
-        Returns ``(enough, refused)``: ``enough`` if every user can be granted one token
+        Returns ``(enough, short)``: ``enough`` if every user can be granted one token
         per request it has (each request is charged at most once per step, R7, so then no
-        user is refused in this step and the hook only records charges); ``refused``, the
-        users the limiter refuses now (R13, R16). The limiter is asked only for users whose
+        user is refused in this step and the hook only records charges); ``short``, the
+        users granted fewer tokens now than they have requests, with their exact grants
+        (0: refused; R13, R14, R16). The limiter is asked only for users whose
         spare grants from the last step do not cover their requests: spare grants at an
         earlier clock reading are a lower bound now, as grants only grow with time and
         with refunds. Seeds this step's allowances (``_grants``) with the result: exact
@@ -485,20 +493,17 @@ class _RateLimitMixin:
         """
         spare, taken, limiter, now = self._spare, self._spare_taken, self.rate_limiter, self._now_ns
         bound: dict[str, int] = {}
-        refused: set[str] = set()
-        enough = True
+        short: dict[str, int] = {}
         for user, requests in self._user_requests.items():
             grants = spare.get(user, 0) - taken.get(user, 0)
             if grants < requests:
                 grants = limiter.grants_at(user, now)
                 if grants < requests:
-                    enough = False
-                    if not grants:
-                        refused.add(user)
+                    short[user] = grants
             bound[user] = grants
         self._grants_at_start = bound
         self._grants = dict(bound)
-        return enough, refused
+        return not short, short
 
     def _commit_grants(self) -> None:
         """R2/R7: write this step's charges to the limiter in one ``take_counts``.
@@ -573,40 +578,62 @@ class _RateLimitMixin:
         return super()._preempt_request(request, *args, **kwargs)
 
     def _settle(self, scheduler_output) -> list[str]:
-        """R9: the single refund point; R15: record the last-served stream per user.
-
-        Also decides whether the next step's R14 rotation can be skipped: if every request
-        left in ``running`` was dispatched to sample in this step, then (charges follow
-        ``running`` order: the running loop walks it, admitted requests are appended in
-        admission order) each (user, priority) group's last-served stream is its last
-        member, and until the next ``schedule()`` ``running`` only loses finished requests,
-        which cannot put an unserved stream after a group's last-served one.
-        """
+        """R9: the single refund point; R15: record the last-served stream per group."""
         scheduled = scheduler_output.num_scheduled_tokens
         charged = self._charged
         ids = self._charged_ids
         if ids is None:
             ids = list(map(_REQUEST_ID, charged))
         if all(map(scheduled.__contains__, ids)) and not any(map(_IS_PREFILL_CHUNK, charged)):
-            # Every charge was dispatched to sample (the usual step): nothing to refund, and
-            # R15 in one pass over the step's charges, later charges winning.
-            self._last_served.update(zip(map(self._group_cache.__getitem__, ids), ids))
-            self._rotation_noop = len(ids) == len(self.running)
+            # Every charge was dispatched to sample (the usual step): nothing to refund.
+            self._record_last_served(ids)
             return []
         refunded = []
-        served = 0
-        last_served, cache = self._last_served, self._user_cache
+        served = []
+        cache = self._user_cache
         for request in charged:
             rid = request.request_id
             user = cache.get(rid) or self._user(request)
             if rid in scheduled and not request.is_prefill_chunk:
-                last_served[self._group_cache[rid]] = rid  # R15
-                served += 1
+                served.append(rid)
             else:
                 self.rate_limiter.refund(user)  # R4/R9
                 refunded.append(rid)
-        self._rotation_noop = served == len(self.running)
+        self._record_last_served(served)
         return refunded
+
+    def _record_last_served(self, ids: list[str]) -> None:
+        """R15: each group's new last-served stream from this step's dispatched charges
+        ``ids`` (charge order, which is ``running`` order: the running loop walks it and
+        admitted requests are appended in admission order).
+
+        The new one is the group's dispatched stream last in its turn order (R14): the
+        last one at or before the previous last-served stream in ``running``, else the
+        last one (also when the previous one is no longer running); spec
+        ``rate.next_last_served``. Positions in ``running`` are computed only for a group
+        whose previous stream is running and was not dispatched.
+        """
+        last_served, groups, requests = self._last_served, self._group_cache, self.requests
+        by_group: dict[str, list[str]] = {}
+        for rid in ids:
+            key = groups[rid]
+            rids = by_group.get(key)
+            if rids is None:
+                by_group[key] = [rid]
+            else:
+                rids.append(rid)
+        position: dict[str, int] | None = None
+        for key, rids in by_group.items():
+            previous = last_served.get(key)
+            request = requests.get(previous) if previous is not None else None
+            if request is None or request.status is not _RUNNING:
+                last_served[key] = rids[-1]
+            elif previous not in rids:
+                if position is None:
+                    position = {r.request_id: i for i, r in enumerate(self.running)}
+                cut = position[previous]
+                before = [rid for rid in rids if position[rid] <= cut]
+                last_served[key] = (before or rids)[-1]
 
     def _observe(self, scheduler_output, refunded: list[str]) -> None:
         """Record this step's decisions; the observation dict is built only when read."""

@@ -24,6 +24,7 @@ user's earlier dispatch times: ``DispatchHistory`` carries them (bounded).
 | I15 | a request throttled at the start of a step is preempted before any other (same priority under PRIORITY) | R13 |
 | I16 | a step preempts only when KV really ran short (a throttled request keeps its blocks otherwise) | R11, V6 |
 | I17 | a waiting request is admitted unless refused and unable to prefill, or admission stopped | R10, R12, P4 |
+| I18 | a step in which no limit binds is the base scheduler's step from the same state | R19 |
 
 I13-I17 were added with the model checker (``proofs/modelcheck.py``): each one is the
 property whose absence let a spec mutation through (docs/SPEC_MUTATIONS.md). I13 needs the
@@ -39,6 +40,8 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec import rate as spec_rate
+from vllm_output_rate.spec import scheduler as spec_scheduler
 from vllm_output_rate.spec.events import Event, Step
 from vllm_output_rate.spec.state import (
     ABORT,
@@ -46,7 +49,6 @@ from vllm_output_rate.spec.state import (
     LENGTH,
     STOP,
     Observation,
-    RequestState,
     SchedulerState,
     blocks_for,
     find,
@@ -243,21 +245,13 @@ def i14_wait_hint(before: SchedulerState, after: SchedulerState, obs: Observatio
     return None
 
 
-def _throttled_at_start(state: SchedulerState, request: RequestState) -> bool:
-    """R11/R13: running, nothing left but sampling, below max_tokens, user refused now."""
-    only_sampling_left = request.num_computed_tokens >= request.sampling_position - 1
-    below_max = request.num_output_tokens + request.num_output_placeholders < request.max_tokens
-    return only_sampling_left and below_max and not spec_limiter.allows(
-        state.limiter, request.user, state.now_ns, state.config.burst_ns)
-
-
 def i15_preferred_victims(before: SchedulerState, obs: Observation) -> str | None:
     """I15 (R13): no request outside the throttled-at-start set is preempted while one of
     that set is still running (PRIORITY: one of the victim's own priority)."""
     if not obs.preempted:
         return None
     requests = {r.request_id: r for r in before.requests}
-    throttled = [rid for rid in before.running if _throttled_at_start(before, requests[rid])]
+    throttled = spec_rate.start_turns(before)[0]  # R11/R14: refused, or not their turn
     for i, victim in enumerate(obs.preempted):
         if victim in throttled:
             continue
@@ -349,6 +343,28 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
     return None
 
 
+def i18_not_binding_is_stock(before: SchedulerState, event: Event, after: SchedulerState,
+                             obs: Observation) -> str | None:
+    """I18 (R19): a step in which no limit of the feature bound (``obs.limit_bound``
+    False) is the base scheduler's step from the same state: the same batch in the same
+    order, sampling dispatches, preemptions, admissions, deliveries and finishes, and the
+    same requests, ``running``, ``waiting``, free blocks and output in flight after it.
+    The base runs ``config.base_config()`` (feature off, A as vLLM's admission cap)."""
+    if not obs.rate_limited or obs.limit_bound:
+        return None
+    base_after, base_obs = spec_scheduler.step(replace(before, config=before.config.base_config()), event)
+    for name in ("scheduled", "sampled", "preempted", "admitted", "delivered", "finished"):
+        got, want = getattr(obs, name), getattr(base_obs, name)
+        if got != want:
+            return (f"I18 (R19): no limit bound, but {name} {got} != the base scheduler's {want}: "
+                    "a rate limit that does not bind must not change the schedule")
+    for name in ("requests", "running", "waiting", "num_free_blocks", "in_flight"):
+        got, want = getattr(after, name), getattr(base_after, name)
+        if got != want:
+            return f"I18 (R19): no limit bound, but {name} after the step {got} != the base scheduler's {want}"
+    return None
+
+
 def check(
     before: SchedulerState, event: Event, after: SchedulerState, obs: Observation,
     history: DispatchHistory | None = None,
@@ -378,7 +394,8 @@ def check(
         if found:
             return found
     return (i14_wait_hint(before, after, obs) or i15_preferred_victims(before, obs)
-            or i16_preemption_needed(before, after, obs) or i17_admission_not_held_back(before, after, obs))
+            or i16_preemption_needed(before, after, obs) or i17_admission_not_held_back(before, after, obs)
+            or i18_not_binding_is_stock(before, event, after, obs))
 
 
 def advance_history(history: DispatchHistory, before: SchedulerState, obs: Observation) -> DispatchHistory:

@@ -1,17 +1,20 @@
-"""The rate-limit layer of one scheduling cycle: rules R6-R16 on top of V1-V12.
+"""The rate-limit layer of one scheduling cycle: rules R6-R16 and R19 on top of V1-V12.
 
 ``spec/scheduler.py`` calls these functions only with the feature on (R18: with it off,
 the cycle is vLLM's own). Each one decides one thing at one point of the cycle:
 
 | point of the cycle (V-rule) | function | rules |
 |---|---|---|
-| start of ``schedule()`` | ``begin_cycle`` | R16 (one clock reading), R14 rotation, R13/R11 throttled at start |
+| start of ``schedule()`` | ``begin_cycle`` | R16 (one clock reading), R14 turn order, R13/R11 throttled at start |
 | running loop, last cap on a chunk (V4) | ``decide_running`` | R12 active cap, R7 charge, R10 cap at n-1, R11 skip |
 | waiting loop, before a request is sized (V8) | ``waiting_gate`` | R10: refused users' requests skipped, never blocking others |
 | waiting loop, last cap on a chunk (V8) | ``decide_waiting`` | R7 charge, R10 cap at n-1 |
 | waiting loop, admission cap (V8) | ``admission_cap`` | R12 |
 | preemption (V6) | ``preferred_victim`` | R13 |
-| end of ``schedule()`` | ``end_cycle`` | R9 single refund point, R15 last served, R6 cleanup, R16 wait hint |
+| end of ``schedule()`` | ``end_cycle`` | R9 single refund point, R15 last served, R6 cleanup, R16 wait hint, R19 |
+
+R19: no function here reorders ``running`` or changes a chunk unless a limit binds
+(``limit_binds``); then the cycle is the base scheduler's (V1-V12) from the same state.
 
 The limiter is ``spec.limiter`` (R1-R5, exact rationals). A user refused once in a cycle
 is not asked again in that cycle: grants only push TAT up, so a refusal holds for the
@@ -35,23 +38,30 @@ from vllm_output_rate.spec.state import (
 
 # -- start of the cycle ----------------------------------------------------------------
 def begin_cycle(cycle: Cycle) -> Cycle:
-    """R14, R13, R11: rotate streams, then find the requests throttled at the start."""
-    state = replace(cycle.state, running=rotated_running(cycle.state))
-    cycle = replace(cycle, state=state)
-    at_start = tuple(rid for rid in state.running if throttled_at_start(cycle, get(state, rid)))
+    """R14, R13, R11: the requests throttled at the start, from each user's turn order.
+
+    ``running`` is not reordered (R14, R19): the turn order only decides which of a
+    user's decoding streams receive that user's grants when they do not cover them all.
+    """
+    state = cycle.state
+    order = turn_order(state)
+    at_start, refused, held = start_turns(state, order)
     return replace(
         cycle,
+        turn_order=order,
         throttled_at_start=at_start,
         throttled=frozenset(at_start),  # R11/R12: resident, skipped, not active
-        refused_users=frozenset(get(state, rid).user for rid in at_start),  # R16
+        refused_users=refused,  # R2: refused for the whole cycle; R16
+        held_users=held,  # R14: granted, but not for every stream; R16
     )
 
 
-def rotated_running(state: SchedulerState) -> tuple[str, ...]:
-    """R14: within each (user, priority) group of ``running``, the stream after the
-    group's last-served one goes first. Only the group's own slots are permuted; every
-    other request keeps its place. Decision: if the last-served stream is no longer
-    running (or is already last), the group keeps its order.
+def turn_order(state: SchedulerState) -> tuple[str, ...]:
+    """R14: ``running`` with each (user, priority) group's streams rotated within the
+    group's own slots so that the stream after the group's last-served one comes first;
+    every other request keeps its place. A preference, never applied to ``running``.
+    Decision: if the last-served stream is no longer running (or is already last), the
+    group keeps its order.
     """
     slots_by_group: dict[tuple[str, int], list[int]] = {}
     for index, rid in enumerate(state.running):
@@ -66,8 +76,53 @@ def rotated_running(state: SchedulerState) -> tuple[str, ...]:
         cut = members.index(last) + 1
         for slot, rid in zip(slots, members[cut:] + members[:cut]):
             running[slot] = rid
-    assert sorted(running) == sorted(state.running), "R14: rotation must only permute"
+    assert sorted(running) == sorted(state.running), "R14: the turn order must only permute"
     return tuple(running)
+
+
+def decoding(request: RequestState) -> bool:
+    """R11/R14: a running request that can only sample next (R10: nothing left to
+    prefill) and is not already carried to ``max_tokens`` by its placeholders (V3)."""
+    only_sampling_left = request.num_computed_tokens >= request.sampling_position - 1
+    below_max = request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+    return only_sampling_left and below_max
+
+
+def start_turns(state: SchedulerState, order: tuple[str, ...] | None = None
+                ) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
+    """R11, R13, R14: ``(throttled_at_start, refused_users, held_users)`` at ``state.now_ns``.
+
+    A user granted ``g`` tokens now (``grants_now``) with ``n > g`` decoding streams gives
+    them to the first ``g`` in its turn order (``order``, default ``turn_order(state)``);
+    the other ``n - g`` are throttled at the start (in ``running`` order). ``g = 0``: the
+    user is refused; ``0 < g < n``: held.
+    """
+    order = turn_order(state) if order is None else order
+    streams: dict[str, list[str]] = {}
+    for rid in order:
+        request = get(state, rid)
+        if decoding(request):
+            streams.setdefault(request.user, []).append(rid)
+    passed: set[str] = set()
+    refused, held = set(), set()
+    for user, rids in streams.items():
+        grants = grants_now(state, user, len(rids))
+        if grants < len(rids):
+            passed.update(rids[grants:])
+            (held if grants else refused).add(user)
+    at_start = tuple(rid for rid in state.running if rid in passed)
+    return at_start, frozenset(refused), frozenset(held)
+
+
+def grants_now(state: SchedulerState, user: str, at_most: int) -> int:
+    """R2: how many successive takes for ``user`` would succeed at ``state.now_ns`` (at
+    most ``at_most``; the state is not changed)."""
+    config, limiter = state.config, state.limiter
+    for granted in range(at_most):
+        limiter, ok = spec_limiter.try_take(limiter, user, config.rate_of(user), state.now_ns, config.burst_ns)
+        if not ok:
+            return granted
+    return at_most
 
 
 def last_served(state: SchedulerState, user: str, priority: int) -> str | None:
@@ -76,15 +131,6 @@ def last_served(state: SchedulerState, user: str, priority: int) -> str | None:
         if (u, p) == (user, priority):
             return rid
     return None
-
-
-def throttled_at_start(cycle: Cycle, request: RequestState) -> bool:
-    """R13/R11: a running request that can only sample next (R10: nothing left to
-    prefill), is not already carried to ``max_tokens`` by its placeholders (V3), and
-    whose user is refused at this cycle's instant."""
-    only_sampling_left = request.num_computed_tokens >= request.sampling_position - 1
-    below_max = request.num_output_tokens + request.num_output_placeholders < request.max_tokens
-    return only_sampling_left and below_max and not allows(cycle, request.user)
 
 
 def allows(cycle: Cycle, user: str) -> bool:
@@ -121,12 +167,16 @@ def decide_running(cycle: Cycle, request: RequestState, num_new_tokens: int) -> 
     """R12, R7, R10, R11: the final size of a running request's chunk (0: skip it).
 
     R12: once A running requests are in the batch, the rest get 0 (not throttled).
+    R11/R14: a request throttled at the start gets 0 (its user is refused, or its
+    grants go to the user's streams whose turn it is).
     R7: a chunk that samples is charged; R10: if refused, with chunked prefill it still
     advances to n-1; R11: otherwise it is throttled: skipped, resident, not active.
     """
     assert num_new_tokens > 0, "V4: only non-empty chunks reach the last cap"
     if len(cycle.scheduled) >= cycle.state.config.active_cap:
-        return cycle, 0  # R12: every scheduled entry so far is a running request
+        return replace(cycle, active_cap_reached=True), 0  # R12: every scheduled entry so far is running
+    if request.request_id in cycle.throttled_at_start:
+        return cycle, 0  # R11, R14: refused, or not its turn among its user's streams
     if not samples(request, num_new_tokens):
         return cycle, num_new_tokens
     cycle, granted = try_charge(cycle, request)
@@ -203,10 +253,12 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
     """R9, R15, R6, R16: settle the cycle's charges and report the rate-limit fields.
 
     R9: every charge whose request is not dispatched to sample is refunded, once, here
-    and nowhere else. R15: a dispatched charge makes its request the group's last served.
+    and nowhere else. R15: of each group's dispatched charges, the one last in the
+    group's turn order becomes its last served (``next_last_served``).
     R6: every ``CLEANUP_INTERVAL_STEPS`` cycles, idle users are forgotten (and last-served
     entries of requests that left). R16: the wait hint is the earliest ready time among
-    the users refused in this cycle.
+    the users refused or held (R14) in this cycle. R19: ``limit_bound`` says whether a
+    limit bound (``limit_binds``).
     """
     state = cycle.state
     limiter = state.limiter
@@ -214,11 +266,10 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
     refunded = []
     for rid in cycle.charged:
         request = get(state, rid)
-        if rid in dispatched:
-            served[(request.user, request.priority)] = rid  # R15
-        else:
+        if rid not in dispatched:
             limiter = spec_limiter.refund(limiter, request.user, state.config.rate_of(request.user))  # R4, R9
             refunded.append(rid)
+    served = next_last_served(state, served, [rid for rid in cycle.charged if rid in dispatched])  # R15
     num_schedules = state.num_schedules + 1
     if num_schedules % CLEANUP_INTERVAL_STEPS == 0:
         limiter = spec_limiter.cleanup_idle_users(limiter, cycle.now_ns)  # R6
@@ -230,7 +281,8 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
         num_schedules=num_schedules,
         last_served=tuple((u, p, rid) for (u, p), rid in served.items()),
     )
-    ready = [spec_limiter.ready_at_ns(limiter, u, state.config.burst_ns) for u in cycle.refused_users]
+    waiting_users = cycle.refused_users | cycle.held_users
+    ready = [spec_limiter.ready_at_ns(limiter, u, state.config.burst_ns) for u in waiting_users]
     ready = [t for t in ready if t is not None]
     settled = {
         "charged": cycle.charged,
@@ -239,5 +291,39 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
         "wait_hint_ns": min(ready) if ready else None,
         "tat_ns": tuple(sorted(limiter.tat_ns.items())),
         "rate_limited": True,
+        "limit_bound": limit_binds(cycle),
     }
     return state, settled
+
+
+def next_last_served(state: SchedulerState, served: dict[tuple[str, int], str],
+                     dispatched: list[str]) -> dict[tuple[str, int], str]:
+    """R15: each group's last-served stream after a cycle that dispatched ``dispatched``
+    (charged and not refunded) with ``state.running`` as the cycle left it.
+
+    The new one is the group's dispatched stream that comes last in the group's turn
+    order (R14) over ``running``: streams after the previous last-served one first, then
+    the rest up to it. That is the last dispatched stream at or before the previous one
+    in ``running`` order if there is one, else the last dispatched stream (also when the
+    previous one is no longer running). So a stream passed over comes first next time.
+    """
+    position = {rid: i for i, rid in enumerate(state.running)}
+    by_group: dict[tuple[str, int], list[str]] = {}
+    for rid in dispatched:
+        request = get(state, rid)
+        by_group.setdefault((request.user, request.priority), []).append(rid)
+    served = dict(served)
+    for group, rids in by_group.items():
+        rids = sorted(rids, key=lambda rid: position.get(rid, len(position)))
+        previous = position.get(served.get(group))
+        before = [rid for rid in rids if previous is not None and position.get(rid, len(position)) <= previous]
+        served[group] = (before or rids)[-1]
+    return served
+
+
+def limit_binds(cycle: Cycle) -> bool:
+    """R19: did a limit of the feature bind in this cycle? A user was refused (R2), a
+    stream was held for another's turn (R14), a request was throttled (R11) or the active
+    cap gave a running request 0 tokens (R12). When none did, the cycle is the base
+    scheduler's from the same state (R19)."""
+    return bool(cycle.refused_users or cycle.held_users or cycle.throttled or cycle.active_cap_reached)

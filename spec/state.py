@@ -114,6 +114,15 @@ class EngineConfig:
         """V8: vLLM's own admission cap into RUNNING (feature off)."""
         return self.max_num_active_seqs if self.max_num_active_seqs is not None else self.max_num_seqs
 
+    def base_config(self) -> "EngineConfig":
+        """R19: the configuration of the base scheduler a rate-limited step is compared with:
+        the feature off (R18), and the active cap A as vLLM's own admission cap (with no
+        throttled request, R12's admission cap ``min(M, A + 0)`` is upstream's ``A``)."""
+        cap = self.active_cap if self.rate_limited else self.max_num_active_seqs
+        return replace(self, max_num_active_seqs=cap if cap is not None and cap < self.max_num_seqs else None,
+                       default_rate_tokens_per_s=None, user_rates_tokens_per_s=(),
+                       output_rate_max_num_active_seqs=None, burst_ns=spec_limiter.BURST_NS)
+
     def rate_of(self, user: str) -> Fraction:
         """R1: the user's rate in tokens/s (override, else the default)."""
         assert self.default_rate_tokens_per_s is not None, "rate_of with the feature off"
@@ -289,7 +298,8 @@ class Observation:
     whose final output was delivered by this event (or that it aborted).
     Rate limit (R7-R16, empty with the feature off): ``charged`` in charge order,
     ``refunded``, ``throttled`` (sorted), ``wait_hint_ns``, and every user's TAT after the
-    step (``tat_ns``, sorted by user).
+    step (``tat_ns``, sorted by user); ``limit_bound``: some limit of the feature bound in
+    the step (``rate.limit_binds``; False: R19 says the step is the base scheduler's).
     ``decided``: (request id, V-rule) of the decision the cycle took last about each request
     it looked at or passed over (why it was scheduled, skipped, preempted, admitted or not
     reached); it names the V-rule of a divergence (``adapter/drift.py``) and is not compared.
@@ -310,6 +320,7 @@ class Observation:
     tat_ns: tuple[tuple[str, Fraction], ...] = ()
     scheduled_running: int = 0
     rate_limited: bool = False
+    limit_bound: bool = False
     decided: tuple[tuple[str, str], ...] = ()
 
 
@@ -325,7 +336,11 @@ class Cycle:
     Rate limit: ``now_ns`` is the cycle's one clock reading (R16); ``charged`` in charge
     order (R7); ``refused_users``: users refused in this cycle, not asked again;
     ``throttled``: running requests refused and skipped (R11); ``throttled_at_start``:
-    the preferred victims of this cycle, in ``running`` order (R13).
+    the preferred victims of this cycle, in ``running`` order (R13); ``held_users``: users
+    not refused at the start whose grants do not cover all their decoding streams, so that
+    some of these are throttled at the start (R14: not their turn); ``turn_order``: R14's
+    order of preference over ``running`` at the start (``running`` itself is never
+    reordered); ``active_cap_reached``: R12 gave a running request 0 tokens (R19).
     ``decided``: the V-rule trail of the cycle (``Observation.decided``).
     """
 
@@ -340,6 +355,9 @@ class Cycle:
     refused_users: frozenset[str] = frozenset()
     throttled: frozenset[str] = frozenset()
     throttled_at_start: tuple[str, ...] = ()
+    held_users: frozenset[str] = frozenset()
+    turn_order: tuple[str, ...] = ()
+    active_cap_reached: bool = False
     decided: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
