@@ -60,7 +60,7 @@ $(STAMP): $(LOCKS)
 
 conform: $(STAMP)
 	@mkdir -p reports
-	$(VENV)/bin/outrate conform --profile $(PROFILE) --json reports/conform.json --junit reports/conform.xml --markdown reports/conform.md
+	$(VENV)/bin/outrate conform --level exact --profile $(PROFILE) --json reports/conform.json --junit reports/conform.xml --markdown reports/conform.md
 
 bench: $(STAMP)
 	@mkdir -p reports

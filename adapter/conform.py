@@ -209,18 +209,29 @@ def check_feature_off(
     from hypothesis import strategies as st
 
     from vllm_output_rate.adapter.feature_off import run_feature_off
-    from vllm_output_rate.adapter.scenarios import minimize, pressured_scenarios, scenarios
+    from vllm_output_rate.adapter.scenarios import feature_off, pressured_scenarios, scenarios
 
     name = "feature-off/" + ("async" if async_mode else "sync")
-    result = CheckResult(name, ["R18"])
     strategy = st.one_of(scenarios(async_scheduling=async_mode, max_steps=max_steps),
                          pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps))
-    run = _guarded(lambda scenario: run_feature_off(scheduler_cls, scenario, style), scheduler_cls)
+    return check_paired(name, ["R18"], strategy, lambda scenario: run_feature_off(scheduler_cls, scenario, style),
+                        scheduler_cls, examples, seed, tick, save_dir, feature_off)
+
+
+def check_paired(name: str, rules: list[str], strategy, run: Callable, scheduler_cls: str, examples: int,
+                 seed: int, tick: Callable[[], None], save_dir: Path | None, as_run: Callable,
+                 level: str = "must") -> CheckResult:
+    """A check that runs the candidate beside stock vLLM (R18 ``feature-off/*``, R19
+    ``not-binding/*``): ``run(scenario) -> Verdict`` on ``examples`` seeded scenarios of
+    ``strategy``; a failure is shrunk, made 1-minimal and saved as ``as_run(scenario)``
+    (the scenario as the candidate ran it). ``level``: the row's level."""
+    from vllm_output_rate.adapter.scenarios import minimize
+
+    result = CheckResult(name, rules, level=level)
+    run = _guarded(run, scheduler_cls)
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:
-        from vllm_output_rate.adapter.scenarios import feature_off
-
-        scenario = feature_off(minimize(scheduler_cls, failed[0], run=run))
+        scenario = as_run(minimize(scheduler_cls, failed[0], run=run))
         _record_failure(result, run(scenario), scenario)
         _save_counterexample(result, scenario, save_dir)
     return result

@@ -6,6 +6,8 @@ vLLM's ``Scheduler`` / ``AsyncScheduler``; after every step the two ``SchedulerO
 agree on the batch (request ids and ``num_scheduled_tokens``, in order), the preemptions
 and the admissions, and the delivered outputs on the finishes. A patch that still rotates,
 charges or reorders with the feature off fails here with the first differing step.
+``first_difference`` is the side-by-side run, shared with R19's check
+(``adapter/not_binding.py``: the feature on, never binding).
 """
 
 from __future__ import annotations
@@ -25,11 +27,35 @@ def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
     scenario = feature_off(scenario)
     base_cls = base_class(scenario.async_scheduling)
     name = scheduler_cls.rpartition(".")[2]
-    pair = []
-    for cls in (scheduler_cls, base_cls):
-        pair.append(build_harness(cls, scenario, style) if style is not None and cls == scheduler_cls
-                    else build_harness(cls, scenario))
-    candidate, base = pair
+    steps, difference = first_difference(scheduler_cls, scenario, scenario, style)
+    if difference is None:
+        return Verdict(steps, None)
+    step, field, got, want = difference
+    if step is None:
+        return Verdict(steps, f"with the feature off, {name} finished {got!r} but stock vLLM "
+                       f"finished {want!r}", "R18", None, level="must")
+    return Verdict(steps, f"with the feature off, {name} differs from stock vLLM {base_cls.rpartition('.')[2]} "
+                   f"at step {step}: {field} {got!r} != {want!r}; the article's patch behaves exactly like "
+                   "upstream when --default-user-output-tokens-per-second is not set",
+                   "R18", step, level="must")
+
+
+def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scenario, style=None
+                     ) -> tuple[int, tuple[int | None, str, object, object] | None]:
+    """Run ``scenario`` on ``scheduler_cls`` and ``base_scenario`` (the same requests and
+    engine shape) on its stock base class, side by side, step for step.
+
+    Returns ``(steps, difference)``: ``difference`` is None if after every step the two
+    ``SchedulerOutput``s agree on the batch (request ids and ``num_scheduled_tokens``, in
+    order), the preemptions and the admissions, and the delivered outputs on the finishes
+    (R18, R19); else ``(step, field, candidate's value, stock's value)``, ``step`` None
+    for the finishes after the final drain. ``style`` configures the candidate only.
+    """
+    base_cls = base_class(scenario.async_scheduling)
+    candidate = build_harness(scheduler_cls, scenario, style) if style is not None else build_harness(
+        scheduler_cls, scenario)
+    base = build_harness(base_cls, base_scenario)
+    pair = (candidate, base)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
     aborts = sorted((r for r in scenario.requests if r.abort_at_step is not None), key=lambda r: r.abort_at_step)
     steps = 0
@@ -51,17 +77,11 @@ def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
                             ("admitted", sorted(got.admitted), sorted(want.admitted)),
                             ("finished", got.finished, want.finished)):
             if a != b:
-                return Verdict(steps, f"with the feature off, {name} differs from stock vLLM {base_cls.rpartition('.')[2]} "
-                               f"at step {step}: {field} {a!r} != {b!r}; the article's patch behaves exactly like "
-                               "upstream when --default-user-output-tokens-per-second is not set",
-                               "R18", step, level="must")
-        advance = (scenario.advances_ns[step] if scenario.advances_ns is not None and step < len(scenario.advances_ns)
-                   else scenario.step_interval_ns)
+                return steps, (step, field, a, b)
         for h in pair:
-            h.advance(advance)
+            h.advance(scenario.step_interval_ns)
     for h in pair:
         h.drain()
     if candidate.finished != base.finished:
-        return Verdict(steps, f"with the feature off, {name} finished {candidate.finished!r} but stock vLLM "
-                       f"finished {base.finished!r}", "R18", None, level="must")
-    return Verdict(steps, None)
+        return steps, (None, "finished", candidate.finished, base.finished)
+    return steps, None

@@ -119,6 +119,21 @@ def _feature_off_check(async_mode: bool) -> CheckSpec:
                      lambda o: max(_budget(o)[key] // 4, 5), run)
 
 
+def _not_binding_check(async_mode: bool) -> CheckSpec:
+    from vllm_output_rate.adapter import not_binding
+
+    key = "async" if async_mode else "sync"
+
+    def run(options: GateOptions, tick: Tick):
+        budget = _budget(options)
+        return not_binding.check_not_binding(_cls(options, async_mode), async_mode, max(budget[key] // 4, 5),
+                                             budget["max_steps"], options.seed, tick, options.save_dir,
+                                             options.style)
+
+    return CheckSpec(f"not-binding/{key}", "candidate", "should", ("R19", "R14"), async_mode,
+                     lambda o: max(_budget(o)[key] // 4, 5), run)
+
+
 def _white_box_check(async_mode: bool) -> CheckSpec:
     from vllm_output_rate.adapter import conform as gate
 
@@ -183,7 +198,7 @@ def registry() -> list[CheckSpec]:
     checks: list[CheckSpec] = []
     for async_mode in (False, True):
         checks += [_scheduler_check(async_mode, False), _scheduler_check(async_mode, True),
-                   _feature_off_check(async_mode)]
+                   _feature_off_check(async_mode), _not_binding_check(async_mode)]
     checks += [_engine_wait_check(False), _engine_wait_check(True)]
     checks += [_white_box_check(False), _white_box_check(True)]
     return checks + _spec_health_checks()

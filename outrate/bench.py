@@ -14,7 +14,10 @@ default on this thread's CPU clock so that time spent descheduled while other jo
 the cores is left out (``--clock wall`` for perf_counter). A
 round's value is its mean per step; the table reports the medians over rounds and
 ``ratio`` = median of the per-round ratios reference / stock (robust to load drift;
-close to ``reference_us / stock_us``).
+close to ``reference_us / stock_us``). A third class, "article-style" (the independent
+implementation of the article kept as the gate's acceptance corpus,
+``tests/fixtures/article_style``, configured through its hook), is timed in the same
+rounds when the checkout has it; ``article_ratio`` is its median per-round ratio to stock.
 
 - throttled fraction 0: the limit is on with a rate of 10**9 tokens/s, never binding;
 - 0.5 / 0.9: that share of the requests, spread evenly over the running order, belongs to
@@ -72,6 +75,9 @@ STEP_NS = 10_000_000  # fake clock advance per step: 10 ms
 STREAMS_PER_USER = 4
 FREE_RATE = 10**9  # tokens/s: the limit is on but never binds
 TINY_RATE = 0.001  # tokens/s: one grant, then refused for 1000 s (the run lasts seconds)
+# The article-style peer takes integer rates only: 1 token/s, one grant per throttled user per
+# 100 steps of 10 ms, so its throttled share stays within a few requests of the plan.
+TINY_RATE_INTEGER = 1
 MAX_WARMUP_STEPS = 200
 LIMITER_USERS = 4096
 # The step clock. "cpu": this thread's CPU time (CLOCK_THREAD_CPUTIME_ID), which leaves out
@@ -121,7 +127,8 @@ class _Driver:
     """One scheduler on a ``Harness``; ``step()`` returns the seconds spent in vLLM's calls."""
 
     def __init__(self, cls_path: str, n: int, fraction: float, async_mode: bool, total_steps: int,
-                 limited: bool, clock: Callable[[], float] = time.thread_time) -> None:
+                 limited: bool, clock: Callable[[], float] = time.thread_time, style: Any = None,
+                 tiny_rate: float = TINY_RATE) -> None:
         from vllm_output_rate.adapter.harness import EngineShape, Harness
 
         self.max_tokens = total_steps + 64
@@ -142,7 +149,7 @@ class _Driver:
         if limited:
             output_rate = {
                 "default_tokens_per_s": FREE_RATE,
-                "user_tokens_per_s": {u: TINY_RATE for u in set(users) if u.startswith("t")},
+                "user_tokens_per_s": {u: tiny_rate for u in set(users) if u.startswith("t")},
             }
         shape = EngineShape(
             max_num_seqs=n,
@@ -154,7 +161,7 @@ class _Driver:
             max_model_len=max_model_len,
             output_rate=output_rate,
         )
-        self.harness = Harness(cls_path, shape)
+        self.harness = Harness(cls_path, shape, style=style)
         for i, user in enumerate(users):
             self.harness.add_request(f"r{i}", user, prompt_len=4 + (i % 16), max_tokens=self.max_tokens)
         self.n = n
@@ -206,6 +213,8 @@ class _Driver:
         if len(scheduler.running) != self.n or scheduler.waiting:
             return False
         decoding = sum(1 for r in scheduler.running if r.num_output_tokens > 1)
+        if getattr(scheduler, "last_step_observation", None) is None:  # no observation interface
+            return decoding >= self.n - self.expected_throttled and self.steps >= 2 * MIN_STEADY_STEPS
         throttled = self.throttled_now()
         return throttled == self.expected_throttled and decoding >= self.n - self.expected_throttled
 
@@ -234,6 +243,29 @@ class SchedulerRow:
     steps_per_round: int = 0
     ratio_min: float = 0.0
     ratio_max: float = 0.0
+    article_us: float | None = None
+    article_ratio: float | None = None
+
+
+ARTICLE_SCHEDULER = "article_style.scheduler.ArticleScheduler"
+ARTICLE_ASYNC_SCHEDULER = "article_style.scheduler.ArticleAsyncScheduler"
+ARTICLE_HOOK = "hook:article_style.hook.configure"
+MIN_STEADY_STEPS = 8  # warm-up steps a class without an observation gets before timing
+
+
+def article_style(async_mode: bool) -> tuple[str, Any] | None:
+    """(class path, config style) of the article-style implementation, or None when this
+    checkout has no ``tests/fixtures/article_style`` (an installed wheel)."""
+    import sys
+
+    fixtures = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+    if not (fixtures / "article_style").is_dir():
+        return None
+    if str(fixtures) not in sys.path:
+        sys.path.insert(0, str(fixtures))
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+
+    return (ARTICLE_ASYNC_SCHEDULER if async_mode else ARTICLE_SCHEDULER), parse_config_style(ARTICLE_HOOK)
 
 
 def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None],
@@ -252,19 +284,23 @@ def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Call
                     limited=False, clock=CLOCKS[clock])
     reference = _Driver(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, n, fraction,
                         async_mode, total, limited=True, clock=CLOCKS[clock])
-    stock.warm_up()
-    reference.warm_up()
+    peer = article_style(async_mode)
+    article = (_Driver(peer[0], n, fraction, async_mode, total, limited=True, clock=CLOCKS[clock], style=peer[1],
+                       tiny_rate=TINY_RATE_INTEGER) if peer is not None else None)
+    drivers = [d for d in (stock, reference, article) if d is not None]
+    for driver in drivers:
+        driver.warm_up()
     gc.collect()
-    stock_means: list[float] = []
-    ref_means: list[float] = []
+    means: dict[int, list[float]] = {id(d): [] for d in drivers}
     throttled_seen: set[int] = set()
     for k in range(plan.rounds):
-        order = (stock, reference) if k % 2 == 0 else (reference, stock)
+        order = drivers[k % len(drivers):] + drivers[:k % len(drivers)]  # rotate who goes first
         for driver in order:
             spent = sum(driver.step() for _ in range(plan.steps_per_round))
-            (stock_means if driver is stock else ref_means).append(spent / plan.steps_per_round)
+            means[id(driver)].append(spent / plan.steps_per_round)
         throttled_seen.add(reference.throttled_now())
         tick()
+    stock_means, ref_means = means[id(stock)], means[id(reference)]
     if throttled_seen != {reference.expected_throttled}:
         raise RuntimeError(f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, "
                            f"planned {reference.expected_throttled}")
@@ -281,6 +317,9 @@ def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Call
         steps_per_round=plan.steps_per_round,
         ratio_min=min(ratios),
         ratio_max=max(ratios),
+        article_us=statistics.median(means[id(article)]) * 1e6 if article is not None else None,
+        article_ratio=(statistics.median([a / s for a, s in zip(means[id(article)], stock_means)])
+                       if article is not None else None),
     )
 
 
@@ -552,13 +591,16 @@ def machine() -> dict[str, Any]:
 
 def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
     table = Table(title=f"scheduler step: schedule() + update_from_output(), {clock} µs per step (median of rounds)")
-    for col in ("mode", "running", "throttled", "stock µs", "reference µs", "ratio", "ratio range"):
+    for col in ("mode", "running", "throttled", "stock µs", "reference µs", "ratio", "ratio range",
+                "article-style µs", "article-style ratio"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in rows:
         style = "green" if r.ratio <= 1.03 else ("yellow" if r.ratio <= 1.10 else "red")
         table.add_row(r.mode, str(r.running), f"{r.throttled_fraction:.0%} ({r.throttled_requests})",
                       f"{r.stock_us:,.0f}", f"{r.reference_us:,.0f}", f"[{style}]{r.ratio:.3f}[/]",
-                      f"{r.ratio_min:.2f}-{r.ratio_max:.2f}")
+                      f"{r.ratio_min:.2f}-{r.ratio_max:.2f}",
+                      "-" if r.article_us is None else f"{r.article_us:,.0f}",
+                      "-" if r.article_ratio is None else f"{r.article_ratio:.3f}")
     return table
 
 
