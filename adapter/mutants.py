@@ -314,16 +314,39 @@ class WaitHintFromLatestUser(RateLimitedScheduler):
 
 @dataclass(frozen=True)
 class Mutant:
-    """One catalogue entry: dotted class path, the rule it breaks, and the mode it runs in."""
+    """One catalogue entry.
+
+    ``cls``: dotted path of the mutant (the async class when ``async_only``);
+    ``async_cls``: its async variant, if the slip is built for both modes (None and not
+    ``async_only``: judged in sync mode only); ``rule``: the rule the slip breaks;
+    ``style``: the ``--config-style`` its users configure it with (None:
+    ``additional_config["output_rate"]``); ``integer_rates``: it takes integer rates only;
+    ``base_cls`` / ``base_async_cls``: the unmutated classes it is a slip of (a
+    counterexample must pass on them); ``boundary``: the boundary of issue 18 item 1 the
+    slip sits on, if any. The class docstring's ``Slip:`` line says which slip of a real
+    patch it models.
+    """
 
     name: str
     rule: str
     cls: str
     async_only: bool = False
+    async_cls: str | None = None
+    style: str | None = None
+    integer_rates: bool = False
+    base_cls: str | None = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
+    base_async_cls: str | None = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
+    boundary: str | None = None
+
+    def load(self) -> type:
+        """The mutant class (imports its module)."""
+        from vllm_output_rate.adapter.harness import load_class
+
+        return load_class(self.cls)
 
 
-def _entry(cls: type, rule: str, async_only: bool = False) -> Mutant:
-    return Mutant(cls.__name__, rule, f"{__name__}.{cls.__name__}", async_only)
+def _entry(cls: type, rule: str, async_only: bool = False, boundary: str | None = None) -> Mutant:
+    return Mutant(cls.__name__, rule, f"{__name__}.{cls.__name__}", async_only, boundary=boundary)
 
 
 MUTANTS: tuple[Mutant, ...] = (

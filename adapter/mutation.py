@@ -1,103 +1,249 @@
-"""Mutation testing of the gate: every mutant of ``adapter/mutants.py`` must be rejected.
+"""Mutation testing of the gate: every mutant of the catalogue must be rejected.
 
-For each mutant the gate's scenario checks run in order of cost (ample sync scenarios,
-then scenarios under resource pressure with white-box invariants; async mutants on the
-async checks) until one fails. The kill is recorded with the seconds it took, the rule the
-failing check names, and the length of the 1-minimal counterexample.
+The catalogue (``catalogue()``) is the reference's mutants (``adapter/mutants.py``) plus
+the mutants of the independent article-style implementation
+(``tests/fixtures/article_mutants.py``, which has no observation interface; it is loaded,
+with ``tests/fixtures`` put on ``sys.path``, only when the catalogue is asked for).
+
+``kill(mutant, ...)`` hunts one mutant with the gate's own candidate checks: the
+registry's plan (``adapter/registry.py``) for a gate run on the mutant at the chosen level,
+configured as the mutant's users would configure it (its ``style`` and
+``integer_rates``), cheapest check first, ``engine-wait/*`` (about 5 s each) after the
+scenario checks, until one check fails. With ``white_box`` False (``--no-white-box``) the
+exact-level checks (step identity with the spec through the observation interface) are
+left out, so every kill comes from what vLLM exposes. A kill row records the check, the
+level of the property that failed, the rule the failure names, whether the killing check
+is black-box, the seconds, and the 1-minimal counterexample; and the counterexample is
+re-run on the mutant's unmutated base class, which must pass it (``base_passes``): a kill
+the base would suffer too is not the mutant's slip.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
-
 from vllm_output_rate.adapter.mutants import MUTANTS, Mutant
-from vllm_output_rate.adapter.scenarios import (
-    Scenario,
-    event_count,
-    minimize,
-    pressured_scenarios,
-    run_scenario,
-    scenarios,
+
+FIXTURES_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+"""Where the article-style implementation and its mutants live (a source checkout)."""
+
+ARTICLE_MUTANTS_MODULE = "article_mutants"
+
+# Cheapest first (seconds measured on the article-style classes in profile ci); a check
+# not listed here (a row added later) runs after the listed scenario checks and before
+# engine-wait; white-box rows (level exact) come last.
+CHECK_ORDER = (
+    "feature-off/sync", "invariants/sync", "rate-limit/sync", "boundaries/sync",
+    "feature-off/async", "invariants/async", "rate-limit/async", "boundaries/async",
 )
+LATE_CHECKS = ("engine-wait/sync", "engine-wait/async", "white-box/sync", "white-box/async")
+
+_RULE_IN_FAILURE = re.compile(r"\b(R\d+|crash)\b")
 
 
 @dataclass
 class MutantResult:
-    """One row of the kill table (and of the JSON ``"mutants"`` list)."""
+    """One row of the kill table (and of the JSON ``"mutants"`` list).
+
+    ``killed_by``: the rule id the failing check names; ``level``: the level of the failed
+    property (``CheckResult.failed_level``); ``black_box``: the killing check uses only
+    what vLLM exposes (every check but ``white-box/*`` and the exact-level observation
+    invariants); ``base_passes``: the counterexample passes on the unmutated base class
+    (None: not re-run); ``based_on``: "reference" or "article_style".
+    """
 
     mutant: str
     rule: str
     killed: bool
     seconds: float
     counterexample_events: int = 0
-    killed_by: str | None = None  # the rule id the failing check names
+    killed_by: str | None = None
     check: str | None = None
     failure: str | None = None
     counterexample: list[str] | None = None
+    level: str | None = None
+    black_box: bool | None = None
+    base_passes: bool | None = None
+    based_on: str = "reference"
+    checks_run: int = 0
 
     def as_json(self) -> dict:
         return {
             "mutant": self.mutant,
             "rule": self.rule,
+            "based_on": self.based_on,
             "killed": self.killed,
             "seconds": round(self.seconds, 3),
             "counterexample_events": self.counterexample_events,
             "killed_by": self.killed_by,
             "check": self.check,
+            "level": self.level,
+            "black_box": self.black_box,
+            "base_passes": self.base_passes,
+            "checks_run": self.checks_run,
             "failure": self.failure,
             "counterexample": self.counterexample,
         }
 
 
-def _first_failure(cls: str, strategy, examples: int, seed: int) -> Scenario | None:
-    found: dict[str, Scenario] = {}
+def article_catalogue() -> tuple[Mutant, ...]:
+    """The article-style mutants, with ``tests/fixtures`` put on ``sys.path`` (and on the
+    child processes' ``PYTHONPATH``, which engine-wait derives from ``sys.path``).
+
+    Raises:
+        ImportError: no ``tests/fixtures/article_mutants.py`` (not a source checkout).
+    """
+    import importlib
+
+    if not (FIXTURES_DIR / f"{ARTICLE_MUTANTS_MODULE}.py").exists():
+        raise ImportError(f"{FIXTURES_DIR / ARTICLE_MUTANTS_MODULE}.py not found: the article-style mutants "
+                          "are in the source checkout's tests/fixtures")
+    if str(FIXTURES_DIR) not in sys.path:
+        sys.path.insert(0, str(FIXTURES_DIR))
+    return importlib.import_module(ARTICLE_MUTANTS_MODULE).ARTICLE_MUTANTS
+
+
+def catalogue(article: bool = True) -> tuple[Mutant, ...]:
+    """Every mutant: the reference's, then (``article``) the article-style ones."""
+    return MUTANTS + (article_catalogue() if article else ())
+
+
+def _order(name: str) -> tuple[int, int]:
+    if name in CHECK_ORDER:
+        return (0, CHECK_ORDER.index(name))
+    if name in LATE_CHECKS:
+        return (2, LATE_CHECKS.index(name))
+    return (1, 0)
+
+
+def hunt_plan(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
+              save_dir: Path | None = None):
+    """(options, planned checks in hunting order) for ``mutant``: the registry's plan of a
+    gate run on it, candidate checks only, in the mutant's modes (``async_only``: async
+    checks; no ``async_cls``: sync checks), exact-level ones only with ``white_box``."""
+    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+
+    style = parse_config_style(mutant.style) if mutant.style else None
+    async_cls = mutant.cls if mutant.async_only else mutant.async_cls
+    options = registry.GateOptions(
+        scheduler_cls=mutant.cls, async_scheduler_cls=async_cls, level=level, profile=profile, seed=seed,
+        style=style, integer_rates=mutant.integer_rates, sync_only=async_cls is None, spec_health=False,
+        save_dir=save_dir)
+    planned = []
+    for item in registry.plan(options):
+        spec = item.spec
+        if item.skip is not None or spec.part != "candidate":
+            continue
+        if not white_box and spec.level == "exact":
+            continue
+        if mutant.async_only and spec.async_mode is False:
+            continue
+        planned.append(item)
+    planned.sort(key=lambda item: _order(item.spec.name))
+    return options, planned
+
+
+def _is_black_box(result) -> bool:
+    return not result.name.startswith("white-box/") and result.failed_level != "exact"
+
+
+def _named_rule(failure: str | None) -> str | None:
+    match = _RULE_IN_FAILURE.search(failure or "")
+    return match.group(1) if match else None
+
+
+def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
+    """Re-run the saved counterexample of ``result`` on the mutant's base class: True if
+    the base passes it (the kill is the slip's), None if it cannot be re-run."""
+    from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
+
+    async_mode = result.name.endswith("/async")
+    base = mutant.base_async_cls if async_mode else mutant.base_cls
+    if base is None:
+        return None
+    if result.name.startswith("engine-wait/"):
+        from vllm_output_rate.adapter.engine_wait import run_engine_wait
+
+        return run_engine_wait(base, style=options.style, seed=options.seed).failure is None
+    if result.saved is None:
+        return None
+    try:
+        scenario = Scenario.from_json(Path(result.saved).read_text())
+    except (TypeError, KeyError, ValueError):
+        return None  # not a rate-limit scenario (a step scenario of another check)
+    if result.name.startswith("feature-off/"):
+        from vllm_output_rate.adapter.feature_off import run_feature_off
+
+        return run_feature_off(base, scenario, options.style).failure is None
+    return run_scenario(base, scenario, level, options.style).failure is None
+
+
+def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
+         check_base: bool = True) -> MutantResult:
+    """Run the gate's candidate checks on ``mutant`` (``hunt_plan``) until one rejects it."""
+    from vllm_output_rate.adapter import registry
+
+    started = time.monotonic()
+    based_on = "article_style" if mutant.style else "reference"
+    with tempfile.TemporaryDirectory(prefix=f"outrate-mutant-{mutant.name}-") as tmp:
+        options, planned = hunt_plan(mutant, level, profile, seed, white_box, Path(tmp))
+        for n, item in enumerate(planned, 1):
+            result = registry.run_planned(item, options, lambda: None)
+            if result.result != "fail":
+                continue
+            events = sum(1 for line in result.counterexample if not line.startswith("config:"))
+            row = MutantResult(mutant.name, mutant.rule, True, 0.0, events, _named_rule(result.failure), result.name,
+                               result.failure, list(result.counterexample), result.failed_level or result.level,
+                               _is_black_box(result), None, based_on, n)
+            row.seconds = time.monotonic() - started  # the base re-run is not part of the kill
+            if check_base:
+                row.base_passes = _base_passes(mutant, result, level, options)
+            return row
+    return MutantResult(mutant.name, mutant.rule, False, time.monotonic() - started, based_on=based_on,
+                        checks_run=len(planned))
+
+
+def kill_all(level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
+             tick: Callable[[str], None] = lambda name: None,
+             mutants: tuple[Mutant, ...] | None = None) -> list[MutantResult]:
+    """``kill`` every mutant of ``mutants`` (default: the whole catalogue); ``tick`` is
+    called with each mutant's name before it is hunted."""
+    results = []
+    for mutant in catalogue() if mutants is None else mutants:
+        tick(mutant.name)
+        results.append(kill(mutant, level, profile, seed, white_box))
+    return results
+
+
+def first_failure(mutant: Mutant, strategy, examples: int, seed: int, level: str = "should"):
+    """The first scenario of ``strategy`` (``examples`` seeded Hypothesis examples, no
+    shrinking) on which ``mutant`` fails, or None: the discovery tests' probe."""
+    from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
+
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+    from vllm_output_rate.adapter.scenarios import run_scenario
+
+    style = parse_config_style(mutant.style) if mutant.style else None
+    cls = mutant.cls
+    found: dict = {}
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              phases=[Phase.generate, Phase.shrink], print_blob=False, report_multiple_bugs=False)
+              phases=[Phase.generate], print_blob=False, report_multiple_bugs=False)
     @hseed(seed)
     @given(scenario=strategy)
     def prop(scenario):
-        verdict = run_scenario(cls, scenario)
-        if verdict.failure is not None:
+        if "scenario" in found:
+            return
+        cls_here = mutant.async_cls if scenario.async_scheduling and mutant.async_cls else cls
+        if run_scenario(cls_here, scenario, level, style).failure is not None:
             found["scenario"] = scenario
-        assert verdict.failure is None
 
-    try:
-        prop()
-    except AssertionError:
-        return found.get("scenario")
-    return None
-
-
-def kill(mutant: Mutant, examples: int, max_steps: int, seed: int) -> MutantResult:
-    """Run the gate's scenario checks on one mutant until one rejects it."""
-    started = time.monotonic()
-    modes = [True] if mutant.async_only else [False, True]
-    plan = []
-    for async_mode in modes:
-        tag = "async" if async_mode else "sync"
-        plan.append((f"rate-limit/{tag}", scenarios(async_scheduling=async_mode, max_steps=max_steps)))
-        plan.append((f"invariants/{tag}", pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps)))
-    for check, strategy in plan:
-        scenario = _first_failure(mutant.cls, strategy, examples, seed)
-        if scenario is None:
-            continue
-        scenario = minimize(mutant.cls, scenario)
-        verdict = run_scenario(mutant.cls, scenario)
-        return MutantResult(mutant.name, mutant.rule, True, time.monotonic() - started, event_count(scenario),
-                            verdict.rule, check, verdict.failure, scenario.events())
-    return MutantResult(mutant.name, mutant.rule, False, time.monotonic() - started)
-
-
-def kill_all(examples: int, max_steps: int, seed: int, tick: Callable[[str], None] = lambda name: None,
-             mutants: tuple[Mutant, ...] = MUTANTS) -> list[MutantResult]:
-    """``kill`` every mutant of the catalogue; ``tick`` is called before each."""
-    results = []
-    for mutant in mutants:
-        tick(mutant.name)
-        results.append(kill(mutant, examples, max_steps, seed))
-    return results
+    prop()
+    return found.get("scenario")

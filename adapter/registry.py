@@ -155,6 +155,7 @@ def _engine_wait_check(async_mode: bool) -> CheckSpec:
         from vllm_output_rate.adapter import engine_wait
 
         result = engine_wait.check_engine_wait(_cls(options, async_mode), options.seed, tick, style=options.style)
+        result.minimal = False  # one seeded scenario, not minimized
         if result.result == "fail":
             result.failed_level = "should"
             result.failure = f"[should] {result.failure}"

@@ -137,7 +137,11 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
         for line in r.counterexample:
             console.print(f"    {escape_markup(line)}")
         if r.saved:
-            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {sync_cls})")
+            cls = async_scheduler_cls if r.name.endswith("/async") and async_scheduler_cls else sync_cls
+            extra = "".join(f" --path {p}" for p in paths) + (
+                f" --config-style {config_style}" if config_style != "additional-config" else "")
+            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {cls} "
+                          f"--level {level}{extra})", soft_wrap=True)
 
     mutant_rows = _run_mutants(_budget(profile), seed) if mutants else []
     survivors = [m for m in mutant_rows if not m["killed"]]
@@ -274,7 +278,13 @@ def _run_mutants(budget: dict, seed: int) -> list[dict]:
 @click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
               help="Class to run the scenario on; default: the class the saving check judged (the reference, sync "
                    "or async as the scenario says; stock vLLM for a base-fidelity scenario).")
-def replay(scenario_file, scheduler_cls) -> None:
+@click.option("--level", type=click.Choice(["must", "should", "exact"]), default="exact", show_default=True,
+              help="Level of the properties judged on a rate-limit scenario.")
+@click.option("--config-style", "config_style", default="additional-config", show_default=True,
+              help="How the class is configured (as for outrate conform).")
+@click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Directory to put on the import path first; repeatable.")
+def replay(scenario_file, scheduler_cls, level, config_style, paths) -> None:
     """Re-run a saved counterexample of `outrate conform`; exit 1 if it fails.
 
     The format is read from the file's keys. ``rates_tokens_per_s`` + ``requests``: a
@@ -311,6 +321,9 @@ def replay(scenario_file, scheduler_cls) -> None:
     except (TypeError, KeyError, ValueError, AssertionError) as exc:
         raise click.BadParameter(f"{scenario_file}: not a valid {kind} scenario: {exc!r}",
                                  param_hint="SCENARIO_FILE") from None
+    for directory in reversed(paths):
+        sys.path.insert(0, str(Path(directory).resolve()))
+    style = _config_style(config_style)
     if scheduler_cls is not None:
         try:
             load_class(scheduler_cls)
@@ -322,9 +335,15 @@ def replay(scenario_file, scheduler_cls) -> None:
         console.print(f"rate-limit scenario on {cls}")
         for line in scenario.events():
             console.print(f"  {escape(line)}")
-        verdict = run_scenario(cls, scenario)
+        if not scenario.feature_on:
+            from vllm_output_rate.adapter.feature_off import run_feature_off
+
+            verdict = run_feature_off(cls, scenario, style)
+        else:
+            verdict = run_scenario(cls, scenario, level, style)
         if verdict.failure:
-            console.print(f"[bold red]FAIL[/] {verdict.rule}: step {verdict.step}: {escape(verdict.failure)}")
+            console.print(f"[bold red]FAIL[/] [{verdict.level}] {verdict.rule}: step {verdict.step}: "
+                          f"{escape(verdict.failure)}")
             sys.exit(1)
         console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
                       f"{verdict.sampled_per_user}")
@@ -334,7 +353,7 @@ def replay(scenario_file, scheduler_cls) -> None:
     if scenario.config.rate_limited:
         check = "white box"
         cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER)
-        verdict = run_white_box(scenario, cls)
+        verdict = run_white_box(scenario, cls, style=style)
     else:
         check = "base fidelity"
         cls = scheduler_cls or fidelity.base_scheduler_cls(async_mode)
