@@ -788,7 +788,8 @@ def _executor_class():
 
             return [[layout.name for layout in KVCacheLayout]]
 
-        def set_kv_cache_layout(self, layout_name: str) -> None:
+        def set_kv_cache_layout(self, layout_name: str, *extra) -> None:
+            # vLLM 0.33 also passes cp_kv_cache_interleave_size (Executor.set_kv_cache_layout).
             self.kv_cache_layout = layout_name
 
         def initialize_from_config(self, kv_cache_configs) -> None:
@@ -842,6 +843,7 @@ def _build_engine(world: _World, vllm_config):
     engine.engine_index = 0
     engine.engines_running = False
     engine.shutdown_state = EngineShutdownState.RUNNING
+    engine.reject_new_requests = False  # vLLM 0.33 (pause/resume of new requests)
     engine.tensor_ipc_receiver = None
     engine.has_coordinator = False
     engine.frontend_stats_publish_address = None

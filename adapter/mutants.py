@@ -15,7 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from vllm_output_rate.reference.limiter import OutputRateLimiter
-from vllm_output_rate.reference.scheduler import RateLimitedAsyncScheduler, RateLimitedScheduler
+from vllm_output_rate.reference.scheduler import RateLimitedAsyncScheduler, RateLimitedScheduler, _RateLimitMixin
 
 
 # -- R7: charge on dispatch of sampling steps only ---------------------------------------
@@ -108,10 +108,42 @@ class RefundDispatched(RateLimitedScheduler):
 
 # -- R10: throttled prefill ---------------------------------------------------------------
 class HeadOfLineBlocking(RateLimitedScheduler):
-    """R10 broken: a refused user's waiting request stops admission of later ones."""
+    """R10 broken: a refused user's waiting request stops admission of later ones.
+
+    vLLM 0.32 itself stops admission at a waiting request given 0 tokens, 0.33 only skips
+    it (docs/SPEC.md "vLLM versions", V8); so the stop is made here, on both releases: the
+    first refused waiting request that cannot advance without sampling ends admission for
+    the step (the admission cap drops to 0), as 0.32 does without the reference's skip.
+    """
+
+    def _reset_step_state(self, now_ns: int) -> None:
+        super()._reset_step_state(now_ns)
+        self._admission_stopped = False
+
+    @property
+    def max_num_active_reqs(self) -> int:
+        if getattr(self, "_admission_stopped", False):
+            return 0
+        return _RateLimitMixin.max_num_active_reqs.fget(self)
+
+    @max_num_active_reqs.setter
+    def max_num_active_reqs(self, value: int) -> None:
+        self._base_max_num_active_reqs = value
 
     def _handle_blocked_waiting_request(self, request):
-        return Scheduler._handle_blocked_waiting_request(self, request)  # vLLM's own: 0 tokens -> break
+        if not Scheduler._handle_blocked_waiting_request(self, request):
+            return False
+        if self.rate_limiter is None or self._unconstrained:
+            return True
+        user = self._user(request)
+        if self._grants_left(user):
+            return True
+        self._refused_users.add(user)
+        chunked = self.scheduler_config.enable_chunked_prefill
+        if chunked and request.num_computed_tokens < request.num_tokens - 1:
+            return True  # it can still advance short of sampling (R10)
+        self._admission_stopped = True  # the broken part: nothing after it is admitted
+        return False
 
 
 class NoPrefillAdvance(RateLimitedScheduler):

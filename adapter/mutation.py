@@ -24,7 +24,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -55,7 +55,9 @@ class MutantResult:
     property (``CheckResult.failed_level``); ``black_box``: the killing check uses only
     what vLLM exposes (every check but ``white-box/*`` and the exact-level observation
     invariants); ``base_passes``: the counterexample passes on the unmutated base class
-    (None: not re-run); ``based_on``: "reference" or "article_style".
+    (None: not re-run); ``based_on``: "reference" or "article_style"; ``spurious``: failures
+    of checks that the base class fails on the same counterexample too (not counted as
+    kills: a defect of the base or of the gate, reported).
     """
 
     mutant: str
@@ -72,6 +74,7 @@ class MutantResult:
     base_passes: bool | None = None
     based_on: str = "reference"
     checks_run: int = 0
+    spurious: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict:
         return {
@@ -87,6 +90,7 @@ class MutantResult:
             "black_box": self.black_box,
             "base_passes": self.base_passes,
             "checks_run": self.checks_run,
+            "spurious": self.spurious,
             "failure": self.failure,
             "counterexample": self.counterexample,
         }
@@ -192,6 +196,7 @@ def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int =
 
     started = time.monotonic()
     based_on = "article_style" if mutant.style else "reference"
+    spurious: list[str] = []  # failures the base class shares (a gate or base defect, reported)
     with tempfile.TemporaryDirectory(prefix=f"outrate-mutant-{mutant.name}-") as tmp:
         options, planned = hunt_plan(mutant, level, profile, seed, white_box, Path(tmp))
         for n, item in enumerate(planned, 1):
@@ -205,9 +210,13 @@ def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int =
             row.seconds = time.monotonic() - started  # the base re-run is not part of the kill
             if check_base:
                 row.base_passes = _base_passes(mutant, result, level, options)
+                if row.base_passes is False:  # the base fails it too: not this slip's kill; hunt on
+                    spurious.append(f"{result.name}: {result.failure}")
+                    continue
+            row.spurious = spurious
             return row
     return MutantResult(mutant.name, mutant.rule, False, time.monotonic() - started, based_on=based_on,
-                        checks_run=len(planned))
+                        checks_run=len(planned), spurious=spurious)
 
 
 def kill_all(level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,

@@ -123,6 +123,11 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
               f" -- level {level}, profile {profile}, seed {seed}, config {config_style}, "
               f"burst {'configurable' if burst_configurable else 'fixed 100 ms'}"
               f"{', integer rates' if integer_rates else ''}")
+    from vllm_output_rate.adapter.versions import installed_warning
+
+    version_warning = installed_warning()
+    if version_warning:
+        header += f"\nWARNING: {version_warning}"
     for part, title in (("candidate", f"{header}\ncandidate checks (the verdict)"),
                         ("spec health", "spec health (never the candidate's verdict)")):
         rows = [r for r in results if r.part == part]

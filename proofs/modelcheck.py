@@ -42,7 +42,8 @@ of time, so only one is explored. Each reduction is sound for a stated reason:
   PRIORITY compares ``(priority, arrival)``, R13 takes the latest arrival);
   ``num_preemptions`` (read by nothing) is zeroed; in-flight outputs and last-served
   entries of requests that left are dropped (``deliver`` drops such output, R14 ignores
-  a last-served stream that is not running; scopes never reuse a request id); an empty
+  a last-served stream that is not running; scopes never reuse a request id); R14's
+  ``turns`` keep only running requests (``turn_order`` drops the others); an empty
   in-flight output equals none.
 - *Symmetry over users.* Users with the same rate are interchangeable: nothing in the
   spec compares user names, and the checker state carries each user's pending streams
@@ -351,6 +352,7 @@ def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
                 mapping[old] = new
 
     index = {r.request_id: i for i, r in enumerate(requests)}
+    running = set(st.running)
     # Limiter keys are users; a mutated spec may key by request id (then renamed like the
     # request, and dropped once the request left: ids are never reused).
     new_leads = {(mapping[u] if u in mapping else f"q{index[u]}"): lead for u, lead in leads.items()
@@ -373,6 +375,7 @@ def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
         tuple(sorted((u, _frac(lead)) for u, lead in new_leads.items())),
         tuple(_frac(t) for t in ledger),
         tuple(sorted((uidx[mapping[u]], p, index[rid]) for u, p, rid in st.last_served if rid in index)),
+        tuple(index[rid] for rid in st.turns if rid in running),  # R14: only running requests take turns
         pending,
         tuple(sorted((index[rid], n) for rid, n in world.bypass.items() if rid in index and n > 0)),
         world.aborts_left,
@@ -406,12 +409,14 @@ def canonical_world(world: World, cs: Compiled, context: tuple) -> World:
                           for e in st.in_flight if e.request_id in ids) or None
     limiter = spec_limiter.LimiterState(MappingProxyType({u: new_leads[u] for u in sorted(new_leads)}))
     last_served = tuple(sorted((mapping[u], p, ids[rid]) for u, p, rid in st.last_served if rid in ids))
+    running = set(st.running)
+    turns = tuple(ids[rid] for rid in st.turns if rid in running)
     added = tuple(world.added[cs.uidx[inverse[u]]] for u in cs.users)
     bypass = {ids[rid]: n for rid, n in world.bypass.items() if rid in ids and n > 0}
     rep_state = SchedulerState(
         config=st.config, now_ns=0, requests=tuple(new_requests), running=tuple(ids[x] for x in st.running),
         waiting=tuple(ids[x] for x in st.waiting), num_free_blocks=st.num_free_blocks, in_flight=in_flight,
-        num_arrivals=len(new_requests), num_schedules=0, limiter=limiter, last_served=last_served)
+        num_arrivals=len(new_requests), num_schedules=0, limiter=limiter, last_served=last_served, turns=turns)
     return World(rep_state, pending, ledger, bypass, world.aborts_left, added)
 
 

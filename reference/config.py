@@ -18,6 +18,8 @@ Source: semantics.md "Configuration"; seed article, start-up flags.
 
 from __future__ import annotations
 
+import difflib
+import json
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Mapping
@@ -25,6 +27,7 @@ from typing import Any, Mapping
 from vllm_output_rate.reference.limiter import BURST_NS, parse_rate
 
 KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path")
+SECTION = "output_rate"  # the key of vLLM's additional_config that holds the section
 
 
 class OutputRateConfigError(ValueError):
@@ -59,10 +62,11 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
         raise OutputRateConfigError(
             f'additional_config["output_rate"] must be a JSON object, got {section!r}'
         )
-    unknown = sorted(set(section) - set(KNOWN_KEYS))
+    unknown = sorted(set(section) - set(KNOWN_KEYS), key=str)
     if unknown:
         raise OutputRateConfigError(
-            f'unknown key(s) {unknown} in additional_config["output_rate"]; known keys: {list(KNOWN_KEYS)}'
+            f'unknown key(s) in additional_config["output_rate"]: {_suggest_keys(unknown, KNOWN_KEYS)}; '
+            f"known keys: {', '.join(KNOWN_KEYS)}"
         )
     overrides = section.get("user_tokens_per_s")
     if overrides is None:
@@ -100,6 +104,97 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
             f"appended to, e.g. \"/tmp/outrate-trace.jsonl\", got {trace_path!r}; remove it to turn tracing off"
         )
     return OutputRateConfig(default_rate, user_rates, active, burst_ms * 1_000_000, trace_path)
+
+
+def nearest_key(key: object, known: tuple[str, ...] | list[str], cutoff: float = 0.6) -> str | None:
+    """The known key closest to a misspelt ``key`` (difflib), or None if none is close."""
+    matches = difflib.get_close_matches(str(key), list(known), n=1, cutoff=cutoff)
+    return matches[0] if matches else None
+
+
+def _suggest_keys(unknown: list, known: tuple[str, ...]) -> str:
+    """``'default_token_per_s' (did you mean 'default_tokens_per_s'?), 'x'`` for a message."""
+    parts = []
+    for key in unknown:
+        near = nearest_key(key, known)
+        parts.append(f"{key!r} (did you mean {near!r}?)" if near else repr(key))
+    return ", ".join(parts)
+
+
+def _no_duplicate_keys(what: str) -> Any:
+    """A ``json`` ``object_pairs_hook`` refusing a key given twice in one object of ``what``."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise OutputRateConfigError(
+                    f"{what}: key {key!r} is given twice ({result[key]!r} and {value!r}); "
+                    "JSON keeps only the last one, so give it once with the value you mean"
+                )
+            result[key] = value
+        return result
+
+    return hook
+
+
+def loads_no_duplicates(text: str, what: str) -> Any:
+    """``json.loads(text)`` that refuses duplicate keys (Configuration: typos are caught).
+
+    Plain ``json.loads`` keeps the last of ``{"a": 5, "a": 7}`` silently.
+
+    Raises:
+        OutputRateConfigError: a key given twice in one object, naming ``what``, the key
+            and both values.
+        json.JSONDecodeError: ``text`` is not JSON.
+    """
+    return json.loads(text, object_pairs_hook=_no_duplicate_keys(what))
+
+
+def section_duplicates_error(text: str) -> str | None:
+    """The duplicate-key message for the ``output_rate`` part of an ``--additional-config`` text.
+
+    Only the ``output_rate`` key itself and the objects inside it are checked (the rest
+    of ``additional_config`` belongs to vLLM and other plugins). None: no duplicate, or
+    ``text`` is not a JSON object (vLLM's own parser reports that).
+    """
+    try:
+        top = json.loads(text, object_pairs_hook=_Pairs)
+    except ValueError:
+        return None
+    if not isinstance(top, _Pairs):
+        return None
+    sections = [value for key, value in top if key == SECTION]
+    if len(sections) > 1:
+        return (f'--additional-config: key "{SECTION}" is given twice; JSON keeps only the last one, '
+                f'so merge them into one "{SECTION}" object')
+    if sections:
+        try:
+            _check_pairs(sections[0], f'--additional-config "{SECTION}"')
+        except OutputRateConfigError as exc:
+            return str(exc)
+    return None
+
+
+class _Pairs(list):
+    """A JSON object decoded as its list of (key, value) pairs, duplicates kept."""
+
+
+def _check_pairs(value: Any, what: str) -> None:
+    """Refuse a key given twice in any object inside ``value`` (objects decoded as ``_Pairs``)."""
+    if isinstance(value, _Pairs):
+        seen: dict[str, Any] = {}
+        for key, item in value:
+            if key in seen:
+                raise OutputRateConfigError(
+                    f"{what}: key {key!r} is given twice; JSON keeps only the last one, "
+                    "so give it once with the value you mean"
+                )
+            seen[key] = item
+            _check_pairs(item, what)
+    elif isinstance(value, list):
+        for item in value:
+            _check_pairs(item, what)
 
 
 # Start-up validation of the engine configuration (feature on only).
@@ -177,12 +272,15 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
 def check_engine_supported(vllm_config: Any) -> None:
     """Refuse, at start-up, an engine configuration the output-rate accounting does not cover.
 
-    Call only with the feature on (R18: feature off means no checks at all).
+    Call only with the feature on (R18: feature off means no checks at all). First
+    checks the section against the engine (``check_active_cap``).
 
     Raises:
-        OutputRateConfigError: one message listing every unsupported mode found, each with
-            the reason and what to change.
+        OutputRateConfigError: ``output_rate.max_num_active_seqs`` above ``max_num_seqs``;
+            or one message listing every unsupported mode found, each with the reason and
+            what to change.
     """
+    check_active_cap(vllm_config)
     found = unsupported_modes(vllm_config)
     if not found:
         return
@@ -193,3 +291,24 @@ def check_engine_supported(vllm_config: Any) -> None:
         + "\n".join(lines)
         + "\nChange the settings above, or turn the feature off by removing the output_rate section."
     )
+
+
+def check_active_cap(vllm_config: Any) -> None:
+    """Configuration: refuse ``output_rate.max_num_active_seqs`` above vLLM's ``max_num_seqs``.
+
+    A cap above the resident requests can never bind; it is almost surely a typo (vLLM
+    refuses the same for its own ``--max-num-active-seqs``). Duck-typed like
+    ``unsupported_modes``: nothing is checked when either value is not visible.
+
+    Raises:
+        OutputRateConfigError: naming both values and what to change.
+    """
+    additional = getattr(vllm_config, "additional_config", None)
+    section = additional.get(SECTION) if isinstance(additional, Mapping) else None
+    active = section.get("max_num_active_seqs") if isinstance(section, Mapping) else None
+    max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if isinstance(active, int) and isinstance(max_num_seqs, int) and active > max_num_seqs:
+        raise OutputRateConfigError(
+            f'additional_config["output_rate"]["max_num_active_seqs"] ({active}) must be <= '
+            f"--max-num-seqs ({max_num_seqs}): lower max_num_active_seqs or raise --max-num-seqs"
+        )

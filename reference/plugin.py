@@ -9,9 +9,16 @@ wraps a vLLM function -- it calls the original, it never replaces vLLM logic:
   an ``OutputRateRequestError`` (a ``VLLMValidationError`` and a ``ValueError``) that names
   the value -- the OpenAI server answers HTTP 400 to that request alone, and nothing
   reaches the engine core.
-- Start-up check: ``EngineArgs.create_engine_config`` runs ``check_engine_supported`` in the
-  front end, so an unsupported mode (speculative decoding, DP/PP > 1, connectors, ...)
-  stops ``vllm serve`` / ``LLM()`` before the engine core is spawned.
+- Start-up check ("Configuration"): ``EngineArgs.create_engine_config`` validates the
+  ``output_rate`` section in the front end (``check_front_end``), so a bad section (an
+  unknown key, with the nearest valid one suggested; overrides without a default; a bad
+  rate; ``max_num_active_seqs`` above ``max_num_seqs``), a section given to a scheduler
+  class that does not implement it (stock vLLM), or an unsupported mode (speculative
+  decoding, DP/PP > 1, connectors, ...) stops ``vllm serve`` / ``LLM()`` before the
+  engine core is spawned, with the message as the last line of the traceback (instead of
+  "Engine core initialization failed" with the cause in the engine-core log).
+- Duplicate keys: ``EngineArgs.add_cli_args`` is wrapped so that ``--additional-config``
+  refuses a key given twice inside ``output_rate`` (plain JSON keeps the last one).
 - Beam search is refused at the serving entry (``BeamSearchOnlineMixin.beam_search`` for the
   OpenAI server, ``BeamSearchOfflineMixin.beam_search`` for ``LLM``): its candidate
   expansion is a series of 1-token requests with many logprobs, not the one-sampled-token-
@@ -37,7 +44,14 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from vllm_output_rate.reference.config import check_engine_supported, parse_output_rate
+from vllm_output_rate.reference.config import (
+    SECTION,
+    OutputRateConfigError,
+    check_engine_supported,
+    nearest_key,
+    parse_output_rate,
+    section_duplicates_error,
+)
 
 # R16: the engine core re-checks at least this often even when no user becomes ready sooner
 # (bounds the delay of anything the wait cannot see, e.g. a grammar compiled in the background).
@@ -75,6 +89,7 @@ def register() -> None:
         return
     _install_identity_check()
     _install_startup_check()
+    _install_cli_duplicate_check()
     _install_beam_search_refusal()
     _install_engine_wait()
     _REGISTERED = True
@@ -110,13 +125,119 @@ def _install_startup_check() -> None:
     @functools.wraps(original)
     def create_engine_config(self, *args: Any, **kwargs: Any):
         vllm_config = original(self, *args, **kwargs)
-        if _feature_on(vllm_config):
-            # The same checks the scheduler's constructor makes (authoritative there).
-            parse_output_rate(vllm_config.additional_config["output_rate"])
-            check_engine_supported(vllm_config)
+        check_front_end(vllm_config)
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
+
+
+REFERENCE_CLASSES = (
+    "vllm_output_rate.reference.scheduler.RateLimitedScheduler",
+    "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler",
+)
+
+
+def implements_output_rate(scheduler_cls: Any) -> bool | None:
+    """Whether vLLM's ``scheduler_cls`` setting names a class that implements ``output_rate``.
+
+    True for the reference classes and their subclasses; False for vLLM's default (None:
+    stock ``Scheduler`` / ``AsyncScheduler``) and any other class; None if a dotted path
+    cannot be imported here (vLLM reports that itself).
+    """
+    if scheduler_cls is None:
+        return False
+    if isinstance(scheduler_cls, str):
+        if scheduler_cls in REFERENCE_CLASSES:
+            return True
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        try:
+            scheduler_cls = resolve_obj_by_qualname(scheduler_cls)
+        except Exception:  # noqa: BLE001 - not ours to report
+            return None
+    from vllm_output_rate.reference.scheduler import _RateLimitMixin
+
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, _RateLimitMixin)
+
+
+def check_front_end(vllm_config) -> None:
+    """Configuration: every start-up check of the ``output_rate`` section, in the front end.
+
+    Runs in the API-server process (``vllm serve``) or the ``LLM()`` process before the
+    engine core is spawned, so the message is the last line the operator sees. Checks:
+    a top-level key of ``additional_config`` that looks like a misspelt ``output_rate``
+    (with one of our classes); a non-empty section given to a scheduler class that does
+    not implement it (refused naming ``--scheduler-cls``); the section itself
+    (``parse_output_rate``: unknown keys with the nearest one suggested, overrides
+    without a default, bad values); with the feature on, ``max_num_active_seqs`` against
+    ``max_num_seqs`` and the unsupported modes (``check_engine_supported``). The
+    scheduler's constructor repeats the section and engine checks (authoritative).
+
+    Raises:
+        OutputRateConfigError: one message saying what to change.
+    """
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, dict):
+        return
+    scheduler_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    section = additional.get(SECTION)
+    if section is None:
+        near = nearest_key(SECTION, [k for k in additional if isinstance(k, str)], cutoff=0.75)
+        if near is not None and implements_output_rate(scheduler_cls):
+            raise OutputRateConfigError(
+                f"--additional-config has a key {near!r} but no {SECTION!r}: did you mean {SECTION!r}? "
+                f"(with {near!r} the output-rate feature stays off)"
+            )
+        return
+    if section != {} and implements_output_rate(scheduler_cls) is False:
+        shown = "vLLM's default scheduler" if scheduler_cls is None else repr(getattr(
+            scheduler_cls, "__qualname__", scheduler_cls))
+        raise OutputRateConfigError(
+            f'additional_config["{SECTION}"] is given but --scheduler-cls is {shown}, which does not '
+            f"implement it and would not limit anything: add --scheduler-cls {REFERENCE_CLASSES[0]} "
+            f"(--async-scheduling: {REFERENCE_CLASSES[1]}), or remove the {SECTION} section"
+        )
+    config = parse_output_rate(section)
+    if config.enabled:
+        check_engine_supported(vllm_config)  # the same checks the scheduler makes
+
+
+# -- duplicate keys in --additional-config (Configuration) --------------------------------
+def _install_cli_duplicate_check() -> None:
+    """Wrap ``EngineArgs.add_cli_args``: ``--additional-config`` refuses duplicate keys in ``output_rate``.
+
+    vLLM parses the flag with ``json.loads``, which keeps the last of two equal keys. The
+    flag's own type is kept and called after the check, so everything else about the
+    flag is vLLM's.
+    """
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.add_cli_args
+
+    @functools.wraps(original)
+    def add_cli_args(parser, *args: Any, **kwargs: Any):
+        parser = original(parser, *args, **kwargs)
+        for action in getattr(parser, "_actions", []):
+            if "--additional-config" in action.option_strings and action.type is not None:
+                action.type = _strict_additional_config(action.type)
+        return parser
+
+    def _strict_additional_config(vllm_type):
+        if getattr(vllm_type, "_output_rate_strict", False):
+            return vllm_type
+
+        def parse(text: str):
+            message = section_duplicates_error(text) if isinstance(text, str) else None
+            if message is not None:
+                raise argparse.ArgumentTypeError(message)
+            return vllm_type(text)
+
+        parse._output_rate_strict = True
+        return parse
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
 
 
 # -- beam search refused at the serving entry ------------------------------------------

@@ -119,6 +119,10 @@ class _RateLimitMixin:
         self._spare_taken: dict[str, int] = {}
         self._group_cache: dict[str, str] = {}  # request id -> group_key(user, priority) (R14/R15)
         self._last_served: dict[str, str] = {}  # group key (user, priority) -> request id (R15)
+        # R14: the order of turns the last step left (request ids of running requests; the
+        # requests that left are removed as they leave). Never the order of ``running``.
+        self._turns: dict[str, None] = {}
+        self._turn_list: list[Request] = []  # this step's turn order (``_take_turns``)
         self._steps = 0
         self._reset_step_state(0)
         if cfg.trace_path is not None:
@@ -207,6 +211,7 @@ class _RateLimitMixin:
                 else:
                     del self._user_requests[user]
             self._group_cache.pop(request.request_id, None)
+            self._turns.pop(request.request_id, None)  # R14: only running requests take turns
             if self._trace is not None:
                 self._trace.note_freed(request.request_id, request.status.name, request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
@@ -216,6 +221,7 @@ class _RateLimitMixin:
         if self.rate_limiter is None:
             return super().schedule(*args, **kwargs)  # R18
         self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
+        self._take_turns()  # R14
         enough, short = self._survey_users()  # R2 at the step's clock, once per user
         stock_order = self._move_throttled_last(short) if short else None  # R11, R13, R14
         self._record_only = self._unconstrained = enough and self._hook_fast
@@ -283,29 +289,47 @@ class _RateLimitMixin:
             self._trace.close()
         super().shutdown()
 
-    def _turn_order(self, streams: list[Request]) -> list[Request]:
-        """R14: one user's running requests (``streams``, in ``running`` order) in the
-        user's turn order: each (user, priority) group rotated within its own places so
-        that the stream after the group's last-served one comes first. ``running`` itself
-        is never reordered (R19). If the last-served stream is no longer running (or is
-        already last), that group keeps its order (spec ``rate.turn_order``).
+    def _take_turns(self) -> None:
+        """R14: this step's turn order (spec ``rate.turn_order``), kept for the next step.
+
+        The order the last step left (``_turns``), then the running requests new to it in
+        ``running`` order; within it each (user, priority) group rotated within its own
+        places so that the stream after the group's last-served one comes first. If the
+        last-served stream is no longer running (or is already last), that group keeps its
+        order. ``running`` itself is never reordered (R19). O(running).
         """
+        turns, cache = self._turns, self._group_cache
+        base = [r for r in self.running if r.request_id in turns]
+        if len(base) > 1:
+            known = {r.request_id: r for r in base}
+            base = [known[rid] for rid in turns if rid in known]
+        base += [r for r in self.running if r.request_id not in turns]
         places: dict[str, list[int]] = {}
-        cache = self._group_cache
-        for index, request in enumerate(streams):
-            places.setdefault(cache[request.request_id], []).append(index)
-        order = list(streams)
+        for index, request in enumerate(base):
+            key = cache.get(request.request_id)
+            if key is None:
+                self._user(request)
+                key = cache[request.request_id]
+            places.setdefault(key, []).append(index)
+        order = list(base)
         for key, slots in places.items():
             last = self._last_served.get(key)
             if last is None or len(slots) < 2:
                 continue
-            members = [streams[i] for i in slots]
+            members = [base[i] for i in slots]
             pos = next((k for k, r in enumerate(members) if r.request_id == last), None)
             if pos is None or pos == len(members) - 1:
                 continue
             for slot, request in zip(slots, members[pos + 1 :] + members[: pos + 1]):
                 order[slot] = request
-        return order
+        self._turn_list = order
+        self._turns = dict.fromkeys(map(_REQUEST_ID, order))
+
+    def _turn_order(self, streams: list[Request]) -> list[Request]:
+        """R14: one user's running requests (``streams``, in ``running`` order) in this
+        step's turn order (``_take_turns``)."""
+        mine = {id(r) for r in streams}
+        return [r for r in self._turn_list if id(r) in mine]
 
     def _move_throttled_last(self, short: dict[str, int]) -> list[Request] | None:
         """R11, R13, R14: find the requests throttled at the step start and stable-move
@@ -575,6 +599,7 @@ class _RateLimitMixin:
         if self.rate_limiter is not None:
             self._scheduled_running.discard(request.request_id)
             self._throttled.discard(request.request_id)
+            self._turns.pop(request.request_id, None)  # R14: only running requests take turns
         return super()._preempt_request(request, *args, **kwargs)
 
     def _settle(self, scheduler_output) -> list[str]:
@@ -603,37 +628,19 @@ class _RateLimitMixin:
         return refunded
 
     def _record_last_served(self, ids: list[str]) -> None:
-        """R15: each group's new last-served stream from this step's dispatched charges
-        ``ids`` (charge order, which is ``running`` order: the running loop walks it and
-        admitted requests are appended in admission order).
-
-        The new one is the group's dispatched stream last in its turn order (R14): the
-        last one at or before the previous last-served stream in ``running``, else the
-        last one (also when the previous one is no longer running); spec
-        ``rate.next_last_served``. Positions in ``running`` are computed only for a group
-        whose previous stream is running and was not dispatched.
-        """
-        last_served, groups, requests = self._last_served, self._group_cache, self.requests
-        by_group: dict[str, list[str]] = {}
-        for rid in ids:
-            key = groups[rid]
-            rids = by_group.get(key)
-            if rids is None:
-                by_group[key] = [rid]
-            else:
-                rids.append(rid)
-        position: dict[str, int] | None = None
-        for key, rids in by_group.items():
-            previous = last_served.get(key)
-            request = requests.get(previous) if previous is not None else None
-            if request is None or request.status is not _RUNNING:
-                last_served[key] = rids[-1]
-            elif previous not in rids:
-                if position is None:
-                    position = {r.request_id: i for i, r in enumerate(self.running)}
-                cut = position[previous]
-                before = [rid for rid in rids if position[rid] <= cut]
-                last_served[key] = (before or rids)[-1]
+        """R15: of this step's dispatched charges ``ids``, the one of each (user, priority)
+        group that comes last in the step's turn order followed by the requests admitted
+        in it (in ``running`` order) becomes the group's last served (spec
+        ``rate.next_last_served``)."""
+        if not ids:
+            return
+        position = {r.request_id: i for i, r in enumerate(self._turn_list)}
+        late = len(position)
+        for i, r in enumerate(self.running):  # admitted in this step: after every turn
+            position.setdefault(r.request_id, late + i)
+        last_served, groups = self._last_served, self._group_cache
+        for rid in sorted(ids, key=position.__getitem__):
+            last_served[groups[rid]] = rid
 
     def _observe(self, scheduler_output, refunded: list[str]) -> None:
         """Record this step's decisions; the observation dict is built only when read."""

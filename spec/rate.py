@@ -38,16 +38,17 @@ from vllm_output_rate.spec.state import (
 
 # -- start of the cycle ----------------------------------------------------------------
 def begin_cycle(cycle: Cycle) -> Cycle:
-    """R14, R13, R11: the requests throttled at the start, from each user's turn order.
+    """R14, R13, R11: the turn order, then the requests throttled at the start.
 
     ``running`` is not reordered (R14, R19): the turn order only decides which of a
     user's decoding streams receive that user's grants when they do not cover them all.
     """
-    state = cycle.state
-    order = turn_order(state)
+    order = turn_order(cycle.state)
+    state = replace(cycle.state, turns=order)  # R14: the rotated order persists
     at_start, refused, held = start_turns(state, order)
     return replace(
         cycle,
+        state=state,
         turn_order=order,
         throttled_at_start=at_start,
         throttled=frozenset(at_start),  # R11/R12: resident, skipped, not active
@@ -57,27 +58,35 @@ def begin_cycle(cycle: Cycle) -> Cycle:
 
 
 def turn_order(state: SchedulerState) -> tuple[str, ...]:
-    """R14: ``running`` with each (user, priority) group's streams rotated within the
-    group's own slots so that the stream after the group's last-served one comes first;
-    every other request keeps its place. A preference, never applied to ``running``.
-    Decision: if the last-served stream is no longer running (or is already last), the
-    group keeps its order.
+    """R14: the running requests in the order in which they take turns.
+
+    The order the last cycle left (``state.turns``, without requests no longer running),
+    then the running requests new to it in ``running`` order; within it, each (user,
+    priority) group's streams are rotated within the group's own places so that the
+    stream after the group's last-served one comes first. This is the order the article
+    gives ``running`` itself; here it is only a preference, and ``running`` keeps vLLM's
+    order (R19). Decision: if the last-served stream is no longer running (or is already
+    last), the group keeps its order.
     """
+    running = set(state.running)
+    kept = [rid for rid in state.turns if rid in running]
+    known = set(kept)
+    base = kept + [rid for rid in state.running if rid not in known]
     slots_by_group: dict[tuple[str, int], list[int]] = {}
-    for index, rid in enumerate(state.running):
+    for index, rid in enumerate(base):
         request = get(state, rid)
         slots_by_group.setdefault((request.user, request.priority), []).append(index)
-    running = list(state.running)
+    order = list(base)
     for (user, priority), slots in slots_by_group.items():
-        members = [state.running[i] for i in slots]
+        members = [base[i] for i in slots]
         last = last_served(state, user, priority)
         if last not in members or members.index(last) == len(members) - 1:
             continue
         cut = members.index(last) + 1
         for slot, rid in zip(slots, members[cut:] + members[:cut]):
-            running[slot] = rid
-    assert sorted(running) == sorted(state.running), "R14: the turn order must only permute"
-    return tuple(running)
+            order[slot] = rid
+    assert sorted(order) == sorted(state.running), "R14: the turn order must only permute"
+    return tuple(order)
 
 
 def decoding(request: RequestState) -> bool:
@@ -269,7 +278,7 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
         if rid not in dispatched:
             limiter = spec_limiter.refund(limiter, request.user, state.config.rate_of(request.user))  # R4, R9
             refunded.append(rid)
-    served = next_last_served(state, served, [rid for rid in cycle.charged if rid in dispatched])  # R15
+    served = next_last_served(cycle, served, [rid for rid in cycle.charged if rid in dispatched])  # R15
     num_schedules = state.num_schedules + 1
     if num_schedules % CLEANUP_INTERVAL_STEPS == 0:
         limiter = spec_limiter.cleanup_idle_users(limiter, cycle.now_ns)  # R6
@@ -296,28 +305,19 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
     return state, settled
 
 
-def next_last_served(state: SchedulerState, served: dict[tuple[str, int], str],
+def next_last_served(cycle: Cycle, served: dict[tuple[str, int], str],
                      dispatched: list[str]) -> dict[tuple[str, int], str]:
     """R15: each group's last-served stream after a cycle that dispatched ``dispatched``
-    (charged and not refunded) with ``state.running`` as the cycle left it.
-
-    The new one is the group's dispatched stream that comes last in the group's turn
-    order (R14) over ``running``: streams after the previous last-served one first, then
-    the rest up to it. That is the last dispatched stream at or before the previous one
-    in ``running`` order if there is one, else the last dispatched stream (also when the
-    previous one is no longer running). So a stream passed over comes first next time.
+    (charged and not refunded): the group's dispatched stream that comes last in the
+    cycle's turn order (R14), followed by the requests admitted in the cycle in admission
+    order. So the next turn order starts with a stream that was passed over.
     """
-    position = {rid: i for i, rid in enumerate(state.running)}
-    by_group: dict[tuple[str, int], list[str]] = {}
-    for rid in dispatched:
-        request = get(state, rid)
-        by_group.setdefault((request.user, request.priority), []).append(rid)
+    order = cycle.turn_order + cycle.admitted
+    position = {rid: i for i, rid in enumerate(order)}
     served = dict(served)
-    for group, rids in by_group.items():
-        rids = sorted(rids, key=lambda rid: position.get(rid, len(position)))
-        previous = position.get(served.get(group))
-        before = [rid for rid in rids if previous is not None and position.get(rid, len(position)) <= previous]
-        served[group] = (before or rids)[-1]
+    for rid in sorted(dispatched, key=position.__getitem__):
+        request = get(cycle.state, rid)
+        served[(request.user, request.priority)] = rid
     return served
 
 

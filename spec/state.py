@@ -215,7 +215,8 @@ class SchedulerState:
     the waiting queue in the order vLLM would pop it. ``in_flight``: async only, the
     model output of the last scheduled step, delivered by the next ``Step``/``Drain``.
     ``limiter``: per-user TATs (R1). ``last_served``: (user, priority, request id) of each
-    group's last dispatched stream (R15). ``num_schedules``: ``schedule()`` calls with the
+    group's last dispatched stream (R15). ``turns``: R14's order of turns as the last cycle
+    left it (``rate.turn_order``; never the order of ``running``). ``num_schedules``: ``schedule()`` calls with the
     feature on (R6 cadence). ``base``: the vLLM release whose behaviour the V-rules follow
     where releases differ (``spec/versions.py``); data chosen by the caller, never read
     from vLLM.
@@ -232,6 +233,7 @@ class SchedulerState:
     num_schedules: int = 0
     limiter: spec_limiter.LimiterState = field(default_factory=spec_limiter.LimiterState)
     last_served: tuple[tuple[str, int, str], ...] = ()
+    turns: tuple[str, ...] = ()
     base: VllmVersionProfile = DEFAULT_PROFILE
 
     def __post_init__(self) -> None:
@@ -241,6 +243,7 @@ class SchedulerState:
         assert self.num_free_blocks == -1 or self.num_free_blocks + sum(
             r.num_blocks for r in self.requests) == self.config.num_usable_blocks, "V5: KV blocks not conserved"
         assert len(self.last_served) <= MAX_LIVE_REQUESTS, "R15: last_served unbounded"
+        assert len(self.turns) <= self.config.max_num_seqs, "R14: turns hold running requests only"
 
 
 def initial_state(config: EngineConfig, base: VllmVersionProfile = DEFAULT_PROFILE) -> SchedulerState:

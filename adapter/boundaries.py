@@ -1,0 +1,480 @@
+"""Z3-directed boundary scenarios (issue 18 item 1): the gate's power without looking inside.
+
+Each named boundary is a small Z3 problem over integer nanosecond clock readings that
+encodes a bounded prefix of the spec's step for the users of one scenario shape:
+
+- the limiter (R1-R5, ``spec/limiter.py``) in the reference's exact scaling (R3): for a
+  rate ``p/q`` tokens/s the scaled TAT is ``S = TAT_ns * p``, the emission interval
+  ``T = 10**9 q / p`` ns is the integer ``inc = 10**9 q`` and tau is ``burst = tau_ns * p``;
+  a user's grants at one instant are ``floor((burst - lead) / inc) + 1`` if
+  ``lead = max(S - now p, 0) <= burst``, else 0 (R2);
+- the charge condition (R7): a chunk samples iff ``computed + chunk >= n``, chunks of the
+  step budget; the prefill room of a refused prefill ``n - 1 - computed`` (R10);
+- the refund point (R9): a charge undone at the end of the step is a net zero grant in a
+  step in which the user was granted;
+- the cleanup cadence (R6): the 256th ``schedule()`` call, with the TAT at ``now`` or
+  ``now + 1 ns``.
+
+A model of a problem gives the clock advances (``Scenario.advances_ns``) and, with the
+shape, the requests of a rate-limit ``Scenario`` (``adapter/scenarios.py``) that reaches
+the boundary. The scenario is then run on the candidate with ``run_scenario``; the
+existing black-box judge decides (grant replay at every dispatch: no over-grant on the
+"1 ns" twins; the ample-sync under-grant check: a grant exactly at the edge). The judge
+also records which boundaries a run actually reached (``adapter/coverage.py``), so a
+boundary the model aimed at but the run missed shows as ``not reached``.
+
+Units: ns for times and advances; tokens/s for rates; scaled values in ns x p.
+Problems are solved once per (boundary, rate, mode) and cached. Which rates a run uses
+depends on the seed; ``--integer-rates`` candidates get integer rates only (3 and 7
+tokens/s still have emission intervals that are not a whole number of ns).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Callable
+
+import z3
+
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
+from vllm_output_rate.spec import limiter as spec_limiter
+
+NS_PER_S = spec_limiter.NS_PER_S
+BURST_NS = spec_limiter.BURST_NS
+CLEANUP_STEP = spec_limiter.CLEANUP_INTERVAL_STEPS - 1  # 0-based index of the 256th schedule()
+MAX_ADVANCE_NS = 2 * NS_PER_S  # bound on one solved clock advance
+SOLVER_TIMEOUT_MS = 5_000
+AFTER_INTERVAL_NS = 1_000_000  # clock step after the solved prefix (then the judge's drain)
+FAST_RATE = "1000"  # the default rate of users a shape does not pace
+
+# Rate pools per boundary (tokens/s, decimal strings): (integer rates, non-integer rates).
+# Only rates with a model that Z3 finds in well under a second: an exact-ns edge needs an
+# integer TAT, so e.g. 7.25 tok/s (T = 4/29 s) has none within a few grants.
+# 3, 6, 7 and 9 tok/s are integer rates whose T = 10**9 / r is not a whole number of ns.
+EDGE = (("2", "3", "5", "7", "10", "20"), ("0.5", "2.5", "3.5"))
+EDGE_PLUS = (("2", "3", "5", "10", "20"), ("0.5", "2.5"))
+FRACTIONAL_T = (("3", "7", "6", "9"), ("3.5", "7.25"))
+INTEGER_TAT = (("2", "4", "5", "10"), ("0.5", "2.5"))  # T a whole number of ns
+FAST_PACED = (("10", "16", "20", "25", "50"), ("12.5",))  # T <= tau
+TWO_AT_ONCE = (("16", "20", "24", "25"), ("12.5",))  # 2 grants at once after one grant
+SLOW = (("1", "2", "4", "5"), ("0.5", "2.5"))  # T > tau: refused one step after a grant
+ROTATION = (("2", "3", "5", "7", "10"), ("0.5", "2.5", "3.5", "7.25"))
+
+
+def _zmax(a, b):
+    return z3.If(a >= b, a, b)
+
+
+def _zmin(a, b):
+    return z3.If(a <= b, a, b)
+
+
+class _User:
+    """One user's limiter trajectory in a ``_Model``: scaled TAT ``S[i]`` before step i,
+    grants available ``ga[i]``, grants ``g[i] = min(demand[i], ga[i])`` (R2)."""
+
+    def __init__(self, model: "_Model", name: str, rate: Fraction, demand: list,
+                 refunds: list[int] | None = None) -> None:
+        assert len(demand) == model.steps
+        refunds = refunds or [0] * model.steps
+        self.name, self.rate = name, rate
+        self.p, q = rate.numerator, rate.denominator
+        self.inc, self.burst = NS_PER_S * q, BURST_NS * rate.numerator
+        self.demand = demand
+        self.S, self.lead, self.ga, self.g = [z3.IntVal(0)], [], [], []
+        for i, d in enumerate(demand):
+            nowp = model.t[i] * self.p
+            s = self.S[i]
+            lead = _zmax(s - nowp, 0)
+            ga = z3.If(lead > self.burst, 0, (self.burst - lead) / self.inc + 1)
+            g = _zmin(d, ga) if not isinstance(d, int) or d > 0 else z3.IntVal(0)
+            nxt = z3.Int(f"S_{name}_{i + 1}")
+            # R2 grants, then R9 refunds of this step's charges (R4: TAT - T each): a take
+            # and its refund leave max(TAT, now).
+            model.solver.add(nxt == z3.If(g > 0, _zmax(s, nowp) + (g - refunds[i]) * self.inc, s))
+            if refunds[i]:
+                model.solver.add(g == d)
+            self.lead.append(lead)
+            self.ga.append(ga)
+            self.g.append(g)
+            self.S.append(nxt)
+        self.model = model
+
+    # -- targets (Z3 constraints on step i) ----------------------------------------------
+    def granted(self, i: int):
+        """Every demanded sampling dispatch of step i is granted."""
+        return self.g[i] == self.demand[i]
+
+    def refused(self, i: int):
+        """R2: the user is refused at step i (no grant at all)."""
+        return self.ga[i] == 0
+
+    def lead_minus_tau(self, i: int):
+        """``(TAT - now - tau) x p`` before step i (scaled; 0 = exactly at the burst edge)."""
+        return self.S[i] - self.model.t[i] * self.p - self.burst
+
+    def ahead(self, i: int, by_scaled):
+        """The TAT before step i is at least ``by_scaled / p`` ns ahead of the clock."""
+        return self.S[i] - self.model.t[i] * self.p >= by_scaled
+
+
+class _Model:
+    """A bounded prefix of ``steps`` scheduling steps: clock ``t[i]`` of step i from
+    advances ``a[i]`` (after step i), each in [0, MAX_ADVANCE_NS] unless fixed."""
+
+    def __init__(self, steps: int, fixed: dict[int, int] | None = None, seed: int = 0) -> None:
+        fixed = fixed or {}
+        self.steps = steps
+        self.solver = z3.Solver()
+        self.solver.set("timeout", SOLVER_TIMEOUT_MS)
+        self.solver.set("random_seed", seed)
+        self.a: list = []
+        self.t: list = [z3.IntVal(0)]
+        for i in range(steps - 1):
+            if i in fixed:
+                a = z3.IntVal(fixed[i])
+            else:
+                a = z3.Int(f"a{i}")
+                self.solver.add(a >= 0, a <= MAX_ADVANCE_NS)
+            self.a.append(a)
+            self.t.append(self.t[-1] + a)
+        self.users: dict[str, _User] = {}
+
+    def user(self, name: str, rate: Fraction, demand: list, refunds: list[int] | None = None) -> _User:
+        user = self.users[name] = _User(self, name, rate, demand, refunds)
+        return user
+
+    def add(self, *constraints) -> None:
+        self.solver.add(*constraints)
+
+    def solve(self) -> tuple[int, ...] | None:
+        """The advances of a model (one per step but the last), or None if unsatisfiable."""
+        if self.solver.check() != z3.sat:
+            return None
+        model = self.solver.model()
+        return tuple(model.eval(a, model_completion=True).as_long() for a in self.a)
+
+
+# -- the boundaries -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Boundary:
+    """One named boundary of issue 18 item 1.
+
+    ``rules``: the rules it sits on. ``targets``: the slip its scenarios are built to kill
+    (black-box, at the level given), or why none can be. ``build(rate, async_mode, seed)``
+    returns the scenario (None: no model for that rate). ``rates(integer_rates)``: the
+    rate pool the seed draws from."""
+
+    name: str
+    rules: tuple[str, ...]
+    what: str
+    targets: str
+    build: Callable[[str, bool, int], Scenario | None]
+    pools: tuple[tuple[str, ...], tuple[str, ...]]
+
+    def rates(self, integer_rates: bool) -> tuple[str, ...]:
+        """The rates the seed draws from (integer rates only with ``integer_rates``)."""
+        return self.pools[0] if integer_rates else self.pools[0] + self.pools[1]
+
+
+def _scenario(rates: dict[str, str], requests: list[RequestSpec], advances: tuple[int, ...], **shape) -> Scenario:
+    return Scenario(rates_tokens_per_s=rates, default_rate_tokens_per_s=shape.pop("default", FAST_RATE),
+                    requests=tuple(requests), step_interval_ns=AFTER_INTERVAL_NS, num_steps=len(advances) + 1,
+                    advances_ns=advances, **shape)
+
+
+def _one_stream(rate: str, seed: int, target: Callable[[_User, int], list], min_grants: int = 1,
+                no_reset: bool = False, max_prefix: int = 8) -> Scenario | None:
+    """One user ``u`` at ``rate``, one stream decoding from step 0; the first ``K`` steps
+    granted (``K >= min_grants``), ``target(u, K)`` at step K. ``no_reset``: the TAT stays
+    ahead of the clock from step 1 on (errors of a rounded T accumulate)."""
+    r = Fraction(rate)
+    for k in range(min_grants, max_prefix + 1):
+        m = _Model(k + 1, seed=seed)
+        u = m.user("u", r, [1] * (k + 1))
+        m.add(*[u.granted(i) for i in range(k)])
+        if no_reset:
+            m.add(*[u.ahead(i, 0) for i in range(1, k + 1)])
+        m.add(*target(u, k))
+        advances = m.solve()
+        if advances is not None:
+            return _scenario({"u": rate}, [RequestSpec("u-r0", "u", 4, k + 3)], advances)
+    return None
+
+
+def _burst_edge(rate, async_mode, seed):
+    return _one_stream(rate, seed, lambda u, k: [u.lead_minus_tau(k) == 0], min_grants=1)
+
+
+def _burst_edge_plus_1ns(rate, async_mode, seed):
+    return _one_stream(rate, seed, lambda u, k: [u.lead_minus_tau(k) == u.p], min_grants=1)
+
+
+def _ready_at(rate, async_mode, seed):
+    # x = TAT - tau (scaled X); the step runs at ceil(x) with ceil(x) - x in (0, 1/2) ns.
+    def target(u, k):
+        x = u.S[k] - u.burst
+        return [u.model.t[k] == -((-x) / u.p), x % u.p != 0, 2 * (u.p - x % u.p) < u.p]
+
+    return _one_stream(rate, seed, target, min_grants=1)
+
+
+def _ready_at_minus_1ns(rate, async_mode, seed):
+    # The step runs at ceil(x) - 1 = floor(x), with x - floor(x) in (0, 1/2) ns: refused.
+    def target(u, k):
+        x = u.S[k] - u.burst
+        return [u.model.t[k] == -((-x) / u.p) - 1, x % u.p != 0, 2 * (x % u.p) < u.p]
+
+    return _one_stream(rate, seed, target, min_grants=1)
+
+
+def _fractional_interval(rate, async_mode, seed):
+    # >= 3 grants in separate steps with the TAT never reset to the clock, then a refusal
+    # by less than half a ns: only exact arithmetic of the fractional T refuses it.
+    def target(u, k):
+        over = u.lead_minus_tau(k)
+        return [over > 0, 2 * over < u.p] + [u.model.a[i] >= 1 for i in range(k)]
+
+    return _one_stream(rate, seed, target, min_grants=3, no_reset=True)
+
+
+def _cleanup(rate: str, seed: int, plus_ns: int) -> Scenario | None:
+    """R6: one user with 2 grants (steps 0, 1), idle until the 256th ``schedule()``
+    (step index 255) whose clock reads ``TAT - plus_ns``; a new request of the same user
+    at step 256, same clock (advance 0); with ``plus_ns`` 1, step 257 runs 1 ns past the
+    burst edge of the TAT the spec kept (refused)."""
+    steps = CLEANUP_STEP + 3
+    free = {0, 1, CLEANUP_STEP - 1, CLEANUP_STEP + 1}
+    fixed = {i: 0 for i in range(steps - 1) if i not in free}
+    m = _Model(steps, fixed=fixed, seed=seed)
+    demand = [0] * steps
+    demand[0] = demand[1] = demand[CLEANUP_STEP + 1] = demand[CLEANUP_STEP + 2] = 1
+    u = m.user("u", Fraction(rate), demand)
+    m.add(u.granted(0), u.granted(1), u.granted(CLEANUP_STEP + 1))
+    # The TAT the 256th step's cleanup looks at (no grant in that step).
+    m.add(u.S[CLEANUP_STEP + 1] == (m.t[CLEANUP_STEP] + plus_ns) * u.p)
+    if plus_ns:
+        m.add(u.lead_minus_tau(CLEANUP_STEP + 2) == u.p)
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("u-r1", "u", 4, 3, at_step=CLEANUP_STEP + 1)]
+    return _scenario({"u": rate}, requests, advances)
+
+
+def _cleanup_at_now(rate, async_mode, seed):
+    return _cleanup(rate, seed, 0)
+
+
+def _cleanup_now_plus_1ns(rate, async_mode, seed):
+    return _cleanup(rate, seed, 1)
+
+
+def _prefill_reaches_n(rate, async_mode, seed):
+    """R7: chunked prefill under a token budget ``B`` (max_num_batched_tokens), prompt
+    ``n = c B`` (c >= 2 chunks): the final chunk reaches n exactly and is charged; the
+    user then stays >= T ahead of the clock until a step 1 ns past the burst edge."""
+    r = Fraction(rate)
+    for decodes in range(1, 7):
+        for chunks in (2, 3):
+            steps = chunks + decodes + 1
+            m = _Model(steps, seed=seed)
+            budget, n = z3.Int("budget"), z3.Int("n")
+            m.add(budget >= 8, budget <= 16, n == chunks * budget)
+            computed, demand = z3.IntVal(0), []
+            for i in range(steps):
+                if i < chunks:  # R7 charge condition on the chunk of this step
+                    chunk = _zmin(budget, n - computed)
+                    demand.append(z3.If(computed + chunk >= n, 1, 0))
+                    computed = computed + chunk
+                else:
+                    demand.append(z3.IntVal(1))
+            u = m.user("u", r, demand)
+            m.add(demand[chunks - 1] == 1, *[demand[i] == 0 for i in range(chunks - 1)])
+            m.add(*[u.granted(i) for i in range(steps - 1)])
+            m.add(*[u.ahead(i, u.inc) for i in range(chunks, steps)])
+            m.add(u.lead_minus_tau(steps - 1) == u.p)
+            advances = m.solve()
+            if advances is None:
+                continue
+            model = m.solver.model()
+            b = model.eval(budget).as_long()
+            return _scenario({"u": rate}, [RequestSpec("u-r0", "u", chunks * b, decodes + 3)], advances,
+                             max_num_batched_tokens=b, max_num_seqs=1)
+    return None
+
+
+def _prefill_ends_n_minus_1(rate, async_mode, seed):
+    """R10 (ample, chunked prefill): stream A decodes from step 0; stream B (prompt 8)
+    arrives at step j, when the user is refused 1 ns past the burst edge: B advances to
+    n - 1 (scheduled, not sampling); at step j + 1 the user is exactly at the edge and
+    one of A, B samples."""
+    r = Fraction(rate)
+    for j in range(1, 6):
+        steps = j + 2
+        m = _Model(steps, seed=seed)
+        u = m.user("u", r, [1] * j + [2, 2])
+        m.add(*[u.granted(i) for i in range(j)])
+        m.add(u.lead_minus_tau(j) == u.p, u.lead_minus_tau(j + 1) == 0)
+        advances = m.solve()
+        if advances is not None:
+            requests = [RequestSpec("u-r0", "u", 4, j + 3), RequestSpec("u-r1", "u", 8, 2, at_step=j)]
+            return _scenario({"u": rate}, requests, advances)
+    return None
+
+
+def _all_refused(rate, async_mode, seed):
+    """R16/R11: two users (the anonymous bucket at the default rate, and an odd id at
+    ``rate``), one stream each, granted until a step at which both are refused while their
+    requests wait: the anonymous bucket 1 ns past its burst edge."""
+    r = Fraction(rate)
+    odd = "ünï-東京"
+    for k in range(1, 7):
+        m = _Model(k + 1, seed=seed)
+        anon = m.user("anon", r, [1] * (k + 1))
+        other = m.user("odd", r, [1] * (k + 1))
+        m.add(*[anon.granted(i) for i in range(k)], *[other.granted(i) for i in range(k)])
+        m.add(anon.lead_minus_tau(k) == anon.p, other.refused(k))
+        advances = m.solve()
+        if advances is not None:
+            requests = [RequestSpec("anon-r0", None, 4, k + 3), RequestSpec("u1-r0", odd, 5, k + 3)]
+            return _scenario({odd: rate}, requests, advances, default=rate)
+    return None
+
+
+def _rotation_wrap(rate, async_mode, seed):
+    """R14/R15: one user with 3 streams and exactly one grant per step for 7 steps after
+    the first: the turn passes through every stream and wraps around to the first."""
+    r = Fraction(rate)
+    steps = 8
+    m = _Model(steps, seed=seed)
+    u = m.user("u", r, [3] * steps)
+    m.add(u.g[0] >= 1, u.g[0] <= 2, *[u.g[i] == 1 for i in range(1, steps)])
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec(f"u-r{k}", "u", 4, 5) for k in range(3)]
+    return _scenario({"u": rate}, requests, advances)
+
+
+def _charged_then_preempted(rate, async_mode, seed):
+    """R9 (FCFS, 3 KV blocks of 16, the shape of test_r9_charged_then_self_preempted):
+    A (user a, fast) prompt 8, B (user b at ``rate``) prompt 16. Step 0 both prefill;
+    step 1 B is charged, then its decode needs a 2nd block and none is free: B preempts
+    itself, and the charge is refunded at the end of the step. A finishes at step 2; B
+    resumes (recompute) and is granted at step 3 while b's TAT is still >= 1 ns ahead of
+    the clock; step 4 runs 1 ns past b's burst edge (refused; a second refund at step 1
+    would grant it)."""
+    r = Fraction(rate)
+    steps = 5
+    m = _Model(steps, seed=seed)
+    b = m.user("b", r, [1, 1, 0, 1, 1], refunds=[0, 1, 0, 0, 0])
+    a = m.user("a", Fraction(FAST_RATE), [1, 1, 1, 0, 0])
+    m.add(b.granted(0), b.granted(3), *[a.granted(i) for i in range(3)])
+    m.add(b.ahead(3, b.p), b.lead_minus_tau(4) == b.p, *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec("a-r0", "a", 8, 3), RequestSpec("b-r0", "b", 16, 3)]
+    return _scenario({"b": rate}, requests, advances, num_blocks=3, block_size=16)
+
+
+def _charged_then_alloc_failure(rate, async_mode, seed):
+    """R9 (FCFS, 4 KV blocks of 16): A (user a, fast) prompt 17 holds 2 blocks, B0 (user
+    b at ``rate``) prompt 4 the third; both decode at step 1. B1 (user b) prompt 16 arrives
+    at step 1: b is granted both (B0's decode and B1's prefill are charged), then B1's
+    allocation fails and its charge is refunded. A and B0 finish at step 1; B1 is admitted
+    and granted at step 2 while b's TAT minus T is still ahead of the clock; step 3 runs
+    1 ns past b's burst edge (refused; a second refund would grant it)."""
+    r = Fraction(rate)
+    steps = 4
+    m = _Model(steps, seed=seed)
+    b = m.user("b", r, [1, 2, 1, 1], refunds=[0, 1, 0, 0])
+    a = m.user("a", Fraction(FAST_RATE), [1, 1, 0, 0])
+    m.add(b.granted(0), b.granted(2), a.granted(0), a.granted(1))
+    m.add(b.ahead(2, b.inc + b.p), b.lead_minus_tau(3) == b.p, *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec("a-r0", "a", 17, 2), RequestSpec("b-r0", "b", 4, 2),
+                RequestSpec("b-r1", "b", 16, 2, at_step=1)]
+    return _scenario({"b": rate}, requests, advances, num_blocks=4, block_size=16)
+
+
+def _priority_throttled_victim(rate, async_mode, seed):
+    """R13 under PRIORITY (4 KV blocks of 16, the shape of test_r13_*): U1 (user u at
+    ``rate``, T > tau) prompt 4, V1 (user v, fast) prompt 16, V2 (v) prompt 4, all
+    priority 0. Step 0 all prefill; step 1 u is refused 1 ns past its burst edge (U1
+    throttled) and V1's decode needs a block: the throttled U1 is the victim."""
+    r = Fraction(rate)
+    m = _Model(2, seed=seed)
+    u = m.user("u", r, [1, 1])
+    v = m.user("v", Fraction(FAST_RATE), [2, 2])
+    m.add(u.granted(0), u.lead_minus_tau(1) == u.p, v.granted(0), v.granted(1))
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("v-r0", "v", 16, 3), RequestSpec("v-r1", "v", 4, 3)]
+    return _scenario({"u": rate}, requests, advances, num_blocks=4, block_size=16, policy="priority")
+
+
+BOUNDARIES: tuple[Boundary, ...] = (
+    Boundary("burst-edge", ("R2",), "a take granted at TAT - now = tau exactly",
+             "sync: `<` instead of `<=` at the burst edge (under-grant)", _burst_edge, EDGE),
+    Boundary("burst-edge+1ns", ("R2",), "a take refused at TAT - now = tau + 1 ns",
+             "a burst edge 1 ns (or 1 us) too wide (over-grant)", _burst_edge_plus_1ns, EDGE_PLUS),
+    Boundary("ready-at", ("R5", "R2"), "a take granted at ready_at = ceil(TAT - tau), TAT - tau not a whole ns",
+             "sync: T rounded up to whole ns (under-grant)", _ready_at, FRACTIONAL_T),
+    Boundary("ready-at-1ns", ("R5", "R2"), "a take refused at ready_at - 1 ns",
+             "grants from floor(TAT - tau) (ready_at rounded down, over-grant)", _ready_at_minus_1ns, FRACTIONAL_T),
+    Boundary("cleanup-tat-now", ("R6",), "the 256th schedule() with a user's TAT = now (deleted)",
+             "none black-box: deleting a user with TAT <= now is a no-op (Z3 r6_cleanup_noop)", _cleanup_at_now, INTEGER_TAT),
+    Boundary("cleanup-tat-now+1ns", ("R6",), "the 256th schedule() with a user's TAT = now + 1 ns (kept)",
+             "cleanup deleting TAT = now + 1 ns (over-grant 1 ns past the kept burst edge)",
+             _cleanup_now_plus_1ns, INTEGER_TAT),
+    Boundary("prefill-reaches-n", ("R7",), "a chunked prefill whose final chunk reaches n exactly (charged)",
+             "the final prefill chunk not charged (over-grant)", _prefill_reaches_n, FAST_PACED),
+    Boundary("prefill-ends-n-1", ("R10", "R7"), "a refused prefill advanced to n - 1, its last token sampled later",
+             "a refused prefill advanced to n (samples uncharged: over-grant)", _prefill_ends_n_minus_1, EDGE_PLUS),
+    Boundary("charged-then-preempted", ("R9",), "charged, then preempted in the same step (refunded)",
+             "a refund of 2 T (over-grant later); a missing refund only at level exact", _charged_then_preempted, SLOW),
+    Boundary("charged-then-alloc-failure", ("R9",), "a waiting request charged, then its KV allocation fails",
+             "a refund of 2 T (over-grant later); a missing refund only at level exact",
+             _charged_then_alloc_failure, TWO_AT_ONCE),
+    Boundary("fractional-interval", ("R3", "R2"), "a refusal by < 1/2 ns after >= 3 grants at a T that is not whole ns",
+             "T truncated to whole ns (over-grant)", _fractional_interval, FRACTIONAL_T),
+    Boundary("all-refused", ("R16", "R11", "R17"), "every user refused while requests wait",
+             "granting someone when everyone is refused (over-grant)", _all_refused, EDGE_PLUS),
+    Boundary("rotation-wrap", ("R14", "R15"), "one grant per step among 3 streams: the turn wraps around",
+             "should, sync: no rotation (one stream starves, R14 bounded bypass)", _rotation_wrap, ROTATION),
+    Boundary("priority-throttled-victim", ("R13",), "under PRIORITY a throttled request is preempted",
+             "none below exact: the choice of victim is not judged black-box", _priority_throttled_victim, SLOW),
+)
+BOUNDARY_NAMES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES)
+PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 6}  # rates per boundary and mode
+
+
+@functools.lru_cache(maxsize=None)
+def _solved(name: str, rate: str, async_mode: bool, seed: int) -> Scenario | None:
+    boundary = next(b for b in BOUNDARIES if b.name == name)
+    scenario = boundary.build(rate, async_mode, seed)
+    return None if scenario is None else replace(scenario, async_scheduling=async_mode)
+
+
+def boundary_scenarios(async_mode: bool, integer_rates: bool, seed: int,
+                       per_boundary: int = 1) -> list[tuple[str, Scenario]]:
+    """The boundary scenarios of one run: for each boundary, ``per_boundary`` rates drawn
+    from its pool with ``seed`` (integer rates only with ``integer_rates``), each solved
+    once and cached. Names are ``boundary@rate``. A rate without a model is skipped."""
+    out = []
+    for index, boundary in enumerate(BOUNDARIES):
+        pool = list(boundary.rates(integer_rates))
+        random.Random(f"{seed}/{boundary.name}").shuffle(pool)
+        for rate in pool[:per_boundary]:
+            scenario = _solved(boundary.name, rate, async_mode, seed)
+            if scenario is not None:
+                out.append((f"{boundary.name}@{rate}", scenario))
+    return out
