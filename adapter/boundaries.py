@@ -57,11 +57,12 @@ FAST_RATE = "1000"  # the default rate of users a shape does not pace
 EDGE = (("2", "3", "5", "7", "10", "20"), ("0.5", "2.5", "3.5"))
 EDGE_PLUS = (("2", "3", "5", "10", "20"), ("0.5", "2.5"))
 FRACTIONAL_T = (("3", "7", "6", "9"), ("3.5", "7.25"))
+READY_AT = (("3", "7", "9"), ("3.5", "7.25"))  # ceil(x) - x = 1/p ns after >= 2 grants
 INTEGER_TAT = (("2", "4", "5", "10"), ("0.5", "2.5"))  # T a whole number of ns
 FAST_PACED = (("10", "16", "20", "25", "50"), ("12.5",))  # T <= tau
 TWO_AT_ONCE = (("16", "20", "24", "25"), ("12.5",))  # 2 grants at once after one grant
 SLOW = (("1", "2", "4", "5"), ("0.5", "2.5"))  # T > tau: refused one step after a grant
-ROTATION = (("2", "3", "5", "7", "10"), ("0.5", "2.5", "3.5", "7.25"))
+ROTATION = (("20", "25", "30"), ("20.5", "33.3"))  # idle burst >= 3
 
 
 def _zmax(a, b):
@@ -214,12 +215,14 @@ def _burst_edge_plus_1ns(rate, async_mode, seed):
 
 
 def _ready_at(rate, async_mode, seed):
-    # x = TAT - tau (scaled X); the step runs at ceil(x) with ceil(x) - x in (0, 1/2) ns.
+    # x = TAT - tau (scaled X); after >= 2 grants with the TAT never reset, the step runs
+    # at ceil(x) with ceil(x) - x = 1/p ns, the least a rate p/q allows: the take is
+    # granted with the smallest margin there is.
     def target(u, k):
         x = u.S[k] - u.burst
-        return [u.model.t[k] == -((-x) / u.p), x % u.p != 0, 2 * (u.p - x % u.p) < u.p]
+        return [u.model.t[k] == -((-x) / u.p), x % u.p == u.p - 1]
 
-    return _one_stream(rate, seed, target, min_grants=1)
+    return _one_stream(rate, seed, target, min_grants=2, no_reset=True)
 
 
 def _ready_at_minus_1ns(rate, async_mode, seed):
@@ -346,17 +349,19 @@ def _all_refused(rate, async_mode, seed):
 
 
 def _rotation_wrap(rate, async_mode, seed):
-    """R14/R15: one user with 3 streams and exactly one grant per step for 7 steps after
-    the first: the turn passes through every stream and wraps around to the first."""
+    """R14/R15: one user with 3 streams, all granted their prefill at step 0 (idle burst
+    >= 3: rate >= 20), then exactly one grant per step for 14 steps: the turn passes
+    through every stream and wraps around to the first, again and again."""
     r = Fraction(rate)
-    steps = 8
+    single = 14  # > R14_BYPASS_FACTOR x 3 streams: a starved stream shows in the bound
+    steps = single + 1
     m = _Model(steps, seed=seed)
     u = m.user("u", r, [3] * steps)
-    m.add(u.g[0] >= 1, u.g[0] <= 2, *[u.g[i] == 1 for i in range(1, steps)])
+    m.add(u.g[0] == 3, *[u.g[i] == 1 for i in range(1, steps)])
     advances = m.solve()
     if advances is None:
         return None
-    requests = [RequestSpec(f"u-r{k}", "u", 4, 5) for k in range(3)]
+    requests = [RequestSpec(f"u-r{k}", "u", 4, single // 3 + 4) for k in range(3)]
     return _scenario({"u": rate}, requests, advances)
 
 
@@ -369,12 +374,17 @@ def _charged_then_preempted(rate, async_mode, seed):
     the clock; step 4 runs 1 ns past b's burst edge (refused; a second refund at step 1
     would grant it)."""
     r = Fraction(rate)
-    steps = 5
+    # Async: A's finish is delivered one step later, so B is charged and refunded once
+    # more (its allocation fails at step 3) and resumes at step 4.
+    resume = 4 if async_mode else 3
+    steps = resume + 2
     m = _Model(steps, seed=seed)
-    b = m.user("b", r, [1, 1, 0, 1, 1], refunds=[0, 1, 0, 0, 0])
-    a = m.user("a", Fraction(FAST_RATE), [1, 1, 1, 0, 0])
-    m.add(b.granted(0), b.granted(3), *[a.granted(i) for i in range(3)])
-    m.add(b.ahead(3, b.p), b.lead_minus_tau(4) == b.p, *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
+    refunds = [0, 1, 0, 1, 0, 0] if async_mode else [0, 1, 0, 0, 0]
+    b = m.user("b", r, [1, 1, 0] + [1] * (steps - 3), refunds=refunds)
+    a = m.user("a", Fraction(FAST_RATE), [1, 1, 1] + [0] * (steps - 3))
+    m.add(b.granted(0), b.granted(resume), *[a.granted(i) for i in range(3)])
+    m.add(b.ahead(resume, b.p), b.lead_minus_tau(resume + 1) == b.p,
+          *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
     advances = m.solve()
     if advances is None:
         return None
@@ -390,12 +400,16 @@ def _charged_then_alloc_failure(rate, async_mode, seed):
     and granted at step 2 while b's TAT minus T is still ahead of the clock; step 3 runs
     1 ns past b's burst edge (refused; a second refund would grant it)."""
     r = Fraction(rate)
-    steps = 4
+    # Async: A and B0 finish one step later; B1's allocation fails again at step 2.
+    admit = 3 if async_mode else 2
+    steps = admit + 2
     m = _Model(steps, seed=seed)
-    b = m.user("b", r, [1, 2, 1, 1], refunds=[0, 1, 0, 0])
-    a = m.user("a", Fraction(FAST_RATE), [1, 1, 0, 0])
-    m.add(b.granted(0), b.granted(2), a.granted(0), a.granted(1))
-    m.add(b.ahead(2, b.inc + b.p), b.lead_minus_tau(3) == b.p, *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
+    refunds = [0, 1, 1, 0, 0] if async_mode else [0, 1, 0, 0]
+    b = m.user("b", r, [1, 2] + [1] * (steps - 2), refunds=refunds)
+    a = m.user("a", Fraction(FAST_RATE), [1, 1] + [0] * (steps - 2))
+    m.add(b.granted(0), b.granted(admit), a.granted(0), a.granted(1))
+    m.add(b.ahead(admit, b.inc + b.p), b.lead_minus_tau(admit + 1) == b.p,
+          *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
     advances = m.solve()
     if advances is None:
         return None
@@ -408,7 +422,7 @@ def _priority_throttled_victim(rate, async_mode, seed):
     """R13 under PRIORITY (4 KV blocks of 16, the shape of test_r13_*): U1 (user u at
     ``rate``, T > tau) prompt 4, V1 (user v, fast) prompt 16, V2 (v) prompt 4, all
     priority 0. Step 0 all prefill; step 1 u is refused 1 ns past its burst edge (U1
-    throttled) and V1's decode needs a block: the throttled U1 is the victim."""
+    throttled) and V1's decode needs a block: the throttled U1 is the victim (R13)."""
     r = Fraction(rate)
     m = _Model(2, seed=seed)
     u = m.user("u", r, [1, 1])
@@ -417,7 +431,10 @@ def _priority_throttled_victim(rate, async_mode, seed):
     advances = m.solve()
     if advances is None:
         return None
-    requests = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("v-r0", "v", 16, 3), RequestSpec("v-r1", "v", 4, 3)]
+    # V2's EOS comes at its 2nd output: in async its next step is dispatched before the EOS
+    # is known and stays charged (R8).
+    requests = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("v-r0", "v", 16, 3),
+                RequestSpec("v-r1", "v", 4, 3, eos_index=1)]
     return _scenario({"u": rate}, requests, advances, num_blocks=4, block_size=16, policy="priority")
 
 
@@ -427,7 +444,7 @@ BOUNDARIES: tuple[Boundary, ...] = (
     Boundary("burst-edge+1ns", ("R2",), "a take refused at TAT - now = tau + 1 ns",
              "a burst edge 1 ns (or 1 us) too wide (over-grant)", _burst_edge_plus_1ns, EDGE_PLUS),
     Boundary("ready-at", ("R5", "R2"), "a take granted at ready_at = ceil(TAT - tau), TAT - tau not a whole ns",
-             "sync: T rounded up to whole ns (under-grant)", _ready_at, FRACTIONAL_T),
+             "sync: T rounded up to whole ns (under-grant)", _ready_at, READY_AT),
     Boundary("ready-at-1ns", ("R5", "R2"), "a take refused at ready_at - 1 ns",
              "grants from floor(TAT - tau) (ready_at rounded down, over-grant)", _ready_at_minus_1ns, FRACTIONAL_T),
     Boundary("cleanup-tat-now", ("R6",), "the 256th schedule() with a user's TAT = now (deleted)",
@@ -454,7 +471,7 @@ BOUNDARIES: tuple[Boundary, ...] = (
              "none below exact: the choice of victim is not judged black-box", _priority_throttled_victim, SLOW),
 )
 BOUNDARY_NAMES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES)
-PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 6}  # rates per boundary and mode
+PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 10}  # scenarios per boundary and mode
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,15 +483,54 @@ def _solved(name: str, rate: str, async_mode: bool, seed: int) -> Scenario | Non
 
 def boundary_scenarios(async_mode: bool, integer_rates: bool, seed: int,
                        per_boundary: int = 1) -> list[tuple[str, Scenario]]:
-    """The boundary scenarios of one run: for each boundary, ``per_boundary`` rates drawn
-    from its pool with ``seed`` (integer rates only with ``integer_rates``), each solved
-    once and cached. Names are ``boundary@rate``. A rate without a model is skipped."""
+    """The boundary scenarios of one run, as ``(name, scenario)``: for each boundary,
+    ``per_boundary`` rates drawn from its pool with ``seed`` (integer rates only with
+    ``integer_rates``; past the pool's size the rates repeat with another solver seed),
+    each solved once and cached. Names are ``boundary@rate`` (``#n`` for a repeat)."""
     out = []
-    for index, boundary in enumerate(BOUNDARIES):
+    for boundary in BOUNDARIES:
         pool = list(boundary.rates(integer_rates))
         random.Random(f"{seed}/{boundary.name}").shuffle(pool)
-        for rate in pool[:per_boundary]:
-            scenario = _solved(boundary.name, rate, async_mode, seed)
+        for j in range(per_boundary):
+            rate, repeat = pool[j % len(pool)], j // len(pool)
+            scenario = _solved(boundary.name, rate, async_mode, seed * 1000 + repeat)
             if scenario is not None:
-                out.append((f"{boundary.name}@{rate}", scenario))
+                out.append((f"{boundary.name}@{rate}" + (f"#{repeat}" if repeat else ""), scenario))
     return out
+
+
+def check_boundaries(scheduler_cls: str, async_mode: bool, seed: int, tick: Callable[[], None],
+                     save_dir=None, level: str = "must", style=None, integer_rates: bool = False,
+                     per_boundary: int = 1):
+    """Row ``boundaries/sync`` or ``boundaries/async``: every boundary scenario of
+    ``boundary_scenarios`` run on ``scheduler_cls`` with ``run_scenario`` at ``level``.
+
+    Stops at the first failing scenario, made 1-minimal and saved for ``outrate replay``;
+    the failure names the boundary. ``result.scenarios`` lists the scenarios by name.
+    """
+    from vllm_output_rate.adapter.conform import CheckResult, _guarded, _record_failure, _save_counterexample
+    from vllm_output_rate.adapter.scenarios import minimize, run_scenario
+
+    tag = "async" if async_mode else "sync"
+    rules = sorted({r for b in BOUNDARIES for r in b.rules})
+    result = CheckResult(f"boundaries/{tag}", rules)
+    run = _guarded(lambda scenario: run_scenario(scheduler_cls, scenario, level, style), scheduler_cls)
+    named = boundary_scenarios(async_mode, integer_rates, seed, per_boundary)
+    result.scenarios = [name for name, _ in named]
+    for name, scenario in named:
+        tick()
+        result.examples += 1
+        verdict = run(scenario)
+        result.steps += verdict.steps
+        if verdict.failure is None:
+            continue
+        try:
+            scenario = minimize(scheduler_cls, scenario, run=run)
+            verdict = run(scenario)
+        except AssertionError:  # the failure did not reproduce: keep the scenario as it was
+            pass
+        _record_failure(result, verdict, scenario)
+        result.failure = f"{result.failure} (boundary scenario {name})"
+        _save_counterexample(result, scenario, save_dir)
+        break
+    return result

@@ -408,7 +408,7 @@ def check_model(tick: Callable[[], None]) -> CheckResult:
     (``outrate check --profile ci|release`` explores the larger ones)."""
     from vllm_output_rate.proofs.modelcheck import explore, profile_scopes
 
-    result = CheckResult("model-check/quick", ["I1-I17", "F1", "R6", "liveness"], part="spec health")
+    result = CheckResult("model-check/quick", ["I1-I18", "F1", "R6", "R19", "liveness"], part="spec health")
     for scope in profile_scopes("quick"):
         tick()
         outcome = explore(scope)

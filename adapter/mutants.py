@@ -20,14 +20,20 @@ from vllm_output_rate.reference.scheduler import RateLimitedAsyncScheduler, Rate
 
 # -- R7: charge on dispatch of sampling steps only ---------------------------------------
 class ChargePromptChunks(RateLimitedScheduler):
-    """R7 broken: intermediate prefill chunks are charged too."""
+    """R7 broken: intermediate prefill chunks are charged too.
+
+    Slip: the sampling test of the charge point dropped, so every scheduled chunk costs a token.
+    """
 
     def _samples(self, request, num_computed_tokens, num_new_tokens):
         return True
 
 
 class ChargeFirstChunkInstead(RateLimitedScheduler):
-    """R7 broken: a prefill is charged at its first chunk, not at the chunk that samples."""
+    """R7 broken: a prefill is charged at its first chunk, not at the chunk that samples.
+
+    Slip: the charge placed where a request is admitted (its first chunk) instead of where it samples.
+    """
 
     def _samples(self, request, num_computed_tokens, num_new_tokens):
         if request.num_output_tokens == 0 and request.num_output_placeholders == 0:
@@ -36,7 +42,10 @@ class ChargeFirstChunkInstead(RateLimitedScheduler):
 
 
 class ChargeOnModelOutput(RateLimitedScheduler):
-    """R7 broken: the limiter is only asked at dispatch; the charge happens on model output."""
+    """R7 broken: the limiter is only asked at dispatch; the charge happens on model output.
+
+    Slip: charging settled in update_from_output (after the model ran), as a synchronous patch would.
+    """
 
     def _commit_grants(self):
         return None  # decided at dispatch, but nothing taken there
@@ -59,7 +68,10 @@ class ChargeOnModelOutput(RateLimitedScheduler):
 
 
 class TwoChargesInAsync(RateLimitedAsyncScheduler):
-    """R7 broken (async): a request is charged twice for one dispatch in a step."""
+    """R7 broken (async): a request is charged twice for one dispatch in a step.
+
+    Slip: in async mode the lookahead of the in-flight placeholder charged as a second dispatch.
+    """
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         before = len(self._charged) if self.rate_limiter is not None else 0
@@ -72,7 +84,10 @@ class TwoChargesInAsync(RateLimitedAsyncScheduler):
 
 # -- R9: the single refund point ----------------------------------------------------------
 class NoRefund(RateLimitedScheduler):
-    """R9 broken: charges of requests that were not dispatched are kept."""
+    """R9 broken: charges of requests that were not dispatched are kept.
+
+    Slip: the end-of-schedule() refund loop deleted as dead code.
+    """
 
     def _settle(self, scheduler_output):
         keep_refund = self.rate_limiter.refund
@@ -85,7 +100,10 @@ class NoRefund(RateLimitedScheduler):
 
 
 class DoubleRefund(RateLimitedScheduler):
-    """R9 broken: an undispatched charge is refunded twice."""
+    """R9 broken: an undispatched charge is refunded twice.
+
+    Slip: a second refund of the same undispatched charge (two code paths both undo it).
+    """
 
     def _settle(self, scheduler_output):
         refunded = super()._settle(scheduler_output)
@@ -95,7 +113,10 @@ class DoubleRefund(RateLimitedScheduler):
 
 
 class RefundDispatched(RateLimitedScheduler):
-    """R9 broken: the first dispatched charge of each step is refunded as well."""
+    """R9 broken: the first dispatched charge of each step is refunded as well.
+
+    Slip: an off-by-one in the refund loop that also undoes the first dispatched charge.
+    """
 
     def _settle(self, scheduler_output):
         refunded = super()._settle(scheduler_output)
@@ -109,6 +130,8 @@ class RefundDispatched(RateLimitedScheduler):
 # -- R10: throttled prefill ---------------------------------------------------------------
 class HeadOfLineBlocking(RateLimitedScheduler):
     """R10 broken: a refused user's waiting request stops admission of later ones.
+
+    Slip: a refused waiting request ends the waiting loop (head-of-line blocking of other users).
 
     vLLM 0.32 itself stops admission at a waiting request given 0 tokens, 0.33 only skips
     it (docs/SPEC.md "vLLM versions", V8); so the stop is made here, on both releases: the
@@ -147,7 +170,10 @@ class HeadOfLineBlocking(RateLimitedScheduler):
 
 
 class NoPrefillAdvance(RateLimitedScheduler):
-    """R10 broken: with chunked prefill, a refused prefill waits instead of advancing to n-1."""
+    """R10 broken: with chunked prefill, a refused prefill waits instead of advancing to n-1.
+
+    Slip: the n-1 prefill advance left out: a refused prefill gets 0 tokens.
+    """
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
@@ -162,7 +188,10 @@ class NoPrefillAdvance(RateLimitedScheduler):
 
 # -- R11: skip, keep resident ---------------------------------------------------------------
 class DropThrottled(RateLimitedScheduler):
-    """R11 broken: throttled running requests are preempted (KV freed, recompute later)."""
+    """R11 broken: throttled running requests are preempted (KV freed, recompute later).
+
+    Slip: freeing the KV of a request that cannot run this step (preempting it).
+    """
 
     def schedule(self, *args: Any, **kwargs: Any):
         output = super().schedule(*args, **kwargs)
@@ -176,7 +205,10 @@ class DropThrottled(RateLimitedScheduler):
 
 # -- R12: skip-not-count --------------------------------------------------------------------
 class ThrottledCountTowardCap(RateLimitedScheduler):
-    """R12 broken: throttled requests still count toward the active cap when admitting."""
+    """R12 broken: throttled requests still count toward the active cap when admitting.
+
+    Slip: the admission cap left at A instead of A + throttled.
+    """
 
     @property
     def max_num_active_reqs(self) -> int:
@@ -190,7 +222,10 @@ class ThrottledCountTowardCap(RateLimitedScheduler):
 
 
 class NoActiveCapInRunningLoop(RateLimitedScheduler):
-    """R12 broken: the running loop schedules every running request, ignoring A."""
+    """R12 broken: the running loop schedules every running request, ignoring A.
+
+    Slip: the running loop's count of served requests reset at every request.
+    """
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         if self.rate_limiter is not None:
@@ -200,7 +235,10 @@ class NoActiveCapInRunningLoop(RateLimitedScheduler):
 
 # -- R13: preferred victims ------------------------------------------------------------------
 class ThrottledNotPreferredVictims(RateLimitedScheduler):
-    """R13 broken: vLLM's own victim choice, throttled or not."""
+    """R13 broken: vLLM's own victim choice, throttled or not.
+
+    Slip: the preferred-victim reordering removed: vLLM's own last-running victim.
+    """
 
     def _move_throttled_last(self, refused):
         running = list(self.running)
@@ -212,7 +250,10 @@ class ThrottledNotPreferredVictims(RateLimitedScheduler):
 
 # -- R14/R15: rotation -------------------------------------------------------------------------
 class NoRotation(RateLimitedScheduler):
-    """R14 broken: same-user streams are served in list order; the first one starves the rest."""
+    """R14 broken: same-user streams are served in list order; the first one starves the rest.
+
+    Slip: the rotation at the start of schedule() never called.
+    """
 
     def _turn_order(self, streams):
         return list(streams)
@@ -220,7 +261,10 @@ class NoRotation(RateLimitedScheduler):
 
 # -- R1/R2/R3/R5/R6: the limiter ----------------------------------------------------------------
 class BurstOneSecond(RateLimitedScheduler):
-    """R1 broken: burst tolerance tau of 1 s instead of 100 ms."""
+    """R1 broken: burst tolerance tau of 1 s instead of 100 ms.
+
+    Slip: the burst configured in the wrong unit (1 s instead of 100 ms).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -259,7 +303,10 @@ class _RollingWindowLimiter(OutputRateLimiter):
 
 
 class RollingWindow(RateLimitedScheduler):
-    """R2 broken: a rolling one-second window (bursty) instead of GCRA pacing."""
+    """R2 broken: a rolling one-second window (bursty) instead of GCRA pacing.
+
+    Slip: a rolling one-second window counter instead of GCRA.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -278,7 +325,10 @@ class _FloorReadyLimiter(OutputRateLimiter):
 
 
 class ReadyAtRoundedDown(RateLimitedScheduler):
-    """R5 broken: ready_at (and so the wait hint) rounded down instead of up."""
+    """R5 broken: ready_at (and so the wait hint) rounded down instead of up.
+
+    Slip: floor division in ready_at (the wait hint names an instant 1 ns early).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -296,7 +346,10 @@ class _EagerCleanupLimiter(OutputRateLimiter):
 
 
 class CleanupActiveUsers(RateLimitedScheduler):
-    """R6 broken: cleanup deletes users whose TAT is still ahead of now (within tau)."""
+    """R6 broken: cleanup deletes users whose TAT is still ahead of now (within tau).
+
+    Slip: "idle" taken as "allowed now" (TAT - now <= tau) instead of TAT <= now.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -306,7 +359,10 @@ class CleanupActiveUsers(RateLimitedScheduler):
 
 
 class BudgetPerRequest(RateLimitedScheduler):
-    """P2/R1 broken: one budget per request instead of one per user."""
+    """R2 broken (P2, R1): one budget per request instead of one per user.
+
+    Slip: the bucket keyed by request id instead of user id.
+    """
 
     @staticmethod
     def _resolve_user(request):
@@ -314,7 +370,10 @@ class BudgetPerRequest(RateLimitedScheduler):
 
 
 class IdentityFromOpenAIUserField(RateLimitedScheduler):
-    """R17 broken: identity read from a ``user`` key (the OpenAI field), not ``output_rate_user``."""
+    """R17 broken: identity read from a ``user`` key (the OpenAI field), not ``output_rate_user``.
+
+    Slip: identity read from the OpenAI ``user`` field instead of ``extra_args["output_rate_user"]``.
+    """
 
     @staticmethod
     def _resolve_user(request):
@@ -324,7 +383,10 @@ class IdentityFromOpenAIUserField(RateLimitedScheduler):
 
 
 class OverridesIgnored(RateLimitedScheduler):
-    """R3/config broken: per-user overrides ignored; everyone gets the default rate."""
+    """R3/config broken: per-user overrides ignored; everyone gets the default rate.
+
+    Slip: the per-user override map parsed but never passed to the limiter.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -335,13 +397,16 @@ class OverridesIgnored(RateLimitedScheduler):
 
 # -- R16: wait hint --------------------------------------------------------------------------------
 class WaitHintFromLatestUser(RateLimitedScheduler):
-    """R16 broken: the wait hint is the latest ready time among refused users, not the earliest."""
+    """R16 broken: the wait hint is the latest ready time among refused users, not the earliest.
+
+    Slip: max() instead of min() over the refused users' ready times, in the hint the engine waits on.
+    """
 
     def _observe(self, scheduler_output, refunded):
         super()._observe(scheduler_output, refunded)
         ready = [self.rate_limiter.ready_at_ns(u) for u in self._refused_users]
         ready = [t for t in ready if t is not None]
-        self.last_step_observation["wait_hint_ns"] = max(ready) if ready else None
+        self._wait_hint_ns = max(ready) if ready else None  # what next_ready_ns() gives the engine
 
 
 @dataclass(frozen=True)

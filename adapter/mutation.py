@@ -39,8 +39,8 @@ ARTICLE_MUTANTS_MODULE = "article_mutants"
 # not listed here (a row added later) runs after the listed scenario checks and before
 # engine-wait; white-box rows (level exact) come last.
 CHECK_ORDER = (
-    "feature-off/sync", "invariants/sync", "rate-limit/sync", "boundaries/sync",
-    "feature-off/async", "invariants/async", "rate-limit/async", "boundaries/async",
+    "feature-off/sync", "invariants/sync", "rate-limit/sync", "boundaries/sync", "not-binding/sync",
+    "feature-off/async", "invariants/async", "rate-limit/async", "boundaries/async", "not-binding/async",
 )
 LATE_CHECKS = ("engine-wait/sync", "engine-wait/async", "white-box/sync", "white-box/async")
 
@@ -126,6 +126,47 @@ def _order(name: str) -> tuple[int, int]:
     return (1, 0)
 
 
+BOUNDARY_RATES_PER_PROFILE = {"quick": 1, "ci": 2, "release": 4}
+"""Rates per boundary of ``adapter/boundaries.py`` in the stand-in ``boundaries/*`` check."""
+
+
+def _boundary_check(async_mode: bool):
+    """A ``boundaries/{sync,async}`` check (level must) over ``adapter/boundaries.py``'s
+    Z3-solved scenarios, judged by ``run_scenario``: the stand-in used while the registry
+    has no such row (a registry row of that name replaces it). None if the module is absent."""
+    try:
+        from vllm_output_rate.adapter import boundaries
+    except ImportError:
+        return None
+    from vllm_output_rate.adapter import registry
+
+    tag = "async" if async_mode else "sync"
+    rules = tuple(sorted({r for b in boundaries.BOUNDARIES for r in b.rules}, key=lambda r: int(r[1:])))
+
+    def run(options, tick):
+        from vllm_output_rate.adapter.conform import CheckResult, _guarded, _record_failure, _save_counterexample
+        from vllm_output_rate.adapter.scenarios import run_scenario
+
+        cls = options.async_scheduler_cls if async_mode else options.scheduler_cls
+        result = CheckResult(f"boundaries/{tag}", list(rules), level="must")
+        judge = _guarded(lambda scenario: run_scenario(cls, scenario, options.level, options.style), cls)
+        per = getattr(boundaries, "PER_BOUNDARY", BOUNDARY_RATES_PER_PROFILE).get(options.profile, 1)
+        for name, scenario in boundaries.boundary_scenarios(async_mode, options.integer_rates, options.seed, per):
+            tick()
+            result.examples += 1
+            verdict = judge(scenario)
+            result.steps += verdict.steps
+            if verdict.failure is not None:
+                _record_failure(result, verdict, scenario)
+                result.failure = f"{result.failure} (boundary {name})"
+                _save_counterexample(result, scenario, options.save_dir)
+                break
+        return result
+
+    return registry.PlannedCheck(registry.CheckSpec(f"boundaries/{tag}", "candidate", "must", rules, async_mode,
+                                                    lambda o: 1, run))
+
+
 def hunt_plan(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
               save_dir: Path | None = None):
     """(options, planned checks in hunting order) for ``mutant``: the registry's plan of a
@@ -150,6 +191,14 @@ def hunt_plan(mutant: Mutant, level: str = "should", profile: str = "ci", seed: 
         if mutant.async_only and spec.async_mode is False:
             continue
         planned.append(item)
+    names = {item.spec.name for item in planned}
+    for async_mode in (False, True):
+        if (async_mode and async_cls is None) or (not async_mode and mutant.async_only):
+            continue
+        if f"boundaries/{'async' if async_mode else 'sync'}" not in names:
+            stand_in = _boundary_check(async_mode)
+            if stand_in is not None:
+                planned.append(stand_in)
     planned.sort(key=lambda item: _order(item.spec.name))
     return options, planned
 
@@ -182,11 +231,18 @@ def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
         scenario = Scenario.from_json(Path(result.saved).read_text())
     except (TypeError, KeyError, ValueError):
         return None  # not a rate-limit scenario (a step scenario of another check)
-    if result.name.startswith("feature-off/"):
+    family = result.name.split("/")[0]
+    if family == "feature-off":
         from vllm_output_rate.adapter.feature_off import run_feature_off
 
         return run_feature_off(base, scenario, options.style).failure is None
-    return run_scenario(base, scenario, level, options.style).failure is None
+    if family == "not-binding":
+        from vllm_output_rate.adapter.not_binding import run_not_binding
+
+        return run_not_binding(base, scenario, options.style).failure is None
+    if family in ("rate-limit", "invariants", "boundaries"):
+        return run_scenario(base, scenario, level, options.style).failure is None
+    return None  # a check whose scenarios this module does not know how to re-run
 
 
 def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,

@@ -189,9 +189,50 @@ def _spec_health_checks() -> list[CheckSpec]:
         fidelity(True),
         CheckSpec("proofs/z3", "spec health", "must", ("R1", "R2", "R3", "R4", "R5", "R6"), None, lambda o: 6,
                   lambda o, tick: gate.check_proofs(tick)),
-        CheckSpec("model-check/quick", "spec health", "must", ("I1-I17", "F1", "R6", "liveness"), None,
+        CheckSpec("model-check/quick", "spec health", "must", ("I1-I18", "F1", "R6", "R19", "liveness"), None,
                   lambda o: scopes(), lambda o, tick: gate.check_model(tick)),
     ]
+
+
+def _boundaries_check(async_mode: bool) -> CheckSpec:
+    """Issue 18 item 1: the Z3-directed boundary scenarios (``adapter/boundaries.py``), on
+    the candidate at every level, with its config style and integer rates."""
+
+    def per_boundary(options: GateOptions) -> int:
+        from vllm_output_rate.adapter.boundaries import PER_BOUNDARY
+
+        return PER_BOUNDARY[options.profile]
+
+    def total(options: GateOptions) -> int:
+        from vllm_output_rate.adapter.boundaries import BOUNDARIES
+
+        return len(BOUNDARIES) * per_boundary(options)
+
+    def run(options: GateOptions, tick: Tick):
+        from vllm_output_rate.adapter.boundaries import check_boundaries
+
+        return check_boundaries(_cls(options, async_mode), async_mode, options.seed, tick, options.save_dir,
+                                level=options.level, style=options.style, integer_rates=options.integer_rates,
+                                per_boundary=per_boundary(options))
+
+    from vllm_output_rate.adapter.boundaries import BOUNDARIES
+
+    rules = tuple(sorted({r for b in BOUNDARIES for r in b.rules}))
+    return CheckSpec(f"boundaries/{'async' if async_mode else 'sync'}", "candidate", "must", rules, async_mode,
+                     total, run)
+
+
+def _coverage_check() -> CheckSpec:
+    """Issue 18 item 2: every obligation of ``adapter/coverage.py`` reached >= k times by
+    this run's candidate checks (k per profile); runs last among the candidate checks."""
+
+    def run(options: GateOptions, tick: Tick):
+        from vllm_output_rate.adapter.coverage import check_coverage
+
+        tick()
+        return check_coverage(options)
+
+    return CheckSpec("coverage", "candidate", "must", tuple(f"R{i}" for i in range(6, 19)), None, lambda o: 1, run)
 
 
 def registry() -> list[CheckSpec]:
@@ -199,9 +240,9 @@ def registry() -> list[CheckSpec]:
     checks: list[CheckSpec] = []
     for async_mode in (False, True):
         checks += [_scheduler_check(async_mode, False), _scheduler_check(async_mode, True),
-                   _feature_off_check(async_mode), _not_binding_check(async_mode)]
+                   _feature_off_check(async_mode), _not_binding_check(async_mode), _boundaries_check(async_mode)]
     checks += [_engine_wait_check(False), _engine_wait_check(True)]
-    checks += [_white_box_check(False), _white_box_check(True)]
+    checks += [_white_box_check(False), _white_box_check(True), _coverage_check()]
     return checks + _spec_health_checks()
 
 
@@ -235,8 +276,15 @@ def run_planned(item: PlannedCheck, options: GateOptions, tick: Tick):
     if item.skip is not None:
         return CheckResult(spec.name, list(spec.rules), result="not tested", failure=item.skip, part=spec.part,
                            level=spec.level)
+    from vllm_output_rate.adapter import coverage
+
     started = time.monotonic()
-    result = spec.run(options, tick)
+    if spec.part == "candidate":  # issue 18: obligations reached, summed over the run
+        with coverage.collecting() as reached:
+            result = spec.run(options, tick)
+        coverage.record_check(options, spec.name, result, reached)
+    else:
+        result = spec.run(options, tick)
     result.seconds = time.monotonic() - started
     result.part, result.level = spec.part, spec.level
     return result

@@ -33,6 +33,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter import coverage
 from vllm_output_rate.spec import limiter as spec_limiter
 
 MAX_SCENARIO_STEPS = 400
@@ -401,6 +402,7 @@ class _Judge:
     def after_step(self, step: int, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
         self.steps += 1
         scenario, now = self.scenario, trace.now_ns
+        coverage.observe(self, step, trace, unfinished, resident)  # obligations reached (adapter/coverage.py)
         if not scenario.feature_on:
             return None
         for rid in trace.sampled:
@@ -430,6 +432,10 @@ class _Judge:
                 return "R12", "should", (
                     f"{self.name} scheduled {len(scheduled_running)} running requests in one step, more than "
                     f"--max-num-active-seqs {scenario.max_num_active_seqs}")
+        if self.should and scenario.policy == "priority" and trace.preempted:
+            failure = self._priority_victim_check(trace, resident)
+            if failure:
+                return failure
         if self.exact and trace.white is not None:
             failure2 = self._white_box_checks(trace)
             return (failure2[0], "exact", failure2[1]) if failure2 else None
@@ -464,6 +470,25 @@ class _Judge:
             return "R11", "should", (f"{self.name} preempted {trace.preempted} although KV and seats are ample: "
                                      "the article keeps throttled requests resident")
         return self._bypass_check(step, trace, unfinished)
+
+    def _priority_victim_check(self, trace, resident: set[str]) -> tuple[str, str, str] | None:
+        """R13 under PRIORITY (level should): vLLM preempts at its victim level, the highest
+        priority value in ``running``, and the article's preferred throttled victims are
+        taken only within that level; so no request preempted in a step may have a lower
+        priority value than a request that was running at the step start and still is."""
+        running = {r.request_id for r in self.harness.scheduler.running}
+        survivors = [rid for rid in resident if rid in running and rid in self.by_id]
+        for rid in trace.preempted:
+            if rid not in self.by_id:
+                continue
+            level = self.by_id[rid].priority
+            above = sorted(s for s in survivors if self.by_id[s].priority > level)
+            if above:
+                return "R13", "should", (
+                    f"{self.name} preempted {rid} (priority {level}) while {above[0]} (priority "
+                    f"{self.by_id[above[0]].priority}, a lower priority) kept its KV: under PRIORITY the victim is "
+                    "taken at the lowest priority level, and the article's throttled victims only within it")
+        return None
 
     def _bypass_check(self, step: int, trace, unfinished: list[str]) -> tuple[str, str, str] | None:
         """R14 as bounded bypass: while stream ``s`` of a user is decoding and unfinished,

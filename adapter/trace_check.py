@@ -35,12 +35,29 @@ dispatch while dispatch times are kept (``UserSummary.dispatch_ns``, for plots).
 
 Request ids: vLLM appends ``-XXXXXXXX`` (8 random characters) to the id a client or
 ``vllm.LLM`` gave; ``completions`` may use either form.
+
+Rates are reported per run and per user, over the user's *busy periods*: a period starts
+at the user's first sampling dispatch while it has no other request in the engine and
+ends at its last dispatch before its last request is freed. Idle time between two client
+runs against one engine therefore does not dilute the rate (a 100 tok/s user measured
+over two 2 s bursts 20 s apart is ~100 tok/s, not ~18), and two engine runs (headers)
+are never merged.
+
+Command line (also ``outrate check-trace FILE``)::
+
+    python -m vllm_output_rate.adapter.trace_check FILE [--partial]
+
+prints every run's users (limit, dispatches, busy periods, busy seconds, rate) and every
+violation, then one verdict line; exit 0 if every check passed, 1 on a violation or when
+the file holds no run at all, 2 if the file cannot be read.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -88,11 +105,15 @@ class UserSummary:
     dispatches: int = field(init=False, default=0)
     first_dispatch_ns: int | None = field(init=False, default=None)
     last_dispatch_ns: int | None = field(init=False, default=None)
+    busy_periods: int = field(init=False, default=0)  # see module docstring
+    closed_busy_ns: int = field(init=False, default=0)  # summed spans of the closed periods
+    period_first_ns: int | None = field(init=False, default=None)  # first dispatch of the open one
 
     def __post_init__(self) -> None:
         self.dispatches = len(self.dispatch_ns)
         if self.dispatch_ns:
             self.first_dispatch_ns, self.last_dispatch_ns = self.dispatch_ns[0], self.dispatch_ns[-1]
+            self.busy_periods, self.period_first_ns = 1, self.dispatch_ns[0]
 
     def add(self, now_ns: int, keep: bool = True) -> None:
         """Count one sampling dispatch at ``now_ns``; ``keep``: also append it to ``dispatch_ns``."""
@@ -100,8 +121,30 @@ class UserSummary:
             self.dispatch_ns.append(now_ns)
         if self.first_dispatch_ns is None:
             self.first_dispatch_ns = now_ns
+        if self.period_first_ns is None:
+            self.period_first_ns = now_ns
+            self.busy_periods += 1
         self.last_dispatch_ns = now_ns
         self.dispatches += 1
+
+    def close_period(self) -> None:
+        """The user has no request left in the engine: its open busy period ends."""
+        if self.period_first_ns is not None:
+            self.closed_busy_ns += self.last_dispatch_ns - self.period_first_ns
+            self.period_first_ns = None
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds of the busy periods (each from its first to its last dispatch), summed."""
+        open_ns = 0 if self.period_first_ns is None else self.last_dispatch_ns - self.period_first_ns
+        return (self.closed_busy_ns + open_ns) / NS_PER_S
+
+    @property
+    def busy_rate(self) -> float | None:
+        """Dispatches per second of busy time (the article's measure per busy period, summed);
+        None when no period holds two dispatches."""
+        busy = self.busy_s
+        return self.dispatches / busy if busy else None
 
     @property
     def span_s(self) -> float | None:
@@ -167,11 +210,52 @@ class TraceReport:
                  f"{len(self.violations)} violation(s)"]
         for i, run in enumerate(self.runs):
             for u in sorted(run.users.values(), key=lambda s: s.user):
-                rate = "-" if u.engine_rate is None else f"{u.engine_rate:.2f}"
+                rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
                 lines.append(f"  run {i} user {u.user}: limit {float(u.rate):g} tok/s, "
-                             f"{u.dispatches} dispatches, engine rate {rate} tok/s")
+                             f"{u.dispatches} dispatches in {u.busy_periods} busy period(s) of "
+                             f"{u.busy_s:.2f} s, {rate} tok/s")
         lines += [f"  {v}" for v in self.violations[:20]]
         return "\n".join(lines)
+
+    def render(self, source: str = "trace") -> list[str]:
+        """The command-line report: per run, a header and one row per user; the violations;
+        a verdict line last (``OK: ...`` or ``FAIL: ...``)."""
+        lines = [f"{source}: {len(self.runs)} run(s), {sum(r.steps for r in self.runs)} steps, "
+                 f"{len(self.violations)} violation(s)"]
+        for i, run in enumerate(self.runs):
+            h = run.header
+            overrides = h.get("user_tokens_per_s") or {}
+            span = "" if run.first_ns is None else f" over {(run.last_ns - run.first_ns) / NS_PER_S:.2f} s"
+            lines.append(
+                f"run {i}: {h.get('scheduler', '?')} pid {h.get('pid', '?')}, "
+                f"{'async' if run.async_scheduling else 'sync'}, default {h.get('default_tokens_per_s')} tok/s, "
+                f"{len(overrides)} override(s), burst {int(h.get('burst_ns', spec_limiter.BURST_NS)) / 1e6:g} ms; "
+                f"{run.steps} steps{span}, {len(run.requests)} requests"
+            )
+            if not run.users:
+                lines.append("  no sampling dispatch")
+                continue
+            lines.append(f"  {'user':<24} {'limit tok/s':>11} {'dispatches':>10} {'busy periods':>12} "
+                         f"{'busy s':>8} {'tok/s':>9}")
+            for u in sorted(run.users.values(), key=lambda s: s.user or ""):
+                rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
+                lines.append(f"  {str(u.user)[:24]:<24} {float(u.rate):>11g} {u.dispatches:>10} "
+                             f"{u.busy_periods:>12} {u.busy_s:>8.2f} {rate:>9}")
+        if self.violations:
+            lines.append("violations:")
+            lines += [f"  {v}" for v in self.violations]
+        if self.ignored_partial_line:
+            lines.append("note: the unterminated last line was not checked (the engine is still writing it)")
+        if self.violations:
+            rules = Counter(v.rule for v in self.violations)
+            shown = ", ".join(f"{rule} x{n}" for rule, n in sorted(rules.items()))
+            lines.append(f"FAIL: {len(self.violations)} violation(s) ({shown})")
+        elif not self.runs:
+            lines.append("FAIL: no run in the trace (no header line): nothing was checked; is it the file "
+                         "given as --trace-path / output_rate.trace_path?")
+        else:
+            lines.append(f"OK: every check passed in {len(self.runs)} run(s)")
+        return lines
 
 
 def _base_id(engine_id: str) -> str | None:
@@ -247,6 +331,7 @@ class _Run:
         self.windows: dict[str | None, _UserWindow] = {}
         self.dirty: set[str] = set()  # freed, token-checked, then touched again: check at the end
         self.flagged: set[str] = set()  # token bounds found broken (reported once)
+        self.live: dict[str, int] = {}  # user -> its requests seen and not yet freed (busy periods)
 
 
 class _Checker:
@@ -322,6 +407,10 @@ class _Checker:
         """Record freed requests and check the token bounds of those not aborted."""
         for rid, info in finished.items():
             req = run.report.requests.setdefault(rid, RequestSummary())
+            if req.status is None and req.user is not None:
+                left = run.live[req.user] = run.live.get(req.user, 1) - 1
+                if left <= 0 and req.user in run.report.users:
+                    run.report.users[req.user].close_period()  # the user is idle now
             req.status, req.output_tokens = info.get("status"), info.get("output_tokens")
             run.dirty.discard(rid)
             self.engine_tokens(run, rid)
@@ -360,6 +449,8 @@ class _Checker:
             req = report.requests.setdefault(rid, RequestSummary())
             if req.user is None:
                 req.user = user
+                if user is not None and req.status is None:
+                    run.live[user] = run.live.get(user, 0) + 1
             elif user is not None and user != req.user:
                 self.fail("R17-identity", f"request {rid} changed user {req.user!r} -> {user!r}", index, step, user)
             if info.get("throttled") and (info.get("tokens", 0) > 0 or info.get("charged")):
@@ -571,3 +662,30 @@ def check_trace(path: str | Path, completions: Mapping[str, int] | None = None,
     result as ``check_records``. Raises ``OSError`` if the file cannot be read.
     """
     return TraceFollower(path).finish(completions, cancelled, partial)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_output_rate.adapter.trace_check FILE`` (and ``outrate check-trace FILE``).
+
+    Prints the report (``TraceReport.render``) and returns the exit code: 0 every check
+    passed, 1 a violation or no run in the file, 2 the file cannot be read.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_output_rate.adapter.trace_check",
+        description="Check an engine-side event trace (output_rate.trace_path): per-run, per-user rates "
+                    "and every invariant; exit 1 on a violation.")
+    parser.add_argument("file", help="the trace file (JSON lines)")
+    parser.add_argument("--partial", action="store_true",
+                        help="the engine still writes the file: skip an unterminated last line")
+    args = parser.parse_args(argv)
+    try:
+        report = check_trace(args.file, partial=args.partial)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read trace {args.file}: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(report.render(args.file)))
+    return 0 if report.ok and report.runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

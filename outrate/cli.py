@@ -58,7 +58,10 @@ def main() -> None:
 @click.option("--no-spec-health", is_flag=True, help="Skip the spec-health checks (they never judge the candidate).")
 @click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
-@click.option("--mutants", is_flag=True, help="Also run the mutant catalogue; every mutant must be killed.")
+@click.option("--mutants", is_flag=True, help="Also run the mutant catalogue (reference and article-style "
+              "mutants, adapter/mutation.py) at --level; every mutant must be killed.")
+@click.option("--no-white-box", "no_white_box", is_flag=True,
+              help="With --mutants: hunt without the white-box (exact-level) checks, from what vLLM exposes only.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the results as JSON here.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -69,7 +72,7 @@ def main() -> None:
               show_default=True, help="Directory where failing scenarios are saved for replay.")
 def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, burst_configurable, integer_rates,
             paths, no_spec_health, profile, seed, mutants, json_path, junit_path, markdown_path,
-            counterexamples) -> None:
+            counterexamples, no_white_box=False) -> None:
     """Run the conformance gate on a scheduler class at a level.
 
     Exit 0: every candidate check passed; 1: a candidate check failed (or a mutant
@@ -133,6 +136,12 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
         rows = [r for r in results if r.part == part]
         if rows:
             console.print(_results_table(title, rows))
+    for r in results:  # issue 18: the boundary scenarios run, by name, and the coverage table
+        if getattr(r, "scenarios", None):
+            console.print(f"{r.name} scenarios: {escape_markup(', '.join(r.scenarios))}", soft_wrap=True)
+    coverage_row = next((r for r in results if getattr(r, "coverage", None)), None)
+    if coverage_row is not None:
+        console.print(_coverage_table(coverage_row.coverage))
     for r in results:
         if r.result != "fail":
             continue
@@ -148,9 +157,14 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
             console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {cls} "
                           f"--level {level}{extra})", soft_wrap=True)
 
-    mutant_rows = _run_mutants(_budget(profile), seed) if mutants else []
+    mutant_rows = _run_mutants(profile, seed, level, not no_white_box) if mutants else []
     survivors = [m for m in mutant_rows if not m["killed"]]
     checks_json = [r.as_json() for r in results]
+    for r, row in zip(results, checks_json):
+        if getattr(r, "scenarios", None):
+            row["scenarios"] = r.scenarios
+        if getattr(r, "coverage", None):
+            row["coverage"] = r.coverage
     code = registry.exit_code(results)
     if survivors and code == 0:
         code = 1
@@ -208,6 +222,18 @@ def _config_style(text: str):
         raise click.BadParameter(str(exc), param_hint="--config-style") from None
 
 
+def _coverage_table(coverage: dict) -> Table:
+    """The coverage obligations of a run (``adapter/coverage.py``): count against k."""
+    table = Table(title=f"coverage obligations (k = {coverage['k']} per run, profile {coverage['profile']})")
+    for col in ("obligation", "rules", "reached", "status"):
+        table.add_column(col, justify="right" if col == "reached" else "left")
+    styles = {"ok": "green", "NOT REACHED": "bold red", "not applicable": "yellow"}
+    for row in coverage["rows"]:
+        table.add_row(row["obligation"], row["rules"], str(row["count"]),
+                      f"[{styles[row['status']]}]{row['status']}[/]")
+    return table
+
+
 def _results_table(title: str, rows: list) -> Table:
     """One rich table of check results."""
     table = Table(title=title)
@@ -243,36 +269,49 @@ def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) 
     return line
 
 
-def _run_mutants(budget: dict, seed: int) -> list[dict]:
-    """Hunt every mutant of the catalogue with the gate's checks; print the kill table."""
+def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[dict]:
+    """Hunt every mutant of the catalogue (``adapter/mutation.py``: the reference's and the
+    article-style ones) with the gate's candidate checks at ``level`` (without the
+    exact-level white-box checks unless ``white_box``); print the kill table and the median
+    and maximum seconds to kill."""
     import statistics
 
-    from vllm_output_rate.adapter.mutants import MUTANTS
-    from vllm_output_rate.adapter.mutation import kill
+    from vllm_output_rate.adapter.mutation import catalogue, kill
 
+    try:
+        mutants = catalogue()
+    except ImportError as exc:  # not a source checkout: the reference's mutants only
+        console.print(f"[yellow]article-style mutants not available ({exc}); reference mutants only[/]")
+        mutants = catalogue(article=False)
     rows = []
-    with Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        task = progress.add_task("mutants", total=len(MUTANTS))
-        for mutant in MUTANTS:
+        task = progress.add_task("mutants", total=len(mutants))
+        for mutant in mutants:
             progress.update(task, description=f"mutant {mutant.name}")
-            rows.append(kill(mutant, budget["mutant"], budget["max_steps"], seed).as_json())
+            rows.append(kill(mutant, level, profile, seed, white_box).as_json())
             progress.advance(task)
-    table = Table(title="mutants")
-    for col in ("mutant", "rule", "killed", "counterexample names", "check", "seconds", "events"):
+    table = Table(title=f"mutants (level {level}, profile {profile}, white box {'on' if white_box else 'off'})")
+    for col in ("mutant", "base", "rule", "killed", "killed by rule", "check", "level", "black-box", "seconds",
+                "events"):
         table.add_column(col)
     for m in rows:
-        table.add_row(m["mutant"], m["rule"], "[green]yes[/]" if m["killed"] else "[bold red]NO[/]",
-                      m["killed_by"] or "-", m["check"] or "-", f"{m['seconds']:.1f}",
-                      str(m["counterexample_events"]))
+        table.add_row(m["mutant"], "article" if m["based_on"] == "article_style" else "reference", m["rule"],
+                      "[green]yes[/]" if m["killed"] else "[bold red]NO[/]", m["killed_by"] or "-", m["check"] or "-",
+                      m["level"] or "-", "-" if m["black_box"] is None else ("yes" if m["black_box"] else "no"),
+                      f"{m['seconds']:.1f}", str(m["counterexample_events"]))
     console.print(table)
     killed = [m for m in rows if m["killed"]]
     if killed:
         secs = [m["seconds"] for m in killed]
-        events = [m["counterexample_events"] for m in killed]
-        console.print(f"seconds to kill: median {statistics.median(secs):.1f}, max {max(secs):.1f}; "
-                      f"counterexample events: median {statistics.median(events):g}, max {max(events)}")
+        same = sum(m["killed_by"] == m["rule"] for m in killed)
+        console.print(f"{len(killed)}/{len(rows)} mutants killed, {sum(bool(m['black_box']) for m in killed)} by a "
+                      f"black-box check, {same} by a failure naming the mutant's own rule; seconds to kill: median "
+                      f"{statistics.median(secs):.1f}, max {max(secs):.1f}")
     for m in rows:
+        for line in m.get("spurious") or []:
+            console.print(f"[yellow]mutant {m['mutant']}: not counted, the unmutated base fails it too:[/] "
+                          f"{escape_markup(line)}", soft_wrap=True)
         if not m["killed"]:
             console.print(f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]")
     return rows
@@ -450,6 +489,17 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
             "examples": report.examples, "complete": report.complete, "seconds": round(report.seconds, 2),
             "found": [e.as_json() for e in report.found]}, indent=2))
     sys.exit(1 if report.found else 0)
+
+
+@main.command("check-trace", context_settings={"ignore_unknown_options": True})
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--partial", is_flag=True, help="The engine still writes FILE: skip an unterminated last line.")
+def check_trace_cmd(file, partial) -> None:
+    """Check an engine-side event trace (outrate serve --trace-path FILE): per run and per user the
+    rates over busy periods, every violation; exit 1 on a violation (or no run), 2 if unreadable."""
+    from vllm_output_rate.adapter.trace_check import main as trace_main
+
+    sys.exit(trace_main([str(file)] + (["--partial"] if partial else [])))
 
 
 @main.command("tiny-model")

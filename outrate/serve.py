@@ -13,16 +13,23 @@ Accepts the seed article's start-up flags and turns them into the plain vLLM com
 ``--max-num-seqs M``                          resident requests (passed to vLLM)
 ``--max-num-active-seqs A``                   requests in a step's batch, A <= M (passed to
                                               vLLM and, feature on, to ``output_rate``)
+``--burst-ms MS``                             burst tolerance tau in whole milliseconds
+                                              (``output_rate.burst_ms``, default 100, R1)
 ``--trace-path FILE``                         append the engine-side event trace to FILE
                                               (``output_rate.trace_path``, checked by
-                                              ``adapter/trace_check.py``); feature on only
+                                              ``outrate check-trace``); feature on only
 =========================================== ==============================================
 
 The scheduler class is ``RateLimitedScheduler``, or ``RateLimitedAsyncScheduler`` when
 ``--async-scheduling`` is given (P5). Every other argument goes to ``vllm serve`` unchanged
 (MODEL comes first, as with ``vllm serve``); a user's ``--additional-config`` is merged
 with the ``output_rate`` section. Bad flags stop start-up here, before vLLM is imported,
-with a message saying what to change. The server replaces this process (``exec``), so signals reach it directly.
+with a message saying what to change ("Configuration"): bad rates, JSON with a key given
+twice, one of these flags given twice, overrides / burst / trace without a default rate,
+A > M, and no default rate at all (``outrate serve`` exists to run the feature: without
+``--default-user-output-tokens-per-second`` it would start stock vLLM, so it refuses and
+says to use plain ``vllm serve`` for that). The server replaces this process (``exec``),
+so signals reach it directly.
 
 Source: semantics.md "Configuration"; seed article, start-up command.
 """
@@ -38,7 +45,7 @@ from typing import Any
 
 import click
 
-from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+from vllm_output_rate.reference.config import OutputRateConfigError, loads_no_duplicates, parse_output_rate
 from vllm_output_rate.reference.limiter import parse_rate
 
 SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
@@ -46,6 +53,15 @@ ASYNC_SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedAsyncSche
 FLAG_DEFAULT = "--default-user-output-tokens-per-second"
 FLAG_USERS = "--user-output-tokens-per-second"
 FLAG_TRACE = "--trace-path"
+FLAG_BURST = "--burst-ms"
+# The flag of each output_rate key (the message when a key comes in --additional-config).
+FLAG_OF_KEY = {
+    "default_tokens_per_s": FLAG_DEFAULT,
+    "user_tokens_per_s": FLAG_USERS,
+    "max_num_active_seqs": "--max-num-active-seqs",
+    "burst_ms": FLAG_BURST,
+    "trace_path": FLAG_TRACE,
+}
 # `outrate` quiets vLLM's logging for its own commands (cli._offline_env, run after this
 # module is imported); the server keeps vLLM's default INFO unless the user set a level.
 _USER_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
@@ -65,7 +81,9 @@ def _parse_default_rate(text: str) -> int | float:
 
 def _parse_user_rates(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = loads_no_duplicates(text, FLAG_USERS)
+    except OutputRateConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     except json.JSONDecodeError as exc:
         raise click.UsageError(
             f"{FLAG_USERS} is not valid JSON ({exc.msg} at character {exc.pos}): {text!r}; "
@@ -86,34 +104,54 @@ def _parse_user_rates(text: str) -> dict[str, Any]:
 
 
 def _pop_option(args: list[str], name: str) -> tuple[list[str], str | None]:
-    """Remove ``name VALUE`` / ``name=VALUE`` from ``args``; return the rest and VALUE."""
+    """Remove ``name VALUE`` / ``name=VALUE`` from ``args``; return the rest and VALUE.
+
+    Raises:
+        click.UsageError: ``name`` without a value, or given more than once (only one
+            would take effect).
+    """
     rest: list[str] = []
-    value = None
+    values: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
         if arg == name:
             if i + 1 >= len(args):
                 raise click.UsageError(f"{name} needs a value")
-            value = args[i + 1]
+            values.append(args[i + 1])
             i += 2
             continue
         if arg.startswith(name + "="):
-            value = arg[len(name) + 1 :]
+            values.append(arg[len(name) + 1 :])
         else:
             rest.append(arg)
         i += 1
-    return rest, value
+    return rest, _once(values, name)
+
+
+def _once(values: tuple | list, flag: str) -> Any:
+    """The value of a flag given at most once (Configuration: a repeated flag is refused).
+
+    Raises:
+        click.UsageError: the flag was given more than once, naming every value.
+    """
+    if len(values) > 1:
+        shown = ", ".join(repr(str(v)) for v in values)
+        raise click.UsageError(
+            f"{flag} is given {len(values)} times ({shown}); only one would take effect: give it once"
+        )
+    return values[0] if values else None
 
 
 def build_output_rate_section(
     default_rate: str | None, user_rates: str | None, max_num_seqs: int | None, max_num_active_seqs: int | None,
-    trace_path: str | None = None,
+    trace_path: str | None = None, burst_ms: int | None = None,
 ) -> dict[str, Any] | None:
-    """The ``output_rate`` section for these flags (None: feature off).
+    """The ``output_rate`` section for these flags.
 
     Raises:
-        click.UsageError: bad rate or JSON, overrides or a trace path without a default, A > M.
+        click.UsageError: bad rate or JSON (a key given twice included), overrides, a burst
+            or a trace path without a default, A > M, no default rate at all.
     """
     if max_num_seqs is not None and max_num_active_seqs is not None and max_num_active_seqs > max_num_seqs:
         raise click.UsageError(
@@ -121,18 +159,26 @@ def build_output_rate_section(
             "lower --max-num-active-seqs or raise --max-num-seqs"
         )
     if default_rate is None:
-        for flag, value in ((FLAG_USERS, user_rates), (FLAG_TRACE, trace_path)):
+        for flag, value in ((FLAG_USERS, user_rates), (FLAG_BURST, burst_ms), (FLAG_TRACE, trace_path)):
             if value is not None:
                 raise click.UsageError(
                     f"{flag} needs {FLAG_DEFAULT}: the default rate turns the feature on "
                     f"(add e.g. {FLAG_DEFAULT} 100, or drop {flag})"
                 )
-        return None
+        # R18 / Configuration: outrate serve is for the feature; starting stock vLLM without a
+        # word would hide a forgotten flag.
+        raise click.UsageError(
+            f"no {FLAG_DEFAULT}: the output-rate feature would be off and the server would limit nobody; "
+            f"add e.g. {FLAG_DEFAULT} 100 (every user not listed in {FLAG_USERS} gets it), "
+            "or start plain `vllm serve` for a server without limits"
+        )
     section: dict[str, Any] = {"default_tokens_per_s": _parse_default_rate(default_rate)}
     if user_rates is not None:
         section["user_tokens_per_s"] = _parse_user_rates(user_rates)
     if max_num_active_seqs is not None:
         section["max_num_active_seqs"] = max_num_active_seqs
+    if burst_ms is not None:
+        section["burst_ms"] = burst_ms
     if trace_path is not None:
         # Absolute: the engine-core process opens it, and a reader should find the same file.
         section["trace_path"] = os.path.abspath(trace_path) if trace_path.strip() else trace_path
@@ -151,6 +197,7 @@ def build_command(
     max_num_seqs: int | None = None,
     max_num_active_seqs: int | None = None,
     trace_path: str | None = None,
+    burst_ms: int | None = None,
 ) -> list[str]:
     """The full command line (argv) that starts vLLM's OpenAI server.
 
@@ -158,7 +205,8 @@ def build_command(
         click.UsageError: bad flags (see ``build_output_rate_section``), or a conflicting
             ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
     """
-    section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path)
+    section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path,
+                                        burst_ms)
     args = list(vllm_args)
     args, scheduler_cls = _pop_option(args, "--scheduler-cls")
     if scheduler_cls is None:
@@ -181,13 +229,15 @@ def build_command(
         if not isinstance(additional, dict):
             raise click.UsageError(f"--additional-config must be a JSON object, got {additional_text!r}")
     if "output_rate" in additional:
+        given = additional["output_rate"]
+        keys = list(given) if isinstance(given, dict) else []
+        named = [f"{k} -> {FLAG_OF_KEY[k]}" for k in keys if k in FLAG_OF_KEY]
         raise click.UsageError(
-            f"give the output-rate settings as flags ({FLAG_DEFAULT}, {FLAG_USERS}, --max-num-active-seqs, "
-            f"{FLAG_TRACE}), "
-            "not as an output_rate key of --additional-config"
+            "give the output-rate settings as flags, not as an output_rate key of --additional-config"
+            + (f" ({', '.join(named)})" if named else "")
+            + f"; the flags: {', '.join(FLAG_OF_KEY.values())}"
         )
-    if section is not None:
-        additional["output_rate"] = section
+    additional["output_rate"] = section
     try:
         importlib.metadata.version("vllm")
         launcher = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
@@ -210,28 +260,36 @@ def build_command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
 @click.argument("model")
-@click.option(FLAG_DEFAULT, "default_rate", metavar="R", default=None,
-              help="Turn the feature on: every user not listed gets R output tokens/s.")
-@click.option(FLAG_USERS, "user_rates", metavar="JSON", default=None,
+# Every flag below may be given once: ``multiple=True`` only lets ``_once`` refuse a repeat
+# (click would silently keep the last).
+@click.option(FLAG_DEFAULT, "default_rate", metavar="R", multiple=True,
+              help="Required. Turns the feature on: every user not listed gets R output tokens/s.")
+@click.option(FLAG_USERS, "user_rates", metavar="JSON", multiple=True,
               help="""Per-user overrides, e.g. '{"user-a": 100, "user-b": 500}'.""")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None, metavar="M",
+@click.option("--max-num-seqs", type=click.IntRange(min=1), multiple=True, metavar="M",
               help="Resident requests (worker slots); throttled requests keep theirs.")
-@click.option("--max-num-active-seqs", type=click.IntRange(min=1), default=None, metavar="A",
+@click.option("--max-num-active-seqs", type=click.IntRange(min=1), multiple=True, metavar="A",
               help="Requests in a step's batch (A <= M); throttled ones do not count.")
-@click.option(FLAG_TRACE, "trace_path", metavar="FILE", default=None,
+@click.option(FLAG_BURST, "burst_ms", type=int, multiple=True, metavar="MS",
+              help="Burst tolerance in whole milliseconds (default 100): a user idle for a while may "
+                   "get floor(MS/1000 x rate) + 1 tokens at once.")
+@click.option(FLAG_TRACE, "trace_path", metavar="FILE", multiple=True,
               help="Append the engine-side event trace (one JSON line per step) to FILE, for "
-                   "`vllm_output_rate.adapter.trace_check`; needs the default rate.")
+                   "`outrate check-trace FILE`.")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit without starting it.")
 @click.pass_context
-def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path,
+def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, burst_ms, trace_path,
           print_command) -> None:
     """Start vLLM's OpenAI server on MODEL with per-user output-rate limiting.
 
     Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
     user with "vllm_xargs": {"output_rate_user": "..."} (a trusted gateway must set it).
     """
-    command = build_command(model, list(ctx.args), default_rate, user_rates, max_num_seqs, max_num_active_seqs,
-                            trace_path)
+    command = build_command(
+        model, list(ctx.args), _once(default_rate, FLAG_DEFAULT), _once(user_rates, FLAG_USERS),
+        _once(max_num_seqs, "--max-num-seqs"), _once(max_num_active_seqs, "--max-num-active-seqs"),
+        _once(trace_path, FLAG_TRACE), _once(burst_ms, FLAG_BURST),
+    )
     if print_command:
         click.echo(shlex.join(command))
         return

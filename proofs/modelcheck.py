@@ -58,7 +58,7 @@ them, is below ``n^2 / 2^129`` (< 10^-26 at 10^6 states).
 
 Properties
 ----------
-- Every transition: ``invariants.check`` (I1-I17; I7's window bound is evaluated by the
+- Every transition: ``invariants.check`` (I1-I18; I7's window bound is evaluated by the
   checker in ledger form, see below) and any ``AssertionError`` raised inside the spec
   (check "assert").
 - I7 in ledger form: for each user the checker replays GCRA over the user's *sampling

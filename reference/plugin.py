@@ -190,8 +190,12 @@ def check_front_end(vllm_config) -> None:
             )
         return
     if section != {} and implements_output_rate(scheduler_cls) is False:
-        shown = "vLLM's default scheduler" if scheduler_cls is None else repr(getattr(
-            scheduler_cls, "__qualname__", scheduler_cls))
+        if scheduler_cls is None:
+            shown = "vLLM's default scheduler"
+        elif isinstance(scheduler_cls, type):
+            shown = repr(f"{scheduler_cls.__module__}.{scheduler_cls.__qualname__}")
+        else:
+            shown = repr(scheduler_cls)
         raise OutputRateConfigError(
             f'additional_config["{SECTION}"] is given but --scheduler-cls is {shown}, which does not '
             f"implement it and would not limit anything: add --scheduler-cls {REFERENCE_CLASSES[0]} "

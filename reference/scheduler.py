@@ -22,7 +22,12 @@ at the step start sit at the end of ``running`` (FCFS victims are ``running[-1]`
 PRIORITY, ``kv_cache_manager.allocate_slots`` is wrapped so that a failed allocation of a
 running request first preempts a throttled request of vLLM's victim priority level.
 
-Source: semantics.md R7-R18; seed article, "Scheduler" section.
+R14 (turns) and R19 (not binding = stock): ``running`` is never reordered, since vLLM spends
+the token budget in its order. A separate turn order (``_take_turns``, kept between steps)
+decides only which decoding streams of a user whose grants do not cover them all get the
+grants; the others are throttled at the step start (``_move_throttled_last``, ``_held``).
+
+Source: semantics.md R7-R18, docs/SPEC.md R19; seed article, "Scheduler" section.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.reference.config import OutputRateConfig, check_engine_supported, parse_output_rate
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
+from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
 from vllm_output_rate.reference.trace import TraceWriter
 from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
 
@@ -96,7 +102,9 @@ class _RateLimitMixin:
         self._base_lookahead = not output_rate_config.enabled or self.num_prefill_lookahead > 1
         self._hook_fast = False  # see _reserve_prefill_lookahead
         self._record_only = False  # see _reserve_prefill_lookahead
+        self._throttle_log: ThrottleLog | None = None  # operator log of throttled users (oplog.py)
         if not self.output_rate_config.enabled:
+            log_feature_off(type(self).__name__)  # operator log only; behaviour is the base's
             return  # R18: feature off, every override below defers to the base class
         cfg = self.output_rate_config
         self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
@@ -107,6 +115,8 @@ class _RateLimitMixin:
         )
         # R12 needs the set of running requests given tokens only if the cap can bind.
         self._cap_binds = self._active_cap < self.max_num_running_reqs
+        log_limits(type(self).__name__, cfg, self._active_cap, self.max_num_running_reqs)  # operator log
+        self._throttle_log = ThrottleLog(self.rate_limiter.rate_of)
         # The hook's short path: the active cap cannot bind, vLLM's hook only clamps at 0,
         # and ``_samples`` (R7) is ours, so it can be inlined.
         self._hook_fast = (not self._cap_binds and not self._base_lookahead
@@ -237,6 +247,7 @@ class _RateLimitMixin:
             # so this map stays bounded by the live requests.
             self._last_served = {k: rid for k, rid in self._last_served.items() if rid in self.requests}
         self._observe(scheduler_output, refunded)
+        self._throttle_log.step(self._now_ns, self._throttled, self._user_cache)  # operator log (oplog.py)
         if self._trace is not None:
             self._trace_step(scheduler_output, refunded)
         return scheduler_output

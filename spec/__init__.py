@@ -8,8 +8,8 @@ Read beside docs/SPEC.md. Nothing here imports vLLM or any other part of the pro
 | ``events`` | the event alphabet shared with the adapter and a model checker |
 | ``state`` | configuration, request and scheduler state, observations (frozen dataclasses) |
 | ``scheduler`` | ``step(state, event) -> (state, observation)``: one vLLM 0.32 scheduling step, V1-V12 |
-| ``rate`` | the rate-limit layer of a step, R6-R16 (R18: absent with the feature off) |
-| ``invariants`` | I1-I12, checked after every spec step by the gate |
+| ``rate`` | the rate-limit layer of a step, R6-R16 and R19 (R18: absent with the feature off) |
+| ``invariants`` | I1-I18, checked after every spec step by the gate |
 
 Prefix caching is not modelled: the gate turns it off, so every admission starts at 0
 computed tokens (see ``spec/state.py`` for the whole modelled configuration class).

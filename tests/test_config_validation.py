@@ -303,3 +303,122 @@ def test_front_end_feature_off_unchanged(model_dirs):
     plugin.register()
     config = _engine_args(model_dirs, pipeline_parallel_size=2).create_engine_config()
     assert config.parallel_config.pipeline_parallel_size == 2  # R18: accepted as vLLM accepts it
+
+
+# -- Configuration (issue 15): typos refused in the front end, saying what to change -------
+# Plain `vllm serve` runs EngineArgs.create_engine_config in the API-server process before
+# the engine core is spawned; the plugin's check there makes the message the last line the
+# operator sees (gpu_tests/test_live_config_errors.py checks that on a real `vllm serve`).
+class MySubclassScheduler(load_class(SYNC)):
+    """A subclass of the reference: implements output_rate, accepted."""
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"additional_config": {"output_rate": {"default_token_per_s": 100}}},
+         "'default_token_per_s' (did you mean 'default_tokens_per_s'?)"),
+        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100, "burst": 50}}},
+         "'burst' (did you mean 'burst_ms'?)"),
+        ({"additional_config": {"output_rate": {"user_tokens_per_s": {"a": 5}}}},
+         "output_rate is configured without default_tokens_per_s"),
+        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100, "max_num_active_seqs": 16}},
+          "max_num_seqs": 8},
+         'additional_config["output_rate"]["max_num_active_seqs"] (16) must be <= --max-num-seqs (8)'),
+        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100}}, "scheduler_cls": None},
+         "--scheduler-cls is vLLM's default scheduler, which does not implement it"),
+        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100}}, "scheduler_cls": STOCK},
+         f"--scheduler-cls is {STOCK!r}, which does not implement it"),
+        ({"additional_config": {"output_rate": {"user_tokens_per_s": {"a": 5}}}, "scheduler_cls": STOCK},
+         "add --scheduler-cls vllm_output_rate.reference.scheduler.RateLimitedScheduler"),
+        ({"additional_config": {"output_rates": {"default_tokens_per_s": 100}}},
+         "has a key 'output_rates' but no 'output_rate': did you mean 'output_rate'?"),
+    ],
+    ids=["misspelt-key", "misspelt-burst", "no-default", "active-above-seqs", "stock-default-class",
+         "stock-class-path", "stock-class-no-default", "misspelt-section"],
+)
+def test_configuration_typo_refused_in_the_front_end(kw, says, model_dirs):
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()
+    kw = {"scheduler_cls": SYNC, **kw}
+    args = _engine_args(model_dirs, **{k: v for k, v in kw.items() if k != "scheduler_cls"}) \
+        if kw["scheduler_cls"] == SYNC else _stock_engine_args(model_dirs, **kw)
+    with pytest.raises(OutputRateConfigError) as err:
+        args.create_engine_config()
+    assert says in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)  # one line: the last line of the traceback says it all
+
+
+def _stock_engine_args(model_dirs, scheduler_cls, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model_dirs["llama"], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                      scheduler_cls=scheduler_cls, **kw)
+
+
+def test_configuration_accepted_front_end_cases(model_dirs):
+    # A subclass of the reference implements the section; an empty section is "off" for any
+    # class; a section-less stock engine is untouched (R18).
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()
+    _stock_engine_args(model_dirs, MySubclassScheduler, additional_config=copy.deepcopy(FEATURE_ON)) \
+        .create_engine_config()
+    _stock_engine_args(model_dirs, None, additional_config={"output_rate": {}}).create_engine_config()
+    _stock_engine_args(model_dirs, None, additional_config={"output_rates": {"x": 1}}).create_engine_config()
+    config = _engine_args(model_dirs, max_num_seqs=8, additional_config={
+        "output_rate": {"default_tokens_per_s": 100, "max_num_active_seqs": 8}}).create_engine_config()
+    assert config.additional_config["output_rate"]["max_num_active_seqs"] == 8
+
+
+def test_active_cap_above_max_num_seqs_refused_by_the_scheduler_too(model_dirs):
+    # The scheduler's constructor is authoritative (the plugin may be filtered out).
+    config = vllm_config(model_dirs)
+    config.scheduler_config.max_num_seqs = 8
+    config.additional_config = {"output_rate": {"default_tokens_per_s": 100, "max_num_active_seqs": 16}}
+    with pytest.raises(OutputRateConfigError, match=r"\(16\) must be <= --max-num-seqs \(8\)"):
+        build_scheduler(SYNC, config)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"output_rate": {"default_tokens_per_s": 5, "default_tokens_per_s": 7}}',
+         "key 'default_tokens_per_s' is given twice"),
+        ('{"output_rate": {"default_tokens_per_s": 5, "user_tokens_per_s": {"a": 5, "a": 7}}}',
+         "key 'a' is given twice"),
+        ('{"output_rate": {"default_tokens_per_s": 5}, "output_rate": {"default_tokens_per_s": 7}}',
+         'key "output_rate" is given twice'),
+    ],
+    ids=["key", "user", "section"],
+)
+def test_configuration_duplicate_json_keys_refused_by_vllm_parser(text, says, capsys):
+    # vLLM parses --additional-config with json.loads (the last of two keys wins); the plugin
+    # makes vLLM's own parser refuse a key given twice inside output_rate.
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--additional-config", text])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in last and "JSON keeps only the last one" in last, last
+    # Other keys of additional_config are vLLM's and other plugins': untouched.
+    args = parser.parse_args(["--additional-config", '{"other": {"x": 1, "x": 2}, "output_rate": {}}'])
+    assert args.additional_config == {"other": {"x": 2}, "output_rate": {}}
+
+
+def test_unknown_key_suggestion_and_duplicates_helpers():
+    from vllm_output_rate.reference.config import loads_no_duplicates, nearest_key, parse_output_rate
+
+    assert nearest_key("max_active_seqs", ("max_num_active_seqs", "burst_ms")) == "max_num_active_seqs"
+    assert nearest_key("zzz", ("max_num_active_seqs",)) is None
+    with pytest.raises(OutputRateConfigError, match=r"'zzz'; known keys: default_tokens_per_s, "):
+        parse_output_rate({"default_tokens_per_s": 1, "zzz": 1})
+    with pytest.raises(OutputRateConfigError, match=r"X: key 'a' is given twice \(5 and 7\)"):
+        loads_no_duplicates('{"a": 5, "a": 7}', "X")
+    assert loads_no_duplicates('{"a": {"b": 1}, "c": [{"b": 2}]}', "X") == {"a": {"b": 1}, "c": [{"b": 2}]}

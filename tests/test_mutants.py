@@ -1,43 +1,187 @@
-"""The gate rejects every mutant of the catalogue, naming a rule, with a short counterexample."""
+"""The gate rejects the mutants of its catalogue, black-box, naming a rule.
+
+The catalogue (``adapter/mutation.py`` ``catalogue()``) is the reference's mutants
+(``adapter/mutants.py``) plus the mutants of the independent article-style implementation
+(``tests/fixtures/article_mutants.py``, no observation interface). The whole catalogue is
+hunted by ``outrate conform --mutants --no-white-box`` (minutes); here: its shape, a
+representative subset of kills (marker ``ci``), and Hypothesis-style discovery rates.
+"""
 
 from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from vllm_output_rate.adapter.conform import PROFILES
 from vllm_output_rate.adapter.mutants import MUTANTS
-from vllm_output_rate.adapter.mutation import _first_failure, kill
+from vllm_output_rate.adapter.mutation import catalogue, first_failure, hunt_plan, kill
 from vllm_output_rate.adapter.scenarios import Scenario, run_scenario, scenarios
 
 CI = PROFILES["ci"]
 QUICK = PROFILES["quick"]
+RULES = tuple(f"R{i}" for i in range(1, 19))
+
+CATALOGUE = catalogue()  # imports article_style, which installs the article's engine flags
+from article_style import engine as _article_engine  # noqa: E402  (importable now)
+from article_style import flags as _article_flags  # noqa: E402
+
+_article_flags.uninstall()  # stock vLLM for the modules collected after this one
+BY_NAME = {m.name: m for m in CATALOGUE}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
-def test_every_mutant_is_killed_in_profile_ci(mutant):
-    result = kill(mutant, CI["mutant"], CI["max_steps"], seed=0)
-    assert result.killed, f"{mutant.name} ({mutant.rule}) survived"
-    assert result.killed_by and result.killed_by.startswith("R")
-    assert result.counterexample_events <= 6, result.counterexample
-    # The 1-minimal counterexample still fails on the mutant and passes on the reference.
-    assert result.failure
+@pytest.fixture(scope="module", autouse=True)
+def _article_flags_installed():
+    """The article's flags on vLLM's EngineArgs while these tests run (the engine-args
+    style needs them), undone afterwards."""
+    _article_flags.install()
+    yield
+    _article_flags.uninstall()
+    _article_engine.uninstall()
 
 
+# -- the catalogue -----------------------------------------------------------------------------
+def test_catalogue_has_40_mutants_half_on_article_style_covering_r1_to_r18():
+    article = [m for m in CATALOGUE if m.style is not None]
+    assert len(CATALOGUE) >= 40
+    assert len(article) >= 20 and len(article) * 2 >= len(CATALOGUE)
+    assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
+    assert set(RULES) <= {m.rule for m in CATALOGUE}, sorted(set(RULES) - {m.rule for m in CATALOGUE})
+    for m in article:
+        assert (m.style, m.integer_rates) == ("engine-args", True), m.name
+        assert m.base_cls == "article_style.scheduler.ArticleScheduler"
+        assert m.cls.startswith("article_mutants."), m.name
+
+
+def test_article_mutants_have_no_observation_interface():
+    from vllm_output_rate.adapter.harness import load_class
+
+    for m in CATALOGUE:
+        if m.style is None:
+            continue
+        for path in filter(None, (m.cls, m.async_cls)):
+            cls = load_class(path)
+            assert not hasattr(cls, "last_step_observation"), path
+            assert cls.__module__ == "article_mutants"
+
+
+@pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.name for m in CATALOGUE])
+def test_every_mutant_docstring_names_its_rule_and_slip(mutant):
+    doc = mutant.load().__doc__ or ""
+    assert re.search(rf"\b{mutant.rule}\b", doc.splitlines()[0]), doc
+    slip = re.search(r"^\s*Slip: (.+)", doc, re.MULTILINE)
+    assert slip and len(slip.group(1).split()) >= 5, f"{mutant.name}: no 'Slip:' line saying which slip it models"
+
+
+def test_catalogue_loader_puts_tests_fixtures_on_the_path_only_when_asked():
+    import subprocess
+
+    code = ("import sys; from vllm_output_rate.adapter import mutation; "
+            "assert not any(p.endswith('tests/fixtures') for p in sys.path), 'early'; "
+            "assert 'article_style' not in sys.modules; "
+            "n = len(mutation.catalogue(article=False)); assert 'article_style' not in sys.modules; "
+            "print(n, len(mutation.catalogue()))")
+    fixtures = str(Path(__file__).resolve().parent / "fixtures")
+    env_path = [p for p in sys.path if p and p != fixtures and not p.endswith("tests/fixtures")]
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(env_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240,
+                         cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    ref, total = map(int, out.stdout.split()[-2:])
+    assert ref == len(MUTANTS) and total == len(CATALOGUE)
+
+
+def test_hunt_plan_uses_the_registry_without_white_box_cheapest_first():
+    options, planned = hunt_plan(BY_NAME["ArticleNoRotation"], "exact", "ci", 0, white_box=False)
+    names = [p.spec.name for p in planned]
+    assert not any(n.startswith("white-box/") for n in names)
+    assert names.index("rate-limit/sync") < names.index("engine-wait/sync")
+    assert names[-2:] == ["engine-wait/sync", "engine-wait/async"]
+    assert options.integer_rates and options.style is not None and options.style.name == "engine-args"
+    _, with_white = hunt_plan(BY_NAME["NoRotation"], "exact", "ci", 0, white_box=True)
+    assert [p.spec.name for p in with_white][-1] == "white-box/sync"
+    _, async_only = hunt_plan(BY_NAME["ArticleAsyncInFlightFree"], "should", "ci", 0)
+    assert all(p.spec.async_mode is not False for p in async_only)
+
+
+# -- kills (a representative subset; the whole catalogue: outrate conform --mutants) ------------
+CI_SUBSET = (
+    "ArticleFirstTokenFree",        # R7, over-grant (invariants/sync)
+    "ArticleOverridesIgnored",      # R1
+    "ArticleAsyncInFlightFree",     # R8, async only
+    "ArticleIdLowercased",          # R17, under-grant (rate-limit/sync)
+    "ArticlePreemptThrottled",      # R11 should: preempted although KV is ample
+    "ArticleRunningLoopIgnoresCap",  # R12 should: more than A running scheduled
+    "ArticleNoRotation",            # R14 should: bounded bypass
+    "ArticleRotatesWhenOff",        # R18: feature off differs from stock
+    "RollingWindow",                # reference, R2
+    "DropThrottled",                # reference, R11
+)
+
+
+@pytest.mark.ci
+@pytest.mark.parametrize("name", CI_SUBSET)
+def test_mutant_is_killed_black_box_in_profile_ci(name):
+    mutant = BY_NAME[name]
+    result = kill(mutant, "should", "ci", seed=0, white_box=False)
+    assert result.killed, f"{name} ({mutant.rule}) survived: {result.spurious}"
+    assert result.black_box and result.base_passes is True, result.failure
+    assert result.killed_by and (result.killed_by.startswith("R") or result.killed_by == "crash")
+    assert result.level in ("must", "should")
+    assert result.counterexample and result.counterexample_events <= 8, result.counterexample
+    assert result.seconds < 60
+
+
+# -- discovery rates ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["RefundDispatched", "BudgetPerRequest"])
 def test_r9_r2_discovery_at_least_95_of_100_seeds_in_profile_quick(name):
     # In the style of Hypothesis's own discovery tests: the bug must be found in >= 95 of
-    # 100 independent seeds with the quick profile's budget for the ample sync check.
-    mutant = next(m for m in MUTANTS if m.name == name)
-    strategy = scenarios(async_scheduling=False, max_steps=QUICK["max_steps"])
-    found = sum(_first_failure(mutant.cls, strategy, QUICK["sync"], seed) is not None for seed in range(100))
+    # 100 independent seeds with the quick profile's budget (pressured scenarios for R9,
+    # where refunds happen; ample ones for R2), black-box (level should).
+    mutant = BY_NAME[name]
+    from vllm_output_rate.adapter.scenarios import pressured_scenarios
+
+    strategy = (pressured_scenarios if name == "RefundDispatched" else scenarios)(
+        async_scheduling=False, max_steps=QUICK["max_steps"])
+    found = sum(first_failure(mutant, strategy, QUICK["pressured"], seed) is not None for seed in range(100))
+    assert found >= 95, f"{name} found in only {found}/100 seeds"
+
+
+# The item-1 boundaries' own examples: T not a whole ns, ready_at rounded down by 1 ns,
+# cleanup at TAT = now + 1 ns (and within tau), `<` instead of `<=` at the burst edge.
+BOUNDARY_ONLY = ("ArticleTruncatedInterval", "ArticleReadyAtRoundedDown", "ArticleCleanupOneNsAhead",
+                 "ArticleCleanupWithinBurst", "ArticleBurstEdgeStrict")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BOUNDARY_ONLY)
+def test_boundary_mutant_discovery_at_least_95_of_100_seeds_in_profile_quick(name):
+    """Boundary-only slips (1 ns at an edge, a fractional emission interval, cleanup at
+    TAT = now + 1 ns): the ``boundaries/sync`` check of profile quick finds each in >= 95
+    of 100 seeds, black-box."""
+    boundaries = pytest.importorskip("vllm_output_rate.adapter.boundaries")
+    del boundaries
+    mutant = BY_NAME[name]
+    found = 0
+    for seed in range(100):
+        options, planned = hunt_plan(mutant, "should", "quick", seed)
+        check = next(p for p in planned if p.spec.name == "boundaries/sync")
+        result = check.spec.run(options, lambda: None)
+        found += result.result == "fail"
     assert found >= 95, f"{name} found in only {found}/100 seeds"
 
 
 def test_r9_counterexample_of_a_mutant_replays_from_json():
-    mutant = next(m for m in MUTANTS if m.name == "RefundDispatched")
-    scenario = _first_failure(mutant.cls, scenarios(async_scheduling=False, max_steps=10), 50, 3)
+    mutant = BY_NAME["RefundDispatched"]
+    from vllm_output_rate.adapter.scenarios import pressured_scenarios
+
+    scenario = first_failure(mutant, pressured_scenarios(async_scheduling=False, max_steps=10), 50, 3)
     assert scenario is not None
     again = Scenario.from_json(scenario.to_json())
     assert again == scenario
-    assert run_scenario(mutant.cls, again).rule == "R9"
+    assert run_scenario(mutant.cls, again, "should").failure is not None
+    assert run_scenario(mutant.base_cls, again, "should").failure is None

@@ -81,12 +81,23 @@ def test_p5_async_scheduling_selects_the_async_class():
     assert argv.count("--scheduler-cls") == 1
 
 
-def test_r18_no_default_rate_feature_off():
-    # Without a default rate the scheduler is launched without a section: exactly stock vLLM.
-    argv = command_of("MODEL", "--max-num-seqs", "8", "--max-num-active-seqs", "4")
-    assert option(argv, "--scheduler-cls") == SCHEDULER_CLS
-    assert "--additional-config" not in argv
-    assert option(argv, "--max-num-active-seqs") == "4"  # upstream's meaning when off
+def test_r18_no_default_rate_is_refused_not_started_silently():
+    # Configuration (issue 15): without a default rate the feature would be off and the
+    # server would limit nobody; outrate serve refuses and says what to do instead.
+    result = run("MODEL", "--max-num-seqs", "8", "--max-num-active-seqs", "4")
+    assert result.exit_code == 2, result.output
+    assert "no --default-user-output-tokens-per-second: the output-rate feature would be off" in result.output
+    assert "plain `vllm serve`" in result.output
+
+
+def test_burst_ms_flag_goes_into_the_section():
+    # R1: the burst tolerance, settable through outrate serve (issue 15).
+    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "10", "--burst-ms", "500")
+    assert json.loads(option(argv, "--additional-config"))["output_rate"] == {
+        "default_tokens_per_s": 10, "burst_ms": 500}
+    assert "--burst-ms" not in argv  # ours, not vLLM's
+    help_text = CliRunner().invoke(main, ["serve", "--help"]).output
+    assert "--burst-ms" in help_text
 
 
 @pytest.mark.parametrize(
@@ -117,7 +128,25 @@ def test_r18_no_default_rate_feature_off():
         (["--default-user-output-tokens-per-second", "10", "--scheduler-cls", "my.Sched"], "drop --scheduler-cls"),
         (["--default-user-output-tokens-per-second", "10", "--additional-config", '{"output_rate": {}}'],
          "not as an output_rate key"),
-        (["--additional-config", "{oops"], "--additional-config is not valid JSON"),
+        (["--default-user-output-tokens-per-second", "10", "--additional-config", "{oops"],
+         "--additional-config is not valid JSON"),
+        # Configuration (issue 15): typos are refused, saying what to change.
+        (["--default-user-output-tokens-per-second", "10", "--additional-config", '{"output_rate": {"burst_ms": 500}}'],
+         "burst_ms -> --burst-ms"),
+        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"a": 5, "a": 7}'],
+         "--user-output-tokens-per-second: key 'a' is given twice (5 and 7)"),
+        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"a": 5}',
+          "--user-output-tokens-per-second", '{"b": 7}'],
+         """--user-output-tokens-per-second is given 2 times ('{"a": 5}', '{"b": 7}'); only one would take effect"""),
+        (["--default-user-output-tokens-per-second", "10", "--default-user-output-tokens-per-second", "20"],
+         "--default-user-output-tokens-per-second is given 2 times ('10', '20')"),
+        (["--default-user-output-tokens-per-second", "10", "--max-num-seqs", "8", "--max-num-seqs", "16"],
+         "--max-num-seqs is given 2 times"),
+        (["--default-user-output-tokens-per-second", "10", "--additional-config", "{}", "--additional-config={}"],
+         "--additional-config is given 2 times"),
+        (["--default-user-output-tokens-per-second", "10", "--burst-ms", "0"], "burst_ms must be an integer"),
+        (["--default-user-output-tokens-per-second", "10", "--burst-ms", "0.5"], "'0.5' is not a valid integer"),
+        (["--burst-ms", "50"], "--burst-ms needs --default-user-output-tokens-per-second"),
     ],
 )
 def test_bad_flags_stop_start_up_saying_what_to_change(args, says):

@@ -214,3 +214,89 @@ def test_window_check_matches_brute_force(seed):
     assert ("R2-window" not in _rules(report)) == brute_ok
     if "R2-window" in _rules(report):
         assert "R2-gcra" in _rules(report)  # GCRA conformance implies the window bound
+
+
+# -- the command line (outrate check-trace FILE, python -m ...trace_check FILE; issue 15) ----
+FAST_HEADER = {"header": {**HEADER["header"], "pid": 7, "scheduler": "RateLimitedScheduler",
+                          "default_tokens_per_s": "100", "user_tokens_per_s": {}}}
+
+
+def _client_run(first_step: int, start_ms: int, rid: str, n: int = 200) -> list[dict]:
+    """One client stream of user "u" paced at exactly 100 tok/s (a dispatch every 10 ms), then freed."""
+    recs = [_step(first_step + k, start_ms + 10 * k, {rid: ("u", 1, True, False)}) for k in range(n)]
+    recs.append({"now_ns": None, "finished": {rid: {"status": "FINISHED_LENGTH_CAPPED", "output_tokens": n}}})
+    return recs
+
+
+def _write(tmp_path, lines, name="trace.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(lines))
+    return path
+
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "vllm_output_rate.adapter.trace_check", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_rate_over_busy_periods_not_diluted_by_idle_time_between_client_runs():
+    # One engine run, two client runs of 200 tokens 20 s apart: the article's first-to-last
+    # measure gives 400 / 23.99 s = 16.7 tok/s for a 100 tok/s user; busy periods give ~100.
+    recs = _client_run(0, 0, "a") + _client_run(200, 22_000, "b")
+    report = check_records(_lines(*recs, header=FAST_HEADER))
+    assert report.ok, report.summary()
+    user = report.runs[0].users["u"]
+    assert user.engine_rate == pytest.approx(400 / 23.99, rel=1e-3)  # the diluted figure
+    assert user.busy_periods == 2
+    assert user.busy_s == pytest.approx(2 * 1.99)
+    assert user.busy_rate == pytest.approx(400 / 3.98)  # 100.5 tok/s: the +1 of each period's first token
+    assert "100.50 tok/s" in report.summary() and "18." not in report.summary()
+
+
+def test_check_trace_command_reports_per_run_and_exits_0(tmp_path):
+    # Two engine runs (two headers) of the same user: one row per run, never merged.
+    lines = _lines(*_client_run(0, 0, "a"), header=FAST_HEADER) + \
+        _lines(*_client_run(0, 600_000, "b"), header={"header": {**FAST_HEADER["header"], "pid": 8}})
+    path = _write(tmp_path, lines)
+    proc = _cli(str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0] == f"{path}: 2 run(s), 400 steps, 0 violation(s)"
+    assert out[1].startswith("run 0: RateLimitedScheduler pid 7, sync, default 100 tok/s, 0 override(s), "
+                             "burst 100 ms; 200 steps over 1.99 s")
+    assert out[2].split() == ["user", "limit", "tok/s", "dispatches", "busy", "periods", "busy", "s", "tok/s"]
+    assert out[3].split() == ["u", "100", "200", "1", "1.99", "100.50"]
+    assert out[4].startswith("run 1: RateLimitedScheduler pid 8")
+    assert out[6].split() == ["u", "100", "200", "1", "1.99", "100.50"]
+    assert out[-1] == "OK: every check passed in 2 run(s)"
+
+
+def test_check_trace_command_exits_1_on_a_violation_2_unreadable_never_silent(tmp_path):
+    bad = _write(tmp_path, _lines(_step(0, 0, {"a": ("u", 1, True, False), "b": ("u", 1, True, False),
+                                               "c": ("u", 1, True, False)})), "bad.jsonl")
+    proc = _cli(str(bad))
+    assert proc.returncode == 1
+    assert "violations:" in proc.stdout and "R2-window: run 0 user 'u': 3 sampling dispatches" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "FAIL: 2 violation(s) (R2-gcra x1, R2-window x1)"
+    empty = _write(tmp_path, [], "empty.jsonl")
+    proc = _cli(str(empty))
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1].startswith("FAIL: no run in the trace")
+    proc = _cli(str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 2 and "cannot read trace" in proc.stderr
+
+
+def test_outrate_check_trace_is_the_same_command(tmp_path):
+    from click.testing import CliRunner
+
+    from vllm_output_rate.cli import main
+
+    good = _write(tmp_path, _lines(*_client_run(0, 0, "a"), header=FAST_HEADER))
+    result = CliRunner().invoke(main, ["check-trace", str(good)])
+    assert result.exit_code == 0 and result.output.splitlines()[-1] == "OK: every check passed in 1 run(s)"
+    bad = _write(tmp_path, _lines(_step(0, 0, {"a": ("u", 1, True, False), "b": ("u", 1, True, False),
+                                               "c": ("u", 1, True, False)})), "bad.jsonl")
+    result = CliRunner().invoke(main, ["check-trace", str(bad)])
+    assert result.exit_code == 1 and "FAIL: 2 violation(s)" in result.output

@@ -1,0 +1,349 @@
+"""Coverage obligations (issue 18 item 2): a rule or boundary a run never reached was not checked.
+
+The scenario judge (``adapter/scenarios._Judge.after_step``) calls ``observe`` once per
+step, before it replays the step's sampling dispatches on the spec limiter. ``observe``
+decides, black-box, from the spec-limiter replay state and what vLLM exposes
+(``StepTrace``: scheduled tokens, sampling dispatches, preemptions, admissions, finishes),
+which obligations the step reached: every branch of the spec's rate layer (R6-R18) and
+every boundary of ``adapter/boundaries.py``. Each obligation counts at most once per
+scenario run.
+
+Counts go to every active collector (``collecting()``). A gate run
+(``adapter/registry.run_planned``) collects over all of its candidate checks
+(``run_counts(options)``); its final ``coverage`` row fails with
+``not reached: <name>, ...`` when an obligation that applies to the run was reached fewer
+than ``K_PER_PROFILE[profile]`` times, and carries the table (``table``).
+
+The obligations are proxies built from the outside: e.g. "charged then preempted" is a
+preemption of a decoding request whose user the spec still granted, while every other
+resident request was scheduled in that step (so vLLM's loop reached it, charged it, then
+preempted it). They never read the candidate's own observation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Iterator
+
+from vllm_output_rate.spec import limiter as spec_limiter
+
+K_PER_PROFILE = {"quick": 1, "ci": 3, "release": 10}
+
+# (name, rule(s), applies to: "any" | "async")
+RULE_OBLIGATIONS: tuple[tuple[str, str, str], ...] = (
+    ("R6 cleanup deletes an idle user", "R6", "any"),
+    ("R7 decode dispatch charged", "R7", "any"),
+    ("R7 final prefill chunk charged", "R7", "any"),
+    ("R7 prompt chunk not charged", "R7", "any"),
+    ("R8 dispatched after its final token (async)", "R8", "async"),
+    ("R9 charge refunded at the end of the step", "R9", "any"),
+    ("R10 refused prefill advanced to n-1", "R10", "any"),
+    ("R10 refused waiting request skipped, a later one admitted", "R10", "any"),
+    ("R10 no chunked prefill: a refused prompt waits whole", "R10", "any"),
+    ("R11 throttled request kept resident", "R11", "any"),
+    ("R12 active cap binds", "R12", "any"),
+    ("R13 throttled request preempted", "R13", "any"),
+    ("R14 a user's streams take turns", "R14 R15", "any"),
+    ("R16 every user refused while requests wait", "R16", "any"),
+    ("R17 anonymous bucket", "R17", "any"),
+    ("R17 odd ids kept exactly", "R17", "any"),
+    ("R18 feature off", "R18", "any"),
+)
+_ODD_ID = re.compile(r"^[a-z0-9-]{1,64}$")
+
+
+def boundary_names() -> tuple[str, ...]:
+    from vllm_output_rate.adapter.boundaries import BOUNDARY_NAMES
+
+    return BOUNDARY_NAMES
+
+
+def obligations() -> list[tuple[str, str, str]]:
+    """Every obligation: the rule branches, then the boundaries (``boundary: <name>``)."""
+    from vllm_output_rate.adapter.boundaries import BOUNDARIES
+
+    return list(RULE_OBLIGATIONS) + [(f"boundary: {b.name}", " ".join(b.rules), "any") for b in BOUNDARIES]
+
+
+# -- collectors -------------------------------------------------------------------------------
+_ACTIVE: list[Counter] = []
+_RUNS: dict[int, tuple[Any, Counter]] = {}
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[Counter]:
+    """Count the obligations reached by every scenario run inside the block."""
+    counts: Counter = Counter()
+    _ACTIVE.append(counts)
+    try:
+        yield counts
+    finally:  # by identity: two collectors with equal counts are still two
+        del _ACTIVE[next(i for i, c in enumerate(_ACTIVE) if c is counts)]
+
+
+def run_counts(options) -> Counter:
+    """The counts of one gate run (keyed by its ``GateOptions`` object)."""
+    entry = _RUNS.get(id(options))
+    if entry is None or entry[0] is not options:
+        entry = _RUNS[id(options)] = (options, Counter())
+    return entry[1]
+
+
+def record_check(options, check: str, result, reached: Counter) -> None:
+    """Add one candidate check's counts to its gate run; a feature-off row's scenarios
+    (``adapter/feature_off.py``, no judge) count for R18."""
+    counts = run_counts(options)
+    counts.update(reached)
+    if check.startswith("feature-off/"):
+        counts["R18 feature off"] += result.examples
+
+
+def note(judge, name: str) -> None:
+    """Obligation ``name`` was reached by ``judge``'s scenario (once per scenario)."""
+    seen = judge.__dict__.setdefault("_coverage_seen", set())
+    if name in seen:
+        return
+    seen.add(name)
+    for counts in _ACTIVE:
+        counts[name] += 1
+
+
+# -- observation --------------------------------------------------------------------------------
+@dataclass
+class _Aux:
+    """Per-scenario memory of the observer (black-box)."""
+
+    computed: dict  # request id -> tokens scheduled since its (re)admission
+    chunks: dict  # request id -> chunks scheduled since its (re)admission
+    n_minus_1: set  # request ids whose last chunk ended at n - 1 without sampling
+    turns: dict  # user -> stream ids served, one grant per step (R14)
+    refused_prefill: dict  # request id -> its user, refused when its chunk ended at n - 1 (R10)
+
+
+def _lead_ns(state, user: str, now: int) -> Fraction | None:
+    tat = state.tat_ns.get(user)
+    return None if tat is None else tat - now
+
+
+def _grants_at(state, user: str, now: int, rate: Fraction, burst: int) -> int:
+    lead = _lead_ns(state, user, now)
+    lead = Fraction(0) if lead is None or lead < 0 else lead
+    if lead > burst:
+        return 0
+    return math.floor((burst - lead) / spec_limiter.emission_interval_ns(rate)) + 1
+
+
+def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) -> None:
+    """Record the obligations step ``step`` reached (see module docstring). Called by the
+    judge before it replays the step; ``judge.state`` is the spec state before the step."""
+    if not _ACTIVE:
+        return
+    scenario = judge.scenario
+    if not scenario.feature_on:
+        note(judge, "R18 feature off")
+        return
+    aux = judge.__dict__.get("_coverage_aux")
+    if aux is None:
+        aux = judge._coverage_aux = _Aux({}, {}, set(), {}, {})
+    state, now, burst = judge.state, trace.now_ns, scenario.burst_ns
+    sampled, scheduled = trace.sampled, trace.scheduled
+    sampled_set = set(sampled)
+    by_user: dict[str, list[str]] = {}
+    for rid in sampled:
+        by_user.setdefault(judge.user_of(rid), []).append(rid)
+    waiting_users = {judge.user_of(rid) for rid in unfinished}
+
+    # R2/R5/R3 boundaries: replay this step's takes one by one.
+    local = state
+    for user, rids in by_user.items():
+        rate = scenario.rate_of(user)
+        for _ in rids:
+            lead = _lead_ns(local, user, now)
+            if lead is not None:
+                if lead == burst:
+                    note(judge, "boundary: burst-edge")
+                x = lead + now - burst  # TAT - tau
+                if x.denominator != 1 and now == math.ceil(x):
+                    note(judge, "boundary: ready-at")
+            local, _ = spec_limiter.try_take(local, user, rate, now, burst)
+    for user in waiting_users - set(by_user):
+        lead = _lead_ns(state, user, now)
+        if lead is None or lead <= burst:
+            continue
+        over = lead - burst
+        if over == 1:
+            note(judge, "boundary: burst-edge+1ns")
+        x = lead + now - burst
+        if x.denominator != 1 and now == math.ceil(x) - 1:
+            note(judge, "boundary: ready-at-1ns")
+        if spec_limiter.emission_interval_ns(scenario.rate_of(user)).denominator != 1 and 2 * over < 1:
+            note(judge, "boundary: fractional-interval")
+
+    # R6: the judge cleans up after this step's takes at the same cadence.
+    if judge.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
+        for tat in local.tat_ns.values():
+            if tat <= now:
+                note(judge, "R6 cleanup deletes an idle user")
+            if tat == now:
+                note(judge, "boundary: cleanup-tat-now")
+            elif tat == now + 1:
+                note(judge, "boundary: cleanup-tat-now+1ns")
+
+    # R7 / R10: chunks, from the scheduled token counts.
+    for rid, tokens in scheduled.items():
+        spec = judge.by_id.get(rid)
+        if spec is None:
+            continue
+        first_sample = rid not in judge.last_sample_step
+        if rid in sampled_set:
+            if not first_sample:
+                note(judge, "R7 decode dispatch charged")
+            else:
+                note(judge, "R7 final prefill chunk charged")
+                done = aux.computed.get(rid, 0) + tokens
+                if aux.chunks.get(rid, 0) >= 1 and done == spec.prompt_len:
+                    note(judge, "boundary: prefill-reaches-n")
+            if rid in aux.n_minus_1 and tokens == 1:
+                note(judge, "boundary: prefill-ends-n-1")
+                if rid in aux.refused_prefill:
+                    note(judge, "R10 refused prefill advanced to n-1")
+            aux.n_minus_1.discard(rid)
+            aux.computed[rid] = aux.computed.get(rid, 0) + tokens
+        else:
+            note(judge, "R7 prompt chunk not charged")
+            aux.computed[rid] = aux.computed.get(rid, 0) + tokens
+            aux.chunks[rid] = aux.chunks.get(rid, 0) + 1
+            if first_sample and aux.computed[rid] == spec.prompt_len - 1:
+                aux.n_minus_1.add(rid)
+                user = judge.user_of(rid)
+                if not spec_limiter.allows(state, user, now, burst):
+                    aux.refused_prefill[rid] = user
+    for rid in trace.preempted:
+        aux.computed.pop(rid, None)
+        aux.chunks.pop(rid, None)
+        aux.n_minus_1.discard(rid)
+
+    # R8 (async): dispatched again in the step whose delivered output finished it.
+    if scenario.async_scheduling and any(rid in trace.finished for rid in sampled):
+        note(judge, "R8 dispatched after its final token (async)")
+
+    # R10, R11, R12, R16 from the requests that did not sample.
+    refused = {u for u in waiting_users if not spec_limiter.allows(state, u, now, burst)}
+    admitted = set(trace.admitted)
+    blocked_first = False
+    for rid in unfinished:
+        user = judge.user_of(rid)
+        if rid in resident:
+            if rid not in scheduled and user in refused and rid not in trace.preempted:
+                note(judge, "R11 throttled request kept resident")
+            continue
+        if rid in scheduled:
+            if blocked_first and rid in admitted:
+                note(judge, "R10 refused waiting request skipped, a later one admitted")
+            continue
+        if user in refused:
+            blocked_first = True
+            if not scenario.chunked_prefill:
+                note(judge, "R10 no chunked prefill: a refused prompt waits whole")
+    cap = scenario.max_num_active_seqs
+    if cap is not None:
+        running_scheduled = [rid for rid in scheduled if rid not in admitted]
+        if len(running_scheduled) >= cap and any(
+                rid in resident and rid not in scheduled and judge.user_of(rid) not in refused for rid in unfinished):
+            note(judge, "R12 active cap binds")
+    if not sampled and len(waiting_users) >= 2 and waiting_users <= refused:
+        note(judge, "R16 every user refused while requests wait")
+        note(judge, "boundary: all-refused")
+
+    # R9: charged, then not dispatched (proxies, see module docstring).
+    for rid in trace.preempted:
+        user = judge.user_of(rid)
+        if user in refused:
+            note(judge, "R13 throttled request preempted")
+            if scenario.policy == "priority":
+                note(judge, "boundary: priority-throttled-victim")
+        elif (rid in resident and rid in judge.last_sample_step
+              and all(other in scheduled for other in resident if other != rid and other in unfinished)):
+            note(judge, "boundary: charged-then-preempted")
+            note(judge, "R9 charge refunded at the end of the step")
+    seats = scenario.max_num_seqs or len(judge.by_id)
+    if (scenario.num_blocks is not None and scenario.policy == "fcfs" and not trace.preempted
+            and (scenario.max_num_active_seqs is None or scenario.max_num_active_seqs >= seats)
+            and trace.num_running < seats):
+        budget = scenario.max_num_batched_tokens or 2048
+        used = sum(scheduled.values())
+        for rid in unfinished:
+            if rid in resident or rid in scheduled:
+                continue
+            spec, user = judge.by_id[rid], judge.user_of(rid)
+            grants = _grants_at(state, user, now, scenario.rate_of(user), burst)
+            if (grants > len(by_user.get(user, ())) and used + spec.prompt_len <= budget
+                    and rid not in aux.computed and rid not in judge.last_sample_step):
+                note(judge, "boundary: charged-then-alloc-failure")
+                note(judge, "R9 charge refunded at the end of the step")
+            break  # FCFS: the waiting loop stops at the first request it cannot allocate
+
+    # R14/R15: one grant per step among >= 2 resident streams of a user; the turn wraps.
+    for user in waiting_users:
+        streams = [rid for rid in unfinished if judge.user_of(rid) == user and rid in resident
+                   and rid in judge.last_sample_step]
+        got = by_user.get(user, [])
+        turns = aux.turns.setdefault(user, [])
+        if len(streams) < 2 or len(got) != 1 or got[0] not in streams:
+            turns.clear()
+            continue
+        turns.append(got[0])
+        m = len(streams)
+        if len(turns) > m and len(set(turns[-m - 1:-1])) == m and turns[-1] == turns[-m - 1]:
+            note(judge, "R14 a user's streams take turns")
+            note(judge, "boundary: rotation-wrap")
+
+    # R17 from the dispatched requests' users.
+    for rid in sampled:
+        user = judge.by_id[rid].user
+        if user is None:
+            note(judge, "R17 anonymous bucket")
+        elif not _ODD_ID.match(user):
+            note(judge, "R17 odd ids kept exactly")
+
+
+# -- the gate's coverage row ---------------------------------------------------------------------
+def table(counts: Counter, k: int, async_tested: bool) -> list[dict]:
+    """One row per obligation: name, rules, count, k, status (``ok``, ``NOT REACHED``, or
+    ``not applicable`` for an async obligation of a run without an async class)."""
+    rows = []
+    for name, rules, applies in obligations():
+        count = counts.get(name, 0)
+        if applies == "async" and not async_tested:
+            status = "not applicable"
+        else:
+            status = "ok" if count >= k else "NOT REACHED"
+        rows.append({"obligation": name, "rules": rules, "count": count, "k": k, "status": status})
+    return rows
+
+
+def check_coverage(options, counts: Counter | None = None):
+    """The ``coverage`` row of a gate run: pass iff every applicable obligation was reached
+    at least ``K_PER_PROFILE[options.profile]`` times by the run's candidate checks."""
+    from vllm_output_rate.adapter.conform import CheckResult
+
+    counts = run_counts(options) if counts is None else counts
+    k = K_PER_PROFILE[options.profile]
+    rows = table(counts, k, options.async_scheduler_cls is not None)
+    result = CheckResult("coverage", sorted({r for _, rules, _ in obligations() for r in rules.split()}),
+                         examples=len(rows))
+    result.coverage = {"k": k, "profile": options.profile, "rows": rows}
+    missing = [r["obligation"] for r in rows if r["status"] == "NOT REACHED"]
+    if missing:
+        result.result = "fail"
+        result.failed_level = "must"
+        result.failure = (f"[must] coverage: not reached: {', '.join(missing)} (each needs >= {k} scenario runs "
+                          f"in profile {options.profile}; a rule or boundary never reached was not checked)")
+        result.counterexample = [f"not reached: {name} ({r['count']}/{k})" for name, r in
+                                 ((r["obligation"], r) for r in rows) if r["status"] == "NOT REACHED"]
+    return result

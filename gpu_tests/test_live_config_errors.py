@@ -1,0 +1,51 @@
+"""Configuration, live: a typo under plain ``vllm serve`` ends with the message as the last line.
+
+Starts a real ``vllm serve`` (vLLM 0.32's own CLI, the project's tiny model) with the
+reference scheduler and a misspelt ``output_rate`` key. The plugin validates the section in
+the API-server process (``EngineArgs.create_engine_config``), before the engine core is
+spawned, so the process exits non-zero within seconds and the last line on stderr names the
+bad key and the nearest valid one -- not vLLM's "Engine core initialization failed. See root
+cause above" with the cause buried in the engine-core log (issue 15).
+
+The in-process cases of every typo are in ``tests/test_config_validation.py``. About 15 s.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_output_rate.tinymodel import write_config
+
+pytestmark = pytest.mark.live
+
+REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
+
+
+def test_configuration_plain_vllm_serve_typo_is_the_last_stderr_line(tmp_path):
+    model = write_config(tmp_path / "model", tokenizer=True)
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="INFO")
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+        "--scheduler-cls", REFERENCE_SCHEDULER,
+        "--additional-config", '{"output_rate": {"default_token_per_s": 100}}',
+        "--host", "127.0.0.1", "--port", "1",  # never bound: start-up must stop before
+        "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240,
+                          start_new_session=True)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines, proc.stdout[-2000:]
+    assert lines[-1] == (
+        "vllm_output_rate.reference.config.OutputRateConfigError: unknown key(s) in "
+        """additional_config["output_rate"]: 'default_token_per_s' (did you mean 'default_tokens_per_s'?); """
+        "known keys: default_tokens_per_s, user_tokens_per_s, max_num_active_seqs, burst_ms, trace_path"
+    ), lines[-5:]
+    output = proc.stdout + proc.stderr
+    assert "Engine core initialization failed" not in output
+    assert "EngineCore" not in output  # refused before the engine core was spawned

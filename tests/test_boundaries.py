@@ -1,0 +1,160 @@
+"""Issue 18 item 1: the Z3-directed boundary scenarios of ``adapter/boundaries.py``.
+
+Each boundary has a model (Z3 finds clock advances for it) for every rate of its pool,
+reaches its boundary on the reference in sync and async (as ``adapter/coverage.py``
+observes it, black-box, from the spec-limiter replay), and kills the test-only slip it
+targets (``tests/fixtures/gate_candidates.py``). The "1 ns" twins are checked by hand
+against the spec limiter: the edge step is granted with TAT - now = tau exactly, its twin
+refused at tau + 1 ns, and ready_at is granted while ready_at - 1 ns is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from vllm_output_rate.adapter import boundaries, coverage
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+from vllm_output_rate.adapter.scenarios import run_scenario
+from vllm_output_rate.spec import limiter as spec_limiter
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TAU = spec_limiter.BURST_NS
+
+
+def _noop() -> None:
+    pass
+
+
+def _scenario(name: str, rate: str, async_mode: bool = False):
+    scenario = boundaries._solved(name, rate, async_mode, 0)
+    assert scenario is not None, f"no model for {name} at {rate} tok/s"
+    return scenario
+
+
+def _one_stream_target(scenario) -> tuple[Fraction, int]:
+    """(TAT before the target step, its clock) for a one-user, one-stream boundary: the
+    solved prefix is granted step by step (spec limiter), the target is its last step."""
+    user, state, now = "u", spec_limiter.EMPTY, 0
+    rate = scenario.rate_of(user)
+    for advance in scenario.advances_ns:
+        state, granted = spec_limiter.try_take(state, user, rate, now)
+        assert granted, "the solved prefix is granted at every step"
+        now += advance
+    return state.tat_ns[user], now
+
+
+@pytest.mark.parametrize("integer_rates", [False, True])
+def test_every_boundary_has_a_model_for_every_rate_of_its_pool(integer_rates):
+    for boundary in boundaries.BOUNDARIES:
+        for rate in boundary.rates(integer_rates):
+            assert boundaries._solved(boundary.name, rate, False, 0) is not None, (boundary.name, rate)
+            if integer_rates:
+                assert Fraction(rate).denominator == 1, (boundary.name, rate)
+
+
+def test_boundary_scenarios_per_run_cover_every_boundary_with_seeded_rates():
+    named = boundaries.boundary_scenarios(False, integer_rates=True, seed=0, per_boundary=3)
+    assert [n.split("@")[0] for n, _ in named] == [b.name for b in boundaries.BOUNDARIES for _ in range(3)]
+    assert all(Fraction(r).denominator == 1 for _, s in named for r in [s.default_rate_tokens_per_s,
+                                                                         *s.rates_tokens_per_s.values()])
+    other = boundaries.boundary_scenarios(False, integer_rates=True, seed=1, per_boundary=3)
+    assert [n for n, _ in named] != [n for n, _ in other], "the seed chooses the rates"
+    fractional_t = {n for n, s in named if n.startswith(("ready-at", "fractional-interval"))}
+    for name in fractional_t:  # 10**9 / rate not a whole number of ns, integer rates too
+        rate = Fraction(name.split("@")[1])
+        assert spec_limiter.emission_interval_ns(rate).denominator != 1
+
+
+@pytest.mark.parametrize("rate", ["2", "3", "10", "20", "2.5"])
+def test_r2_burst_edge_grant_at_tau_and_twin_refused_at_tau_plus_1ns(rate):
+    tat, now = _one_stream_target(_scenario("burst-edge", rate))
+    assert tat - now == TAU
+    assert spec_limiter.allows(spec_limiter.LimiterState({"u": tat}), "u", now)
+    tat, now = _one_stream_target(_scenario("burst-edge+1ns", rate))
+    assert tat - now == TAU + 1
+    assert not spec_limiter.allows(spec_limiter.LimiterState({"u": tat}), "u", now)
+
+
+@pytest.mark.parametrize("rate", ["3", "7", "9", "3.5"])
+def test_r5_take_at_ready_at_granted_and_1ns_before_refused(rate):
+    tat, now = _one_stream_target(_scenario("ready-at", rate))
+    state = spec_limiter.LimiterState({"u": tat})
+    assert (tat - TAU).denominator != 1 and now == spec_limiter.ready_at_ns(state, "u")
+    assert math.ceil(tat - TAU) - (tat - TAU) == Fraction(1, Fraction(rate).numerator)  # smallest margin
+    assert spec_limiter.allows(state, "u", now)
+    tat, now = _one_stream_target(_scenario("ready-at-1ns", rate))
+    state = spec_limiter.LimiterState({"u": tat})
+    assert now == spec_limiter.ready_at_ns(state, "u") - 1 and not spec_limiter.allows(state, "u", now)
+
+
+@pytest.mark.parametrize("name", boundaries.BOUNDARY_NAMES)
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+def test_boundary_reached_on_the_reference(name, async_mode):
+    boundary = next(b for b in boundaries.BOUNDARIES if b.name == name)
+    for rate in boundary.rates(False)[:2]:
+        scenario = _scenario(name, rate, async_mode)
+        cls = REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER
+        with coverage.collecting() as reached:
+            verdict = run_scenario(cls, scenario, "exact")
+        assert verdict.failure is None, verdict.failure
+        assert reached[f"boundary: {name}"] == 1, (rate, dict(reached))
+
+
+# boundary -> (test-only slip of tests/fixtures/gate_candidates.py, modes it is killed in,
+# level, rule named). Under-grant slips are judged only in ample sync (P4).
+KILLS = [
+    ("burst-edge", "BurstEdgeStrict", ("sync",), "must", "R11"),
+    ("burst-edge+1ns", "BurstEdgeWide", ("sync", "async"), "must", "R2"),
+    ("ready-at", "IntervalRoundedUp", ("sync",), "must", "R11"),
+    ("ready-at-1ns", "ReadyAtFloorGrants", ("sync", "async"), "must", "R2"),
+    ("fractional-interval", "IntervalTruncated", ("sync", "async"), "must", "R2"),
+    ("cleanup-tat-now+1ns", "CleanupNowPlusOne", ("sync", "async"), "must", "R2"),
+    ("prefill-reaches-n", "FirstTokenFree", ("sync", "async"), "must", "R2"),
+    ("prefill-ends-n-1", "PrefillAdvanceToN", ("sync", "async"), "must", "R2"),
+    ("charged-then-preempted", "DoubleRefundBoth", ("sync", "async"), "must", "R2"),
+    ("charged-then-alloc-failure", "DoubleRefundBoth", ("sync", "async"), "must", "R2"),
+    ("all-refused", "GrantWhenAllRefused", ("sync", "async"), "must", "R2"),
+]
+
+
+@pytest.mark.parametrize("name, slip, modes, level, rule", KILLS, ids=[k[0] for k in KILLS])
+def test_boundary_scenario_kills_the_slip_it_targets(name, slip, modes, level, rule, monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    boundary = next(b for b in boundaries.BOUNDARIES if b.name == name)
+    for mode in modes:
+        async_mode = mode == "async"
+        cls = f"gate_candidates.{slip}" + ("Async" if async_mode else "")
+        for rate in boundary.rates(True)[:2]:
+            verdict = run_scenario(cls, _scenario(name, rate, async_mode), level)
+            assert verdict.failure is not None and verdict.rule == rule, (mode, rate, verdict)
+
+
+def test_r14_rotation_wrap_kills_no_rotation_at_should_in_sync():
+    scenario = _scenario("rotation-wrap", "20")
+    verdict = run_scenario("vllm_output_rate.adapter.mutants.NoRotation", scenario, "should")
+    assert verdict.rule == "R14" and verdict.level == "should"
+    assert run_scenario(REFERENCE_SCHEDULER, scenario, "should").failure is None
+
+
+def test_r6_cleanup_at_tat_equal_now_is_not_distinguishable(monkeypatch):
+    # R6 deletes a user with TAT == now; deleting it or not is the same for every later
+    # take (Z3 r6_cleanup_noop), so the slip at TAT = now + 1 ns passes this twin.
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    for rate in ("2", "10"):
+        assert run_scenario("gate_candidates.CleanupNowPlusOne", _scenario("cleanup-tat-now", rate), "must").failure \
+            is None
+
+
+def test_check_boundaries_row_lists_scenarios_and_names_the_failing_boundary(monkeypatch, tmp_path):
+    ok = boundaries.check_boundaries(REFERENCE_SCHEDULER, False, 0, _noop, level="should")
+    assert ok.result == "pass" and ok.name == "boundaries/sync"
+    assert [n.split("@")[0] for n in ok.scenarios] == list(boundaries.BOUNDARY_NAMES)
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    bad = boundaries.check_boundaries("gate_candidates.CleanupNowPlusOne", False, 0, _noop, tmp_path, level="must")
+    assert bad.result == "fail" and bad.failed_level == "must"
+    assert "[must] R2:" in bad.failure and "(boundary scenario cleanup-tat-now+1ns@" in bad.failure
+    assert bad.saved is not None and Path(bad.saved).exists()

@@ -1,0 +1,113 @@
+"""Issue 18 item 2: coverage obligations (``adapter/coverage.py``).
+
+A gate run sums, over its candidate checks, how many scenario runs reached each rule
+branch (R6-R18) and each boundary of ``adapter/boundaries.py``; the ``coverage`` row fails
+with ``not reached: <name>`` when one applicable obligation was reached fewer than k times
+(k per profile). The reference reaches every obligation at the quick budget; a boundary
+budget too small to reach the boundaries fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+from vllm_output_rate.adapter import boundaries, coverage, registry
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+from vllm_output_rate.adapter.scenarios import run_scenario
+
+
+def _noop() -> None:
+    pass
+
+
+def _run_gate(options, names=None):
+    """The planned candidate checks of ``options`` (only ``names`` if given), run in order
+    as ``outrate conform`` runs them; returns the results."""
+    results = []
+    for item in registry.plan(options):
+        if item.spec.part != "candidate" or (names is not None and item.spec.name not in names):
+            continue
+        results.append(registry.run_planned(item, options, _noop))
+    return results
+
+
+def test_obligations_cover_every_rule_r6_to_r18_and_every_boundary():
+    rules = {r for _, rules, _ in coverage.obligations() for r in rules.split()}
+    assert {f"R{i}" for i in range(6, 19)} <= rules
+    names = [name for name, _, _ in coverage.obligations()]
+    assert [n for n in names if n.startswith("boundary: ")] == [f"boundary: {b}" for b in boundaries.BOUNDARY_NAMES]
+    assert coverage.K_PER_PROFILE == {"quick": 1, "ci": 3, "release": 10}
+
+
+def test_obligation_counts_once_per_scenario_and_only_inside_a_collector():
+    scenario = boundaries._solved("all-refused", "2", False, 0)
+    run_scenario(REFERENCE_SCHEDULER, scenario, "must")  # no collector: nothing is kept
+    with coverage.collecting() as outer:
+        with coverage.collecting() as inner:
+            run_scenario(REFERENCE_SCHEDULER, scenario, "must")
+        run_scenario(REFERENCE_SCHEDULER, scenario, "must")
+    assert inner["boundary: all-refused"] == 1  # several refused steps, one scenario
+    assert outer["boundary: all-refused"] == 2
+    assert inner["R17 anonymous bucket"] == 1 and inner["R17 odd ids kept exactly"] == 1
+
+
+def test_async_obligations_not_applicable_without_an_async_class():
+    rows = {r["obligation"]: r for r in coverage.table(Counter(), 1, async_tested=False)}
+    assert rows["R8 dispatched after its final token (async)"]["status"] == "not applicable"
+    assert rows["boundary: burst-edge"]["status"] == "NOT REACHED"
+
+
+def test_reference_reaches_every_obligation_at_the_quick_budget():
+    options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick",
+                                   spec_health=False)
+    results = _run_gate(options)
+    assert [r.result for r in results] == ["pass"] * len(results), [(r.name, r.failure) for r in results]
+    row = results[-1]
+    assert row.name == "coverage" and row.coverage["k"] == 1
+    assert all(r["status"] == "ok" for r in row.coverage["rows"]), [
+        r for r in row.coverage["rows"] if r["status"] != "ok"]
+
+
+def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
+    # No boundary scenario at all (budget 0 per boundary): the random scenarios of the
+    # other checks never put a TAT at now + 1 ns on the 256th schedule() nor a refund after
+    # a self-preemption, so the run must say those were not checked, and fail.
+    monkeypatch.setitem(boundaries.PER_BOUNDARY, "quick", 0)
+    options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick",
+                                   spec_health=False)
+    results = _run_gate(options, names={"rate-limit/sync", "boundaries/sync", "boundaries/async", "coverage"})
+    row = results[-1]
+    assert row.name == "coverage" and row.result == "fail" and row.part == "candidate"
+    assert row.failure.startswith("[must] coverage: not reached: ")
+    for name in ("boundary: cleanup-tat-now+1ns", "boundary: charged-then-preempted", "boundary: rotation-wrap"):
+        assert name in row.failure
+    assert f"not reached: boundary: cleanup-tat-now+1ns (0/1)" in row.counterexample
+    assert registry.exit_code(results) == 1
+
+
+def test_k_per_profile_applies(monkeypatch):
+    # The same single boundary run counts 1: enough for quick (k 1), not for ci (k 3).
+    counts = Counter({name: 1 for name, _, _ in coverage.obligations()})
+    quick = coverage.check_coverage(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", profile="quick"), counts)
+    ci = coverage.check_coverage(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", profile="ci"), counts)
+    assert quick.result == "pass" and ci.result == "fail" and "(each needs >= 3" in ci.failure
+
+
+def test_cli_conform_lists_boundary_scenarios_and_prints_the_coverage_table(tmp_path):
+    report = tmp_path / "conform.json"
+    run = subprocess.run([sys.executable, "-m", "vllm_output_rate.cli", "conform", "--level", "must",
+                          "--profile", "quick", "--no-spec-health", "--json", str(report),
+                          "--counterexamples", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, COLUMNS="200"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "boundaries/sync scenarios: burst-edge@" in run.stdout
+    assert "coverage obligations (k = 1 per run, profile quick)" in run.stdout
+    data = json.loads(report.read_text())
+    rows = {c["name"]: c for c in data["checks"]}
+    assert [s.split("@")[0] for s in rows["boundaries/async"]["scenarios"]] == list(boundaries.BOUNDARY_NAMES)
+    assert rows["coverage"]["coverage"]["k"] == 1
+    assert {r["status"] for r in rows["coverage"]["coverage"]["rows"]} == {"ok"}
