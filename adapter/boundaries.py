@@ -468,7 +468,7 @@ BOUNDARIES: tuple[Boundary, ...] = (
     Boundary("rotation-wrap", ("R14", "R15"), "one grant per step among 3 streams: the turn wraps around",
              "should, sync: no rotation (one stream starves, R14 bounded bypass)", _rotation_wrap, ROTATION),
     Boundary("priority-throttled-victim", ("R13",), "under PRIORITY a throttled request is preempted",
-             "none below exact: the choice of victim is not judged black-box", _priority_throttled_victim, SLOW),
+             "none here: the choice of victim is judged only by white-box/* (exact)", _priority_throttled_victim, SLOW),
 )
 BOUNDARY_NAMES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES)
 PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 10}  # scenarios per boundary and mode

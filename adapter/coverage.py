@@ -32,7 +32,8 @@ from typing import Any, Iterator
 
 from vllm_output_rate.spec import limiter as spec_limiter
 
-K_PER_PROFILE = {"quick": 1, "ci": 3, "release": 10}
+K_PER_PROFILE = {"quick": 1, "ci": 3, "release": 10}  # scenario runs per obligation
+MAX_RUNS_KEPT = 16  # gate runs whose counts are kept (``run_counts``)
 
 # (name, rule(s), applies to: "any" | "async")
 RULE_OBLIGATIONS: tuple[tuple[str, str, str], ...] = (
@@ -90,6 +91,8 @@ def run_counts(options) -> Counter:
     """The counts of one gate run (keyed by its ``GateOptions`` object)."""
     entry = _RUNS.get(id(options))
     if entry is None or entry[0] is not options:
+        while len(_RUNS) >= MAX_RUNS_KEPT:  # one process may run many gates (tests)
+            del _RUNS[next(iter(_RUNS))]
         entry = _RUNS[id(options)] = (options, Counter())
     return entry[1]
 

@@ -63,7 +63,7 @@ def test_r2_rate_limit_counterexample_replays(tmp_path):
     path.write_text(scenario.to_json())  # what adapter/conform.check_scheduler saves
     code, out = replay(path, "--scheduler-cls", STOCK_SCHEDULER)
     assert code == 1, out
-    assert "rate-limit scenario" in out and "FAIL R2" in out
+    assert "rate-limit scenario" in out and "FAIL [must] R2" in out
     code, out = replay(path)
     assert code == 0, out
     assert f"PASS 61 steps on {REFERENCE_SCHEDULER}" in out
