@@ -386,7 +386,7 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths) -> None:
         else:
             verdict = run_scenario(cls, scenario, level, style)
         if verdict.failure:
-            console.print(f"[bold red]FAIL[/] [{verdict.level}] {verdict.rule}: step {verdict.step}: "
+            console.print(f"[bold red]FAIL[/] {escape(f'[{verdict.level}]')} {verdict.rule}: step {verdict.step}: "
                           f"{escape(verdict.failure)}")
             sys.exit(1)
         console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
