@@ -349,14 +349,14 @@ def check_white_box(
 
 def _guarded_step(run: Callable, cls: str) -> Callable:
     """``run(step_scenario)`` with an exception of the class under test as a failing verdict."""
-    from vllm_output_rate.adapter.fidelity import Verdict
+    from vllm_output_rate.adapter.fidelity import StepVerdict
 
     def guarded(scenario):
         try:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding
             _reraise_gate_error(exc)
-            return Verdict(0, 0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", None)
+            return StepVerdict(0, 0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", None)
 
     return guarded
 
@@ -385,37 +385,3 @@ def open_choice_hint(failure: str) -> str:
             return (f"this is this project's decision, not the article's promise: see docs/SPEC.md "
                     f"'What the article leaves open', row: {row}")
     return "see docs/SPEC.md 'What the article leaves open'"
-
-
-def check_proofs(tick: Callable[[], None]) -> CheckResult:
-    """R1-R6 for all inputs: the Z3 proofs of ``proofs/z3_limiter.py`` (``outrate prove``
-    adds the CrossHair contracts, which take about a minute)."""
-    from vllm_output_rate.proofs.z3_limiter import run_all
-
-    result = CheckResult("proofs/z3", ["R1", "R2", "R3", "R4", "R5", "R6"], part="spec health")
-    for record in run_all():
-        tick()
-        result.examples += 1
-        if record["result"] != "proved" or not record.get("vacuity_ok", True):
-            result.result = "fail"
-            result.failure = f"{record['name']}: {record['result']}"
-            result.counterexample.append(str(record.get("counterexample")))
-    return result
-
-
-def check_model(tick: Callable[[], None]) -> CheckResult:
-    """Every invariant in every state of the quick scopes of the model checker over the spec
-    (``outrate check --profile ci|release`` explores the larger ones)."""
-    from vllm_output_rate.proofs.modelcheck import explore, profile_scopes
-
-    result = CheckResult("model-check/quick", ["I1-I18", "F1", "R6", "R19", "liveness"], part="spec health")
-    for scope in profile_scopes("quick"):
-        tick()
-        outcome = explore(scope)
-        result.examples += 1
-        result.steps += outcome.states
-        if outcome.violations:
-            name, violation = next(iter(outcome.violations.items()))
-            result.result = "fail"
-            result.failure = f"scope {scope.name}: {name}: {violation}"
-    return result

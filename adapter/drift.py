@@ -26,7 +26,7 @@ from typing import Callable
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
-from vllm_output_rate.adapter.fidelity import StepScenario, Verdict, base_scenarios, describe_failure, run_base
+from vllm_output_rate.adapter.fidelity import StepScenario, StepVerdict, base_scenarios, describe_failure, run_base
 from vllm_output_rate.spec.versions import VllmVersionProfile
 
 DRIFT_MAX_STEPS = 40  # scenario length, as the gate's base-fidelity check
@@ -72,22 +72,22 @@ class _Found(Exception):
     pass
 
 
-def _verdict(scenario: StepScenario, base: VllmVersionProfile) -> Verdict:
+def _verdict(scenario: StepScenario, base: VllmVersionProfile) -> StepVerdict:
     """Base fidelity of ``scenario``; a scenario the spec itself rejects (an event
     reduction that makes it ill-formed) counts as agreement."""
     try:
         return run_base(scenario, base)
     except AssertionError:
-        return Verdict()
+        return StepVerdict()
 
 
-def _diverges(scenario: StepScenario, base: VllmVersionProfile, rule: str) -> Verdict | None:
+def _diverges(scenario: StepScenario, base: VllmVersionProfile, rule: str) -> StepVerdict | None:
     verdict = _verdict(scenario, base)
     return verdict if verdict.failure is not None and verdict.rule == rule else None
 
 
 def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
-                tick: Callable[[], None] = lambda: None) -> tuple[StepScenario, Verdict]:
+                tick: Callable[[], None] = lambda: None) -> tuple[StepScenario, StepVerdict]:
     """Remove single events while ``rule``'s divergence remains; the result is 1-minimal.
 
     Events after the first differing one are cut first (they cannot matter). Bounded: every
@@ -111,7 +111,7 @@ def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
 
 
 def _hunt_once(async_mode: bool, base: VllmVersionProfile, known: set[str], examples: int, seed: int,
-               tick: Callable[[], None], counter: list[int]) -> tuple[StepScenario, Verdict] | None:
+               tick: Callable[[], None], counter: list[int]) -> tuple[StepScenario, StepVerdict] | None:
     """One Hypothesis hunt for a divergence of a rule not in ``known``, shrunk on that rule."""
     target: dict[str, object] = {}
 

@@ -630,7 +630,7 @@ class _World:
         from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
 
         from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
-        from vllm_output_rate.tinymodel import EOS_TOKEN_ID
+        from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID
 
         engine = self.engine
         while self.script and self.script[0].at_ns <= self.clock.now_ns() and engine is not None:

@@ -7,10 +7,14 @@ agree on the batch (request ids and ``num_scheduled_tokens``, in order), the pre
 and the admissions, and the delivered outputs on the finishes. A patch that still rotates,
 charges or reorders with the feature off fails here with the first differing step.
 ``first_difference`` is the side-by-side run, shared with R19's check
-(``adapter/not_binding.py``: the feature on, never binding).
+(``adapter/not_binding.py``: the feature on, never binding) and with the shadow-mode check
+(``run_shadow`` here: the feature on with binding rates and ``output_rate.shadow: true``,
+which must also be stock step for step; docs/SPEC.md, Decision "Shadow mode").
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, Scenario, Verdict, build_harness, feature_off
@@ -40,7 +44,8 @@ def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
                    "R18", step, level="must")
 
 
-def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scenario, style=None
+def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scenario, style=None,
+                     output_rate_extra: dict | None = None,
                      ) -> tuple[int, tuple[int | None, str, object, object] | None]:
     """Run ``scenario`` on ``scheduler_cls`` and ``base_scenario`` (the same requests and
     engine shape) on its stock base class, side by side, step for step.
@@ -49,11 +54,12 @@ def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scen
     ``SchedulerOutput``s agree on the batch (request ids and ``num_scheduled_tokens``, in
     order), the preemptions and the admissions, and the delivered outputs on the finishes
     (R18, R19); else ``(step, field, candidate's value, stock's value)``, ``step`` None
-    for the finishes after the final drain. ``style`` configures the candidate only.
+    for the finishes after the final drain. ``style`` configures the candidate only;
+    ``output_rate_extra``: keys added to the candidate's ``output_rate`` section only (the
+    shadow check: ``{"shadow": True}``).
     """
     base_cls = base_class(scenario.async_scheduling)
-    candidate = build_harness(scheduler_cls, scenario, style) if style is not None else build_harness(
-        scheduler_cls, scenario)
+    candidate = build_harness(scheduler_cls, scenario, style, output_rate_extra=output_rate_extra)
     base = build_harness(base_cls, base_scenario)
     pair = (candidate, base)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
@@ -85,3 +91,48 @@ def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scen
     if candidate.finished != base.finished:
         return steps, (None, "finished", candidate.finished, base.finished)
     return steps, None
+
+
+SHADOW = {"shadow": True}  # the key the shadow check adds to the candidate's section
+
+
+def run_shadow(scheduler_cls: str, scenario: Scenario) -> Verdict:
+    """Shadow mode (level exact, docs/SPEC.md Decision "Shadow mode"): ``scenario`` with the
+    feature on, its own (binding) rates and ``output_rate.shadow: true`` on
+    ``scheduler_cls``, against the same scenario with no output-rate configuration on stock
+    vLLM: identical batches, preemptions, admissions and finishes, step for step."""
+    scenario = replace(scenario, feature_on=True)
+    steps, difference = first_difference(scheduler_cls, scenario, feature_off(scenario), None, SHADOW)
+    if difference is None:
+        return Verdict(steps, None)
+    step, field, got, want = difference
+    name = scheduler_cls.rpartition(".")[2]
+    stock = base_class(scenario.async_scheduling).rpartition(".")[2]
+    where = f"at step {step}" if step is not None else "by the end"
+    return Verdict(steps, f"in shadow mode (output_rate.shadow: true), {name} scheduled {where} {field} {got!r} "
+                   f"where stock vLLM {stock} has {want!r}: shadow mode counts what it would throttle and "
+                   "throttles nothing, so its schedule is the base class's step for step",
+                   "shadow", step, level="exact")
+
+
+def check_shadow(scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int,
+                 tick, save_dir, style=None):
+    """The gate's ``shadow/{sync,async}`` row (level exact): ``run_shadow`` on ``examples``
+    seeded scenarios (ample and pressured, rates 0.3-1000 tokens/s so that the shadow limiter
+    would throttle); a failure is shrunk, made 1-minimal and saved as the candidate ran it.
+    ``style`` other than ``additional_config`` cannot express ``shadow``: the row is then
+    NOT TESTED."""
+    from hypothesis import strategies as st
+
+    from vllm_output_rate.adapter.conform import CheckResult, check_paired
+    from vllm_output_rate.adapter.scenarios import pressured_scenarios, scenarios
+
+    name = "shadow/" + ("async" if async_mode else "sync")
+    if style is not None and getattr(style, "name", None) != "additional-config":
+        return CheckResult(name, ["shadow"], result="not tested", level="exact",
+                           failure=f"shadow mode is configured as additional_config[\"output_rate\"][\"shadow\"]; "
+                                   f"--config-style {style.name} cannot express it")
+    strategy = st.one_of(scenarios(async_scheduling=async_mode, max_steps=max_steps),
+                         pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps))
+    return check_paired(name, ["shadow"], strategy, lambda scenario: run_shadow(scheduler_cls, scenario),
+                        scheduler_cls, examples, seed, tick, save_dir, lambda sc: sc, level="exact")

@@ -82,6 +82,8 @@ class StepScenario:
             rates = ", ".join(f"{u}={r}" for u, r in c.user_rates_tokens_per_s)
             head += (f" default_rate={c.default_rate_tokens_per_s} rates=[{rates}] "
                      f"rate_active={c.output_rate_max_num_active_seqs} burst_ms={c.burst_ns / 1_000_000:g}")
+            if c.max_num_seqs_per_user is not None:
+                head += f" seqs_per_user={c.max_num_seqs_per_user}"
         return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
 
     def to_json(self) -> str:
@@ -122,6 +124,8 @@ def engine_shape(config: EngineConfig) -> EngineShape:
             output_rate["burst_ms"] = config.burst_ns // 1_000_000
         if config.output_rate_max_num_active_seqs is not None:
             output_rate["max_num_active_seqs"] = config.output_rate_max_num_active_seqs
+        if config.max_num_seqs_per_user is not None:  # R20
+            output_rate["max_num_seqs_per_user"] = config.max_num_seqs_per_user
     return EngineShape(
         max_num_seqs=config.max_num_seqs,
         max_num_active_seqs=config.max_num_active_seqs,
@@ -156,8 +160,9 @@ class ObservedHarness(Harness):
 
 
 @dataclass
-class Verdict:
-    """Outcome of one scenario: ``failure`` None when spec and vLLM agreed throughout."""
+class StepVerdict:
+    """Outcome of one step scenario: ``failure`` None when the step spec and vLLM agreed
+    throughout (``adapter.scenarios.Verdict`` is the candidate judge's verdict instead)."""
 
     steps: int = 0
     events: int = 0
@@ -243,7 +248,7 @@ ExtraCheck = Callable[[Event, StepTrace | None, Harness, Observation, SchedulerS
 
 
 def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCheck | None = None,
-                      style: Any = None, base: VllmVersionProfile | None = None) -> Verdict:
+                      style: Any = None, base: VllmVersionProfile | None = None) -> StepVerdict:
     """Run ``scenario`` on the spec and on ``scheduler_cls``; stop at the first difference.
 
     ``extra`` adds comparisons (the white-box check passes the rate-limit fields).
@@ -254,7 +259,7 @@ def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCh
     harness = ObservedHarness(scheduler_cls, engine_shape(scenario.config), style=style)
     state = initial_state(scenario.config, base if base is not None else installed_profile())
     history = invariants.DispatchHistory() if scenario.config.rate_limited else None
-    verdict = Verdict()
+    verdict = StepVerdict()
     for index, event in enumerate(scenario.events):
         before = state
         state, obs = spec.step(state, event)
@@ -282,7 +287,7 @@ def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCh
     return verdict
 
 
-def describe_failure(scenario: StepScenario, verdict: Verdict) -> list[str]:
+def describe_failure(scenario: StepScenario, verdict: StepVerdict) -> list[str]:
     """The scenario lines up to (and marking) the first differing event."""
     lines = scenario.lines()
     if verdict.event_index is None:
@@ -403,7 +408,7 @@ def base_scheduler_cls(async_scheduling: bool) -> str:
     return STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
 
 
-def run_base(scenario: StepScenario, base: VllmVersionProfile | None = None) -> Verdict:
+def run_base(scenario: StepScenario, base: VllmVersionProfile | None = None) -> StepVerdict:
     """Base fidelity of one scenario on stock vLLM (feature off).
 
     ``base``: the release whose V-rules the spec follows (None: the installed vLLM's). A
@@ -416,7 +421,7 @@ def run_base(scenario: StepScenario, base: VllmVersionProfile | None = None) -> 
     return verdict
 
 
-def replay_file(path: str, scheduler_cls: str | None = None) -> Verdict:
+def replay_file(path: str, scheduler_cls: str | None = None) -> StepVerdict:
     """Replay a saved step-scenario counterexample: base fidelity with the feature off,
     white box (default class: the reference) with it on. Prints the outcome."""
     from vllm_output_rate.adapter.whitebox import run_white_box

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from vllm_output_rate.tinymodel import EOS_TOKEN_ID, default_model_dir
+from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID, default_model_dir
 
 REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 REFERENCE_ASYNC_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"

@@ -1,4 +1,5 @@
-"""The one registry of gate checks, used by ``outrate conform`` and by the pytest plugin.
+"""The one registry of gate checks, used by ``outrate conform`` and by the pytest plugin
+(both through ``vllm_output_rate.gate_plan``, which adds the spec-health rows of proofs/).
 
 Every check is a ``CheckSpec``: its name, its part (``candidate``: it runs the class under
 test; ``spec health``: the spec against itself or against stock vLLM, never the
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from vllm_output_rate.adapter.levels import check_level, includes
 
@@ -134,6 +135,23 @@ def _not_binding_check(async_mode: bool) -> CheckSpec:
                      lambda o: max(_budget(o)[key] // 4, 5), run)
 
 
+def _shadow_check(async_mode: bool) -> CheckSpec:
+    """Shadow mode (docs/SPEC.md, Decision "Shadow mode"; level exact, our decision): with
+    ``output_rate.shadow: true`` and binding rates the candidate is stock step for step
+    (``adapter/feature_off.py``, ``check_shadow``)."""
+    key = "async" if async_mode else "sync"
+
+    def run(options: GateOptions, tick: Tick):
+        from vllm_output_rate.adapter.feature_off import check_shadow
+
+        budget = _budget(options)
+        return check_shadow(_cls(options, async_mode), async_mode, max(budget[key] // 4, 5), budget["max_steps"],
+                            options.seed, tick, options.save_dir, options.style)
+
+    return CheckSpec(f"shadow/{key}", "candidate", "exact", ("shadow",), async_mode,
+                     lambda o: max(_budget(o)[key] // 4, 5), run)
+
+
 def _white_box_check(async_mode: bool) -> CheckSpec:
     from vllm_output_rate.adapter import conform as gate
 
@@ -165,6 +183,24 @@ def _engine_wait_check(async_mode: bool) -> CheckSpec:
     return CheckSpec(f"engine-wait/{tag}", "candidate", "should", ("R16",), async_mode, lambda o: 1, run)
 
 
+def _residency_check(async_mode: bool) -> CheckSpec:
+    """Issue 13 item 3: R20 fair residency on the flood shape (``adapter/residency.py``)."""
+
+    def run(options: GateOptions, tick: Tick):
+        from vllm_output_rate.adapter.residency import EXAMPLES, check_residency
+
+        return check_residency(_cls(options, async_mode), async_mode, EXAMPLES[options.profile], options.seed,
+                               tick, options.save_dir, options.style)
+
+    def total(options: GateOptions) -> int:
+        from vllm_output_rate.adapter.residency import EXAMPLES
+
+        return EXAMPLES[options.profile]
+
+    return CheckSpec(f"fair-residency/{'async' if async_mode else 'sync'}", "candidate", "should", ("R20",),
+                     async_mode, total, run)
+
+
 def _spec_health_checks() -> list[CheckSpec]:
     from vllm_output_rate.adapter import conform as gate
 
@@ -176,21 +212,12 @@ def _spec_health_checks() -> list[CheckSpec]:
                          lambda o, tick: gate.check_base_fidelity(async_mode, _step_budget(o)[key], o.seed, tick,
                                                                   o.save_dir))
 
-    def scopes() -> int:
-        from vllm_output_rate.proofs.modelcheck import profile_scopes
-
-        return len(profile_scopes("quick"))
-
     return [
         CheckSpec("limiter-differential", "spec health", "must", ("R1", "R2", "R3", "R4", "R5", "R6"), None,
                   lambda o: _budget(o)["limiter"],
                   lambda o, tick: gate.check_limiter_differential(_budget(o)["limiter"], o.seed, tick)),
         fidelity(False),
         fidelity(True),
-        CheckSpec("proofs/z3", "spec health", "must", ("R1", "R2", "R3", "R4", "R5", "R6"), None, lambda o: 6,
-                  lambda o, tick: gate.check_proofs(tick)),
-        CheckSpec("model-check/quick", "spec health", "must", ("I1-I18", "F1", "R6", "R19", "liveness"), None,
-                  lambda o: scopes(), lambda o, tick: gate.check_model(tick)),
     ]
 
 
@@ -235,23 +262,28 @@ def _coverage_check() -> CheckSpec:
     return CheckSpec("coverage", "candidate", "must", tuple(f"R{i}" for i in range(6, 19)), None, lambda o: 1, run)
 
 
-def registry() -> list[CheckSpec]:
-    """Every check the gate knows, candidate checks first, in running order."""
+def registry(extra: Sequence[CheckSpec] = ()) -> list[CheckSpec]:
+    """Every check of the adapter, candidate checks first, in running order, then ``extra``.
+
+    ``extra``: checks of a higher layer (``proofs/gate_checks.py``'s spec-health rows, added
+    by ``vllm_output_rate.gate_plan``: the adapter does not import proofs/)."""
     checks: list[CheckSpec] = []
     for async_mode in (False, True):
         checks += [_scheduler_check(async_mode, False), _scheduler_check(async_mode, True),
                    _feature_off_check(async_mode), _not_binding_check(async_mode), _boundaries_check(async_mode)]
     checks += [_engine_wait_check(False), _engine_wait_check(True)]
-    checks += [_white_box_check(False), _white_box_check(True), _coverage_check()]
-    return checks + _spec_health_checks()
+    checks += [_residency_check(False), _residency_check(True)]  # R20
+    checks += [_white_box_check(False), _white_box_check(True), _shadow_check(False), _shadow_check(True),
+               _coverage_check()]
+    return checks + _spec_health_checks() + list(extra)
 
 
-def plan(options: GateOptions) -> list[PlannedCheck]:
-    """The checks of one run: those at or below ``options.level``; an async check without
-    an async class is planned as NOT TESTED (or left out with ``sync_only``); spec health
-    is left out with ``spec_health=False``."""
+def plan(options: GateOptions, extra: Sequence[CheckSpec] = ()) -> list[PlannedCheck]:
+    """The checks of one run (``registry(extra)``): those at or below ``options.level``; an
+    async check without an async class is planned as NOT TESTED (or left out with
+    ``sync_only``); spec health is left out with ``spec_health=False``."""
     planned = []
-    for spec in registry():
+    for spec in registry(extra):
         if spec.part == "spec health" and not options.spec_health:
             continue
         if not includes(options.level, spec.level):

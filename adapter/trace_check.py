@@ -65,8 +65,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec.limiter import NS_PER_S
+from vllm_output_rate.spec.properties import R2Window, net_charges
 
-NS_PER_S = 1_000_000_000
 ABORTED = "FINISHED_ABORTED"
 MAX_VIOLATIONS = 200  # keep a broken trace's report readable
 READ_CHUNK_BYTES = 1 << 20  # TraceFollower reads the file in pieces of at most this size
@@ -108,6 +109,7 @@ class UserSummary:
     busy_periods: int = field(init=False, default=0)  # see module docstring
     closed_busy_ns: int = field(init=False, default=0)  # summed spans of the closed periods
     period_first_ns: int | None = field(init=False, default=None)  # first dispatch of the open one
+    would_throttle: int = field(init=False, default=0)  # shadow mode: dispatches over the limit
 
     def __post_init__(self) -> None:
         self.dispatches = len(self.dispatch_ns)
@@ -188,6 +190,11 @@ class RunReport:
     def async_scheduling(self) -> bool:
         return bool(self.header.get("async_scheduling"))
 
+    @property
+    def shadow(self) -> bool:
+        """Shadow mode (docs/SPEC.md, Decision "Shadow mode"): nothing was throttled."""
+        return bool(self.header.get("shadow"))
+
 
 @dataclass
 class TraceReport:
@@ -213,7 +220,8 @@ class TraceReport:
                 rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
                 lines.append(f"  run {i} user {u.user}: limit {float(u.rate):g} tok/s, "
                              f"{u.dispatches} dispatches in {u.busy_periods} busy period(s) of "
-                             f"{u.busy_s:.2f} s, {rate} tok/s")
+                             f"{u.busy_s:.2f} s, {rate} tok/s"
+                             + (f", {u.would_throttle} would be throttled (shadow)" if run.shadow else ""))
         lines += [f"  {v}" for v in self.violations[:20]]
         return "\n".join(lines)
 
@@ -231,6 +239,8 @@ class TraceReport:
                 f"{'async' if run.async_scheduling else 'sync'}, default {h.get('default_tokens_per_s')} tok/s, "
                 f"{len(overrides)} override(s), burst {int(h.get('burst_ns', spec_limiter.BURST_NS)) / 1e6:g} ms; "
                 f"{run.steps} steps{span}, {len(run.requests)} requests"
+                + (" (SHADOW mode: nothing throttled; R2 checked on the shadow limiter's grants)" if run.shadow
+                   else "")
             )
             if not run.users:
                 lines.append("  no sampling dispatch")
@@ -240,7 +250,8 @@ class TraceReport:
             for u in sorted(run.users.values(), key=lambda s: s.user or ""):
                 rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
                 lines.append(f"  {str(u.user)[:24]:<24} {float(u.rate):>11g} {u.dispatches:>10} "
-                             f"{u.busy_periods:>12} {u.busy_s:>8.2f} {rate:>9}")
+                             f"{u.busy_periods:>12} {u.busy_s:>8.2f} {rate:>9}"
+                             + (f"  {u.would_throttle} would be throttled" if run.shadow else ""))
         if self.violations:
             lines.append("violations:")
             lines += [f"  {v}" for v in self.violations]
@@ -277,21 +288,17 @@ def _rate_of(header: Mapping[str, Any], user: str) -> Fraction:
 class _UserWindow:
     """Running R2 state of one user in one run: O(1) memory whatever the dispatch count.
 
-    R2-window keeps the running minimum of ``A_k = k * q * 10**9 - p * t_k`` (its value,
-    index and time); R2-gcra keeps the spec limiter state holding this user's TAT. Each
-    check stops at its first violation (one report per user and run).
+    R2-window is ``spec.properties.R2Window`` (the running minimum of
+    ``k * q * 10**9 - p * t_k``); R2-gcra keeps the spec limiter state holding this user's
+    TAT. Each check stops at its first violation (one report per user and run).
     """
 
-    __slots__ = ("user", "rate", "burst_ns", "p", "unit", "limit", "count", "min_a", "min_index", "min_ns",
-                 "window_ok", "gcra", "gcra_ok")
+    __slots__ = ("user", "rate", "burst_ns", "count", "window", "window_ok", "gcra", "gcra_ok")
 
     def __init__(self, user: str, rate: Fraction, burst_ns: int) -> None:
         self.user, self.rate, self.burst_ns = user, rate, burst_ns
-        self.p = rate.numerator
-        self.unit, self.limit = rate.denominator * NS_PER_S, burst_ns * rate.numerator
         self.count = 0
-        self.min_a: int | None = None
-        self.min_index, self.min_ns = 0, 0
+        self.window = R2Window(rate, burst_ns)
         self.window_ok = self.gcra_ok = True
         self.gcra = spec_limiter.EMPTY
 
@@ -301,15 +308,12 @@ class _UserWindow:
         k = self.count
         self.count += 1
         if self.window_ok:
-            a = k * self.unit - self.p * now_ns
-            if self.min_a is None or a < self.min_a:
-                self.min_a, self.min_index, self.min_ns = a, k, now_ns
-            if a - self.min_a > self.limit:
+            excess = self.window.add(now_ns)
+            if excess is not None:
                 self.window_ok = False
-                window = now_ns - self.min_ns
-                bound = spec_limiter.window_bound_tokens(window, self.rate, self.burst_ns)
-                broken.append(("R2-window", f"{k - self.min_index + 1} sampling dispatches in a window of "
-                               f"{window / 1e6:.3f} ms (bound {bound} at {float(self.rate):g} tok/s)"))
+                broken.append(("R2-window", f"{excess.count} sampling dispatches in a window of "
+                               f"{(excess.end_ns - excess.start_ns) / 1e6:.3f} ms (bound {excess.bound} at "
+                               f"{float(self.rate):g} tok/s)"))
         if self.gcra_ok:
             self.gcra, granted = spec_limiter.try_take(self.gcra, self.user, self.rate, now_ns, self.burst_ns)
             if not granted:
@@ -443,6 +447,7 @@ class _Checker:
         if stray:
             self.fail("R9-refund", f"refund without a charge in this step: {stray}", index, step)
         sampled = set()
+        shadow, would = report.shadow, set()
         per_user: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])  # [net charges, dispatches]
         for rid, info in rec["requests"].items():
             user = info.get("user")
@@ -460,15 +465,26 @@ class _Checker:
                 sampled.add(rid)
                 req.sampled += 1
                 self.touched(run, rid, req)
-                self.dispatch(run, user, now)
-                per_user[user][1] += 1
+                if shadow and info.get("would_throttle"):
+                    # Shadow mode: dispatched although the limit was spent; not a grant, so it
+                    # is counted, not replayed through R2 (the shadow limiter's grants are).
+                    would.add(rid)
+                    self.dispatch(run, user, now, limited=False)
+                else:
+                    self.dispatch(run, user, now)
+                    per_user[user][1] += 1
         for rid in rec.get("preempted", []):
             req = report.requests.setdefault(rid, RequestSummary())
             req.preempted = True
             self.touched(run, rid, req)
-        net = Counter(charges) - Counter(refunds)
+        net = net_charges(charges, refunds)
         for rid, n in net.items():
             per_user[(rec["requests"].get(rid) or {}).get("user")][0] += n
+        if shadow:  # every dispatch is a shadow grant or a would-be throttle, never both
+            if set(net) & would:
+                self.fail("R7/R9-accounting", f"shadow mode: charged and would-be throttled {sorted(set(net) & would)}",
+                          index, step)
+            sampled = sampled - would
         if set(net) != sampled:
             self.fail("R7/R9-accounting", f"charged-not-refunded {sorted(net)} != dispatched to sample "
                       f"{sorted(sampled)}", index, step)
@@ -477,13 +493,18 @@ class _Checker:
                 self.fail("R7/R9-accounting", f"charges - refunds = {charged} != {dispatched} sampling dispatches",
                           index, step, user)
 
-    def dispatch(self, run: _Run, user: str | None, now: int) -> None:
-        """One sampling dispatch of ``user`` at ``now`` ns: summary, then R2-window and R2-gcra."""
+    def dispatch(self, run: _Run, user: str | None, now: int, limited: bool = True) -> None:
+        """One sampling dispatch of ``user`` at ``now`` ns: summary, then R2-window and R2-gcra.
+
+        ``limited`` False: a shadow-mode dispatch over the limit (counted, not checked by R2)."""
         summary = run.report.users.get(user)
         if summary is None:
             summary = run.report.users[user] = UserSummary(user, _rate_of(run.report.header, user))
             run.windows[user] = _UserWindow(user, summary.rate, run.burst_ns)
         summary.add(now, self.keep_dispatch_ns)
+        if not limited:
+            summary.would_throttle += 1
+            return
         for rule, message in run.windows[user].dispatch(now):
             self.fail(rule, message, run.index, None, user)
 

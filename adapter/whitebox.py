@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from vllm_output_rate.adapter.fidelity import (
     StepScenario,
-    Verdict,
+    StepVerdict,
     build_events,
     request_plans,
     run_step_scenario,
@@ -125,7 +125,7 @@ def reference_cls(async_scheduling: bool) -> str:
     return REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
 
 
-def run_white_box(scenario: StepScenario, scheduler_cls: str | None = None, style: Any = None) -> Verdict:
+def run_white_box(scenario: StepScenario, scheduler_cls: str | None = None, style: Any = None) -> StepVerdict:
     """White-box check of one scenario on ``scheduler_cls`` (default: the reference).
 
     ``style``: an ``adapter.configstyle.ConfigStyle`` (None: ``AdditionalConfigStyle``).

@@ -68,7 +68,7 @@ def tiny_llm(output_rate: dict[str, Any] | None = None, **overrides: Any):
     """
     from vllm import LLM
 
-    from vllm_output_rate.tinymodel import default_model_dir
+    from vllm_output_rate.adapter.tinymodel import default_model_dir
 
     kwargs: dict[str, Any] = dict(
         model=str(default_model_dir()),

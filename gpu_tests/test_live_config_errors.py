@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from vllm_output_rate.tinymodel import write_config
+from vllm_output_rate.adapter.tinymodel import write_config
 
 pytestmark = pytest.mark.live
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
-from vllm_output_rate.tinymodel import write_config
+from vllm_output_rate.adapter.tinymodel import write_config
 
 pytestmark = pytest.mark.live
 

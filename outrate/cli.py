@@ -79,6 +79,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     survived); 2: some check was NOT TESTED; 3: spec health failed (the verdict cannot be
     trusted on this vLLM).
     """
+    from vllm_output_rate import gate_plan
     from vllm_output_rate.adapter import registry
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, load_class
 
@@ -109,7 +110,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
         scheduler_cls=sync_cls, async_scheduler_cls=async_scheduler_cls, level=level, profile=profile, seed=seed,
         style=style, integer_rates=integer_rates, burst_configurable=burst_configurable, sync_only=sync_only,
         spec_health=not no_spec_health, save_dir=counterexamples)
-    plan = registry.plan(options)
+    plan = gate_plan.plan(options)
 
     results = []
     progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
@@ -506,7 +507,7 @@ def check_trace_cmd(file, partial) -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 def tiny_model(directory) -> None:
     """Write the tiny Llama-style model config (dummy weights) into DIRECTORY."""
-    from vllm_output_rate.tinymodel import write_config
+    from vllm_output_rate.adapter.tinymodel import write_config
 
     write_config(directory)
     console.print(f"wrote {directory}/config.json")

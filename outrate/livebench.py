@@ -46,7 +46,7 @@ FREE_RATE = 10**9
 def _engine(output_rate: dict[str, Any] | None, max_num_seqs: int):
     from vllm import LLM
 
-    from vllm_output_rate.tinymodel import default_model_dir
+    from vllm_output_rate.adapter.tinymodel import default_model_dir
 
     kwargs: dict[str, Any] = {}
     if output_rate is not None:

@@ -15,9 +15,15 @@ Accepts the seed article's start-up flags and turns them into the plain vLLM com
                                               vLLM and, feature on, to ``output_rate``)
 ``--burst-ms MS``                             burst tolerance tau in whole milliseconds
                                               (``output_rate.burst_ms``, default 100, R1)
+``--max-num-seqs-per-user C``                 R20: resident requests one user may hold,
+                                              C <= M (``output_rate.max_num_seqs_per_user``;
+                                              default: no cap)
 ``--trace-path FILE``                         append the engine-side event trace to FILE
                                               (``output_rate.trace_path``, checked by
                                               ``outrate check-trace``); feature on only
+``--shadow``                                  shadow mode (``output_rate.shadow``): count and
+                                              report what would be throttled, throttle
+                                              nothing (docs/SPEC.md, Decision "Shadow mode")
 =========================================== ==============================================
 
 The scheduler class is ``RateLimitedScheduler``, or ``RateLimitedAsyncScheduler`` when
@@ -54,6 +60,8 @@ FLAG_DEFAULT = "--default-user-output-tokens-per-second"
 FLAG_USERS = "--user-output-tokens-per-second"
 FLAG_TRACE = "--trace-path"
 FLAG_BURST = "--burst-ms"
+FLAG_PER_USER = "--max-num-seqs-per-user"
+FLAG_SHADOW = "--shadow"
 # The flag of each output_rate key (the message when a key comes in --additional-config).
 FLAG_OF_KEY = {
     "default_tokens_per_s": FLAG_DEFAULT,
@@ -61,6 +69,8 @@ FLAG_OF_KEY = {
     "max_num_active_seqs": "--max-num-active-seqs",
     "burst_ms": FLAG_BURST,
     "trace_path": FLAG_TRACE,
+    "max_num_seqs_per_user": FLAG_PER_USER,
+    "shadow": FLAG_SHADOW,
 }
 # `outrate` quiets vLLM's logging for its own commands (cli._offline_env, run after this
 # module is imported); the server keeps vLLM's default INFO unless the user set a level.
@@ -145,7 +155,8 @@ def _once(values: tuple | list, flag: str) -> Any:
 
 def build_output_rate_section(
     default_rate: str | None, user_rates: str | None, max_num_seqs: int | None, max_num_active_seqs: int | None,
-    trace_path: str | None = None, burst_ms: int | None = None,
+    trace_path: str | None = None, burst_ms: int | None = None, max_num_seqs_per_user: int | None = None,
+    shadow: bool = False,
 ) -> dict[str, Any] | None:
     """The ``output_rate`` section for these flags.
 
@@ -158,8 +169,14 @@ def build_output_rate_section(
             f"--max-num-active-seqs ({max_num_active_seqs}) must be <= --max-num-seqs ({max_num_seqs}): "
             "lower --max-num-active-seqs or raise --max-num-seqs"
         )
+    if max_num_seqs is not None and max_num_seqs_per_user is not None and max_num_seqs_per_user > max_num_seqs:
+        raise click.UsageError(  # R20: a cap above M never binds
+            f"{FLAG_PER_USER} ({max_num_seqs_per_user}) must be <= --max-num-seqs ({max_num_seqs}): "
+            f"lower {FLAG_PER_USER} or raise --max-num-seqs"
+        )
     if default_rate is None:
-        for flag, value in ((FLAG_USERS, user_rates), (FLAG_BURST, burst_ms), (FLAG_TRACE, trace_path)):
+        for flag, value in ((FLAG_USERS, user_rates), (FLAG_BURST, burst_ms), (FLAG_TRACE, trace_path),
+                            (FLAG_PER_USER, max_num_seqs_per_user), (FLAG_SHADOW, True if shadow else None)):
             if value is not None:
                 raise click.UsageError(
                     f"{flag} needs {FLAG_DEFAULT}: the default rate turns the feature on "
@@ -179,6 +196,10 @@ def build_output_rate_section(
         section["max_num_active_seqs"] = max_num_active_seqs
     if burst_ms is not None:
         section["burst_ms"] = burst_ms
+    if max_num_seqs_per_user is not None:
+        section["max_num_seqs_per_user"] = max_num_seqs_per_user  # R20
+    if shadow:
+        section["shadow"] = True  # Decision "Shadow mode"
     if trace_path is not None:
         # Absolute: the engine-core process opens it, and a reader should find the same file.
         section["trace_path"] = os.path.abspath(trace_path) if trace_path.strip() else trace_path
@@ -198,6 +219,8 @@ def build_command(
     max_num_active_seqs: int | None = None,
     trace_path: str | None = None,
     burst_ms: int | None = None,
+    max_num_seqs_per_user: int | None = None,
+    shadow: bool = False,
 ) -> list[str]:
     """The full command line (argv) that starts vLLM's OpenAI server.
 
@@ -206,7 +229,7 @@ def build_command(
             ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
     """
     section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path,
-                                        burst_ms)
+                                        burst_ms, max_num_seqs_per_user, shadow=shadow)
     args = list(vllm_args)
     args, scheduler_cls = _pop_option(args, "--scheduler-cls")
     if scheduler_cls is None:
@@ -273,13 +296,19 @@ def build_command(
 @click.option(FLAG_BURST, "burst_ms", type=int, multiple=True, metavar="MS",
               help="Burst tolerance in whole milliseconds (default 100): a user idle for a while may "
                    "get floor(MS/1000 x rate) + 1 tokens at once.")
+@click.option(FLAG_PER_USER, "max_num_seqs_per_user", type=click.IntRange(min=1), multiple=True, metavar="C",
+              help="R20: resident requests one user may hold (C <= M); a user at C waits while others "
+                   "are admitted. Default: no cap (one user's streams may hold every slot).")
 @click.option(FLAG_TRACE, "trace_path", metavar="FILE", multiple=True,
               help="Append the engine-side event trace (one JSON line per step) to FILE, for "
                    "`outrate check-trace FILE`.")
+@click.option(FLAG_SHADOW, "shadow", is_flag=True,
+              help="Shadow mode: count and report (log, /metrics, trace) what would be throttled, and "
+                   "throttle nothing; the schedule is stock vLLM's. For rolling the limits out.")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit without starting it.")
 @click.pass_context
-def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, burst_ms, trace_path,
-          print_command) -> None:
+def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, burst_ms, max_num_seqs_per_user,
+          trace_path, shadow, print_command) -> None:
     """Start vLLM's OpenAI server on MODEL with per-user output-rate limiting.
 
     Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
@@ -288,7 +317,8 @@ def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seq
     command = build_command(
         model, list(ctx.args), _once(default_rate, FLAG_DEFAULT), _once(user_rates, FLAG_USERS),
         _once(max_num_seqs, "--max-num-seqs"), _once(max_num_active_seqs, "--max-num-active-seqs"),
-        _once(trace_path, FLAG_TRACE), _once(burst_ms, FLAG_BURST),
+        _once(trace_path, FLAG_TRACE), _once(burst_ms, FLAG_BURST), _once(max_num_seqs_per_user, FLAG_PER_USER),
+        shadow=shadow,
     )
     if print_command:
         click.echo(shlex.join(command))

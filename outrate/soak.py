@@ -85,7 +85,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     from rich.table import Table
 
     from vllm_output_rate.adapter.trace_check import TraceFollower
-    from vllm_output_rate.tinymodel import default_model_dir
+    from vllm_output_rate.adapter.tinymodel import default_model_dir
 
     console = Console()
     rnd = random.Random(seed)

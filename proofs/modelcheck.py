@@ -136,7 +136,7 @@ LIVENESS_TAIL_ROUNDS = 8  # a liveness counterexample ends with this many rounds
 PROGRESS_EVERY = 2000  # states between two progress reports
 
 CHECK_IDS = ("assert", "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12", "I13", "I14",
-             "I15", "I16", "I17", "I18", "R6", "F1", "liveness-a", "liveness-b")
+             "I15", "I16", "I17", "I18", "I19", "R6", "F1", "liveness-a", "liveness-b", "F2")
 NEW_CHECKS = ("I13", "I14", "I15", "I16", "I17", "F1", "R6")  # added with the checker (docs/SPEC_MUTATIONS.md)
 ORIGINAL_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12")
 
@@ -176,6 +176,7 @@ class Scope:
     max_states: int = 100_000
     pinned: tuple[int, int] | None = None
     note: str = ""
+    fair_admission: bool = False  # F2 (R20): checked; needs max_num_seqs_per_user C with users x C <= M
 
     def __post_init__(self) -> None:
         c = self.config
@@ -198,6 +199,11 @@ class Scope:
             for s in streams:
                 assert 1 <= s.prompt_len < c.max_model_len and s.max_tokens >= 1, f"{self.name}: {s}"
                 assert s.priority == 0 or c.policy == "priority", f"{self.name}: priority under FCFS"
+
+        # F2 (R20): with every user at its cap C a slot is still free (users x C <= M).
+        assert not self.fair_admission or (
+            c.max_num_seqs_per_user is not None and len(self.users) * c.max_num_seqs_per_user <= c.max_num_seqs), (
+            f"{self.name}: fair_admission needs max_num_seqs_per_user C with users x C <= max_num_seqs")
 
     @property
     def user_names(self) -> tuple[str, ...]:
@@ -229,6 +235,7 @@ def scope_from_json(data: dict) -> Scope:
         max_states=data["max_states"],
         pinned=None if pinned is None else (pinned["states"], pinned["transitions"]),
         note=data.get("note", ""),
+        fair_admission=data.get("fair_admission", False),
     )
 
 
@@ -499,6 +506,8 @@ def transition(world: World, event: Event, cs: Compiled) -> Outcome:
             violations.extend(_check_cleanup(after, cs))
             bypass, found = _advance_bypass(bypass, before, after, obs, users_of, cs)
             violations.extend(found)
+            if cs.scope.fair_admission:
+                violations.extend(_check_fair_admission(before, obs, users_of))  # F2 (R20)
     try:
         message = invariants.check(before, event, after, obs, history)
     except AssertionError as error:
@@ -558,6 +567,31 @@ def _advance_bypass(bypass, before, after, obs, users_of, cs: Compiled):
                                     f"{new[rid]} steps in a row while other streams of its group were served "
                                     f"(rotation allows at most {bound})"))
     return new, found
+
+
+def _check_fair_admission(before: SchedulerState, obs: Observation, users_of: dict[str, str]):
+    """F2 (R20, bounded admission delay): in a scope whose users at their cap C still leave
+    a slot (users x C <= M), a waiting request whose user holds fewer than C running
+    requests and is not refused at the step's instant is admitted in that very Step: its
+    admission delay is one step. Scopes that declare F2 give the token budget and KV room
+    for every admission, so only another user's flood could hold it back, and R20 keeps the
+    flood at C. (Without R20, the flood's throttled streams hold every slot: caught.)"""
+    config = before.config
+    cap = config.max_num_seqs_per_user
+    held: dict[str, int] = {}
+    for rid in [r for r in before.running if r not in obs.preempted] + list(obs.admitted):
+        held[users_of[rid]] = held.get(users_of[rid], 0) + 1  # after schedule(), admissions included
+    for rid in before.waiting:
+        user = users_of[rid]
+        if rid in obs.admitted or held.get(user, 0) >= cap:
+            continue
+        if not spec_limiter.allows(before.limiter, user, before.now_ns, config.burst_ns):
+            continue
+        return [("F2", f"F2 (R20): {rid} of user {user} waits a step although its user holds {held.get(user, 0)} "
+                       f"< max_num_seqs_per_user={cap} running requests ({len(before.running)} of "
+                       f"max_num_seqs={config.max_num_seqs} slots taken at the step's start): another user's "
+                       "flood holds back its admission")]
+    return []
 
 
 def _is_progress_event(event: Event) -> bool:

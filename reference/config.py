@@ -8,9 +8,17 @@ Keys (all optional; an empty or missing section means the feature is off, R18):
 ``max_num_active_seqs``         active cap A (R12); default: vLLM's
                                 ``max_num_active_seqs``, else ``max_num_seqs``
 ``burst_ms``                    burst tolerance tau (R1), default 100
+``max_num_seqs_per_user``       R20: resident (running) requests one user may hold,
+                                1..``max_num_seqs``; default: no cap (the article's
+                                behaviour, docs/SPEC.md Decision R20)
 ``trace_path``                  file to which the reference scheduler appends one
                                 JSON line per ``schedule()`` (the engine-side event
                                 trace, ``adapter/trace_check.py``); default: off
+``shadow``                      ``true``: shadow mode (docs/SPEC.md, Decision
+                                "Shadow mode"): the limiter counts and reports what
+                                it would throttle, and throttles nothing; the
+                                schedule is the base class's, step for step.
+                                Default ``false``
 =============================== ===================================================
 
 Source: semantics.md "Configuration"; seed article, start-up flags.
@@ -20,13 +28,14 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Mapping
 
 from vllm_output_rate.reference.limiter import BURST_NS, parse_rate
 
-KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path")
+KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path",
+              "shadow", "max_num_seqs_per_user")
 SECTION = "output_rate"  # the key of vLLM's additional_config that holds the section
 
 
@@ -43,6 +52,8 @@ class OutputRateConfig:
     max_num_active_seqs: int | None = None
     burst_ns: int = BURST_NS
     trace_path: str | None = None
+    max_num_seqs_per_user: int | None = None  # R20: resident requests per user; None: no cap
+    shadow: bool = False  # count and report would-be throttles, throttle nothing (Decision "Shadow mode")
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +114,20 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
             f"trace_path must be a non-empty string naming the file the engine-side event trace is "
             f"appended to, e.g. \"/tmp/outrate-trace.jsonl\", got {trace_path!r}; remove it to turn tracing off"
         )
-    return OutputRateConfig(default_rate, user_rates, active, burst_ms * 1_000_000, trace_path)
+    shadow = section.get("shadow", False)
+    if not isinstance(shadow, bool):
+        raise OutputRateConfigError(
+            f"shadow must be true or false (a JSON boolean: true counts and reports what would be throttled "
+            f"and throttles nothing), got {shadow!r}"
+        )
+    per_user = section.get("max_num_seqs_per_user")
+    if per_user is not None and (isinstance(per_user, bool) or not isinstance(per_user, int) or per_user < 1):
+        raise OutputRateConfigError(
+            f"max_num_seqs_per_user (--max-num-seqs-per-user) must be an integer >= 1 (resident requests one "
+            f"user may hold), got {per_user!r}; remove it for no per-user cap"
+        )
+    config = OutputRateConfig(default_rate, user_rates, active, burst_ms * 1_000_000, trace_path, shadow=shadow)
+    return replace(config, max_num_seqs_per_user=per_user) if per_user is not None else config
 
 
 def nearest_key(key: object, known: tuple[str, ...] | list[str], cutoff: float = 0.6) -> str | None:
@@ -281,6 +305,7 @@ def check_engine_supported(vllm_config: Any) -> None:
             what to change.
     """
     check_active_cap(vllm_config)
+    check_residency_cap(vllm_config)
     found = unsupported_modes(vllm_config)
     if not found:
         return
@@ -311,4 +336,24 @@ def check_active_cap(vllm_config: Any) -> None:
         raise OutputRateConfigError(
             f'additional_config["output_rate"]["max_num_active_seqs"] ({active}) must be <= '
             f"--max-num-seqs ({max_num_seqs}): lower max_num_active_seqs or raise --max-num-seqs"
+        )
+
+
+def check_residency_cap(vllm_config: Any) -> None:
+    """R20: refuse ``output_rate.max_num_seqs_per_user`` above vLLM's ``max_num_seqs``.
+
+    A per-user cap above the resident requests can never bind: almost surely a typo.
+    Duck-typed like ``check_active_cap``.
+
+    Raises:
+        OutputRateConfigError: naming both values and what to change.
+    """
+    additional = getattr(vllm_config, "additional_config", None)
+    section = additional.get(SECTION) if isinstance(additional, Mapping) else None
+    per_user = section.get("max_num_seqs_per_user") if isinstance(section, Mapping) else None
+    max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if isinstance(per_user, int) and isinstance(max_num_seqs, int) and per_user > max_num_seqs:
+        raise OutputRateConfigError(
+            f'additional_config["output_rate"]["max_num_seqs_per_user"] ({per_user}) must be <= --max-num-seqs '
+            f"({max_num_seqs}): lower --max-num-seqs-per-user or raise --max-num-seqs"
         )

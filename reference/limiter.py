@@ -24,8 +24,10 @@ from fractions import Fraction
 from numbers import Rational
 from typing import Iterable, Mapping
 
-BURST_NS: int = 100_000_000  # R1: tau = 100 ms
-NS_PER_S: int = 1_000_000_000
+# The rule constants are the spec's (R1: tau = 100 ms); the arithmetic below is this
+# limiter's own (integer-scaled), checked against the spec's rationals by the gate.
+from vllm_output_rate.spec.limiter import BURST_NS, NS_PER_S
+
 MAX_RATE_TOKENS_PER_S: int = 10**9  # one token per ns; anything above is a typo
 MAX_RATE_DENOMINATOR: int = 10**9  # rates are given to at most 9 decimal places
 

@@ -20,7 +20,9 @@ handler and INFO would be dropped):
 
   A *throttled request-step* is one running request skipped in one ``schedule()``
   because its user's budget was spent (R11). Nothing is logged in an interval without
-  throttling.
+  throttling. In shadow mode the line reads ``... user(s) WOULD BE throttled (shadow mode)
+  ... by WOULD BE throttled request-steps``: sampling dispatches that an enforcing
+  scheduler would have refused (tokens above the limit).
 
 Cost on the scheduler's hot path: one method call per ``schedule()``; with requests
 throttled, one C-level ``Counter.update`` over their ids. Formatting happens only when a
@@ -71,6 +73,12 @@ def limits_message(scheduler: str, config: OutputRateConfig, active_cap: int, ma
     cap = (f"active cap {active_cap} of {max_num_seqs} resident requests (max_num_seqs)" if active_cap < max_num_seqs
            else f"active cap = max_num_seqs = {max_num_seqs} (throttled requests cannot give their place away)")
     trace = f"trace {config.trace_path}" if config.trace_path else "trace off"
+    if config.shadow:  # Decision "Shadow mode": nothing is throttled, the cap is not applied
+        cap = (f"active cap {active_cap} of {max_num_seqs} not applied" if active_cap < max_num_seqs
+               else f"max_num_seqs {max_num_seqs}")
+        return (f"output-rate limiting in SHADOW mode ({scheduler}): would-be throttles are counted and reported, "
+                f"nothing is throttled; default {shown_rate(config.default_rate)} tok/s; {users}; "
+                f"burst {config.burst_ns / 1_000_000:g} ms; {cap}; {trace}")
     return (f"output-rate limiting on ({scheduler}): default {shown_rate(config.default_rate)} tok/s; {users}; "
             f"burst {config.burst_ns / 1_000_000:g} ms; {cap}; {trace}")
 
@@ -94,15 +102,18 @@ class ThrottleLog:
     the requests throttled in it and the request id -> user map.
     """
 
-    __slots__ = ("counts", "next_ns", "since_ns", "interval_ns", "rate_of", "lines")
+    __slots__ = ("counts", "next_ns", "since_ns", "interval_ns", "rate_of", "lines", "what")
 
-    def __init__(self, rate_of: Callable[[str], Fraction], interval_ns: int = SUMMARY_INTERVAL_NS) -> None:
+    def __init__(self, rate_of: Callable[[str], Fraction], interval_ns: int = SUMMARY_INTERVAL_NS,
+                 shadow: bool = False) -> None:
         self.counts: Counter[str | None] = Counter()  # user -> throttled request-steps this interval
         self.next_ns = 0  # the first step only starts the interval
         self.since_ns: int | None = None
         self.interval_ns = interval_ns
         self.rate_of = rate_of
         self.lines = 0  # lines written (for tests)
+        # Shadow mode: the counts are dispatches an enforcing scheduler would have refused.
+        self.what = "WOULD BE throttled (shadow mode)" if shadow else "throttled"
 
     def step(self, now_ns: int, throttled: Collection[str], user_of: Mapping[str, str]) -> None:
         """One ``schedule()`` at ``now_ns``: count ``throttled``, and log if the interval is over."""
@@ -128,8 +139,9 @@ class ThrottleLog:
             rest = len(self.counts) - len(top)
             if rest > 0:
                 parts.append(f"{rest} more user(s) {sum(self.counts.values()) - sum(n for _, n in top)}")
-            logger.info("output-rate: %d user(s) throttled in the last %.1f s, by throttled request-steps: %s",
-                        len(self.counts), (now_ns - self.since_ns) / 1e9, ", ".join(parts))
+            logger.info("output-rate: %d user(s) %s in the last %.1f s, by %s request-steps: %s",
+                        len(self.counts), self.what, (now_ns - self.since_ns) / 1e9, self.what.split(" (")[0],
+                        ", ".join(parts))
             self.lines += 1
             self.counts.clear()
         self.since_ns = now_ns

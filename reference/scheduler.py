@@ -48,6 +48,7 @@ from vllm_output_rate.reference.config import OutputRateConfig, check_engine_sup
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
+from vllm_output_rate.reference.shadow import ShadowAccounting
 from vllm_output_rate.reference.trace import TraceWriter
 from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
 
@@ -103,9 +104,16 @@ class _RateLimitMixin:
         self._hook_fast = False  # see _reserve_prefill_lookahead
         self._record_only = False  # see _reserve_prefill_lookahead
         self._throttle_log: ThrottleLog | None = None  # operator log of throttled users (oplog.py)
+        # R20: resident (running) requests one user may hold; None: no cap (the default).
+        self._per_user_cap: int | None = (output_rate_config.max_num_seqs_per_user
+                                          if output_rate_config.enabled else None)
+        self._shadow: ShadowAccounting | None = None  # shadow mode (reference/shadow.py)
         if not self.output_rate_config.enabled:
             log_feature_off(type(self).__name__)  # operator log only; behaviour is the base's
             return  # R18: feature off, every override below defers to the base class
+        if self.output_rate_config.shadow:
+            self._start_shadow()  # Decision "Shadow mode": every override defers as with R18
+            return
         cfg = self.output_rate_config
         self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
         # R12: with the feature on, max_num_active_seqs means "requests in a step's batch".
@@ -162,6 +170,8 @@ class _RateLimitMixin:
         self._record_only = False  # the hook's shortest path: _unconstrained and _hook_fast
         self._charge = self._charged.append
         self._charged_ids: list[str] | None = None  # ids of _charged, once computed
+        self._resident: Counter | None = None  # R20: user -> running requests, from the first waiting look
+        self._resident_seen = 0  # R20: len(running) when _resident was last brought up to date
 
     # -- R12: admission cap read by vLLM's waiting loop -------------------------
     @property
@@ -224,11 +234,17 @@ class _RateLimitMixin:
             self._turns.pop(request.request_id, None)  # R14: only running requests take turns
             if self._trace is not None:
                 self._trace.note_freed(request.request_id, request.status.name, request.num_output_tokens)
+        elif self._shadow is not None:  # shadow mode: forget the request's user
+            self._shadow.freed(request.request_id)
+            if self._trace is not None:
+                self._trace.note_freed(request.request_id, request.status.name, request.num_output_tokens)
         return super()._free_request(request, *args, **kwargs)
 
     # -- the step ---------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any):
         if self.rate_limiter is None:
+            if self._shadow is not None:
+                return self._shadow_schedule(*args, **kwargs)  # shadow mode: the base's schedule
             return super().schedule(*args, **kwargs)  # R18
         self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
         self._take_turns()  # R14
@@ -251,6 +267,65 @@ class _RateLimitMixin:
         if self._trace is not None:
             self._trace_step(scheduler_output, refunded)
         return scheduler_output
+
+    # -- shadow mode (Decision "Shadow mode"; reference/shadow.py) ------------------------
+    def _start_shadow(self) -> None:
+        """Shadow mode: no ``rate_limiter``, so every override takes its R18 path (vLLM's
+        own); a ``ShadowAccounting`` replays each step's sampling dispatches afterwards."""
+        cfg = self.output_rate_config
+        self._base_lookahead = True  # _reserve_prefill_lookahead: vLLM's own (R18 path)
+        self._shadow = ShadowAccounting(cfg, self._resolve_user)
+        would_cap = min(cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs
+                        or self.max_num_running_reqs, self.max_num_running_reqs)
+        log_limits(type(self).__name__, cfg, would_cap, self.max_num_running_reqs)  # operator log
+        self._throttle_log = ThrottleLog(self._shadow.limiter.rate_of, shadow=True)
+        if cfg.trace_path is not None:
+            self._trace = TraceWriter(cfg.trace_path, {
+                "scheduler": type(self).__name__,
+                "async_scheduling": isinstance(self, AsyncScheduler),
+                "default_tokens_per_s": str(cfg.default_rate),
+                "user_tokens_per_s": {u: str(r) for u, r in cfg.user_rates.items()},
+                "burst_ns": cfg.burst_ns,
+                "shadow": True,
+            })
+
+    def _shadow_schedule(self, *args: Any, **kwargs: Any):
+        """Shadow mode: vLLM's ``schedule()``, then count what would have been throttled.
+
+        The base class decides everything; afterwards the step's sampling dispatches are
+        replayed through the shadow limiter at this step's one clock reading (R16). The
+        would-be throttled requests go to the operator log, the metrics and the trace.
+        """
+        now_ns = self.clock_ns()  # R16: one clock read per schedule()
+        scheduler_output = super().schedule(*args, **kwargs)
+        shadow = self._shadow
+        would = shadow.step(now_ns, scheduler_output, self.requests)
+        self._throttle_log.step(now_ns, would, shadow.users)  # operator log: would-be throttled
+        if self._trace is not None:
+            self._trace_shadow_step(now_ns, scheduler_output, would)
+        return scheduler_output
+
+    def _trace_shadow_step(self, now_ns: int, scheduler_output, would: list[str]) -> None:
+        """One shadow-mode trace line: ``charges`` are the shadow limiter's grants, and
+        ``would_throttle`` lists the dispatches an enforcing scheduler would have refused."""
+        shadow = self._shadow
+        granted, would_set = set(shadow.last_granted), set(would)
+        requests: dict[str, dict[str, Any]] = {}
+        for rid, tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            sampled = request is not None and not request.is_prefill_chunk
+            requests[rid] = {
+                "user": shadow.user(rid, self.requests),
+                "tokens": tokens,
+                "sampled": sampled,
+                "charged": rid in granted,
+                "refunded": False,
+                "throttled": False,
+                "would_throttle": rid in would_set,
+            }
+        self._trace.write_step(shadow.steps - 1, now_ns, requests, shadow.last_granted, [],
+                               sorted(scheduler_output.preempted_req_ids), len(self.running),
+                               len(self.waiting), len(shadow.limiter), extra={"would_throttle": would})
 
     # -- the engine-side event trace (output_rate.trace_path; reference/trace.py) -------
     def _trace_step(self, scheduler_output, refunded: list[str]) -> None:
@@ -583,6 +658,8 @@ class _RateLimitMixin:
             return True
         if not self.vllm_profile.loras_counted_over_all_running and self._lora_would_exceed(request):
             return False  # V8 (0.32): skipped like vLLM's own max_loras skip
+        if self._per_user_cap is not None and not self._below_residency_cap(request):
+            return False  # R20: its user holds its cap of running requests; skipped, later ones still looked at
         if self._unconstrained:
             return True
         user = self._user(request)
@@ -605,6 +682,24 @@ class _RateLimitMixin:
             # is about to (a side-effect-free lookup).
             num_computed_tokens = self._get_local_prefix_cache_hit(request)[1]
         return num_computed_tokens < request.num_tokens - 1
+
+    def _below_residency_cap(self, request: Request) -> bool:
+        """R20: ``request``'s user holds fewer than ``max_num_seqs_per_user`` running requests.
+
+        Counted over ``running`` at the first waiting request vLLM's waiting loop looks at in
+        this step, then kept up to date with the requests the loop admits (vLLM only appends
+        to ``running`` there; nothing is removed once the waiting loop runs). O(running) once
+        per step, O(1) per waiting request.
+        """
+        running = self.running
+        resident = self._resident
+        if resident is None:
+            resident = self._resident = Counter(map(self._user, running))
+        else:
+            for admitted in running[self._resident_seen:]:
+                resident[self._user(admitted)] += 1
+        self._resident_seen = len(running)
+        return resident[self._user(request)] < self._per_user_cap
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         if self.rate_limiter is not None:

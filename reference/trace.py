@@ -13,6 +13,10 @@ File format (JSON lines, appended; one run = one header line followed by its rec
   "refunded", "throttled"}}, "charges": [req_id...], "refunds": [req_id...],
   "preempted": [req_id...], "running", "waiting", "limiter_users", "finished": {req_id: {"status", "output_tokens"}}}``.
   ``requests`` holds every request scheduled, charged or throttled in the step;
+  in shadow mode (header ``"shadow": true``, docs/SPEC.md Decision "Shadow mode")
+  ``throttled`` is always false, ``charges`` are the shadow limiter's grants, and each
+  request and the step carry ``would_throttle`` (the sampling dispatches an enforcing
+  scheduler would have refused; every sampled request is charged or would-be throttled);
   ``charges``/``refunds`` are in call order (a duplicate would be a bug: R7/R9);
   ``finished`` lists the requests freed since the previous line (finished or aborted),
   with their output-token count at that moment; ``limiter_users`` is the number of users
@@ -76,6 +80,7 @@ class TraceWriter:
         running: int,
         waiting: int,
         limiter_users: int,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         if self._file is None:
             return
@@ -91,6 +96,8 @@ class TraceWriter:
             "limiter_users": limiter_users,
             "finished": self.finished,
         }
+        if extra:
+            record.update(extra)
         self.finished = {}
         self._write(record)
         if self._last_flush_ns is None or now_ns - self._last_flush_ns >= FLUSH_INTERVAL_NS:

@@ -25,6 +25,7 @@ user's earlier dispatch times: ``DispatchHistory`` carries them (bounded).
 | I16 | a step preempts only when KV really ran short (a throttled request keeps its blocks otherwise) | R11, V6 |
 | I17 | a waiting request is admitted unless refused and unable to prefill, or admission stopped | R10, R12, P4 |
 | I18 | a step in which no limit binds is the base scheduler's step from the same state | R19 |
+| I19 | with ``max_num_seqs_per_user`` C, no user holds more than C running requests after a step | R20 |
 
 I13-I17 were added with the model checker (``proofs/modelcheck.py``): each one is the
 property whose absence let a spec mutation through (docs/SPEC_MUTATIONS.md). I13 needs the
@@ -40,6 +41,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec import properties as spec_properties
 from vllm_output_rate.spec import rate as spec_rate
 from vllm_output_rate.spec import scheduler as spec_scheduler
 from vllm_output_rate.spec.events import Event, Step
@@ -59,8 +61,7 @@ MAX_HISTORY_PER_USER: int = 4096  # I7 looks back this many dispatches per user 
 
 def i1_charges_match_dispatches(after: SchedulerState, obs: Observation) -> str | None:
     """I1 (R7, R9): charged - refunded == sampled, as multisets."""
-    net = Counter(obs.charged) - Counter(obs.refunded)
-    if net != Counter(obs.sampled):
+    if spec_properties.net_charges(obs.charged, obs.refunded) != Counter(obs.sampled):
         return f"I1 (R7/R9): charged {obs.charged} - refunded {obs.refunded} != sampled {obs.sampled}"
     return None
 
@@ -149,13 +150,10 @@ class DispatchHistory:
 
 def i7_window_bound(history: DispatchHistory, user: str, after: SchedulerState) -> str | None:
     """I7 (R2): every window ending at the user's newest dispatch respects the bound."""
-    times = history.of(user)
-    rate = after.config.rate_of(user)
-    for i, start in enumerate(times):
-        count = len(times) - i
-        bound = spec_limiter.window_bound_tokens(times[-1] - start, rate, after.config.burst_ns)
-        if count > bound:
-            return f"I7 (R2): user {user}: {count} dispatches in [{start}, {times[-1]}] ns > bound {bound}"
+    excess = spec_properties.window_excess(history.of(user), after.config.rate_of(user), after.config.burst_ns)
+    if excess is not None:
+        return (f"I7 (R2): user {user}: {excess.count} dispatches in [{excess.start_ns}, {excess.end_ns}] ns "
+                f"> bound {excess.bound}")
     return None
 
 
@@ -333,6 +331,9 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
         if (budget == 0 or num_running >= cap or (not config.chunked_prefill and request.num_tokens > budget)
                 or blocks_for(request.num_tokens, config) > free):
             return None  # admission may have stopped here; nothing behind it is owed a place
+        if (config.max_num_seqs_per_user is not None
+                and _resident_after_schedule(before, obs)[request.user] >= config.max_num_seqs_per_user):
+            continue  # R20: its user holds its cap of running requests; skipped, the loop goes on
         refused = not spec_limiter.allows(after.limiter, request.user, after.now_ns, config.burst_ns)
         can_prefill = config.chunked_prefill and request.num_computed_tokens < request.num_tokens - 1
         if refused and not can_prefill:
@@ -340,6 +341,30 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
         return (f"I17 (R10/R12/P4): {rid} (user {request.user}) waits although nothing stopped admission before "
                 f"it: budget {budget}, running {num_running} < cap {cap}, {free} free blocks, "
                 f"user {'refused' if refused else 'not refused'}")
+    return None
+
+
+def _resident_after_schedule(before: SchedulerState, obs: Observation) -> Counter:
+    """R20: running requests per user right after ``schedule()`` (before the step's
+    deliveries): ``running`` before the step, less the preempted, plus the admitted."""
+    preempted = set(obs.preempted)
+    ids = [rid for rid in before.running if rid not in preempted] + list(obs.admitted)
+    return Counter(find(before, rid).user for rid in ids)
+
+
+def i19_residency_cap(before: SchedulerState, obs: Observation) -> str | None:
+    """I19 (R20): with ``max_num_seqs_per_user`` C, no user holds more than C running
+    requests right after ``schedule()`` (deliveries only remove requests).
+
+    Requests become running only by admission, and R20 admits none of a user at C."""
+    cap = before.config.max_num_seqs_per_user
+    if cap is None:
+        return None
+    held = _resident_after_schedule(before, obs)
+    over = sorted(u for u, n in held.items() if n > cap)
+    if over:
+        return (f"I19 (R20): user {over[0]} holds {held[over[0]]} running requests > "
+                f"max_num_seqs_per_user={cap}")
     return None
 
 
@@ -395,7 +420,7 @@ def check(
             return found
     return (i14_wait_hint(before, after, obs) or i15_preferred_victims(before, obs)
             or i16_preemption_needed(before, after, obs) or i17_admission_not_held_back(before, after, obs)
-            or i18_not_binding_is_stock(before, event, after, obs))
+            or i18_not_binding_is_stock(before, event, after, obs) or i19_residency_cap(before, obs))
 
 
 def advance_history(history: DispatchHistory, before: SchedulerState, obs: Observation) -> DispatchHistory:

@@ -10,6 +10,7 @@ the cycle is vLLM's own). Each one decides one thing at one point of the cycle:
 | waiting loop, before a request is sized (V8) | ``waiting_gate`` | R10: refused users' requests skipped, never blocking others |
 | waiting loop, last cap on a chunk (V8) | ``decide_waiting`` | R7 charge, R10 cap at n-1 |
 | waiting loop, admission cap (V8) | ``admission_cap`` | R12 |
+| waiting loop, before a request is sized (V8) | ``residency_gate`` | R20: a user at its residency cap is skipped |
 | preemption (V6) | ``preferred_victim`` | R13 |
 | end of ``schedule()`` | ``end_cycle`` | R9 single refund point, R15 last served, R6 cleanup, R16 wait hint, R19 |
 
@@ -213,6 +214,26 @@ def waiting_gate(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
     return cycle, request.num_computed_tokens < request.num_tokens - 1
 
 
+def resident_count(state: SchedulerState, user: str) -> int:
+    """R20: running (resident) requests of ``user``, those admitted in this cycle included."""
+    return sum(1 for rid in state.running if get(state, rid).user == user)
+
+
+def residency_gate(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
+    """R20: may a waiting request be considered for admission at all?
+
+    With ``max_num_seqs_per_user`` C configured, a waiting request whose user already
+    holds C running requests (counting those admitted earlier in this cycle) is skipped,
+    and later waiting requests, of other users, are still considered (like R10's skip):
+    one user's flood never holds every resident slot while another user waits. Without
+    C (the default) every request proceeds.
+    """
+    cap = cycle.state.config.max_num_seqs_per_user
+    if cap is None or resident_count(cycle.state, request.user) < cap:
+        return cycle, True
+    return replace(cycle, residency_skipped=cycle.residency_skipped + (request.request_id,)), False
+
+
 def decide_waiting(cycle: Cycle, request: RequestState, num_new_tokens: int) -> tuple[Cycle, int]:
     """R7, R10: the final size of a waiting request's first chunk (never 0).
 
@@ -324,6 +345,8 @@ def next_last_served(cycle: Cycle, served: dict[tuple[str, int], str],
 def limit_binds(cycle: Cycle) -> bool:
     """R19: did a limit of the feature bind in this cycle? A user was refused (R2), a
     stream was held for another's turn (R14), a request was throttled (R11) or the active
-    cap gave a running request 0 tokens (R12). When none did, the cycle is the base
+    cap gave a running request 0 tokens (R12), or a waiting request was skipped at its
+    user's residency cap (R20). When none did, the cycle is the base
     scheduler's from the same state (R19)."""
-    return bool(cycle.refused_users or cycle.held_users or cycle.throttled or cycle.active_cap_reached)
+    return bool(cycle.refused_users or cycle.held_users or cycle.throttled or cycle.active_cap_reached
+                or cycle.residency_skipped)  # R20: a waiting request skipped at its user's cap

@@ -319,6 +319,10 @@ def visit_waiting(cycle: Cycle, request_id: str) -> tuple[Cycle, bool]:
         return cycle.decide(request_id, "V8"), False
     request = get(cycle.state, request_id)
     if config.rate_limited:
+        cycle, proceed = rate.residency_gate(cycle, request)  # R20: a user at its cap is skipped
+        if not proceed:
+            return cycle.decide(request_id, "R20"), True
+    if config.rate_limited:
         cycle, proceed = rate.waiting_gate(cycle, request)  # R10: refused users skipped
         if not proceed:
             return cycle.decide(request_id, "R10"), True

@@ -72,6 +72,8 @@ class EngineConfig:
     user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...] = ()
     output_rate_max_num_active_seqs: int | None = None
     burst_ns: int = spec_limiter.BURST_NS
+    # R20: resident (running) requests one user may hold; None: no cap (the article's behaviour).
+    max_num_seqs_per_user: int | None = None
 
     def __post_init__(self) -> None:
         # The configuration is one that vLLM 0.32 accepts (SchedulerConfig validation).
@@ -91,6 +93,11 @@ class EngineConfig:
         assert self.default_rate_tokens_per_s is not None or not self.user_rates_tokens_per_s, (
             "per-user rates need a default rate (the feature is off without one)")
         assert self.burst_ns > 0, f"burst_ns {self.burst_ns}"
+        # R20: a cap in [1, max_num_seqs], only with the feature on (reference/config.py refuses the rest).
+        assert self.max_num_seqs_per_user is None or (
+            self.rate_limited and 1 <= self.max_num_seqs_per_user <= self.max_num_seqs), (
+            f"max_num_seqs_per_user {self.max_num_seqs_per_user} needs the feature on and must be in "
+            f"[1, max_num_seqs={self.max_num_seqs}]")
 
     @property
     def rate_limited(self) -> bool:
@@ -121,7 +128,8 @@ class EngineConfig:
         cap = self.active_cap if self.rate_limited else self.max_num_active_seqs
         return replace(self, max_num_active_seqs=cap if cap is not None and cap < self.max_num_seqs else None,
                        default_rate_tokens_per_s=None, user_rates_tokens_per_s=(),
-                       output_rate_max_num_active_seqs=None, burst_ns=spec_limiter.BURST_NS)
+                       output_rate_max_num_active_seqs=None, burst_ns=spec_limiter.BURST_NS,
+                       max_num_seqs_per_user=None)
 
     def rate_of(self, user: str) -> Fraction:
         """R1: the user's rate in tokens/s (override, else the default)."""
@@ -343,7 +351,9 @@ class Cycle:
     not refused at the start whose grants do not cover all their decoding streams, so that
     some of these are throttled at the start (R14: not their turn); ``turn_order``: R14's
     order of preference over ``running`` at the start (``running`` itself is never
-    reordered); ``active_cap_reached``: R12 gave a running request 0 tokens (R19).
+    reordered); ``active_cap_reached``: R12 gave a running request 0 tokens (R19);
+    ``residency_skipped``: waiting requests skipped because their user already held
+    ``max_num_seqs_per_user`` running requests (R20).
     ``decided``: the V-rule trail of the cycle (``Observation.decided``).
     """
 
@@ -362,6 +372,7 @@ class Cycle:
     turn_order: tuple[str, ...] = ()
     active_cap_reached: bool = False
     decided: tuple[tuple[str, str], ...] = ()
+    residency_skipped: tuple[str, ...] = ()  # R20: waiting requests skipped, their user at its cap
 
     def __post_init__(self) -> None:
         # V1: the budget is never overspent; R7: at most one charge per request per cycle.

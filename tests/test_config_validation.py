@@ -40,7 +40,7 @@ from vllm_output_rate.reference.config import (
     check_engine_supported,
     unsupported_modes,
 )
-from vllm_output_rate.tinymodel import CONFIG, default_model_dir
+from vllm_output_rate.adapter.tinymodel import CONFIG, default_model_dir
 
 FEATURE_ON = {"output_rate": {"default_tokens_per_s": 100}}
 SYNC = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"

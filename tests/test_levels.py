@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_output_rate import gate_plan
 from vllm_output_rate.adapter import registry
 from vllm_output_rate.adapter.conform import check_feature_off
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
@@ -39,10 +40,15 @@ def test_plan_levels_and_parts():
              for lvl in LEVELS}
     assert "white-box/sync" in names["exact"] and "white-box/sync" not in names["should"]
     assert "feature-off/sync" in names["must"] and "rate-limit/async" in names["must"]
-    parts = {p.spec.name: p.spec.part for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))}
+    parts = {p.spec.name: p.spec.part for p in gate_plan.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))}
     for name in ("limiter-differential", "base-fidelity/sync", "base-fidelity/async", "proofs/z3", "model-check/quick"):
         assert parts[name] == "spec health"
     assert parts["rate-limit/sync"] == "candidate"
+    # The adapter alone plans no row of proofs/ (the layers go one way); the top layer adds them last.
+    adapter_only = [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
+    assert "proofs/z3" not in adapter_only and "model-check/quick" not in adapter_only
+    full = [p.spec.name for p in gate_plan.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
+    assert full == adapter_only + ["proofs/z3", "model-check/quick"]
 
 
 def test_plan_without_async_class_is_not_tested_unless_sync_only():

@@ -36,7 +36,7 @@ def test_r2_plugin_rejects_stock_vllm_with_counterexample(tmp_path):
 def test_plugin_adds_nothing_without_the_option_and_loads_no_vllm(tmp_path):
     run = _pytest(tmp_path)
     assert run.returncode == 0 and "1 passed" in run.stdout
-    probe = subprocess.run([sys.executable, "-c", "import sys, vllm_output_rate.adapter.pytest_plugin; "
+    probe = subprocess.run([sys.executable, "-c", "import sys, vllm_output_rate.pytest_plugin; "
                             "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"],
                            capture_output=True, text=True)
     assert probe.stdout.strip() == "False"

@@ -13,7 +13,7 @@ import json
 from click.testing import CliRunner
 
 from vllm_output_rate.cli import main
-from vllm_output_rate.tinymodel import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, default_model_dir
+from vllm_output_rate.adapter.tinymodel import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, default_model_dir
 
 
 def test_outrate_tiny_model_writes_a_servable_directory(tmp_path):

@@ -6,8 +6,9 @@
            [--outrate-burst-configurable] [--outrate-integer-rates]
            [--outrate-profile quick|ci|release] [--outrate-seed N]
 
-adds one test item per check of the gate's registry (``adapter/registry.py``, the same
-list ``outrate conform`` runs at that level and profile): ``outrate::rate-limit/sync`` ...
+adds one test item per check of the gate's plan (``vllm_output_rate.gate_plan``: the
+adapter's registry plus the spec-health rows of proofs/, the same list ``outrate conform``
+runs at that level and profile): ``outrate::rate-limit/sync`` ...
 Each fails with the check's counterexample; a candidate check that cannot run (no async
 class) is an xfail-free failure naming why (NOT TESTED), as in the CLI. Spec-health
 checks run only with ``--outrate-spec-health``. Without ``--outrate-scheduler`` the plugin
@@ -74,6 +75,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     sync_cls = config.getoption("--outrate-scheduler")
     if not sync_cls:
         return
+    from vllm_output_rate import gate_plan
     from vllm_output_rate.adapter import registry
 
     style_text = config.getoption("--outrate-config-style")
@@ -90,7 +92,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         integer_rates=config.getoption("--outrate-integer-rates"),
         burst_configurable=config.getoption("--outrate-burst-configurable"), sync_only=sync_only,
         spec_health=config.getoption("--outrate-spec-health"), save_dir=config.rootpath / "reports")
-    for planned in registry.plan(options):
+    for planned in gate_plan.plan(options):
         def check(planned=planned):
             return registry.run_planned(planned, options, lambda: None)
 

@@ -1,0 +1,252 @@
+"""R20 for any candidate: fair residency, black-box (gate rows ``fair-residency/{sync,async}``, level should).
+
+The flood of issue 13: one user ("flood", a slow rate, throttled most steps) opens more
+streams than the engine has resident slots (``max_num_seqs`` M); another user ("other",
+a rate its few tokens can never exhaust) sends its requests a few steps later. With
+``output_rate.max_num_seqs_per_user`` C configured (C <= M // 2, so that both users at
+their cap still leave a slot), the candidate must, after every ``schedule()``:
+
+- never let a user hold more than C resident requests (admitted from waiting and not yet
+  preempted or finished, as ``SchedulerOutput`` and the outputs show them);
+- admit another user's waiting request in the first step in which its user holds fewer
+  than C and fewer than M requests are resident, unless that step preempted (V7) or
+  spent the whole token budget: the scenario makes KV blocks, the token budget and the
+  other user's rate ample, so nothing else can hold it back. This is the bound of
+  docs/SPEC.md R20 (admission delay: 1 step once a slot is free), the model checker's F2;
+- and, after the scenario, finish every request with exactly its ``max_tokens`` outputs
+  (P3: the cap delays, it never cuts).
+
+Without the cap the article's behaviour fails it (the flood's throttled streams hold
+every slot and the other user waits until one of them finishes): ``NoResidencyCap`` in
+``tests/fixtures/r20_candidates.py``. A candidate whose configuration style has no
+per-user residency cap (``engine-args``, ``hook:``: the article's flags have none) is
+NOT TESTED by these rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable
+
+from hypothesis import strategies as st
+
+from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.state import EngineConfig
+
+FLOOD_USER = "flood"
+OTHER_USER = "other"
+OTHER_RATE = "1000"  # tokens/s: floor(0.1 x 1000) + 1 = 101 grants from idle, above any demand drawn here
+DRAIN_STEPS = 4000  # bound on the steps after a scenario for every request to finish
+DRAIN_INTERVAL_NS = 50_000_000
+EXAMPLES = {"quick": 10, "ci": 40, "release": 300}  # flood scenarios per row and profile
+
+
+@dataclass(frozen=True)
+class ResidencyScenario:
+    """A flood scenario: the engine configuration (spec ``EngineConfig``, C set) and events."""
+
+    config: EngineConfig
+    events: tuple[Event, ...]
+
+    def lines(self) -> list[str]:
+        c = self.config
+        head = (f"config: max_num_seqs={c.max_num_seqs} max_num_seqs_per_user={c.max_num_seqs_per_user} "
+                f"budget={c.max_num_batched_tokens} chunked={c.chunked_prefill} async={c.async_scheduling} "
+                f"blocks={c.num_blocks}x{c.block_size} rates: {FLOOD_USER}="
+                f"{dict(c.user_rates_tokens_per_s).get(FLOOD_USER)} {OTHER_USER}={OTHER_RATE}")
+        return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
+
+    def to_json(self) -> str:
+        from vllm_output_rate.adapter.fidelity import StepScenario
+
+        return StepScenario(self.config, self.events).to_json()
+
+
+@st.composite
+def flood_scenarios(draw, async_scheduling: bool) -> ResidencyScenario:
+    """Hypothesis strategy: the flood shape (module docstring), resources ample."""
+    max_num_seqs = draw(st.integers(2, 6))
+    cap = draw(st.integers(1, max_num_seqs // 2))
+    chunked = draw(st.booleans())
+    flood = [(draw(st.integers(1, 8)), draw(st.integers(4, 24))) for _ in range(max_num_seqs + draw(st.integers(1, 4)))]
+    other = [(draw(st.integers(1, 8)), draw(st.integers(1, 12))) for _ in range(draw(st.integers(1, 3)))]
+    arrive = draw(st.integers(1, 6))
+    num_steps = arrive + draw(st.integers(4, 20))
+    block_size = 16
+    blocks = 1 + sum(math.ceil((p + m + 1) / block_size) for p, m in flood + other)
+    max_model_len = 128
+    config = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_model_len if not chunked else max(16, sum(p for p, _ in flood + other) + 8),
+        chunked_prefill=chunked,
+        block_size=block_size,
+        num_blocks=blocks + 4,
+        async_scheduling=async_scheduling,
+        max_model_len=max_model_len,
+        default_rate_tokens_per_s=Fraction(OTHER_RATE),
+        user_rates_tokens_per_s=((FLOOD_USER, Fraction(draw(st.sampled_from(("2", "5", "10"))))),),
+        max_num_seqs_per_user=cap,
+    )
+    interval_ns = draw(st.sampled_from((5, 10, 20, 50))) * 1_000_000
+    events: list[Event] = [AddRequest(f"f{i}", FLOOD_USER, 0, p, m, None) for i, (p, m) in enumerate(flood)]
+    for step in range(num_steps):
+        if step == arrive:
+            events += [AddRequest(f"o{i}", OTHER_USER, 0, p, m, None) for i, (p, m) in enumerate(other)]
+        events += [Step(), AdvanceClock(interval_ns)]
+    return ResidencyScenario(config, tuple(events))
+
+
+@dataclass
+class ResidencyVerdict:
+    """Outcome of one scenario (``failure`` None: every property held)."""
+
+    steps: int
+    failure: str | None = None
+    step: int | None = None
+
+
+class _Books:
+    """What the gate knows from outside: resident and waiting requests, by user."""
+
+    def __init__(self) -> None:
+        self.user: dict[str, str] = {}
+        self.max_tokens: dict[str, int] = {}
+        self.resident: set[str] = set()
+        self.waiting: set[str] = set()
+
+    def finish(self, trace) -> None:
+        for rid in trace.finished:
+            self.resident.discard(rid)
+            self.waiting.discard(rid)
+
+
+def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = None) -> ResidencyVerdict:
+    """R20 (level should) on one flood scenario (module docstring)."""
+    from vllm_output_rate.adapter.fidelity import engine_shape
+    from vllm_output_rate.adapter.harness import Harness
+
+    config = scenario.config
+    cap, seats = config.max_num_seqs_per_user, config.max_num_seqs
+    assert cap is not None and 2 * cap <= seats, "R20 gate: the flood shape needs C <= M // 2"
+    harness = Harness(scheduler_cls, engine_shape(config), style=style)
+    books = _Books()
+    steps = 0
+    for event in scenario.events:
+        if isinstance(event, AddRequest):
+            harness.add_request(event.request_id, event.user, event.prompt_len, event.max_tokens, event.eos_index,
+                                event.priority)
+            books.user[event.request_id] = event.user
+            books.max_tokens[event.request_id] = event.max_tokens
+            books.waiting.add(event.request_id)
+        elif isinstance(event, AdvanceClock):
+            harness.advance(event.delta_ns)
+        elif isinstance(event, Drain):
+            trace = harness.drain()
+            if trace is not None:
+                books.finish(trace)
+        elif isinstance(event, Step):
+            failure = _judge_step(harness, books, cap, seats, config.max_num_batched_tokens)
+            steps += 1
+            if failure is not None:
+                return ResidencyVerdict(steps, failure, steps - 1)
+    for _ in range(DRAIN_STEPS):
+        if len(harness.finished) == len(books.user):
+            break
+        failure = _judge_step(harness, books, cap, seats, config.max_num_batched_tokens)
+        steps += 1
+        if failure is not None:
+            return ResidencyVerdict(steps, failure, steps - 1)
+        harness.advance(DRAIN_INTERVAL_NS)
+    if config.async_scheduling:
+        trace = harness.drain()
+        if trace is not None:
+            books.finish(trace)
+    for rid, max_tokens in books.max_tokens.items():
+        got = harness.finished.get(rid)
+        if got is None or got[1] != max_tokens:
+            return ResidencyVerdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens}) "
+                                           f"within {DRAIN_STEPS} steps after the scenario (the cap delays, it never "
+                                           "cuts)")
+    return ResidencyVerdict(steps)
+
+
+def _judge_step(harness, books: _Books, cap: int, seats: int, budget: int) -> str | None:
+    """One step on the candidate, then R20's two properties against what it exposed."""
+    waiting_before = set(books.waiting)
+    trace = harness.step()
+    for rid in trace.preempted:
+        if rid in books.resident:
+            books.resident.discard(rid)
+            books.waiting.add(rid)
+    for rid in trace.admitted:
+        books.waiting.discard(rid)
+        books.resident.add(rid)
+    held = Counter(books.user[rid] for rid in books.resident)
+    over = sorted(u for u, n in held.items() if n > cap)
+    if over:
+        mine = sorted(rid for rid in books.resident if books.user[rid] == over[0])
+        return (f"R20: user {over[0]!r} holds {held[over[0]]} resident requests {mine} > "
+                f"max_num_seqs_per_user={cap}")
+    spent = sum(trace.scheduled.values()) >= budget
+    if not trace.preempted and not spent and len(books.resident) < seats:
+        owed = sorted(rid for rid in waiting_before & books.waiting
+                      if books.user[rid] == OTHER_USER and held[OTHER_USER] < cap)
+        if owed:
+            return (f"R20: {owed[0]} of user {OTHER_USER!r} is still waiting although its user holds "
+                    f"{held[OTHER_USER]} < max_num_seqs_per_user={cap} resident requests, {len(books.resident)} of "
+                    f"max_num_seqs={seats} slots are taken ({held[FLOOD_USER]} by {FLOOD_USER!r}), nothing was "
+                    "preempted and the token budget was not spent: one user's flood must not hold back another "
+                    "user's admission")
+    books.finish(trace)
+    return None
+
+
+def style_has_residency_cap(style: Any) -> bool:
+    """The candidate is configured through ``additional_config["output_rate"]`` (where
+    ``max_num_seqs_per_user`` lives); other styles (the article's flags) have no such key."""
+    from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
+
+    return style is None or isinstance(style, AdditionalConfigStyle)
+
+
+def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
+                    save_dir: Path | None, style: Any = None):
+    """R20 (level should): ``run_residency`` on ``examples`` seeded flood scenarios; a
+    failure is shrunk by Hypothesis and saved. Returns the ``CheckResult`` row
+    ``fair-residency/{sync,async}``."""
+    from vllm_output_rate.adapter.conform import CheckResult, _hunt, _reraise_gate_error, _save_counterexample
+    from vllm_output_rate.adapter.scenarios import Verdict
+
+    name = "fair-residency/" + ("async" if async_mode else "sync")
+    result = CheckResult(name, ["R20"], level="should")
+    if not style_has_residency_cap(style):
+        result.result = "not tested"
+        result.failure = ("the candidate's configuration style has no per-user residency cap "
+                          "(output_rate.max_num_seqs_per_user): the article's flags do not name one")
+        return result
+
+    def run(scenario: ResidencyScenario):
+        try:
+            verdict = run_residency(scheduler_cls, scenario, style)
+        except Exception as exc:  # the candidate's own error is a finding
+            _reraise_gate_error(exc)
+            return Verdict(0, f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash",
+                           None, level="must")
+        return Verdict(verdict.steps, verdict.failure, "R20" if verdict.failure else None, verdict.step,
+                       level="should" if verdict.failure else None)
+
+    failed = _hunt(result, flood_scenarios(async_mode), run, examples, seed, tick)
+    if failed is not None:
+        scenario, verdict = failed
+        result.result = "fail"
+        result.failed_level = verdict.level
+        where = f"step {verdict.step}: " if verdict.step is not None else ""
+        result.failure = f"[{verdict.level}] {verdict.rule}: {where}{verdict.failure}"
+        result.counterexample = scenario.lines()
+        result.minimal = False  # Hypothesis-shrunk only
+        _save_counterexample(result, scenario, save_dir)
+    return result

@@ -1,0 +1,67 @@
+"""The gate's spec-health rows that come from proofs/: ``proofs/z3`` and ``model-check/quick``.
+
+They live here, not in ``adapter/``, because the layers go one way (spec <- reference <-
+adapter <- proofs <- outrate; ``tests/test_layers.py``): the proofs use the adapter's
+``CheckSpec``/``CheckResult``, and the top layer (``vllm_output_rate.gate_plan``, used by
+``outrate conform`` and by the pytest plugin) adds these rows to the adapter's plan.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from vllm_output_rate.adapter.conform import CheckResult
+from vllm_output_rate.adapter.registry import CheckSpec
+
+Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6")
+MODEL_RULES = ("I1-I18", "F1", "R6", "R19", "liveness")
+
+
+def check_proofs(tick: Callable[[], None]) -> CheckResult:
+    """R1-R6 for all inputs: the Z3 proofs of ``proofs/z3_limiter.py`` (``outrate prove``
+    adds the CrossHair contracts, which take about a minute)."""
+    from vllm_output_rate.proofs.z3_limiter import run_all
+
+    result = CheckResult("proofs/z3", list(Z3_RULES), part="spec health")
+    for record in run_all():
+        tick()
+        result.examples += 1
+        if record["result"] != "proved" or not record.get("vacuity_ok", True):
+            result.result = "fail"
+            result.failure = f"{record['name']}: {record['result']}"
+            result.counterexample.append(str(record.get("counterexample")))
+    return result
+
+
+def check_model(tick: Callable[[], None]) -> CheckResult:
+    """Every invariant in every state of the quick scopes of the model checker over the spec
+    (``outrate check --profile ci|release`` explores the larger ones)."""
+    from vllm_output_rate.proofs.modelcheck import explore, profile_scopes
+
+    result = CheckResult("model-check/quick", list(MODEL_RULES), part="spec health")
+    for scope in profile_scopes("quick"):
+        tick()
+        outcome = explore(scope)
+        result.examples += 1
+        result.steps += outcome.states
+        if outcome.violations:
+            name, violation = next(iter(outcome.violations.items()))
+            result.result = "fail"
+            result.failure = f"scope {scope.name}: {name}: {violation}"
+    return result
+
+
+def _quick_scopes() -> int:
+    from vllm_output_rate.proofs.modelcheck import profile_scopes
+
+    return len(profile_scopes("quick"))
+
+
+def spec_health_checks() -> list[CheckSpec]:
+    """The two spec-health rows of proofs/, in the gate's running order (last)."""
+    return [
+        CheckSpec("proofs/z3", "spec health", "must", Z3_RULES, None, lambda o: 6,
+                  lambda o, tick: check_proofs(tick)),
+        CheckSpec("model-check/quick", "spec health", "must", MODEL_RULES, None,
+                  lambda o: _quick_scopes(), lambda o, tick: check_model(tick)),
+    ]
