@@ -42,7 +42,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install conform test bench clean-venv print-marks
+.PHONY: install conform test bench clean-venv print-marks traceability
 
 install: $(STAMP)
 
@@ -74,6 +74,12 @@ else
 	@rc=0; $(PY) -m pytest -q -m "$(PYTEST_MARKS)" || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[test] no test matched -m \"$(PYTEST_MARKS)\" (pytest exit 5)"; rc=0; fi; exit $$rc
 endif
+
+# Regenerate docs/SPEC.md's traceability block from spec/rules.py and the rule ids declared
+# by tests (@pytest.mark.rules), gate checks, mutants and proofs (tests/test_traceability.py
+# fails when the committed block is out of date).
+traceability: $(STAMP)
+	$(PY) -m vllm_output_rate.traceability --write
 
 clean-venv:
 	rm -rf $(VENV)

@@ -21,6 +21,7 @@ SLOW_RATE, SLOW_STREAMS, SLOW_TOKENS = 20, 4, 50
 FAST_RATE, FAST_STREAMS, FAST_TOKENS = 100, 1, 300
 
 
+@pytest.mark.rules("R8")
 def test_r8_p5_live_async_scheduling_paced_and_trace_checked(tmp_path, tiny_llm, sampling):
     trace = tmp_path / "trace.jsonl"
     llm = tiny_llm({"default_tokens_per_s": FAST_RATE, "user_tokens_per_s": {"slow": SLOW_RATE},

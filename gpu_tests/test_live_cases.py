@@ -63,6 +63,7 @@ def _checked(trace, outputs):
     return run
 
 
+@pytest.mark.rules("R7", "R10")
 def test_r7_r10_live_prefix_cache_hits_for_a_throttled_user(engine, sampling):
     llm, trace = engine
     prefix = _tokens(1, 3 * BLOCK)
@@ -80,6 +81,7 @@ def test_r7_r10_live_prefix_cache_hits_for_a_throttled_user(engine, sampling):
     assert run.users["pfx"].dispatches == 4 + 4 * 8
 
 
+@pytest.mark.rules("R10")
 def test_r10_live_long_prompts_chunked_prefill_for_a_throttled_user(engine, sampling, request_steps):
     llm, trace = engine
     length = MAX_MODEL_LEN // 2 - 6
@@ -96,6 +98,7 @@ def test_r10_live_long_prompts_chunked_prefill_for_a_throttled_user(engine, samp
     assert any(s["throttled"] for s in steps), steps
 
 
+@pytest.mark.rules("R7")
 def test_r7_live_short_answers_and_eos(engine, sampling):
     llm, trace = engine
     params = [sampling("short", 1), sampling("short", 2), sampling("short", 40, ignore_eos=False)]
@@ -111,6 +114,7 @@ def test_r7_live_short_answers_and_eos(engine, sampling):
     assert run.users["short"].dispatches == sum(counts)
 
 
+@pytest.mark.rules("R11")
 def test_r11_p3_live_throttled_requests_resume(engine, sampling, request_steps):
     llm, trace = engine
     prompts = [{"prompt_token_ids": _tokens(300 + i, 5)} for i in range(3)]

@@ -27,6 +27,7 @@ def llm(tiny_llm):
     del engine
 
 
+@pytest.mark.rules("R7", "R11")
 def test_r7_r11_live_user_is_paced_and_every_stream_completes(llm, sampling):
     # R2 window bound read backwards: 80 grants need (80 - 1 - floor(0.1 x 50)) / 50 =
     # 74 / 50 = 1.48 s at least. Every stream still ends with exactly 20 tokens (pause, not cut).
@@ -41,6 +42,7 @@ def test_r7_r11_live_user_is_paced_and_every_stream_completes(llm, sampling):
     assert elapsed_s >= min_s, f"{total} tokens in {elapsed_s:.2f} s beat the {RATE_TOKENS_PER_S} tok/s limit"
 
 
+@pytest.mark.rules("R17")
 def test_r17_live_bad_identity_does_not_disturb_others(llm, sampling):
     # The bad request is refused with a message naming the value; a good one still completes.
     with pytest.raises(Exception, match="output_rate_user"):

@@ -62,6 +62,7 @@ def engine(tiny_llm, tmp_path_factory):
     del llm
 
 
+@pytest.mark.rules("R2")
 def test_r2_live_rates_20_and_100_tok_s_over_10_s(engine, sampling):
     llm, trace = engine
     prompts, params, expected = [], [], []

@@ -122,6 +122,7 @@ def server(work):
         _shutdown(proc)
 
 
+@pytest.mark.rules("R2")
 def test_r2_p3_p4_live_two_users_paced_and_complete(server):
     reports, streams = run_measurement(
         server, [("slow", STREAMS), ("fast", STREAMS)], TOKENS,
@@ -166,6 +167,7 @@ def test_beam_search_and_bad_identity_refused_with_400(server):
 CANCEL_AFTER = 5  # tokens the cancelled stream receives before its client disconnects
 
 
+@pytest.mark.rules("R9")
 def test_r9_live_http_disconnect_cancel_aborts_in_engine_and_others_complete(server, work, wait_for_finish):
     import httpx
 

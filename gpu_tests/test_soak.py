@@ -31,6 +31,7 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.mark.rules("R2", "R6")
 def test_r2_r6_p3_soak_zero_violations_bounded_memory(tmp_path):
     minutes = float(os.environ.get("OUTRATE_SOAK_MINUTES", "10"))
     command = [sys.executable, "-m", "vllm_output_rate.cli", "soak", "--minutes", str(minutes),

@@ -17,6 +17,10 @@ wraps a vLLM function -- it calls the original, it never replaces vLLM logic:
   decoding, DP/PP > 1, connectors, ...) stops ``vllm serve`` / ``LLM()`` before the
   engine core is spawned, with the message as the last line of the traceback (instead of
   "Engine core initialization failed" with the cause in the engine-core log).
+- Metrics (``reference/metrics.py``): with the feature on, the same wrapper puts a private
+  snapshot directory into ``VLLM_OUTPUT_RATE_METRICS_DIR`` before the engine core is
+  spawned, so the engine core writes its per-second snapshot there and the API server's
+  ``vllm.stat_logger_plugins`` entry point serves it on ``/metrics``.
 - Duplicate keys: ``EngineArgs.add_cli_args`` is wrapped so that ``--additional-config``
   refuses a key given twice inside ``output_rate`` (plain JSON keeps the last one).
 - Beam search is refused at the serving entry (``BeamSearchOnlineMixin.beam_search`` for the
@@ -126,6 +130,12 @@ def _install_startup_check() -> None:
     def create_engine_config(self, *args: Any, **kwargs: Any):
         vllm_config = original(self, *args, **kwargs)
         check_front_end(vllm_config)
+        if _feature_on(vllm_config):
+            # /metrics (reference/metrics.py): the engine core spawned after this inherits
+            # the snapshot directory; the API server's stat-logger plugin reads it.
+            from vllm_output_rate.reference.metrics import ensure_metrics_dir
+
+            ensure_metrics_dir()
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config

@@ -48,6 +48,7 @@ from vllm_output_rate.reference.config import OutputRateConfig, check_engine_sup
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
+from vllm_output_rate.reference.metrics import MetricsRecorder
 from vllm_output_rate.reference.shadow import ShadowAccounting
 from vllm_output_rate.reference.trace import TraceWriter
 from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
@@ -108,6 +109,8 @@ class _RateLimitMixin:
         self._per_user_cap: int | None = (output_rate_config.max_num_seqs_per_user
                                           if output_rate_config.enabled else None)
         self._shadow: ShadowAccounting | None = None  # shadow mode (reference/shadow.py)
+        self._metrics: MetricsRecorder | None = None  # /metrics snapshot (reference/metrics.py)
+        self._step_taken: dict[str, int] = {}  # user -> charges of the last step (for the metrics)
         if not self.output_rate_config.enabled:
             log_feature_off(type(self).__name__)  # operator log only; behaviour is the base's
             return  # R18: feature off, every override below defers to the base class
@@ -125,6 +128,7 @@ class _RateLimitMixin:
         self._cap_binds = self._active_cap < self.max_num_running_reqs
         log_limits(type(self).__name__, cfg, self._active_cap, self.max_num_running_reqs)  # operator log
         self._throttle_log = ThrottleLog(self.rate_limiter.rate_of)
+        self._metrics = MetricsRecorder.from_env(cfg)  # None unless the front end set the directory
         # The hook's short path: the active cap cannot bind, vLLM's hook only clamps at 0,
         # and ``_samples`` (R7) is ours, so it can be inlined.
         self._hook_fast = (not self._cap_binds and not self._base_lookahead
@@ -141,6 +145,7 @@ class _RateLimitMixin:
         # requests that left are removed as they leave). Never the order of ``running``.
         self._turns: dict[str, None] = {}
         self._turn_list: list[Request] = []  # this step's turn order (``_take_turns``)
+        self._turn_pos: dict[str, int] | None = None  # its places, when asked (``_turn_position``)
         self._steps = 0
         self._reset_step_state(0)
         if cfg.trace_path is not None:
@@ -264,6 +269,10 @@ class _RateLimitMixin:
             self._last_served = {k: rid for k, rid in self._last_served.items() if rid in self.requests}
         self._observe(scheduler_output, refunded)
         self._throttle_log.step(self._now_ns, self._throttled, self._user_cache)  # operator log (oplog.py)
+        if self._metrics is not None:  # /metrics (reference/metrics.py); snapshot at most once per second
+            cache = self._user_cache
+            self._metrics.step(self._now_ns, self._step_taken, self._throttled, cache.get,
+                               map(cache.get, refunded) if refunded else (), self.rate_limiter)
         if self._trace is not None:
             self._trace_step(scheduler_output, refunded)
         return scheduler_output
@@ -279,6 +288,7 @@ class _RateLimitMixin:
                         or self.max_num_running_reqs, self.max_num_running_reqs)
         log_limits(type(self).__name__, cfg, would_cap, self.max_num_running_reqs)  # operator log
         self._throttle_log = ThrottleLog(self._shadow.limiter.rate_of, shadow=True)
+        self._metrics = MetricsRecorder.from_env(cfg)  # None unless the front end set the directory
         if cfg.trace_path is not None:
             self._trace = TraceWriter(cfg.trace_path, {
                 "scheduler": type(self).__name__,
@@ -301,6 +311,8 @@ class _RateLimitMixin:
         shadow = self._shadow
         would = shadow.step(now_ns, scheduler_output, self.requests)
         self._throttle_log.step(now_ns, would, shadow.users)  # operator log: would-be throttled
+        if self._metrics is not None:  # /metrics: every dispatch granted, would-be throttles counted
+            self._metrics.step(now_ns, shadow.step_dispatches, would, shadow.users.get, (), shadow.limiter)
         if self._trace is not None:
             self._trace_shadow_step(now_ns, scheduler_output, would)
         return scheduler_output
@@ -362,13 +374,22 @@ class _RateLimitMixin:
         outputs = super().update_from_output(*args, **kwargs)
         if self._trace is not None:
             self._trace_if_idle()
+        if self._metrics is not None and not self.requests:
+            self._metrics_idle()
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):
         result = super().finish_requests(*args, **kwargs)
         if self._trace is not None:
             self._trace_if_idle()
+        if self._metrics is not None and not self.requests:
+            self._metrics_idle()
         return result
+
+    def _metrics_idle(self) -> None:
+        """No request left: write the metrics snapshot now (exact counters while idle)."""
+        limiter = self.rate_limiter if self.rate_limiter is not None else self._shadow.limiter
+        self._metrics.write(self.clock_ns(), limiter)
 
     def shutdown(self) -> None:
         if self._trace is not None:
@@ -410,12 +431,19 @@ class _RateLimitMixin:
                 order[slot] = request
         self._turn_list = order
         self._turns = dict.fromkeys(map(_REQUEST_ID, order))
+        self._turn_pos = None
+
+    def _turn_position(self) -> dict[str, int]:
+        """R14/R15: request id -> place in this step's turn order (built once per step)."""
+        if self._turn_pos is None:
+            self._turn_pos = {rid: i for i, rid in enumerate(self._turns)}
+        return self._turn_pos
 
     def _turn_order(self, streams: list[Request]) -> list[Request]:
         """R14: one user's running requests (``streams``, in ``running`` order) in this
         step's turn order (``_take_turns``)."""
-        mine = {id(r) for r in streams}
-        return [r for r in self._turn_list if id(r) in mine]
+        position = self._turn_position()
+        return sorted(streams, key=lambda r: position[r.request_id])
 
     def _move_throttled_last(self, short: dict[str, int]) -> list[Request] | None:
         """R11, R13, R14: find the requests throttled at the step start and stable-move
@@ -627,10 +655,13 @@ class _RateLimitMixin:
             taken = Counter(map(self._user_cache.__getitem__, ids))
             limiter.take_counts(taken, now)
             self._spare, self._spare_taken = self._grants_at_start, taken
+            self._step_taken = taken  # the metrics' granted tokens (reference/metrics.py)
             return
         left = self._grants
-        limiter.take_counts({u: n - left[u] for u, n in self._grants_at_start.items() if n > left[u]}, now)
+        taken = {u: n - left[u] for u, n in self._grants_at_start.items() if n > left[u]}
+        limiter.take_counts(taken, now)
         self._spare, self._spare_taken = left, {}
+        self._step_taken = taken  # the metrics' granted tokens (reference/metrics.py)
 
     # The vLLM release's behaviour near the hooks; an instance attribute may replace it
     # (the tests show what each per-version workaround prevents).
@@ -740,12 +771,12 @@ class _RateLimitMixin:
         ``rate.next_last_served``)."""
         if not ids:
             return
-        position = {r.request_id: i for i, r in enumerate(self._turn_list)}
+        position = self._turn_position()
         late = len(position)
-        for i, r in enumerate(self.running):  # admitted in this step: after every turn
-            position.setdefault(r.request_id, late + i)
+        admitted = {r.request_id: late + i for i, r in enumerate(self.running) if r.request_id not in position}
+        key = position.get if not admitted else lambda rid: position.get(rid, admitted.get(rid))
         last_served, groups = self._last_served, self._group_cache
-        for rid in sorted(ids, key=position.__getitem__):
+        for rid in sorted(ids, key=key):  # admitted in this step: after every turn
             last_served[groups[rid]] = rid
 
     def _observe(self, scheduler_output, refunded: list[str]) -> None:

@@ -69,6 +69,7 @@ def test_boundary_scenarios_per_run_cover_every_boundary_with_seeded_rates():
         assert spec_limiter.emission_interval_ns(rate).denominator != 1
 
 
+@pytest.mark.rules("R2")
 @pytest.mark.parametrize("rate", ["2", "3", "10", "20", "2.5"])
 def test_r2_burst_edge_grant_at_tau_and_twin_refused_at_tau_plus_1ns(rate):
     tat, now = _one_stream_target(_scenario("burst-edge", rate))
@@ -79,6 +80,7 @@ def test_r2_burst_edge_grant_at_tau_and_twin_refused_at_tau_plus_1ns(rate):
     assert not spec_limiter.allows(spec_limiter.LimiterState({"u": tat}), "u", now)
 
 
+@pytest.mark.rules("R5")
 @pytest.mark.parametrize("rate", ["3", "7", "9", "3.5"])
 def test_r5_take_at_ready_at_granted_and_1ns_before_refused(rate):
     tat, now = _one_stream_target(_scenario("ready-at", rate))
@@ -133,6 +135,7 @@ def test_boundary_scenario_kills_the_slip_it_targets(name, slip, modes, level, r
             assert verdict.failure is not None and verdict.rule == rule, (mode, rate, verdict)
 
 
+@pytest.mark.rules("R14")
 def test_r14_rotation_wrap_kills_no_rotation_at_should_in_sync():
     scenario = _scenario("rotation-wrap", "20")
     verdict = run_scenario("vllm_output_rate.adapter.mutants.NoRotation", scenario, "should")
@@ -140,6 +143,7 @@ def test_r14_rotation_wrap_kills_no_rotation_at_should_in_sync():
     assert run_scenario(REFERENCE_SCHEDULER, scenario, "should").failure is None
 
 
+@pytest.mark.rules("R6")
 def test_r6_cleanup_at_tat_equal_now_is_not_distinguishable(monkeypatch):
     # R6 deletes a user with TAT == now; deleting it or not is the same for every later
     # take (Z3 r6_cleanup_noop), so the slip at TAT = now + 1 ns passes this twin.

@@ -172,20 +172,39 @@ def _aux(d):
     return config
 
 
+def _sleep_mode(d):
+    # Stand-in assembly: vLLM's CPU platform refuses --enable-sleep-mode itself (ModelConfig
+    # raises "Sleep mode is not supported on current platform"), so the flag is set on a
+    # real ModelConfig after it was built; on a GPU it is refused by the check below.
+    config = vllm_config(d)
+    config.model_config.enable_sleep_mode = True
+    return config
+
+
+def _disaggregated_prefill(d):
+    # Disaggregated prefill: a prefill instance (kv_producer) hands its KV to a decode
+    # instance through a KV connector; refused as a KV connector.
+    from vllm.config import KVTransferConfig
+
+    return vllm_config(d, kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"))
+
+
 CASES = {
     "pipeline-parallel": (_pp2, ["pipeline parallel > 1"], "--pipeline-parallel-size 1"),
     "data-parallel": (_dp2, ["data parallel > 1"], "--data-parallel-size 1"),
     "speculative": (_spec, ["speculative decoding"], "remove --speculative-config"),
     "pooling": (_pooling, ["pooling model"], "--runner generate"),
-    "attention-free": (lambda d: vllm_config(d, model="mamba"), ["attention-free model"], "text-only"),
-    "hybrid": (lambda d: vllm_config(d, model="jamba"), ["hybrid (mamba) model"], "text-only"),
+    "attention-free": (lambda d: vllm_config(d, model="mamba"), ["attention-free model"], "text-only decoder-only attention model (--model)"),
+    "hybrid": (lambda d: vllm_config(d, model="jamba"), ["hybrid (mamba) model"], "text-only decoder-only attention model (--model)"),
     "encoder-decoder": (lambda d: vllm_config(d, model="whisper"),
-                        ["multimodal model", "encoder-decoder model"], "decoder-only"),
+                        ["multimodal model", "encoder-decoder model"], "decoder-only attention model (--model)"),
     "kv-connector": (_kv_connector, ["KV connector"], "remove --kv-transfer-config"),
     "kv-offload": (_kv_offload, ["KV offload"], "remove --kv-offloading-size"),
     "ec-connector": (_ec_connector, ["EC connector"], "remove --ec-transfer-config"),
-    "diffusion": (_diffusion, ["diffusion model"], "autoregressive"),
+    "diffusion": (_diffusion, ["diffusion model"], "autoregressive text model (--model)"),
     "aux-output": (_aux, ["aux output connector"], "--enable-return-routed-experts"),
+    "sleep-mode": (_sleep_mode, ["sleep mode"], "remove --enable-sleep-mode"),
+    "disaggregated-prefill": (_disaggregated_prefill, ["KV connector"], "remove --kv-transfer-config"),
 }
 
 

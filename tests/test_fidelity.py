@@ -49,6 +49,7 @@ def test_v1_v12_base_fidelity_small_run(async_mode, examples, tmp_path):
     assert result.examples == examples and result.steps > examples
 
 
+@pytest.mark.rules("R7", "R16")
 @pytest.mark.parametrize("cls, async_mode, examples", [(REFERENCE_SCHEDULER, False, 18),
                                                        (REFERENCE_ASYNC_SCHEDULER, True, 12)])
 def test_r7_r16_white_box_small_run(cls, async_mode, examples, tmp_path):
@@ -124,6 +125,7 @@ def test_r_rules_hand_scenarios_match_the_reference(name, async_mode):
     assert verdict.failure is None, f"event {verdict.event_index}: {verdict.failure}"
 
 
+@pytest.mark.rules("R6")
 def test_r6_long_run_cleanup_matches_the_reference():
     # 300 steps: the 256th schedule() forgets idle users in both (the generated scenarios
     # stop at 40 steps, so R6 is checked here).

@@ -25,6 +25,7 @@ def _noop() -> None:
     pass
 
 
+@pytest.mark.rules("R2", "R7")
 @pytest.mark.parametrize("cls, async_mode", [(REFERENCE_SCHEDULER, False), (REFERENCE_ASYNC_SCHEDULER, True)])
 def test_r2_r7_gate_passes_reference(cls, async_mode, tmp_path):
     result = check_scheduler(cls, async_mode, 20, 30, seed=1, tick=_noop, save_dir=tmp_path)
@@ -33,6 +34,7 @@ def test_r2_r7_gate_passes_reference(cls, async_mode, tmp_path):
     assert result.steps > 20
 
 
+@pytest.mark.rules("R2")
 @pytest.mark.parametrize("cls, async_mode", [(STOCK_SCHEDULER, False), (STOCK_ASYNC_SCHEDULER, True)])
 def test_r2_gate_rejects_stock_vllm_with_short_replayable_counterexample(cls, async_mode, tmp_path):
     result = check_scheduler(cls, async_mode, 50, 30, seed=0, tick=_noop, save_dir=tmp_path)
@@ -46,12 +48,14 @@ def test_r2_gate_rejects_stock_vllm_with_short_replayable_counterexample(cls, as
     assert run_scenario(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, saved).failure is None
 
 
+@pytest.mark.rules("R2")
 def test_r2_same_seed_replays_same_run():
     a = check_scheduler(REFERENCE_SCHEDULER, False, 8, 20, seed=7, tick=_noop, save_dir=None)
     b = check_scheduler(REFERENCE_SCHEDULER, False, 8, 20, seed=7, tick=_noop, save_dir=None)
     assert (a.examples, a.steps) == (b.examples, b.steps)
 
 
+@pytest.mark.rules("R2")
 def test_r2_window_bound_hand_computed_single_stream():
     # rate 10 tok/s, tau 100 ms, one stream, steps every 10 ms from t=0, 8 output tokens.
     # GCRA: grants at t=0 (TAT 100 ms) and t=10 ms (lead 90 <= 100 -> TAT 200 ms); then the

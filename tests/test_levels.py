@@ -59,6 +59,7 @@ def test_plan_without_async_class_is_not_tested_unless_sync_only():
     assert not any(p.spec.name.endswith("/async") for p in only)
 
 
+@pytest.mark.rules("R18")
 def test_r18_candidate_that_rotates_with_feature_off_fails_must(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
     result = check_feature_off("gate_candidates.RotatesWhenOff", False, 40, 30, seed=0, tick=_noop, save_dir=tmp_path)

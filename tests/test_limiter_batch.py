@@ -39,6 +39,7 @@ def _count_takes(lim: OutputRateLimiter, now: int, cap: int) -> int:
     return taken
 
 
+@pytest.mark.rules("R2")
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(RATES, BURSTS, HISTORY, st.integers(0, 300_000_000))
 def test_r2_grants_at_counts_consecutive_try_takes(rate, burst_ns, history, later) -> None:
@@ -50,6 +51,7 @@ def test_r2_grants_at_counts_consecutive_try_takes(rate, burst_ns, history, late
     assert _count_takes(lim, now, expected_cap + 1) == predicted
 
 
+@pytest.mark.rules("R2")
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(RATES, BURSTS, HISTORY, st.integers(0, 300_000_000), st.integers(1, 50))
 def test_r2_take_many_equals_try_take_loop(rate, burst_ns, history, later, count) -> None:
@@ -67,6 +69,7 @@ def test_r2_take_many_equals_try_take_loop(rate, burst_ns, history, later, count
     assert many.grants_at("u", now) == one.grants_at("u", now)
 
 
+@pytest.mark.rules("R2")
 def test_r2_grants_at_idle_user_is_the_burst() -> None:
     # Idle at 10 tok/s, tau 100 ms: floor(0.1 x 10) + 1 = 2 grants (R2 idle burst).
     lim = OutputRateLimiter(10)
@@ -75,6 +78,7 @@ def test_r2_grants_at_idle_user_is_the_burst() -> None:
     assert len(lim) == 0
 
 
+@pytest.mark.rules("R2")
 @pytest.mark.parametrize("count", [0, -1])
 def test_r2_take_many_rejects_count_below_one(count: int) -> None:
     lim = OutputRateLimiter(10)
@@ -82,6 +86,7 @@ def test_r2_take_many_rejects_count_below_one(count: int) -> None:
         lim.take_many("u", 0, count)
 
 
+@pytest.mark.rules("R2")
 @settings(max_examples=100, derandomize=True, deadline=None)
 @given(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 3), max_size=4), HISTORY)
 def test_r2_take_counts_equals_take_many_per_user(counts, history) -> None:
@@ -103,6 +108,7 @@ def test_r2_take_counts_equals_take_many_per_user(counts, history) -> None:
     assert {u: many.tat_ns(u) for u in "abcd"} == {u: one.tat_ns(u) for u in "abcd"}
 
 
+@pytest.mark.rules("R2")
 def test_r2_take_counts_rejects_a_count_below_one_naming_the_user_and_takes_nothing() -> None:
     lim = OutputRateLimiter(10)
     with pytest.raises(ValueError, match="got 0 for user 'bob'"):

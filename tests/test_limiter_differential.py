@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from fractions import Fraction
 
+import pytest
 from hypothesis import Phase, find, given, settings
 
 from vllm_output_rate.adapter.limiter_diff import Op, OpSequence, operations, run_differential
@@ -118,18 +119,21 @@ def test_reference_agrees_on_hand_sequences() -> None:
     assert run_differential(_seq(Fraction(10), TAKE, TAKE, TAKE, Op("advance", arg=10**8), TAKE)) is None
 
 
+@pytest.mark.rules("R2")
 def test_mutant_r2_strict_comparison_caught() -> None:
     # rate 10 at t=0: the 2nd take has lead 10**8 == tau: spec grants, mutant refuses
     diff = run_differential(_seq(Fraction(10), TAKE, TAKE), make_impl=_StrictLess)
     assert diff is not None and diff.startswith("R2: grant differs at op 1 (take(u0))"), diff
 
 
+@pytest.mark.rules("R4")
 def test_mutant_r4_refund_caught() -> None:
     diff = run_differential(_seq(Fraction(10), Op("advance", arg=0), TAKE, Op("refund")), make_impl=_NoRefund)
     # after the refund the spec's TAT is 0, the mutant's still 10**8
     assert diff is not None and diff.startswith("R4: tat_ns(u0) differs at op 2"), diff
 
 
+@pytest.mark.rules("R5")
 def test_mutant_r5_rounding_caught() -> None:
     # rate 3: TAT 10**9/3, ready_at = ceil(233_333_333 1/3) = 233_333_334, mutant 233_333_333
     diff = run_differential(_seq(Fraction(3), TAKE), make_impl=_FloorReady)
@@ -137,6 +141,7 @@ def test_mutant_r5_rounding_caught() -> None:
     assert "spec 233333334, impl 233333333" in diff
 
 
+@pytest.mark.rules("R6")
 def test_mutant_r6_cleanup_caught() -> None:
     # rate 10: TAT 10**8 after one take at 0; cleanup at exactly 10**8 must delete u0
     seq = _seq(Fraction(10), TAKE, Op("advance", arg=10**8), Op("cleanup"))
@@ -144,6 +149,7 @@ def test_mutant_r6_cleanup_caught() -> None:
     assert diff is not None and diff.startswith("R6:"), diff
 
 
+@pytest.mark.rules("R3")
 def test_mutant_r3_float_caught() -> None:
     # rate 3: T = 10**9/3 is not a float; the very first TAT differs
     diff = run_differential(_seq(Fraction(3), TAKE), make_impl=_FloatInterval)

@@ -47,6 +47,7 @@ def take_until_refused(lim: Limiter, user: str, now_ns: int, limit: int = 10**6)
 # R1: one TAT per user, integer ns of a monotonic clock
 
 
+@pytest.mark.rules("R1")
 def test_r1_one_tat_per_user_in_ns(make: MakeLimiter) -> None:
     lim = make(10)  # T = 10**9 / 10 = 10**8 ns
     assert lim.tat_ns("a") is None and lim.tat_ns("b") is None
@@ -63,6 +64,7 @@ def test_r1_one_tat_per_user_in_ns(make: MakeLimiter) -> None:
     assert set(lim.users()) == {"a", "b"}
 
 
+@pytest.mark.rules("R1")
 def test_r1_per_user_override_rates(make: MakeLimiter) -> None:
     lim = make(10, {"fast": 100, "slow": Fraction(1, 2)})
     assert lim.rate_of("fast") == 100
@@ -80,6 +82,7 @@ def test_r1_per_user_override_rates(make: MakeLimiter) -> None:
     assert lim.tat_ns("other") == 200_000_000
 
 
+@pytest.mark.rules("R1")
 def test_r1_users_are_independent(make: MakeLimiter) -> None:
     lim = make(10)
     assert take_until_refused(lim, "a", 0) == 2  # a is throttled now (TAT 2*10**8)
@@ -94,6 +97,7 @@ def test_r1_users_are_independent(make: MakeLimiter) -> None:
 # R2: allowed iff TAT - now <= tau; then TAT := max(TAT, now) + T
 
 
+@pytest.mark.rules("R2")
 def test_r2_idle_burst_rate_10(make: MakeLimiter) -> None:
     lim = make(10)  # T = 10**8 ns, tau = 10**8 ns
     # 1st take: idle, TAT := 0 + 10**8
@@ -108,6 +112,7 @@ def test_r2_idle_burst_rate_10(make: MakeLimiter) -> None:
     assert lim.tat_ns("u") == 200_000_000
 
 
+@pytest.mark.rules("R2")
 def test_r2_steady_pacing_rate_10(make: MakeLimiter) -> None:
     lim = make(10)
     assert take_until_refused(lim, "u", 0) == 2  # TAT = 2*10**8
@@ -127,6 +132,7 @@ def test_r2_steady_pacing_rate_10(make: MakeLimiter) -> None:
     assert granted_total == 22
 
 
+@pytest.mark.rules("R2")
 def test_r2_long_idle_gap_restores_burst_only(make: MakeLimiter) -> None:
     lim = make(10)
     assert take_until_refused(lim, "u", 0) == 2  # TAT = 2*10**8
@@ -140,6 +146,7 @@ def test_r2_long_idle_gap_restores_burst_only(make: MakeLimiter) -> None:
     assert not lim.try_take("u", now)
 
 
+@pytest.mark.rules("R2")
 def test_r2_allows_predicts_try_take_and_changes_nothing(make: MakeLimiter) -> None:
     lim = make(3)  # T = 10**9/3
     assert lim.allows("u", 0)  # idle
@@ -151,6 +158,7 @@ def test_r2_allows_predicts_try_take_and_changes_nothing(make: MakeLimiter) -> N
     assert lim.tat_ns("u") == Fraction(10**9, 3)
 
 
+@pytest.mark.rules("R2")
 def test_r2_spec_functions_are_pure() -> None:
     rate = Fraction(10)
     s0 = spec.EMPTY
@@ -167,6 +175,7 @@ def test_r2_spec_functions_are_pure() -> None:
         s1.tat_ns["u"] = Fraction(0)  # type: ignore[index]
 
 
+@pytest.mark.rules("R2")
 @pytest.mark.parametrize(
     ("rate", "expected"),
     [
@@ -183,6 +192,7 @@ def test_r2_idle_burst_grants_helper_and_limiters(make: MakeLimiter, rate: objec
     assert take_until_refused(make(rate), "u", 0) == expected
 
 
+@pytest.mark.rules("R2")
 def test_r2_idle_burst_grants_other_burst() -> None:
     # tau = 1 ns: floor(10**-9 * 10) + 1 = 1; tau = 1 s: floor(1 * 10) + 1 = 11
     assert spec.idle_burst_grants(Fraction(10), burst_ns=1) == 1
@@ -193,6 +203,7 @@ def test_r2_idle_burst_grants_other_burst() -> None:
     assert take_until_refused(ref1, "u", 0) == 1
 
 
+@pytest.mark.rules("R2")
 @pytest.mark.parametrize(
     ("window_ns", "rate", "expected"),
     [
@@ -210,6 +221,7 @@ def test_r2_window_bound_tokens_helper(window_ns: int, rate: Fraction, expected:
     assert spec.window_bound_tokens(window_ns, rate) == expected
 
 
+@pytest.mark.rules("R2")
 def test_r2_window_bound_tokens_rejects_negative_window() -> None:
     with pytest.raises(AssertionError):
         spec.window_bound_tokens(-1, Fraction(10))
@@ -223,6 +235,7 @@ def _max_grants_in_window(grant_times: list[int], window_ns: int) -> int:
     )
 
 
+@pytest.mark.rules("R2")
 def test_r2_window_bound_attained_by_greedy_taker(make: MakeLimiter) -> None:
     lim = make(10)
     times: list[int] = []
@@ -241,6 +254,7 @@ def test_r2_window_bound_attained_by_greedy_taker(make: MakeLimiter) -> None:
 # R3: exact arithmetic, fractional rates exact
 
 
+@pytest.mark.rules("R3")
 @pytest.mark.parametrize(
     ("rate", "t_ns"),
     [
@@ -270,6 +284,7 @@ def test_r3_fractional_rates_exact(make: MakeLimiter, rate: object, t_ns: int) -
     assert lim.tat_ns("u") == 1001 * t_ns
 
 
+@pytest.mark.rules("R3")
 def test_r3_rate_3_accumulates_without_drift(make: MakeLimiter) -> None:
     lim = make(3)  # T = 10**9/3 = 333_333_333 1/3 ns, never rounded
     assert lim.try_take("u", 0)
@@ -285,6 +300,7 @@ def test_r3_rate_3_accumulates_without_drift(make: MakeLimiter) -> None:
     assert lim.ready_at_ns("u") == 10**12 - TAU
 
 
+@pytest.mark.rules("R3")
 def test_r3_large_rate_integer_interval(make: MakeLimiter) -> None:
     lim = make(Fraction(10**6, 7))  # T = 7 * 10**9 / 10**6 = 7000 ns
     # the k-th take at t=0 sees lead (k-1)*7000 <= 10**8 iff k <= 14286
@@ -297,6 +313,7 @@ def test_r3_large_rate_integer_interval(make: MakeLimiter) -> None:
 # R4: refund(user): TAT := TAT - T
 
 
+@pytest.mark.rules("R4")
 def test_r4_refund_moves_tat_back_by_t(make: MakeLimiter) -> None:
     lim = make(10)
     assert take_until_refused(lim, "u", 0) == 2  # TAT = 2*10**8
@@ -309,6 +326,7 @@ def test_r4_refund_moves_tat_back_by_t(make: MakeLimiter) -> None:
     assert not lim.try_take("u", 0)
 
 
+@pytest.mark.rules("R4")
 def test_r4_refund_fractional_rate(make: MakeLimiter) -> None:
     lim = make(3)
     assert lim.try_take("u", 0)  # TAT = 10**9/3
@@ -319,6 +337,7 @@ def test_r4_refund_fractional_rate(make: MakeLimiter) -> None:
     assert lim.ready_at_ns("u") == -TAU  # ceil(0 - 10**8)
 
 
+@pytest.mark.rules("R4")
 def test_r4_refund_without_charge_is_an_error(make: MakeLimiter) -> None:
     lim = make(10)
     with pytest.raises((KeyError, AssertionError)):
@@ -347,6 +366,7 @@ def _history_past(lim: Limiter) -> int:
     return 10**9
 
 
+@pytest.mark.rules("R4")
 @pytest.mark.parametrize("history", [_history_idle, _history_lead_at_tau, _history_lead_below_tau, _history_past])
 def test_r4_take_then_refund_changes_no_later_decision(make: MakeLimiter, history: Callable[[Limiter], int]) -> None:
     a, b = make(10), make(10)
@@ -379,6 +399,7 @@ def test_r4_take_then_refund_changes_no_later_decision(make: MakeLimiter, histor
 # R5: ready_at_ns = ceil(TAT - tau), the earliest instant a take succeeds
 
 
+@pytest.mark.rules("R5")
 @pytest.mark.parametrize(
     ("rate", "expected"),
     [
@@ -408,6 +429,7 @@ def test_r5_ready_at_rounds_up(make: MakeLimiter, rate: int, expected: list[tupl
         now = ready  # at ready_at: lead <= tau -> the next take succeeds
 
 
+@pytest.mark.rules("R5")
 def test_r5_ready_at_integral_not_rounded(make: MakeLimiter) -> None:
     lim = make(10)
     assert take_until_refused(lim, "u", 0) == 2  # TAT 2*10**8
@@ -416,6 +438,7 @@ def test_r5_ready_at_integral_not_rounded(make: MakeLimiter) -> None:
     assert lim.try_take("u", 100_000_000)
 
 
+@pytest.mark.rules("R5")
 def test_r5_ready_at_none_for_idle_user(make: MakeLimiter) -> None:
     lim = make(10)
     assert lim.ready_at_ns("nobody") is None
@@ -425,6 +448,7 @@ def test_r5_ready_at_none_for_idle_user(make: MakeLimiter) -> None:
     assert lim.try_take("u", 10**9)
 
 
+@pytest.mark.rules("R5")
 def test_r5_spec_ready_at_function() -> None:
     state = spec.LimiterState({"u": Fraction(10**9, 3), "v": Fraction(5)})
     assert spec.ready_at_ns(state, "u") == 233_333_334  # ceil(333_333_333 1/3 - 10**8)
@@ -437,6 +461,7 @@ def test_r5_spec_ready_at_function() -> None:
 # R6: users with TAT <= now are deleted; a deleted user behaves as if kept
 
 
+@pytest.mark.rules("R6")
 def test_r6_cleanup_deletes_only_tat_le_now(make: MakeLimiter) -> None:
     lim = make(10)
     assert lim.try_take("a", 0)  # TAT(a) = 10**8
@@ -451,6 +476,7 @@ def test_r6_cleanup_deletes_only_tat_le_now(make: MakeLimiter) -> None:
     assert len(lim) == 0
 
 
+@pytest.mark.rules("R6")
 def test_r6_spec_cleanup_is_pure() -> None:
     state = spec.LimiterState({"a": Fraction(10), "b": Fraction(11)})
     after = spec.cleanup_idle_users(state, 10)  # a: 10 <= 10 deleted; b: 11 > 10 kept
@@ -458,6 +484,7 @@ def test_r6_spec_cleanup_is_pure() -> None:
     assert dict(state.tat_ns) == {"a": 10, "b": 11}
 
 
+@pytest.mark.rules("R6")
 @pytest.mark.parametrize("rate", [10, 3, Fraction(1, 7), 2.5])
 @pytest.mark.parametrize("idle_for_ns", [0, 1, 7 * 10**9, 10**15])
 def test_r6_deleted_user_behaves_exactly_as_kept(make: MakeLimiter, rate: object, idle_for_ns: int) -> None:
@@ -485,6 +512,7 @@ def test_r6_deleted_user_behaves_exactly_as_kept(make: MakeLimiter, rate: object
         assert kept.ready_at_ns("u") == deleted.ready_at_ns("u")
 
 
+@pytest.mark.rules("R6")
 def test_r6_returning_user_hand_values(make: MakeLimiter) -> None:
     lim = make(10)
     assert take_until_refused(lim, "u", 0) == 2  # TAT 2*10**8

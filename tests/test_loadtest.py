@@ -10,6 +10,7 @@ import pytest
 from vllm_output_rate.loadtest import _sse_data, gcra_min_span_s
 
 
+@pytest.mark.rules("R2")
 def test_r2_min_span_matches_the_article_numbers():
     # 4 x 200 tokens at 20 tok/s: 3 grants at once (floor(0.1 x 20) + 1), then one per 50 ms.
     assert math.isclose(gcra_min_span_s(800, 20), 39.85)

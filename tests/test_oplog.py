@@ -66,6 +66,7 @@ def test_startup_line_with_many_overrides_names_a_few_and_counts_the_rest():
     assert "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... 1 tok/s" in third  # a long id is cut at 40 characters
 
 
+@pytest.mark.rules("R18")
 def test_r18_startup_line_says_the_feature_is_off(lines):
     Harness(REFERENCE_SCHEDULER, EngineShape())
     assert len(lines) == 1 and lines[0].startswith("output-rate limiting off (RateLimitedScheduler)")

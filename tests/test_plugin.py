@@ -121,6 +121,7 @@ def _timed_step(core) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.rules("R16")
 def test_r16_waits_until_next_ready_time():
     core = _core(ready_in_ns=30 * MS)
     assert plugin.engine_wait_timeout_ns(core) > 25 * MS
@@ -129,6 +130,7 @@ def test_r16_waits_until_next_ready_time():
     assert core.steps == 1
 
 
+@pytest.mark.rules("R16")
 def test_r16_wait_is_capped_at_50_ms():
     core = _core(ready_in_ns=10_000 * MS)  # a user at 0.1 tok/s: ready in 10 s
     assert plugin.engine_wait_timeout_ns(core) == plugin.MAX_ENGINE_WAIT_NS
@@ -136,6 +138,7 @@ def test_r16_wait_is_capped_at_50_ms():
     assert 0.045 <= elapsed < 0.5, elapsed
 
 
+@pytest.mark.rules("R16")
 def test_r16_new_request_wakes_the_wait_at_once():
     core = _core(ready_in_ns=10_000 * MS)
     item = ("ADD", "request")
@@ -145,6 +148,7 @@ def test_r16_new_request_wakes_the_wait_at_once():
     assert core.input_queue.get_nowait() == item  # not consumed: vLLM's loop handles it
 
 
+@pytest.mark.rules("R16")
 def test_r16_queued_input_means_no_wait():
     core = _core(ready_in_ns=10_000 * MS)
     core.input_queue.put_nowait(("ABORT", ["r1"]))
@@ -152,6 +156,7 @@ def test_r16_queued_input_means_no_wait():
     assert core.input_queue.qsize() == 1
 
 
+@pytest.mark.rules("R16")
 @pytest.mark.parametrize(
     "core_kw",
     [
@@ -174,17 +179,20 @@ def test_r16_no_wait(core_kw):
     assert _timed_step(core) < 0.020
 
 
+@pytest.mark.rules("R16")
 def test_r16_empty_batches_in_flight_still_wait():
     empty = (None, SimpleNamespace(total_num_scheduled_tokens=0), None)
     core = _core(ready_in_ns=30 * MS, batch_queue=[empty])
     assert plugin.engine_wait_timeout_ns(core) > 25 * MS
 
 
+@pytest.mark.rules("R16")
 def test_r16_unknown_batch_layout_never_waits():
     core = _core(ready_in_ns=30 * MS, batch_queue=["something new"])
     assert plugin.engine_wait_timeout_ns(core) == 0
 
 
+@pytest.mark.rules("R16")
 def test_r16_scheduler_without_hint_never_waits():
     # A scheduler class that is not the reference (no next_ready_ns): stock behaviour.
     core = _core(ready_in_ns=30 * MS)

@@ -38,26 +38,32 @@ def _assert_proved(results: dict[str, dict], name: str, rules: set[str]) -> None
     assert record["seconds"] < MAX_PROOF_SECONDS, record
 
 
+@pytest.mark.rules("R2")
 def test_r2_window_bound_proved(results):
     _assert_proved(results, "r2_window_bound", {"R2", "R4", "R6"})
 
 
+@pytest.mark.rules("R2")
 def test_r2_idle_burst_proved(results):
     _assert_proved(results, "r2_idle_burst", {"R2"})
 
 
+@pytest.mark.rules("R3")
 def test_r3_integer_scaling_simulates_spec(results):
     _assert_proved(results, "r3_integer_scaling_simulates_spec", {"R3"})
 
 
+@pytest.mark.rules("R5")
 def test_r5_ready_at_exact(results):
     _assert_proved(results, "r5_ready_at_exact", {"R5"})
 
 
+@pytest.mark.rules("R4")
 def test_r4_take_refund_noop(results):
     _assert_proved(results, "r4_take_refund_noop", {"R4"})
 
 
+@pytest.mark.rules("R6")
 def test_r6_cleanup_noop(results):
     _assert_proved(results, "r6_cleanup_noop", {"R6"})
 
@@ -179,6 +185,7 @@ def test_z3_encoding_matches_spec_and_reference(rate):
             assert _val(sem.ref_ready_at(r_s, z3.IntVal(p), burst)) == ready
 
 
+@pytest.mark.rules("R2")
 def test_r2_window_bound_plus_one_is_needed():
     """The closing step of the window proof fails for the bound without its ``+ 1``: Z3
     finds a state, so the proved bound is not weaker than what the invariant gives."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER
 
 
@@ -15,6 +17,7 @@ def _pytest(tmp_path, *args):
                           capture_output=True, text=True, cwd=tmp_path)
 
 
+@pytest.mark.rules("R2")
 def test_r2_plugin_passes_the_reference(tmp_path):
     run = _pytest(tmp_path, f"--outrate-scheduler={REFERENCE_SCHEDULER}",
                   f"--outrate-async-scheduler={REFERENCE_ASYNC_SCHEDULER}")
@@ -26,6 +29,7 @@ def test_r2_plugin_passes_the_reference(tmp_path):
     assert f"{len(planned) + 1} passed" in run.stdout  # the patch's own test + every planned gate check
 
 
+@pytest.mark.rules("R2")
 def test_r2_plugin_rejects_stock_vllm_with_counterexample(tmp_path):
     run = _pytest(tmp_path, f"--outrate-scheduler={STOCK_SCHEDULER}")
     assert run.returncode == 1

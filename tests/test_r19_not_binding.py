@@ -63,6 +63,7 @@ def stall_on(cls: str, async_scheduling: bool, feature_on: bool) -> list[dict[st
     return batches
 
 
+@pytest.mark.rules("R19")
 def test_r19_rotation_stall_other_user_gets_a_token_every_step(async_scheduling):
     cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
     stock = STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
@@ -81,6 +82,7 @@ def test_r19_rotation_stall_other_user_gets_a_token_every_step(async_scheduling)
     assert [list(b.items()) for b in got] == [list(b.items()) for b in want]
 
 
+@pytest.mark.rules("R19")
 def test_r19_spec_rotation_stall_is_the_base_step_for_step():
     # The same shape on the spec (I18 checked after every step): feature on at 10^6 tok/s,
     # and the base model from the same events give the same batches.
@@ -104,6 +106,7 @@ def test_r19_spec_rotation_stall_is_the_base_step_for_step():
     assert [dict(b).get("X", 0) for b in batches[True][3:]] == [1] * 10
 
 
+@pytest.mark.rules("R19")
 def test_r19_model_checker_scopes_hold_and_catch_the_articles_rotation():
     for name in ("sync-stall-not-binding", "async-stall-not-binding"):
         result = mc.explore(mc.scope_by_name(name))
@@ -117,6 +120,7 @@ def test_r19_model_checker_scopes_hold_and_catch_the_articles_rotation():
     assert "a rate limit that does not bind must not change the schedule" in result.violations["I18"].message
 
 
+@pytest.mark.rules("R19")
 def test_r19_gate_passes_the_reference(async_scheduling):
     cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
     result = check_not_binding(cls, async_scheduling, 12, 30, seed=0, tick=_noop, save_dir=None)
@@ -124,6 +128,7 @@ def test_r19_gate_passes_the_reference(async_scheduling):
     assert result.examples == 12 and result.steps > 0
 
 
+@pytest.mark.rules("R19")
 def test_r19_gate_rejects_the_articles_swap_rotation(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
     result = check_not_binding("gate_candidates.SwapRotation", False, 30, 30, seed=0, tick=_noop,
@@ -142,6 +147,7 @@ def test_r19_gate_rejects_the_articles_swap_rotation(tmp_path, monkeypatch):
     assert verdict.rule == "R19" and verdict.step == 4 and "[('R3', 16)]" in verdict.failure
 
 
+@pytest.mark.rules("R19")
 def test_r19_never_binding_scenarios_cannot_be_refused():
     scenario = Scenario(rates_tokens_per_s={"a": "2"}, requests=(RequestSpec("a0", "a", 3, 8),),
                         step_interval_ns=1, num_steps=5)
@@ -153,6 +159,7 @@ def test_r19_never_binding_scenarios_cannot_be_refused():
         never_binding(too_many)
 
 
+@pytest.mark.rules("R19")
 def test_r19_registered_at_level_should():
     specs = {s.name: s for s in registry.registry()}
     for mode in ("sync", "async"):
@@ -163,6 +170,7 @@ def test_r19_registered_at_level_should():
     assert "not-binding/sync" in names["should"] and "not-binding/sync" not in names["must"]
 
 
+@pytest.mark.rules("R14")
 def test_r14_bounded_bypass_still_holds_for_throttled_users(async_scheduling):
     # The rate-limit gate check at level should judges R14 as bounded bypass (sync: a
     # stream of a throttled user waits at most 2 x its user's streams grants).
@@ -171,6 +179,7 @@ def test_r14_bounded_bypass_still_holds_for_throttled_users(async_scheduling):
     assert result.result == "pass", result.failure
 
 
+@pytest.mark.rules("R14")
 def test_r14_throttled_user_takes_turns_while_another_users_long_prompt_prefills():
     # u at 10 tok/s (one grant per 100 ms step) with U1, U2, U3 decoding; v at 10^6 tok/s
     # with V1 decoding and a 100-token prompt V2 arriving; budget 16. u's grant goes round

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from fractions import Fraction
 
+import pytest
 from click.testing import CliRunner
 
 from vllm_output_rate.adapter import conform as gate
@@ -54,6 +55,7 @@ def add(rid, user, prompt=4, max_tokens=16):
     return AddRequest(rid, user=user, prompt_len=prompt, max_tokens=max_tokens)
 
 
+@pytest.mark.rules("R2")
 def test_r2_rate_limit_counterexample_replays(tmp_path):
     # Rate 10 tok/s, one stream of 8 tokens, a step every 10 ms: stock vLLM samples every
     # step, the third one at t=20 ms is over the rate (the spec limiter refuses it, R2).
@@ -69,6 +71,7 @@ def test_r2_rate_limit_counterexample_replays(tmp_path):
     assert f"PASS 61 steps on {REFERENCE_SCHEDULER}" in out
 
 
+@pytest.mark.rules("R14")
 def test_r14_white_box_counterexample_replays(tmp_path):
     # tests/test_spec_step.py two_users_three_streams: at t=200 ms rotation (R14) serves
     # a1 after the last-served a0; the NoRotation mutant schedules a0 again.

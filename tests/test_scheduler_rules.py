@@ -88,6 +88,7 @@ def is_running(h: Harness, request_id: str) -> bool:
 
 
 # -- R7: charge on dispatch ---------------------------------------------------------
+@pytest.mark.rules("R7")
 def test_r7_prompt_chunks_never_charged_final_chunk_once(async_scheduling):
     # rate 1000 tok/s (T = 1 ms, never binding at 10 ms steps), max_num_batched_tokens 8,
     # one request, prompt 20, max_tokens 3. Chunks: 8 (0..8), 8 (8..16), 4 (16..20).
@@ -111,6 +112,7 @@ def test_r7_prompt_chunks_never_charged_final_chunk_once(async_scheduling):
     assert h.finished == {"r": ("length", 3)}
 
 
+@pytest.mark.rules("R7")
 def test_r7_decode_charges_one_per_request_per_step(async_scheduling):
     # user u: A, B; user v: C. rate 1000 (T = 1 ms), 10 ms steps, max_tokens 5.
     #   t=0   prefill A, B, C: charged [A, B, C]  (u TAT 1, 2 ms; v TAT 1 ms)
@@ -133,6 +135,7 @@ def test_r7_decode_charges_one_per_request_per_step(async_scheduling):
 
 
 # -- R9: single refund point ---------------------------------------------------------
+@pytest.mark.rules("R9")
 def test_r9_charged_then_self_preempted_is_refunded_once(async_scheduling):
     # FCFS, 3 KV blocks (1 null + 2 usable) of 16 tokens. Users a, b at 10 tok/s (T 100 ms).
     # A: prompt 8 (1 block, room to decode); B: prompt 16 (exactly 1 block).
@@ -159,6 +162,7 @@ def test_r9_charged_then_self_preempted_is_refunded_once(async_scheduling):
     assert h.finished == {"A": ("length", 3), "B": ("length", 3)}
 
 
+@pytest.mark.rules("R9")
 def test_r9_priority_scheduled_then_preempted_later_is_refunded(async_scheduling):
     # PRIORITY policy, 3 KV blocks (2 usable). Users a, b at 10 tok/s.
     # A (priority 1, arrival 0): prompt 8; B (priority 0 = higher, arrival 1): prompt 16.
@@ -199,6 +203,7 @@ def _r10_scenario(h: Harness) -> None:
     h.add_request("Y", "v", prompt_len=4, max_tokens=1)
 
 
+@pytest.mark.rules("R10")
 def test_r10_chunked_refused_prefill_advances_to_n_minus_1(async_scheduling):
     #   t=0   X1 4, X2 4 charged; X3 refused: advances 9 = prompt_len - 1 tokens, no
     #         charge; Y admitted after it and charged.
@@ -224,6 +229,7 @@ def test_r10_chunked_refused_prefill_advances_to_n_minus_1(async_scheduling):
     assert h.finished["X3"] == ("length", 2)
 
 
+@pytest.mark.rules("R10")
 def test_r10_no_chunked_prefill_whole_prefill_waits(async_scheduling):
     #   t=0   X1, X2 charged; X3 refused and NOT scheduled at all (the whole prefill
     #         waits, R10); Y (later in the waiting queue, other user) still admitted.
@@ -249,6 +255,7 @@ def test_r10_no_chunked_prefill_whole_prefill_waits(async_scheduling):
     assert h.finished["X3"] == ("length", 2)
 
 
+@pytest.mark.rules("R10")
 @pytest.mark.parametrize("prompt_len", [1, 17], ids=["prompt1", "prompt17"])
 def test_r10_refused_waiting_request_does_not_block_others(async_scheduling, prompt_len, monkeypatch):
     # A refused user's waiting request that cannot advance without sampling must be
@@ -289,6 +296,7 @@ def test_r10_refused_waiting_request_does_not_block_others(async_scheduling, pro
 
 
 # -- R11: skip, keep resident ----------------------------------------------------------
+@pytest.mark.rules("R11")
 def test_r11_throttled_stay_resident_and_resume_without_recompute(async_scheduling):
     # user u 10 tok/s, streams A, B (prompt 4, max_tokens 4), steps every 50 ms.
     # One grant per 100 ms after the two from idle; R14 alternates the streams:
@@ -331,6 +339,7 @@ def test_r11_throttled_stay_resident_and_resume_without_recompute(async_scheduli
     assert h.finished == {"A": ("length", 4), "B": ("length", 4)}
 
 
+@pytest.mark.rules("R11")
 def test_r11_pause_not_truncate_many_streams_and_eos(async_scheduling):
     # Two users at 20 tok/s with 3 and 2 streams and uneven lengths, one stream stopping on
     # EOS at output index 5 (6 outputs), 10 ms steps: every request ends with exactly
@@ -351,6 +360,7 @@ def test_r11_pause_not_truncate_many_streams_and_eos(async_scheduling):
 
 
 # -- R12: skip-not-count ---------------------------------------------------------------
+@pytest.mark.rules("R12")
 @pytest.mark.parametrize("where", ["vllm_field", "output_rate_key"])
 def test_r12_throttled_do_not_count_toward_active_cap(async_scheduling, where):
     # M = max_num_seqs 5, A = 2. user u 10 tok/s (U1, U2), user v 1000 tok/s (V1..V3).
@@ -394,6 +404,7 @@ def test_r12_throttled_do_not_count_toward_active_cap(async_scheduling, where):
     assert all(h.finished[rid] == ("length", 20) for rid in ("U1", "U2", "V1", "V2", "V3"))
 
 
+@pytest.mark.rules("R12")
 def test_r12_throttled_behind_the_active_cap_are_still_throttled(async_scheduling):
     # A throttled request that vLLM's running loop never reaches because A requests were
     # already scheduled is still refused this step: reported throttled (R11) and its user's
@@ -436,6 +447,7 @@ def _r13_harness(async_scheduling: bool, policy: str, v2_priority: int = 0) -> H
     return h
 
 
+@pytest.mark.rules("R13")
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_r13_throttled_requests_are_preempted_first(async_scheduling, policy):
     #   t=50  u refused (TAT 1000 ms - 50 > 100): U1 throttled. V1 needs a block, none
@@ -454,6 +466,7 @@ def test_r13_throttled_requests_are_preempted_first(async_scheduling, policy):
     assert h.finished == {"U1": ("length", 2), "V1": ("length", 3), "V2": ("length", 3)}
 
 
+@pytest.mark.rules("R13")
 def test_r13_priority_prefers_throttled_only_within_the_same_level(async_scheduling):
     # As above but V2 has priority 1 (lower than U1's 0). The victim level is 1; the
     # throttled U1 is at level 0 and must not be chosen: V2 is preempted, U1 stays.
@@ -467,6 +480,7 @@ def test_r13_priority_prefers_throttled_only_within_the_same_level(async_schedul
     assert h.finished == {"U1": ("length", 2), "V1": ("length", 3), "V2": ("length", 3)}
 
 
+@pytest.mark.rules("R13")
 def test_r13_running_order_is_unchanged_when_nothing_is_preempted(async_scheduling):
     # R13 may reorder only the choice of victims: with enough KV, `running` after each
     # step is the stock order (admission order, R14 rotation aside). user u 10 tok/s
@@ -482,6 +496,7 @@ def test_r13_running_order_is_unchanged_when_nothing_is_preempted(async_scheduli
 
 
 # -- R14 / R15: rotation, last served --------------------------------------------------------
+@pytest.mark.rules("R14", "R15")
 def test_r14_r15_streams_of_one_user_are_served_round_robin(async_scheduling):
     # user u 10 tok/s, 100 ms steps: two grants from idle, then exactly one per step.
     # Added S1, V1 (user v, 1000 tok/s, max_tokens 11), S2, S3; S* max_tokens 4.
@@ -510,6 +525,7 @@ def test_r14_r15_streams_of_one_user_are_served_round_robin(async_scheduling):
                           "V1": ("length", 11)}
 
 
+@pytest.mark.rules("R15")
 def test_r15_last_served_forgets_finished_streams(async_scheduling):
     # R15 state must not grow with every user ever served: after the R6 cleanup (every
     # 256 steps) only streams still known to the scheduler are remembered.
@@ -525,6 +541,7 @@ def test_r15_last_served_forgets_finished_streams(async_scheduling):
 
 
 # -- R16: the wait hint ------------------------------------------------------------------
+@pytest.mark.rules("R16")
 def test_r16_wait_hint_is_earliest_ready_at_among_refused_users(async_scheduling):
     # users u 10 tok/s (T 100 ms), w 4 tok/s (T 250 ms), x 3 tok/s (T 333_333_333.3 ns).
     #   t=0   U1 (u TAT 100), U2 (200); U3 refused. W1 (w TAT 250); W2 refused.
@@ -557,6 +574,7 @@ def test_r16_wait_hint_is_earliest_ready_at_among_refused_users(async_scheduling
 
 
 # -- R17: identity ---------------------------------------------------------------------------
+@pytest.mark.rules("R17")
 def test_r17_user_from_extra_args_anonymous_shared_bucket(async_scheduling):
     # 10 tok/s. N1, N2, N3 carry no output_rate_user: one shared bucket "__anonymous__":
     # N1 (TAT 100), N2 (200) granted at t=0, N3 refused (prefill to n-1). "bob" has his own
@@ -571,6 +589,7 @@ def test_r17_user_from_extra_args_anonymous_shared_bucket(async_scheduling):
     assert trace.white["tat_ns"] == {"__anonymous__": 200 * MS, "bob": 100 * MS}
 
 
+@pytest.mark.rules("R17")
 @pytest.mark.parametrize("bad", [42, True, "", "x" * 1000, "y" * 257], ids=["int", "bool", "empty", "1000chars", "257chars"])
 def test_r17_bad_user_value_named_and_isolated(async_scheduling, bad, caplog):
     # Decision (reference/identity.py): a user id is a non-empty str of <= 256 characters.
@@ -622,6 +641,7 @@ def _r18_scenario(h: Harness) -> list[tuple]:
     return out
 
 
+@pytest.mark.rules("R18")
 @pytest.mark.parametrize("section", [None, {}], ids=["no_section", "empty_section"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_r18_feature_off_is_trace_identical_to_stock(async_scheduling, section, policy):
@@ -669,6 +689,7 @@ def test_config_bad_output_rate_fails_at_construction(async_scheduling, section,
 
 
 # -- R2/R7: the per-step fast path (no user can run out of grants) -------------------------
+@pytest.mark.rules("R2")
 def test_r2_unconstrained_step_needs_a_grant_for_every_request_of_every_user(async_scheduling):
     # The hook skips per-user bookkeeping only in a step where every user can be granted
     # one token per request it has (R7: at most one charge per request per step).

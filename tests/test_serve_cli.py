@@ -81,6 +81,7 @@ def test_p5_async_scheduling_selects_the_async_class():
     assert argv.count("--scheduler-cls") == 1
 
 
+@pytest.mark.rules("R18")
 def test_r18_no_default_rate_is_refused_not_started_silently():
     # Configuration (issue 15): without a default rate the feature would be off and the
     # server would limit nobody; outrate serve refuses and says what to do instead.

@@ -201,6 +201,7 @@ def test_v11_abort_frees_blocks_and_reports_outputs():
 
 
 # -- R-rules: the rate limit -----------------------------------------------------------------
+@pytest.mark.rules("R7")
 def test_r7_charge_only_at_the_sampling_chunk():
     # budget 4, prompt 10: chunks 4, 4, 2; only the last reaches the sampling position.
     _, obs = play(rated(max_num_batched_tokens=4), [add("A", user="a", prompt=10), Step(), Step(), Step()])
@@ -219,6 +220,7 @@ def two_users_three_streams():
     return play(rated("10"), events)
 
 
+@pytest.mark.rules("R11", "R16")
 def test_r11_r16_two_users_three_streams_throttle_and_wait_hint():
     state, obs = two_users_three_streams()
     assert obs[0].charged == ("a0", "a1", "b0")
@@ -230,6 +232,7 @@ def test_r11_r16_two_users_three_streams_throttle_and_wait_hint():
     assert find(state, "a1").status == "running" and find(state, "a1").num_blocks == 2
 
 
+@pytest.mark.rules("R14", "R15")
 def test_r14_r15_streams_of_one_user_take_turns():
     state, obs = two_users_three_streams()
     assert obs[3].charged == ("a1", "b0") and obs[3].throttled == ("a0",)
@@ -238,6 +241,7 @@ def test_r14_r15_streams_of_one_user_take_turns():
     assert dict(obs[3].tat_ns) == {"a": Fraction(400 * MS), "b": Fraction(400 * MS)}
 
 
+@pytest.mark.rules("R9")
 def test_r9_refund_when_admission_fails_for_kv():
     # 1 usable block of 4: A (prompt 8) is charged at t=0 (TAT 100 ms) and then does not fit:
     # refunded at the end of schedule(): TAT back to 0.
@@ -246,6 +250,7 @@ def test_r9_refund_when_admission_fails_for_kv():
     assert obs[0].tat_ns == (("a", Fraction(0)),)
 
 
+@pytest.mark.rules("R9")
 def test_r9_kv_shortage_preempts_a_charged_request_which_is_refunded():
     # The PRIORITY scenario of test_v6_priority_preempts_worst_...: rate 1000 (T = 1 ms),
     # clock +10 ms per step. Step 3 (t=30 ms): A charged (TAT_a 31 ms) and scheduled, then
@@ -263,18 +268,21 @@ def burst_then(config, extra):
     return play(config, [add("a0", "a"), add("a1", "a")] + extra + [Step(), Step()])
 
 
+@pytest.mark.rules("R10")
 def test_r10_chunked_prefill_advances_refused_request_to_n_minus_1():
     state, obs = burst_then(rated("10"), [add("a2", "a", prompt=6)])
     assert sched(obs[0]) == [("a0", 4), ("a1", 4), ("a2", 5)] and obs[0].charged == ("a0", "a1")
     assert find(state, "a2").num_computed_tokens == 5 and obs[1].throttled == ("a0", "a1", "a2")
 
 
+@pytest.mark.rules("R10")
 def test_r10_refused_waiting_request_does_not_block_other_users():
     state, obs = burst_then(rated("10", chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64),
                             [add("a2", "a"), add("b0", "b")])
     assert obs[0].admitted == ("a0", "a1", "b0") and state.waiting == ("a2",)
 
 
+@pytest.mark.rules("R12")
 def test_r12_active_cap_counts_scheduled_running_not_throttled():
     # A = 1 of M = 4 seats. t=0: a0 admitted (TAT_a 100). Step 1 (t=0): a0 charged again
     # (TAT 200) and fills the active place: b0 waits (1 running - 0 throttled = A).
@@ -285,6 +293,7 @@ def test_r12_active_cap_counts_scheduled_running_not_throttled():
     assert obs[2].throttled == ("a0",) and obs[2].admitted == ("b0",)
 
 
+@pytest.mark.rules("R12")
 def test_r12_running_loop_serves_at_most_a_running_requests():
     # A = 1; a0 and b0 both running and both granted: only the first is in the batch,
     # b0 gets 0 tokens without being throttled (no refusal involved).
@@ -295,6 +304,7 @@ def test_r12_running_loop_serves_at_most_a_running_requests():
     assert sched(obs[2]) == [("a0", 1)] and obs[2].throttled == ()
 
 
+@pytest.mark.rules("R13")
 def test_r13_fcfs_throttled_request_is_preempted_before_the_last_running():
     # blocks 4x2. a (1 tok/s) and b (1000 tok/s) each get one block at t=0. t=10 ms: a0 is
     # throttled at the start (TAT_a 1 s); b0 needs a 2nd block: stock vLLM would preempt
@@ -306,6 +316,7 @@ def test_r13_fcfs_throttled_request_is_preempted_before_the_last_running():
     assert stock[1].preempted == ("b0",)
 
 
+@pytest.mark.rules("R13")
 def test_r13_priority_prefers_throttled_only_within_the_victim_level():
     # PRIORITY, blocks 4x3. Admission by (priority, arrival): b0 (prio 0), a0, c0 (prio 1),
     # one block each, free 0. t=10 ms: a0 is throttled at the start (a: 1 tok/s, TAT 1 s);
@@ -322,6 +333,7 @@ def test_r13_priority_prefers_throttled_only_within_the_victim_level():
     assert stock[1].preempted == ("c0",) and sched(stock[1]) == [("b0", 1), ("a0", 1)]
 
 
+@pytest.mark.rules("R13")
 def test_r13_priority_never_crosses_levels():
     # Same, but the throttled a0 has priority 0: the victim level is 1 and holds only c0,
     # so vLLM's own victim c0 (itself) is preempted; the throttled a0 stays resident.
@@ -333,11 +345,13 @@ def test_r13_priority_never_crosses_levels():
     assert "a0" in state.running
 
 
+@pytest.mark.rules("R8")
 def test_r8_async_step_after_eos_stays_charged():
     _, obs = play(rated("1000", async_scheduling=True), [add("A", "a", eos=0), Step(), Step(), Step()])
     assert obs[1].charged == ("A",) and obs[1].refunded == () and obs[1].finished == (Finished("A", "stop", 1),)
 
 
+@pytest.mark.rules("R6")
 def test_r6_idle_users_forgotten_every_256_schedules():
     # One grant at t=0 (TAT 100 ms), then 1 s per step: the TAT stays until the 256th
     # schedule() call, whose cleanup deletes the idle user.
@@ -347,6 +361,7 @@ def test_r6_idle_users_forgotten_every_256_schedules():
     assert obs[255].tat_ns == ()
 
 
+@pytest.mark.rules("R18")
 def test_r18_feature_off_observes_no_rate_decisions():
     _, obs = play(cfg(), [add("A"), Step(), Step()])
     assert all(not o.rate_limited and o.charged == () and o.tat_ns == () for o in obs)

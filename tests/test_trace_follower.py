@@ -191,6 +191,7 @@ def test_rule_streaming_equals_batch(tmp_path, rule, piece):
     _assert_listed_once(final, polls)
 
 
+@pytest.mark.rules("R2")
 @SETTINGS
 @given(rate=st.sampled_from([Fraction(1), Fraction(3, 2), Fraction(10), Fraction(20, 3)]),
        gaps=st.lists(st.sampled_from([0, 0, 10, 30, 50, 100, 400]), min_size=1, max_size=40),
@@ -222,6 +223,7 @@ def test_r2_window_and_gcra_streaming_equal_brute_force(tmp_path_factory, rate, 
 
 
 # -- (b) a violation is listed once ---------------------------------------------------
+@pytest.mark.rules("R2", "R7")
 def test_r2_and_r7_violations_listed_once_over_many_polls(tmp_path):
     path = tmp_path / "trace.jsonl"
     broken = _step(0, 0, {r: ("u", 1, True, False) for r in "abc"}, charges=["a", "a", "b", "c"], refunds=["a"])
@@ -359,6 +361,7 @@ def _append_steps(path: Path, first: int, count: int) -> None:
             f.write(json.dumps(_step(k, 10 * k, reqs)) + "\n")
 
 
+@pytest.mark.rules("R2")
 @pytest.mark.parametrize("keep_dispatch_ns", [False, True])
 def test_r2_state_bounded_after_50k_steps(tmp_path, keep_dispatch_ns):
     """R2-window/R2-gcra keep O(1) state per user; nothing grows per record: after 5k and

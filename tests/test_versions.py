@@ -124,6 +124,7 @@ def _step(h: Harness, dt_ms: int):
     return trace
 
 
+@pytest.mark.rules("R10")
 @pytest.mark.parametrize("forced", [INSTALLED, OTHER], ids=["installed-profile", "other-profile"])
 def test_v8_r10_refused_one_token_prompt_never_stops_admission_on_the_installed_release(forced) -> None:
     # user u 10 tok/s: P0, P1 take u's two grants at t=0 (TAT 200 ms). At t=50 ms P2 (user u,
@@ -152,6 +153,7 @@ def _with_loras(h: Harness, loras: dict[str, int]) -> None:
         h.scheduler.requests[rid].lora_request = LoRARequest(f"lora{lora_id}", lora_id, "/nonexistent")
 
 
+@pytest.mark.rules("R11")
 @pytest.mark.parametrize("forced", [INSTALLED, OTHER], ids=["installed-profile", "other-profile"])
 def test_v8_r11_a_throttled_requests_lora_still_counts_toward_max_loras(forced) -> None:
     # max_loras 1. A (user u, LoRA 1, 10 tok/s) is throttled at t=50 ms (resident, not

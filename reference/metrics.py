@@ -1,0 +1,340 @@
+"""Output-rate series on vLLM's own ``/metrics`` (issue 15, item 1).
+
+vLLM 0.32 drops extra attributes of ``SchedulerStats`` between the engine core and the API
+server, so the series travel another way:
+
+1. **Front end** (``plugin.py``, in ``EngineArgs.create_engine_config``, before the engine
+   core is spawned; feature on only): ``ensure_metrics_dir()`` creates a private directory
+   (``mkdtemp``, mode 0700, removed at exit) and puts it in ``VLLM_OUTPUT_RATE_METRICS_DIR``,
+   with the front end's pid in ``VLLM_OUTPUT_RATE_METRICS_OWNER``. The spawned engine core
+   inherits both. An operator may set the directory variable itself (then it is kept).
+2. **Engine core** (the scheduler, ``MetricsRecorder``): counts per step (see *cost*) and,
+   at most once per ``SNAPSHOT_INTERVAL_NS`` (1 s) of the scheduler's clock -- the same
+   call site as the operator log's throttled summary (``oplog.ThrottleLog``) -- and when
+   the scheduler runs out of requests, writes ``engine-<pid>.json`` in that directory
+   atomically (a temporary file, then ``os.replace``). The process that set the variable
+   (the front end itself, or an in-process scheduler in the same process) never writes.
+3. **API server** (``OutputRateStatLogger``, entry point ``vllm.stat_logger_plugins``,
+   which vLLM loads only in the ``AsyncLLM`` process): registers ``OutputRateCollector``
+   once on prometheus_client's default registry, which vLLM's ``/metrics`` serves with one
+   API server. On each scrape the collector reads the snapshot(s) and yields the families.
+
+Series (``user`` label: each user named in ``user_tokens_per_s`` by its id, every other
+user -- the default rate's users, ``__anonymous__`` included -- summed as ``other``):
+
+=================================================== ======= =========================================
+``vllm:output_rate_granted_tokens_total{user}``     counter sampling dispatches granted and not refunded
+                                                            (R7, R9): the output tokens the users got
+``vllm:output_rate_throttled_request_steps_total``  counter running requests skipped in one step because
+``{user}``                                                  the user's budget was spent (R11); shadow
+                                                            mode: dispatches that would have been refused
+``vllm:output_rate_refunds_total{user}``            counter charges refunded at the single refund point (R9)
+``vllm:output_rate_throttled_seconds_total{user}``  counter seconds during which at least one request of the
+                                                            label was throttled (from a throttled step to
+                                                            the next step)
+``vllm:output_rate_lead_seconds{user}``             gauge   TAT - now, at least 0 (``other``: the largest
+                                                            among the other users); > burst means refused
+``vllm:output_rate_limit_tokens_per_second{user}``  gauge   the configured rate (``other``: the default)
+``vllm:output_rate_throttled_requests``             gauge   resident requests throttled in the last step
+                                                            (engine-wide)
+``vllm:output_rate_shadow``                         gauge   1 in shadow mode, else 0
+``vllm:output_rate_snapshot_age_seconds``           gauge   seconds since the engine core wrote the
+                                                            snapshot (at most ~1 s while it steps)
+=================================================== ======= =========================================
+
+**Bounded cardinality and memory.** Labels are the configured names plus ``other``, so the
+series count is ``6 x (overrides + 1) + 3`` whatever the number of users seen; the engine
+core keeps one counter set per label (never per user id), the snapshot holds one entry per
+label, and the collector keeps nothing between scrapes.
+
+**Cost in the engine core.** Per ``schedule()``: one loop over the users charged in the step
+(a set lookup and a counter add each), and, only when requests are throttled or refunded,
+one pass over those ids. Once per second: one pass over the limiter's users (leads) and a
+file write of a few hundred bytes. Off (no directory variable, e.g. the gate's in-process
+harness): nothing.
+
+**Freshness.** Counters are at most one second old while the engine steps and exact once it
+goes idle (the idle flush). The lead is corrected at scrape time by the time since the
+snapshot (TATs do not move without steps), so it decays while the engine is idle.
+
+Source: issue 15 "Operators see and steer the limit", item 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from fractions import Fraction
+from typing import Any, Callable, Collection, Iterable, Mapping
+
+ENV_DIR = "VLLM_OUTPUT_RATE_METRICS_DIR"
+ENV_OWNER = "VLLM_OUTPUT_RATE_METRICS_OWNER"
+SNAPSHOT_INTERVAL_NS = 1_000_000_000  # at most one snapshot per second of scheduler time
+OTHER = "other"  # the label of every user not named in user_tokens_per_s
+PREFIX = "vllm:output_rate_"
+SNAPSHOT_VERSION = 1
+
+
+# -- front end ------------------------------------------------------------------------
+def ensure_metrics_dir() -> str:
+    """Make sure the engine core will know where to write (front end, before the spawn).
+
+    Returns the directory: ``VLLM_OUTPUT_RATE_METRICS_DIR`` if already set, else a new
+    private temporary directory (removed at exit) put into it, with this process's pid in
+    ``VLLM_OUTPUT_RATE_METRICS_OWNER``.
+    """
+    directory = os.environ.get(ENV_DIR)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        os.environ.setdefault(ENV_OWNER, str(os.getpid()))
+        return directory
+    directory = tempfile.mkdtemp(prefix="outrate-metrics-")
+    os.environ[ENV_DIR] = directory
+    os.environ[ENV_OWNER] = str(os.getpid())
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
+
+
+# -- engine core ----------------------------------------------------------------------
+class MetricsRecorder:
+    """Per-label counters of one scheduler and their snapshot file (see module docstring).
+
+    Args:
+        directory: where ``engine-<pid>.json`` is written.
+        user_rates: the configured overrides (their users are the named labels).
+        default_rate: the rate of ``other``.
+        shadow: shadow mode (reported as ``vllm:output_rate_shadow``).
+    """
+
+    def __init__(self, directory: str, user_rates: Mapping[str, Fraction], default_rate: Fraction,
+                 shadow: bool = False) -> None:
+        self.path = os.path.join(directory, f"engine-{os.getpid()}.json")
+        self.named = frozenset(user_rates)
+        self.rates = {**{u: float(r) for u, r in user_rates.items()}, OTHER: float(default_rate)}
+        self.shadow = shadow
+        self.granted: Counter[str] = Counter()
+        self.throttled_steps: Counter[str] = Counter()
+        self.refunds: Counter[str] = Counter()
+        self.throttled_ns: Counter[str] = Counter()
+        self.throttled_requests = 0  # in the last step
+        self._throttled_labels: Collection[str] = ()  # labels throttled in the last step
+        self._last_ns: int | None = None
+        self.next_ns = 0  # the first step writes a snapshot
+        self.snapshots = 0  # written (for tests)
+
+    @classmethod
+    def from_env(cls, config: Any) -> "MetricsRecorder | None":
+        """A recorder if the front end set ``VLLM_OUTPUT_RATE_METRICS_DIR`` and this is not
+        the process that set it (an engine core it spawned); else None (metrics off)."""
+        directory = os.environ.get(ENV_DIR)
+        if not directory or os.environ.get(ENV_OWNER) == str(os.getpid()):
+            return None
+        return cls(directory, config.user_rates, config.default_rate, bool(getattr(config, "shadow", False)))
+
+    def label(self, user: str | None) -> str:
+        return user if user in self.named else OTHER
+
+    def step(self, now_ns: int, granted: Mapping[str, int], throttled: Collection[str],
+             user_of: Callable[[str], str | None], refunded_users: Iterable[str] = (), limiter: Any = None) -> None:
+        """One ``schedule()`` at ``now_ns``.
+
+        ``granted``: user -> sampling dispatches charged in the step (before refunds);
+        ``throttled``: ids of the requests throttled (shadow: would-be throttled) in it;
+        ``user_of``: request id -> user; ``refunded_users``: the user of each refund (R9);
+        ``limiter``: for the leads in a snapshot.
+        """
+        label = self.label
+        counts = self.granted
+        for user, n in granted.items():
+            counts[user if user in self.named else OTHER] += n
+        for user in refunded_users:
+            key = label(user)
+            counts[key] -= 1
+            self.refunds[key] += 1
+        if self._throttled_labels:
+            elapsed = now_ns - self._last_ns
+            for key in self._throttled_labels:
+                self.throttled_ns[key] += elapsed
+        if throttled:
+            labels = list(map(label, map(user_of, throttled)))
+            self.throttled_steps.update(labels)
+            self._throttled_labels = set(labels)
+        else:
+            self._throttled_labels = ()
+        self.throttled_requests = len(throttled)
+        self._last_ns = now_ns
+        if now_ns >= self.next_ns:
+            self.write(now_ns, limiter)
+
+    def snapshot(self, now_ns: int, limiter: Any = None) -> dict[str, Any]:
+        """The file's content: per label counters, lead and rate; engine-wide gauges."""
+        leads = dict.fromkeys(self.rates, 0.0)
+        if limiter is not None:
+            for user in list(limiter.users()):
+                tat = limiter.tat_ns(user)
+                if tat is None:
+                    continue
+                key = self.label(user)
+                lead = max(0.0, float(tat - now_ns) / 1e9)
+                if lead > leads[key]:
+                    leads[key] = lead
+        labels = {
+            key: {
+                "granted": self.granted.get(key, 0),
+                "throttled_request_steps": self.throttled_steps.get(key, 0),
+                "refunds": self.refunds.get(key, 0),
+                "throttled_seconds": self.throttled_ns.get(key, 0) / 1e9,
+                "lead_seconds": leads[key],
+                "limit_tokens_per_second": rate,
+            }
+            for key, rate in self.rates.items()
+        }
+        return {"version": SNAPSHOT_VERSION, "pid": os.getpid(), "now_ns": now_ns, "shadow": self.shadow,
+                "throttled_requests": self.throttled_requests, "labels": labels}
+
+    def write(self, now_ns: int, limiter: Any = None) -> None:
+        """Write the snapshot atomically (temporary file + ``os.replace``); never raises."""
+        self.next_ns = now_ns + SNAPSHOT_INTERVAL_NS
+        try:
+            data = json.dumps(self.snapshot(now_ns, limiter), separators=(",", ":"))
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            self.snapshots += 1
+        except OSError:
+            pass  # metrics must never stop the engine; the snapshot age shows the gap
+
+
+# -- API server -----------------------------------------------------------------------
+def read_snapshots(directory: str) -> list[dict[str, Any]]:
+    """Every readable ``engine-*.json`` snapshot in ``directory``."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(directory, "engine-*.json"))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("version") == SNAPSHOT_VERSION:
+            found.append(data)
+    return found
+
+
+COUNTERS = (
+    ("granted_tokens", "granted", "Output tokens granted (sampling dispatches charged and not refunded)."),
+    ("throttled_request_steps", "throttled_request_steps",
+     "Running requests skipped in one step because the user's budget was spent (shadow mode: would be)."),
+    ("refunds", "refunds", "Charges refunded because the charged request was not dispatched (R9)."),
+    ("throttled_seconds", "throttled_seconds", "Seconds during which a request of the user was throttled."),
+)
+GAUGES = (
+    ("lead_seconds", "lead_seconds", "TAT - now of the user's GCRA limiter, >= 0 (other: the largest)."),
+    ("limit_tokens_per_second", "limit_tokens_per_second", "The configured output-token rate."),
+)
+
+
+class OutputRateCollector:
+    """prometheus_client custom collector: the ``vllm:output_rate_*`` families, read from
+    the engine core's snapshot(s) on each scrape (see module docstring)."""
+
+    def __init__(self, directory: str, clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self.directory = directory
+        self.clock_ns = clock_ns
+
+    def describe(self):
+        return []  # no description at registration: collect() reads files only on a scrape
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = read_snapshots(self.directory)
+        now = self.clock_ns()
+        merged: dict[str, dict[str, float]] = {}
+        for snap in snapshots:
+            age_s = max(0.0, (now - snap["now_ns"]) / 1e9)
+            for key, values in snap["labels"].items():
+                into = merged.setdefault(key, {"lead_seconds": 0.0})
+                for field, value in values.items():
+                    if field == "lead_seconds":
+                        into[field] = max(into[field], max(0.0, value - age_s))
+                    elif field == "limit_tokens_per_second":
+                        into[field] = value
+                    else:
+                        into[field] = into.get(field, 0) + value
+        for name, field, doc in COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["user"])
+            for key in sorted(merged):
+                family.add_metric([key], merged[key].get(field, 0))
+            yield family
+        for name, field, doc in GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["user"])
+            for key in sorted(merged):
+                family.add_metric([key], merged[key].get(field, 0))
+            yield family
+        if snapshots:
+            yield GaugeMetricFamily(PREFIX + "throttled_requests", "Resident requests throttled in the last step.",
+                                    value=sum(s.get("throttled_requests", 0) for s in snapshots))
+            yield GaugeMetricFamily(PREFIX + "shadow", "1 in shadow mode (nothing is throttled), else 0.",
+                                    value=1 if any(s.get("shadow") for s in snapshots) else 0)
+            yield GaugeMetricFamily(PREFIX + "snapshot_age_seconds",
+                                    "Seconds since the engine core wrote its output-rate snapshot.",
+                                    value=max(0.0, (now - max(s["now_ns"] for s in snapshots)) / 1e9))
+
+
+_COLLECTOR: OutputRateCollector | None = None
+
+
+def register_collector(directory: str, registry: Any = None) -> OutputRateCollector:
+    """Register the collector once per process on ``registry`` (default: prometheus_client's
+    default registry, which vLLM's ``/metrics`` serves with one API server)."""
+    global _COLLECTOR
+    if _COLLECTOR is None:
+        if registry is None:
+            from prometheus_client import REGISTRY as registry  # noqa: N811
+        _COLLECTOR = OutputRateCollector(directory)
+        registry.register(_COLLECTOR)
+    return _COLLECTOR
+
+
+def _feature_on(vllm_config: Any) -> bool:
+    additional = getattr(vllm_config, "additional_config", None)
+    section = additional.get("output_rate") if isinstance(additional, dict) else None
+    return isinstance(section, dict) and section.get("default_tokens_per_s") is not None
+
+
+def _stat_logger_class():
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class OutputRateStatLogger(StatLoggerBase):
+        """Entry point ``vllm.stat_logger_plugins``: loaded by vLLM in the API server
+        (``AsyncLLM``) only; registers ``OutputRateCollector`` when the feature is on. It
+        records nothing itself (the engine core's snapshot is the source)."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            directory = os.environ.get(ENV_DIR)
+            if _feature_on(vllm_config) and directory:
+                register_collector(directory)
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return OutputRateStatLogger
+
+
+def __getattr__(name: str):
+    # The class is built on first access so that importing this module (the engine core,
+    # the tests) does not import vLLM's metrics loggers.
+    if name == "OutputRateStatLogger":
+        cls = globals()["OutputRateStatLogger"] = _stat_logger_class()
+        return cls
+    raise AttributeError(name)

@@ -1,0 +1,137 @@
+"""The rule registry: every rule's id, title and the spec functions that implement it.
+
+One entry per rule of docs/SPEC.md ("The limiter", "The scheduler rules"). What covers a
+rule is declared where it lives, by rule id: a test by ``@pytest.mark.rules("R7", ...)``,
+a gate check by its ``CheckSpec.rules`` (``adapter/registry.py``, ``proofs/gate_checks.py``),
+a mutant by its ``Mutant.rule`` (``adapter/mutation.catalogue``), a proof by its
+``rules`` (``proofs/z3_limiter.PROPERTIES``, ``proofs/crosshair_limiter.PROPERTIES``).
+``vllm_output_rate.traceability`` gathers them into docs/SPEC.md's traceability table
+(``make traceability``); ``tests/test_traceability.py`` fails when the committed table is
+out of date, a rule has no test or no gate check, or an entry names nothing.
+
+Adding a rule: one ``Rule`` here, its section in docs/SPEC.md, then the markers and
+``rules`` of what covers it; ``make traceability`` writes the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: ``rule_id`` (``R7``), ``title`` (its SPEC.md heading), ``section`` (the
+    SPEC.md anchor), ``spec``: functions of ``vllm_output_rate.spec`` as ``module.name``
+    (``rate.samples``, ``state.EngineConfig.rate_limited``); ``reference``: the code of
+    ``vllm_output_rate.reference`` that implements it, named the same way (strings only:
+    the spec imports nothing above it)."""
+
+    rule_id: str
+    title: str
+    spec: tuple[str, ...]
+    reference: tuple[str, ...] = ()
+
+    @property
+    def section(self) -> str:
+        """The GitHub anchor of the rule's heading in docs/SPEC.md."""
+        text = f"{self.rule_id}: {self.title}".lower()
+        return "".join(c for c in text.replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("R1", "one TAT per user", ("limiter.LimiterState", "limiter.emission_interval_ns", "limiter.tat_of",
+                                    "state.EngineConfig.rate_of"),
+         reference=("limiter.OutputRateLimiter",
+         "limiter.OutputRateLimiter.rate_of",
+         "config.parse_output_rate")),
+    Rule("R2", "try_take", ("limiter.allows", "limiter.try_take", "limiter.idle_burst_grants",
+                            "limiter.window_bound_tokens", "properties.R2Window"),
+         reference=("limiter.OutputRateLimiter.try_take",
+         "limiter.OutputRateLimiter.allows",
+         "limiter.OutputRateLimiter.grants_at",
+         "limiter.OutputRateLimiter.take_many",
+         "limiter.OutputRateLimiter.take_counts",
+         "scheduler._RateLimitMixin._survey_users",
+         "scheduler._RateLimitMixin._commit_grants")),
+    Rule("R3", "exact arithmetic", ("limiter.emission_interval_ns",),
+         reference=("limiter.parse_rate",
+         "limiter._Scale")),
+    Rule("R4", "refund", ("limiter.refund",),
+         reference=("limiter.OutputRateLimiter.refund",)),
+    Rule("R5", "ready_at", ("limiter.ready_at_ns",),
+         reference=("limiter.OutputRateLimiter.ready_at_ns",)),
+    Rule("R6", "cleanup of idle users", ("limiter.cleanup_idle_users", "rate.end_cycle"),
+         reference=("limiter.OutputRateLimiter.cleanup_idle_users",
+         "scheduler._RateLimitMixin.schedule")),
+    Rule("R7", "charge on dispatch", ("rate.samples", "rate.try_charge", "rate.decide_running",
+                                      "rate.decide_waiting", "properties.accounting_error"),
+         reference=("scheduler._RateLimitMixin._reserve_prefill_lookahead",
+         "scheduler._RateLimitMixin._samples")),
+    Rule("R8", "over-charge, never under-charge", ("scheduler.deliver", "rate.end_cycle"),
+         reference=("scheduler._RateLimitMixin._settle",)),
+    Rule("R9", "single refund point", ("rate.end_cycle", "scheduler.sampling_dispatches",
+                                       "properties.accounting_error"),
+         reference=("scheduler._RateLimitMixin._settle",)),
+    Rule("R10", "throttled prefill", ("rate.prefill_room", "rate.decide_running", "rate.waiting_gate",
+                                      "rate.decide_waiting"),
+         reference=("scheduler._RateLimitMixin._reserve_prefill_lookahead",
+         "scheduler._RateLimitMixin._handle_blocked_waiting_request")),
+    Rule("R11", "skip, keep resident", ("rate.begin_cycle", "rate.start_turns", "rate.decide_running"),
+         reference=("scheduler._RateLimitMixin._reserve_prefill_lookahead",
+         "scheduler._RateLimitMixin._move_throttled_last")),
+    Rule("R12", "skip-not-count", ("rate.decide_running", "rate.admission_cap", "state.EngineConfig.active_cap"),
+         reference=("scheduler._RateLimitMixin.max_num_active_reqs",
+         "scheduler._RateLimitMixin._reserve_prefill_lookahead")),
+    Rule("R13", "preferred victims", ("rate.preferred_victim", "scheduler.choose_victim"),
+         reference=("scheduler._RateLimitMixin._move_throttled_last",
+         "scheduler._RateLimitMixin._restore_order",
+         "scheduler._RateLimitMixin._allocate_slots_throttled_victims_first")),
+    Rule("R14", "rotation", ("rate.turn_order", "rate.start_turns", "rate.begin_cycle"),
+         reference=("scheduler._RateLimitMixin._take_turns",
+         "scheduler._RateLimitMixin._turn_order",
+         "scheduler._RateLimitMixin._move_throttled_last",
+         "scheduler._RateLimitMixin._reserve_prefill_lookahead")),
+    Rule("R15", "last served", ("rate.last_served", "rate.next_last_served", "rate.end_cycle"),
+         reference=("scheduler._RateLimitMixin._settle",
+         "scheduler._RateLimitMixin._record_last_served",
+         "scheduler._RateLimitMixin.schedule")),
+    Rule("R16", "waiting for budget never blocks the engine", ("rate.begin_cycle", "rate.end_cycle"),
+         reference=("scheduler._RateLimitMixin.schedule",
+         "scheduler._RateLimitMixin._observe",
+         "scheduler._RateLimitMixin.next_ready_ns",
+         "plugin.engine_wait_timeout_ns",
+         "plugin.wait_for_input",
+         "plugin.MAX_ENGINE_WAIT_NS")),
+    Rule("R17", "identity", ("events.AddRequest", "events.ANONYMOUS_USER"),
+         reference=("identity.validate_extra_args",
+         "scheduler.user_of",
+         "scheduler._RateLimitMixin._resolve_user",
+         "scheduler._RateLimitMixin.add_request",
+         "plugin._install_identity_check")),
+    Rule("R18", "feature off", ("state.EngineConfig.rate_limited", "scheduler.schedule"),
+         reference=("scheduler._RateLimitMixin.schedule",
+         "scheduler._RateLimitMixin.max_num_active_reqs",
+         "scheduler._RateLimitMixin.__init__",
+         "config.parse_output_rate",
+         "plugin._feature_on")),
+    Rule("R19", "not binding = stock", ("rate.limit_binds", "state.EngineConfig.base_config"),
+         reference=("scheduler._RateLimitMixin._take_turns",
+         "scheduler._RateLimitMixin._move_throttled_last")),
+    # R20 (max_num_seqs_per_user) is being specified (issue 13): its SPEC.md section and
+    # reference entries are still to come.
+    Rule("R20", "fair residency", ("rate.residency_gate", "rate.resident_count")),
+)
+
+BY_ID: dict[str, Rule] = {rule.rule_id: rule for rule in RULES}
+
+
+def expand(rule_ids: tuple[str, ...] | list[str]) -> list[str]:
+    """Rule ids of a declaration, ranges expanded (``R1-R6``); ids outside R* are kept as given."""
+    out: list[str] = []
+    for rid in rule_ids:
+        if "-" in rid and rid.startswith("R"):
+            lo, hi = rid.split("-")
+            out += [f"R{i}" for i in range(int(lo[1:]), int(hi.lstrip("R")) + 1)]
+        else:
+            out.append(rid)
+    return out
