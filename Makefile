@@ -66,7 +66,10 @@ bench: $(STAMP)
 	@mkdir -p reports
 	$(VENV)/bin/outrate bench --json reports/bench.json --plot reports/perf_scaling.png
 
+LINT_PATHS := spec reference adapter proofs outrate tests gpu_tests
+
 test: $(STAMP)
+	$(PY) -m ruff check -q $(LINT_PATHS)
 ifeq ($(PYTEST_MARKS),)
 	$(PY) -m pytest -q
 else

@@ -305,8 +305,11 @@ def _prefill_reaches_n(rate, async_mode, seed):
                 continue
             model = m.solver.model()
             b = model.eval(budget).as_long()
+            # One request, one seat: from the final chunk (exactly the budget) on, nothing
+            # but the limit can keep it from sampling; an intermediate chunk charged (R7)
+            # shows as an under-grant there (P4).
             return _scenario({"u": rate}, [RequestSpec("u-r0", "u", chunks * b, decodes + 3)], advances,
-                             max_num_batched_tokens=b, max_num_seqs=1)
+                             max_num_batched_tokens=b, max_num_seqs=1, ample_from_step=chunks - 1)
     return None
 
 
@@ -389,7 +392,9 @@ def _charged_then_preempted(rate, async_mode, seed):
     if advances is None:
         return None
     requests = [RequestSpec("a-r0", "a", 8, 3), RequestSpec("b-r0", "b", 16, 3)]
-    return _scenario({"b": rate}, requests, advances, num_blocks=3, block_size=16)
+    # From the resume on only B is left (2 of the 3 blocks): an under-grant there (a charge
+    # kept although B was preempted, R9) is judged (P4).
+    return _scenario({"b": rate}, requests, advances, num_blocks=3, block_size=16, ample_from_step=resume)
 
 
 def _charged_then_alloc_failure(rate, async_mode, seed):
@@ -415,14 +420,21 @@ def _charged_then_alloc_failure(rate, async_mode, seed):
         return None
     requests = [RequestSpec("a-r0", "a", 17, 2), RequestSpec("b-r0", "b", 4, 2),
                 RequestSpec("b-r1", "b", 16, 2, at_step=1)]
-    return _scenario({"b": rate}, requests, advances, num_blocks=4, block_size=16)
+    # From B1's admission on only B1 is left (2 of the 3 usable blocks): under-grant judged.
+    return _scenario({"b": rate}, requests, advances, num_blocks=4, block_size=16, ample_from_step=admit)
 
 
-def _priority_throttled_victim(rate, async_mode, seed):
+def _priority_throttled_victim(rate, async_mode, seed, policy: str = "priority", v_priority: int = 0):
     """R13 under PRIORITY (4 KV blocks of 16, the shape of test_r13_*): U1 (user u at
     ``rate``, T > tau) prompt 4, V1 (user v, fast) prompt 16, V2 (v) prompt 4, all
     priority 0. Step 0 all prefill; step 1 u is refused 1 ns past its burst edge (U1
-    throttled) and V1's decode needs a block: the throttled U1 is the victim (R13)."""
+    throttled) and V1's decode needs a block: the throttled U1 is the victim (R13).
+
+    ``v_priority`` 1: V1 and V2 at priority 1, below the throttled U1 (priority 0): vLLM's
+    victim level is 1, so V2 is the victim and U1 keeps its KV (a throttled victim taken
+    across levels is a violation). ``policy`` "fcfs": the same shape under FCFS, where
+    vLLM alone would preempt V2 (the last of ``running``) and the article and this spec
+    preempt the throttled U1 (R13 FCFS)."""
     r = Fraction(rate)
     m = _Model(2, seed=seed)
     u = m.user("u", r, [1, 1])
@@ -433,9 +445,17 @@ def _priority_throttled_victim(rate, async_mode, seed):
         return None
     # V2's EOS comes at its 2nd output: in async its next step is dispatched before the EOS
     # is known and stays charged (R8).
-    requests = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("v-r0", "v", 16, 3),
-                RequestSpec("v-r1", "v", 4, 3, eos_index=1)]
-    return _scenario({"u": rate}, requests, advances, num_blocks=4, block_size=16, policy="priority")
+    requests = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("v-r0", "v", 16, 3, priority=v_priority),
+                RequestSpec("v-r1", "v", 4, 3, eos_index=1, priority=v_priority)]
+    return _scenario({"u": rate}, requests, advances, num_blocks=4, block_size=16, policy=policy)
+
+
+def _priority_throttled_victim_above(rate, async_mode, seed):
+    return _priority_throttled_victim(rate, async_mode, seed, v_priority=1)
+
+
+def _fcfs_throttled_victim(rate, async_mode, seed):
+    return _priority_throttled_victim(rate, async_mode, seed, policy="fcfs")
 
 
 BOUNDARIES: tuple[Boundary, ...] = (
@@ -468,7 +488,14 @@ BOUNDARIES: tuple[Boundary, ...] = (
     Boundary("rotation-wrap", ("R14", "R15"), "one grant per step among 3 streams: the turn wraps around",
              "should, sync: no rotation (one stream starves, R14 bounded bypass)", _rotation_wrap, ROTATION),
     Boundary("priority-throttled-victim", ("R13",), "under PRIORITY a throttled request is preempted",
-             "none here: the choice of victim is judged only by white-box/* (exact)", _priority_throttled_victim, SLOW),
+             "should: a victim above vLLM's victim level (R13 PRIORITY victim check)", _priority_throttled_victim, SLOW),
+    Boundary("priority-throttled-victim-above", ("R13",),
+             "under PRIORITY a throttled request of a higher priority than the other user's keeps its KV",
+             "should: a throttled victim taken across priority levels (R13 PRIORITY victim check)",
+             _priority_throttled_victim_above, SLOW),
+    Boundary("fcfs-throttled-victim", ("R13",), "under FCFS a throttled request passed by the loop is preempted",
+             "should: vLLM's own last-running victim instead of the throttled one (R13 FCFS victim check)",
+             _fcfs_throttled_victim, SLOW),
 )
 BOUNDARY_NAMES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES)
 PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 10}  # scenarios per boundary and mode

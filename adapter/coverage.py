@@ -270,6 +270,14 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
             note(judge, "R13 throttled request preempted")
             if scenario.policy == "priority":
                 note(judge, "boundary: priority-throttled-victim")
+            else:
+                note(judge, "boundary: fcfs-throttled-victim")
+        elif scenario.policy == "priority" and judge.by_id.get(rid) is not None and any(
+                other in resident and other not in scheduled and other not in trace.preempted
+                and judge.user_of(other) in refused and judge.by_id[other].priority < judge.by_id[rid].priority
+                for other in unfinished):
+            # A throttled request above vLLM's victim level kept its KV.
+            note(judge, "boundary: priority-throttled-victim-above")
         elif (rid in resident and rid in judge.last_sample_step
               and all(other in scheduled for other in resident if other != rid and other in unfinished)):
             note(judge, "boundary: charged-then-preempted")

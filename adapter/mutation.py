@@ -57,7 +57,9 @@ class MutantResult:
     invariants); ``base_passes``: the counterexample passes on the unmutated base class
     (None: not re-run); ``based_on``: "reference" or "article_style"; ``spurious``: failures
     of checks that the base class fails on the same counterexample too (not counted as
-    kills: a defect of the base or of the gate, reported).
+    kills: a defect of the base or of the gate, reported); ``not_judged``: why the mutant
+    was not hunted at this level (its slip is a defect only from ``Mutant.level`` on, e.g.
+    "not a defect below exact"): neither killed nor a survivor.
     """
 
     mutant: str
@@ -75,6 +77,12 @@ class MutantResult:
     based_on: str = "reference"
     checks_run: int = 0
     spurious: list[str] = field(default_factory=list)
+    not_judged: str | None = None
+
+    @property
+    def survived(self) -> bool:
+        """Hunted at this level and not killed."""
+        return not self.killed and self.not_judged is None
 
     def as_json(self) -> dict:
         return {
@@ -91,6 +99,7 @@ class MutantResult:
             "base_passes": self.base_passes,
             "checks_run": self.checks_run,
             "spurious": self.spurious,
+            "not_judged": self.not_judged,
             "failure": self.failure,
             "counterexample": self.counterexample,
         }
@@ -247,11 +256,18 @@ def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
 
 def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
          check_base: bool = True) -> MutantResult:
-    """Run the gate's candidate checks on ``mutant`` (``hunt_plan``) until one rejects it."""
+    """Run the gate's candidate checks on ``mutant`` (``hunt_plan``) until one rejects it.
+
+    A mutant whose slip is a defect only from a higher level (``Mutant.level``) is not
+    hunted: its row says ``not_judged`` ("not a defect below exact")."""
     from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter.levels import includes
 
     started = time.monotonic()
     based_on = "article_style" if mutant.style else "reference"
+    if not includes(level, getattr(mutant, "level", "must")):
+        return MutantResult(mutant.name, mutant.rule, False, 0.0, based_on=based_on,
+                            not_judged=f"not a defect below {mutant.level}")
     spurious: list[str] = []  # failures the base class shares (a gate or base defect, reported)
     with tempfile.TemporaryDirectory(prefix=f"outrate-mutant-{mutant.name}-") as tmp:
         options, planned = hunt_plan(mutant, level, profile, seed, white_box, Path(tmp))

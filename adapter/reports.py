@@ -47,7 +47,9 @@ def junit(path: Path, header: str, checks: list[dict], mutants: list[dict]) -> N
         cases.append(case)
     for m in mutants:
         case = TestCase(m["mutant"], classname=f"outrate.mutants.{m['rule']}", elapsed_sec=m["seconds"])
-        if not m["killed"]:
+        if m.get("not_judged"):
+            case.add_skipped_info(m["not_judged"])
+        elif not m["killed"]:
             case.add_failure_info(f"mutant breaking {m['rule']} survived the gate")
         cases.append(case)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ def markdown(path: Path, header: str, checks: list[dict], mutants: list[dict], b
             tabulate(rows, headers=["check", "component", "kind", "property", "rules", "budget (examples)",
                                     "measured examples/s", "result"], tablefmt="github")]
     if mutants:
-        mrows = [[m["mutant"], m["rule"], "yes" if m["killed"] else "NO", m.get("killed_by") or "-",
+        mrows = [[m["mutant"], m["rule"], "yes" if m["killed"] else (m.get("not_judged") or "NO"), m.get("killed_by") or "-",
                   f"{m['seconds']:.1f}", m["counterexample_events"]] for m in mutants]
         text += ["\n\n## Mutants\n",
                  tabulate(mrows, headers=["mutant", "rule", "killed", "counterexample names", "seconds to kill",

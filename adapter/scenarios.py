@@ -81,6 +81,10 @@ class Scenario:
     # Per-step clock advances in ns (step i advances by advances_ns[i]); None, or past its
     # end: ``step_interval_ns``. Boundary scenarios (adapter/boundaries.py) set it.
     advances_ns: tuple[int, ...] | None = None
+    # The scenario's author guarantees that from this step on seats, token budget and KV
+    # suffice (e.g. the pressure requests have finished): the judge's under-grant check
+    # (P4) applies from it on although the scenario is not ``ample``. None: never.
+    ample_from_step: int | None = None
 
     @property
     def ample(self) -> bool:
@@ -88,6 +92,11 @@ class Scenario:
         from sampling: ample seats, budget and KV, no aborts."""
         return (self.max_num_seqs, self.max_num_batched_tokens, self.num_blocks) == (
             None, None, None) and not any(r.abort_at_step is not None for r in self.requests)
+
+    def ample_at(self, step: int) -> bool:
+        """True when only the rate limit (and the active cap) can keep a request from
+        sampling at ``step``: an ``ample`` scenario, or ``step >= ample_from_step``."""
+        return self.ample or (self.ample_from_step is not None and step >= self.ample_from_step)
 
     @property
     def burst_ns(self) -> int:
@@ -358,6 +367,7 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
             break
         unfinished = [rid for rid in harness.num_outputs if rid not in harness.finished]
         resident = {r.request_id for r in harness.scheduler.running}
+        judge.before_step()
         trace = harness.step()
         failure = judge.after_step(step, trace, unfinished, resident)
         if failure:
@@ -380,6 +390,17 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
 R14_BYPASS_FACTOR = 2  # R14: a ready stream waits at most this x (the user's streams) grants
 
 
+@dataclass(frozen=True)
+class _StepStart:
+    """vLLM's requests before one ``schedule()`` (``_Judge.before_step``): ``running`` in
+    order; the unfinished requests with only their sampling position left
+    (``decoding``), and those with a token still to dispatch (``demand``)."""
+
+    running: list[str]
+    decoding: set[str]
+    demand: set[str]
+
+
 class _Judge:
     """Per-step checks of one scenario run; keeps the spec limiter replay.
 
@@ -400,6 +421,24 @@ class _Judge:
         self.last_sample_step: dict[str, int] = {}  # request id -> last step it sampled
         self.bypassed: dict[str, int] = {}  # R14: request id -> same-user grants since it last sampled
         self.steps = 0
+        self.start: _StepStart | None = None  # what vLLM's requests looked like before this step
+
+    def before_step(self) -> None:
+        """Record, from vLLM's own ``Request`` fields, the state the next ``schedule()``
+        starts from: ``running`` in order and, per unfinished request, whether only its
+        sampling position is left (decoding, R10) and whether it still has a token to
+        dispatch (outputs plus in-flight placeholders below ``max_tokens``, V3)."""
+        scheduler = self.harness.scheduler
+        decoding, demand = set(), set()
+        for rid, r in scheduler.requests.items():
+            placeholders = getattr(r, "num_output_placeholders", 0)
+            if r.num_computed_tokens >= r.num_tokens + placeholders - 1:
+                decoding.add(rid)
+            last_in_flight = placeholders > 0 and (
+                r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens)
+            if r.num_output_tokens + placeholders < r.max_tokens and not last_in_flight:
+                demand.add(rid)
+        self.start = _StepStart([r.request_id for r in scheduler.running], decoding, demand)
 
     def user_of(self, rid: str) -> str:
         """The R17 bucket of request ``rid``."""
@@ -412,6 +451,7 @@ class _Judge:
         coverage.observe(self, step, trace, unfinished, resident)  # obligations reached (adapter/coverage.py)
         if not scenario.feature_on:
             return None
+        state_before = self.state  # the replay at the step's start (before its dispatches)
         for rid in trace.sampled:
             user = self.user_of(rid)
             self.state, granted = spec_limiter.try_take(self.state, user, scenario.rate_of(user), now,
@@ -426,6 +466,14 @@ class _Judge:
             self.state = spec_limiter.cleanup_idle_users(self.state, now)  # R6, same cadence
         if scenario.ample and not scenario.async_scheduling:
             failure = self._ample_sync_checks(step, trace, unfinished, resident)
+            if failure:
+                return failure
+        elif scenario.ample_at(step):
+            # Async (ample, or ample from a step on), or sync past the pressure: the
+            # under-grant check (P4) alone, for the requests that still have a token to
+            # dispatch (async: the last one may be in flight).
+            demand = self.start.demand if self.start is not None else set(unfinished)
+            failure = self._under_grant_check(trace, [r for r in unfinished if r in demand], resident)
             if failure:
                 return failure
         for rid in trace.sampled:
@@ -443,6 +491,10 @@ class _Judge:
             failure = self._priority_victim_check(trace, resident)
             if failure:
                 return failure
+        if self.should and scenario.policy == "fcfs" and trace.preempted and self.start is not None:
+            failure = self._fcfs_victim_check(trace, state_before, now)
+            if failure:
+                return failure
         if self.exact and trace.white is not None:
             failure2 = self._white_box_checks(trace)
             return (failure2[0], "exact", failure2[1]) if failure2 else None
@@ -450,6 +502,19 @@ class _Judge:
 
     def _ample_sync_checks(self, step: int, trace, unfinished: list[str],
                            resident: set[str]) -> tuple[str, str, str] | None:
+        failure = self._under_grant_check(trace, unfinished, resident)
+        if failure or not self.should:
+            return failure
+        if trace.preempted:
+            return "R11", "should", (f"{self.name} preempted {trace.preempted} although KV and seats are ample: "
+                                     "the article keeps throttled requests resident")
+        return self._bypass_check(step, trace, unfinished)
+
+    def _under_grant_check(self, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
+        """P4 (level must): a request of a user the GCRA still grants after this step's
+        dispatches is scheduled to sample, unless the active cap is full; a waiting request
+        behind a refused user's waiting request is excused (the article's open choice).
+        Judged only where nothing but the limit can be short (``Scenario.ample_at``)."""
         now, sampled, cap = trace.now_ns, set(trace.sampled), self.scenario.max_num_active_seqs
         cap_full = cap is not None and len(trace.scheduled) >= cap
         burst = self.scenario.burst_ns
@@ -471,12 +536,75 @@ class _Judge:
                 return "R11", "must", (
                     f"{self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
                     f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant")
-        if not self.should:
+        return None
+
+    def _grants_at(self, state, user: str, now: int, at_most: int) -> int:
+        """How many takes (up to ``at_most``) the replay ``state`` grants ``user`` at ``now``."""
+        rate, burst, n = self.scenario.rate_of(user), self.scenario.burst_ns, 0
+        while n < at_most:
+            state, granted = spec_limiter.try_take(state, user, rate, now, burst)
+            if not granted:
+                break
+            n += 1
+        return n
+
+    def _fcfs_victim_check(self, trace, state_before, now: int) -> tuple[str, str, str] | None:
+        """R13 under FCFS (level should), black-box, accepting both timings of "throttled"
+        (the article: recorded so far in this step's loop; this spec: at the step start).
+
+        Let Q be a request running at the step start, of a user the GCRA refuses at the
+        step's instant (replay), with only its sampling position left and a token still to
+        dispatch, that is neither scheduled nor preempted in the step, and whose (user,
+        priority) group stands, in ``running`` at the step start, before every group with a
+        request scheduled in the step (so vLLM's loop, which preempts only while sizing a
+        request it then schedules, passed Q, refused it and recorded it as throttled
+        before any allocation failed, whatever the rotation within groups). Then a
+        preempted request P whose user the GCRA grants at the step start at least once per
+        request it has running (so P is throttled at no timing) is a victim chosen over a
+        throttled request: a violation."""
+        throttled, grants, counts = self._fcfs_passed_throttled(trace, state_before, now)
+        if not throttled:
             return None
-        if trace.preempted:
-            return "R11", "should", (f"{self.name} preempted {trace.preempted} although KV and seats are ample: "
-                                     "the article keeps throttled requests resident")
-        return self._bypass_check(step, trace, unfinished)
+        for rid in trace.preempted:
+            if rid not in self.by_id or rid not in self.start.running:
+                continue
+            user = self.user_of(rid)
+            if grants.get(user, 0) >= counts.get(user, 0) > 0:
+                q = throttled[-1]
+                return "R13", "should", (
+                    f"{self.name} preempted {rid} (user {user!r}, granted at t={now} ns for each of its running "
+                    f"requests) while {q} (user {self.user_of(q)!r}, refused at t={now} ns, throttled and passed "
+                    "by the running loop before any KV allocation failed) kept its KV: the article preempts "
+                    "throttled requests first")
+        return None
+
+    def _fcfs_passed_throttled(self, trace, state_before, now: int):
+        """For ``_fcfs_victim_check``: (the requests Q, in ``running`` order; each running
+        user's grants at the step start, up to its running requests; those counts)."""
+        start = self.start
+        running_after = {r.request_id for r in self.harness.scheduler.running}
+        known = [rid for rid in start.running if rid in self.by_id]
+        if not known:
+            return [], {}, {}
+
+        def group(rid: str) -> tuple[str, int]:
+            return self.user_of(rid), self.by_id[rid].priority
+
+        positions: dict[tuple[str, int], list[int]] = {}
+        for i, rid in enumerate(known):
+            positions.setdefault(group(rid), []).append(i)
+        scheduled_groups = {group(rid) for rid in known if rid in trace.scheduled}
+        first = min((min(positions[g]) for g in scheduled_groups), default=len(known))
+        counts: dict[str, int] = {}
+        for rid in known:
+            counts[self.user_of(rid)] = counts.get(self.user_of(rid), 0) + 1
+        grants = {u: self._grants_at(state_before, u, now, n) for u, n in counts.items()}
+        throttled = [
+            rid for rid in known
+            if rid in running_after and rid not in trace.scheduled and rid in start.decoding
+            and rid in start.demand and grants[self.user_of(rid)] == 0 and max(positions[group(rid)]) < first
+        ]
+        return throttled, grants, counts
 
     def _priority_victim_check(self, trace, resident: set[str]) -> tuple[str, str, str] | None:
         """R13 under PRIORITY (level should): vLLM preempts at its victim level, the highest

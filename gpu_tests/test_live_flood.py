@@ -93,6 +93,7 @@ def _start_flood(engine, sampling) -> list[str]:
 
 
 @pytest.mark.rules("R20")
+@pytest.mark.rules("R20")
 def test_r20_live_flood_without_cap_other_user_waits_for_the_flood(tiny_llm, sampling):
     llm = _engine(tiny_llm, None)
     try:
@@ -109,6 +110,7 @@ def test_r20_live_flood_without_cap_other_user_waits_for_the_flood(tiny_llm, sam
         del llm
 
 
+@pytest.mark.rules("R20")
 @pytest.mark.rules("R20")
 def test_r20_live_flood_with_cap_other_user_first_token_within_2x(tiny_llm, sampling):
     llm = _engine(tiny_llm, CAP)

@@ -159,7 +159,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
                           f"--level {level}{extra})", soft_wrap=True)
 
     mutant_rows = _run_mutants(profile, seed, level, not no_white_box) if mutants else []
-    survivors = [m for m in mutant_rows if not m["killed"]]
+    survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
     checks_json = [r.as_json() for r in results]
     for r, row in zip(results, checks_json):
         if getattr(r, "scenarios", None):
@@ -257,7 +257,10 @@ def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) 
     health_failed = [r.name for r in results if r.part == "spec health" and r.result == "fail"]
     parts = [f"level {level}: {passed}/{len(candidate)} candidate checks passed"]
     if mutant_rows:
-        parts.append(f"{sum(m['killed'] for m in mutant_rows)}/{len(mutant_rows)} mutants killed")
+        judged = [m for m in mutant_rows if not m.get("not_judged")]
+        parts.append(f"{sum(m['killed'] for m in judged)}/{len(judged)} mutants killed"
+                     + (f" ({len(mutant_rows) - len(judged)} not a defect at this level)"
+                        if len(judged) < len(mutant_rows) else ""))
     line = ", ".join(parts) + f" in {seconds:.0f} s"
     if failed:
         line += f" -- REJECTED: {', '.join(failed)} failed"
@@ -298,22 +301,27 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
         table.add_column(col)
     for m in rows:
         table.add_row(m["mutant"], "article" if m["based_on"] == "article_style" else "reference", m["rule"],
-                      "[green]yes[/]" if m["killed"] else "[bold red]NO[/]", m["killed_by"] or "-", m["check"] or "-",
+                      "[green]yes[/]" if m["killed"] else (f"[yellow]{m['not_judged']}[/]" if m.get("not_judged")
+                                                           else "[bold red]NO[/]"), m["killed_by"] or "-", m["check"] or "-",
                       m["level"] or "-", "-" if m["black_box"] is None else ("yes" if m["black_box"] else "no"),
                       f"{m['seconds']:.1f}", str(m["counterexample_events"]))
     console.print(table)
     killed = [m for m in rows if m["killed"]]
+    judged = [m for m in rows if not m.get("not_judged")]
     if killed:
         secs = [m["seconds"] for m in killed]
         same = sum(m["killed_by"] == m["rule"] for m in killed)
-        console.print(f"{len(killed)}/{len(rows)} mutants killed, {sum(bool(m['black_box']) for m in killed)} by a "
+        console.print(f"{len(killed)}/{len(judged)} mutants killed, {sum(bool(m['black_box']) for m in killed)} by a "
                       f"black-box check, {same} by a failure naming the mutant's own rule; seconds to kill: median "
-                      f"{statistics.median(secs):.1f}, max {max(secs):.1f}")
+                      f"{statistics.median(secs):.1f}, max {max(secs):.1f}"
+                      + (f"; not hunted at level {level}: "
+                         + ", ".join(f"{m['mutant']} ({m['not_judged']})" for m in rows if m.get("not_judged"))
+                         if len(judged) < len(rows) else ""), soft_wrap=True)
     for m in rows:
         for line in m.get("spurious") or []:
             console.print(f"[yellow]mutant {m['mutant']}: not counted, the unmutated base fails it too:[/] "
                           f"{escape_markup(line)}", soft_wrap=True)
-        if not m["killed"]:
+        if not m["killed"] and not m.get("not_judged"):
             console.print(f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]")
     return rows
 

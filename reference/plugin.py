@@ -87,16 +87,37 @@ def _feature_on(vllm_config) -> bool:
 
 
 def register() -> None:
-    """Install the hooks (idempotent; vLLM may call it many times per process)."""
+    """Install the hooks (idempotent; vLLM may call it many times per process).
+
+    A later call also re-installs a hook whose vLLM attribute was replaced since (another
+    plugin or fork shim that saved the function before ours and restored it), so the
+    front-end checks never silently disappear.
+    """
     global _REGISTERED
     if _REGISTERED:
+        for install, (owner, name, installed) in list(_INSTALLED.items()):
+            if owner.__dict__.get(name) is not installed:
+                install()
+                _remember(install, owner, name)
         return
+    from vllm.engine.arg_utils import EngineArgs
+
     _install_identity_check()
     _install_startup_check()
+    _remember(_install_startup_check, EngineArgs, "create_engine_config")
     _install_cli_duplicate_check()
+    _remember(_install_cli_duplicate_check, EngineArgs, "add_cli_args")
     _install_beam_search_refusal()
     _install_engine_wait()
     _REGISTERED = True
+
+
+# install function -> (class, attribute, the object installed there)
+_INSTALLED: dict[Any, tuple[type, str, Any]] = {}
+
+
+def _remember(install, owner: type, name: str) -> None:
+    _INSTALLED[install] = (owner, name, owner.__dict__.get(name))
 
 
 # -- R17: identity checked at the front end -------------------------------------------

@@ -10,6 +10,8 @@ Read beside docs/SPEC.md. Nothing here imports vLLM or any other part of the pro
 | ``scheduler`` | ``step(state, event) -> (state, observation)``: one vLLM 0.32 scheduling step, V1-V12 |
 | ``rate`` | the rate-limit layer of a step, R6-R16 and R19 (R18: absent with the feature off) |
 | ``invariants`` | I1-I18, checked after every spec step by the gate |
+| ``properties`` | the R2 window bound and R7/R9 accounting, used by the invariants, the gate and the trace checker |
+| ``rules`` | the rule registry (id, title, spec and reference code), source of docs/SPEC.md's traceability table |
 
 Prefix caching is not modelled: the gate turns it off, so every admission starts at 0
 computed tokens (see ``spec/state.py`` for the whole modelled configuration class).

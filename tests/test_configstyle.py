@@ -8,10 +8,8 @@ style hands the documented dict to a user function.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ from vllm_output_rate.adapter.configstyle import (
     rates_of,
 )
 from vllm_output_rate.adapter.harness import (
-    REFERENCE_ASYNC_SCHEDULER,
     REFERENCE_SCHEDULER,
     STOCK_ASYNC_SCHEDULER,
     STOCK_SCHEDULER,

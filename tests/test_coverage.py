@@ -88,7 +88,7 @@ def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
     assert row.failure.startswith("[must] coverage: not reached: ")
     for name in ("boundary: cleanup-tat-now+1ns", "boundary: charged-then-preempted", "boundary: rotation-wrap"):
         assert name in row.failure
-    assert f"not reached: boundary: cleanup-tat-now+1ns (0/1)" in row.counterexample
+    assert "not reached: boundary: cleanup-tat-now+1ns (0/1)" in row.counterexample
     assert registry.exit_code(results) == 1
 
 

@@ -208,3 +208,23 @@ def test_wait_for_input_times_out_and_consumes_nothing():
     q.put("x")
     assert plugin.wait_for_input(q, 5.0) is True
     assert q.get_nowait() == "x"
+
+
+def test_r17_register_reinstalls_a_front_end_check_another_shim_removed():
+    """A fork shim that saved ``EngineArgs.create_engine_config`` before our plugin wrapped it
+    and later restored it must not silently remove the front-end configuration check."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()
+    ours = EngineArgs.__dict__["create_engine_config"]
+    underneath = ours.__wrapped__  # what a shim installed before us would restore
+    EngineArgs.create_engine_config = underneath
+    try:
+        plugin.register()
+        assert EngineArgs.__dict__["create_engine_config"] is not underneath
+        assert EngineArgs.__dict__["create_engine_config"].__wrapped__ is underneath
+    finally:
+        if EngineArgs.__dict__["create_engine_config"] is underneath:
+            EngineArgs.create_engine_config = ours

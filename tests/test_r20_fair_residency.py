@@ -67,18 +67,21 @@ def admitted_at(config: EngineConfig) -> tuple[int | None, tuple[str, ...]]:
     return when, state.running
 
 
+@pytest.mark.rules("R20")
 def test_r20_spec_other_user_admitted_at_once_while_the_flood_waits_at_its_cap():
     when, running = admitted_at(flood_config(cap=2))
     assert when == 2  # the first step after o0 arrived
     assert sum(rid.startswith("f") for rid in running) == 2
 
 
+@pytest.mark.rules("R20")
 def test_r20_spec_without_cap_the_flood_holds_every_slot_and_the_other_user_waits():
     # The article's behaviour (the default): f's throttled streams hold all 4 slots.
     when, running = admitted_at(flood_config(cap=None))
     assert when is None and len(running) == 4 and all(rid.startswith("f") for rid in running)
 
 
+@pytest.mark.rules("R20")
 def test_r20_spec_skip_is_a_limit_that_binds():
     # R19: a step in which R20 skipped a waiting request is not compared with the base.
     state = initial_state(flood_config(cap=1))
@@ -90,6 +93,7 @@ def test_r20_spec_skip_is_a_limit_that_binds():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.rules("R20")
 def test_r20_reference_matches_the_spec_step_for_step(async_scheduling):
     for cap in (1, 2, 4, None):
         scenario = StepScenario(flood_config(cap, async_scheduling), flood_events())
@@ -97,6 +101,7 @@ def test_r20_reference_matches_the_spec_step_for_step(async_scheduling):
         assert verdict.failure is None, (cap, verdict.failure)
 
 
+@pytest.mark.rules("R20")
 def test_r20_reference_never_exceeds_the_cap_and_admits_other_users():
     h = Harness(REFERENCE, EngineShape(max_num_seqs=4, output_rate={
         "default_tokens_per_s": 1000, "user_tokens_per_s": {"f": 2}, "max_num_seqs_per_user": 2}))
@@ -110,6 +115,7 @@ def test_r20_reference_never_exceeds_the_cap_and_admits_other_users():
     assert users.count("f") == 2 and users.count("o") == 1
 
 
+@pytest.mark.rules("R20")
 def test_r20_model_checker_flood_scopes_hold_with_pinned_counts():
     for name in FLOOD_SCOPES:
         scope = mc.scope_by_name(name)
@@ -122,6 +128,7 @@ def test_r20_model_checker_flood_scopes_hold_with_pinned_counts():
     assert set(FLOOD_SCOPES) <= quick
 
 
+@pytest.mark.rules("R20")
 def test_r20_model_checker_catches_an_ignored_cap_with_i19_and_the_f2_bound():
     ignored = mc.Mutation("NoResidencyCap", "R20", "the cap is ignored (the article's behaviour)",
                           lambda config: [(spec_rate, "residency_gate", lambda cycle, request: (cycle, True))])
@@ -133,11 +140,13 @@ def test_r20_model_checker_catches_an_ignored_cap_with_i19_and_the_f2_bound():
         assert result.violations["F2"].concrete and result.violations["F2"].length <= 6
 
 
+@pytest.mark.rules("R20")
 def test_r20_model_checker_explored_paths_replay_on_the_reference():
     for name, count, events, failure in mc.replay_sample_on_vllm(list(FLOOD_SCOPES), 4):
         assert failure is None, (name, failure)
 
 
+@pytest.mark.rules("R20")
 def test_r20_gate_passes_the_reference_and_rejects_the_ignored_cap(monkeypatch):
     from pathlib import Path
 
@@ -150,6 +159,7 @@ def test_r20_gate_passes_the_reference_and_rejects_the_ignored_cap(monkeypatch):
         assert result.result == "fail" and result.failure.startswith("[should] R20"), result.failure
 
 
+@pytest.mark.rules("R20")
 def test_r20_gate_not_tested_for_a_style_without_the_cap():
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
@@ -158,6 +168,7 @@ def test_r20_gate_not_tested_for_a_style_without_the_cap():
     assert result.result == "not tested" and "max_num_seqs_per_user" in result.failure
 
 
+@pytest.mark.rules("R20")
 def test_r20_registered_at_level_should():
     specs = {s.name: s for s in registry.registry()}
     for mode in ("sync", "async"):
@@ -169,17 +180,20 @@ def test_r20_registered_at_level_should():
 
 
 # -- configuration -----------------------------------------------------------------------
+@pytest.mark.rules("R20")
 def test_r20_config_key_parsed_default_none():
     assert parse_output_rate({"default_tokens_per_s": 5}).max_num_seqs_per_user is None
     assert parse_output_rate({"default_tokens_per_s": 5, "max_num_seqs_per_user": 3}).max_num_seqs_per_user == 3
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "4"])
+@pytest.mark.rules("R20")
 def test_r20_bad_cap_refused_naming_the_key_and_flag(value):
     with pytest.raises(OutputRateConfigError, match=r"max_num_seqs_per_user \(--max-num-seqs-per-user\)"):
         parse_output_rate({"default_tokens_per_s": 5, "max_num_seqs_per_user": value})
 
 
+@pytest.mark.rules("R20")
 def test_r20_cap_above_max_num_seqs_refused_at_start_up():
     from vllm.config import ModelConfig, VllmConfig
 
@@ -199,6 +213,7 @@ def test_r20_cap_above_max_num_seqs_refused_at_start_up():
     Harness(REFERENCE, EngineShape(max_num_seqs=8, output_rate=ok))
 
 
+@pytest.mark.rules("R20")
 def test_r20_outrate_serve_flag():
     import click
 
