@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+from vllm_output_rate.reference.config import KNOWN_KEYS
+
 import pytest
 
 from vllm_output_rate.adapter.tinymodel import write_config
@@ -44,7 +46,7 @@ def test_configuration_plain_vllm_serve_typo_is_the_last_stderr_line(tmp_path):
     assert lines[-1] == (
         "vllm_output_rate.reference.config.OutputRateConfigError: unknown key(s) in "
         """additional_config["output_rate"]: 'default_token_per_s' (did you mean 'default_tokens_per_s'?); """
-        "known keys: default_tokens_per_s, user_tokens_per_s, max_num_active_seqs, burst_ms, trace_path"
+        f"known keys: {', '.join(KNOWN_KEYS)}"
     ), lines[-5:]
     output = proc.stdout + proc.stderr
     assert "Engine core initialization failed" not in output
