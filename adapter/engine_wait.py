@@ -34,15 +34,20 @@ How the loop is driven (``_drive``, in a fresh child process per candidate):
   gets a process whose vLLM classes no other check has patched.
 
 Scenario (``engine_wait_scenario``): user A, ``A_RATE_TOKENS_PER_S`` with ``A_STREAMS``
-streams and huge ``max_tokens``, throttled almost all the time; user B (unthrottled,
+streams and huge ``max_tokens``, and user C, ``C_RATE_TOKENS_PER_S`` with one such stream,
+both throttled almost all the time with different ready times (A's emission interval is
+not a whole number of ns, so its ready times are rounded up, R5); user B (unthrottled,
 ``B_RATE_TOKENS_PER_S``) sends one short request at a seeded instant in the middle of a
 throttled wait; one of A's streams is aborted at another such instant.
 
 Judgement (``judge``), from the observed wake-ups and dispatches only, with the spec
 limiter (``spec/limiter.py``) replaying the dispatches to know each user's ready time:
 (1) no spin, (2) no oversleep (each throttled user's next token within
-``LATENESS_TOLERANCE_NS`` of its ready time; no wait over ``R16_MAX_WAIT_NS``), (3) the new
-request is scheduled and the abort handled within ``WAKE_TOLERANCE_NS`` of their arrival.
+``LATENESS_TOLERANCE_NS`` of its ready time; no wait over ``R16_MAX_WAIT_NS``), (2c) no
+early wake (a wait on the input queue shorter than ``R16_MAX_WAIT_NS`` that timed out ends
+no earlier than the next ready time of a user with pending requests: the wait is for the
+earliest ready time, rounded up), (3) the new request is scheduled and the abort handled
+within ``WAKE_TOLERANCE_NS`` of their arrival.
 
 Async: an ``AsyncScheduler`` subclass runs with ``async_scheduling`` on, so vLLM's
 ``step_with_batch_queue`` (two batches in flight) drives it; vLLM's CPU platform turns
@@ -96,8 +101,14 @@ that finds everyone refused, and one at an interval's edge."""
 # -- the scenario -----------------------------------------------------------------------
 USER_A = "user-a"
 USER_B = "user-b"
-A_RATE_TOKENS_PER_S = 5
-"""User A's rate (the default rate): a token every 200 ms, one at a time (burst 100 ms)."""
+USER_C = "user-c"
+A_RATE_TOKENS_PER_S = 3
+"""User A's rate (the default rate): a token every 333.33... ms, one at a time (burst
+100 ms); the emission interval 10**9 / 3 ns is not whole, so A's ready times are not whole
+ns either and a ready time rounded down (R5) wakes the engine 1 ns early."""
+C_RATE_TOKENS_PER_S = 5
+"""User C's override: a token every 200 ms, one stream; C's ready times fall between A's,
+so an engine waiting for the latest ready time (not the earliest) wakes late for one."""
 A_STREAMS = 2
 A_MAX_TOKENS = 1_000
 """Large: A's streams never finish in the run (and within the tiny model's 2048 positions)."""
@@ -106,11 +117,13 @@ B_RATE_TOKENS_PER_S = 1000
 B_MAX_TOKENS = 4
 PROMPT_LEN = 4
 RUN_NS = 1_200 * MS
-"""Fake time (ns) the engine runs: six of A's 200 ms throttled intervals."""
+"""Fake time (ns) the engine runs: A's tokens at 0, 233.3, 566.7, 900 ms, C's every 200 ms
+from 100 ms on."""
 NEW_REQUEST_WINDOW_NS = (320 * MS, 480 * MS)
-"""B's request arrives at a seeded instant in here: inside A's throttled interval 300-500 ms."""
+"""B's request arrives at a seeded instant in here: after C's token at 300 ms, inside A's
+throttled interval 233-567 ms."""
 ABORT_WINDOW_NS = (720 * MS, 880 * MS)
-"""One of A's streams is aborted at a seeded instant in here (interval 700-900 ms)."""
+"""One of A's streams is aborted at a seeded instant in here (A's interval 567-900 ms)."""
 MODEL_STEP_NS = 200_000
 """Fake time (ns) one model step that computes tokens takes."""
 
@@ -154,7 +167,8 @@ class EngineWaitScenario:
 
     def output_rate(self) -> dict[str, Any]:
         """The ``output_rate`` section of ``EngineShape`` for this scenario."""
-        return {"default_tokens_per_s": A_RATE_TOKENS_PER_S, "user_tokens_per_s": {USER_B: B_RATE_TOKENS_PER_S}}
+        return {"default_tokens_per_s": A_RATE_TOKENS_PER_S,
+                "user_tokens_per_s": {USER_B: B_RATE_TOKENS_PER_S, USER_C: C_RATE_TOKENS_PER_S}}
 
 
 def engine_wait_scenario(seed: int = 0) -> EngineWaitScenario:
@@ -165,11 +179,12 @@ def engine_wait_scenario(seed: int = 0) -> EngineWaitScenario:
     t_new = rng.randrange(*NEW_REQUEST_WINDOW_NS)
     t_abort = rng.randrange(*ABORT_WINDOW_NS)
     inputs = [ScriptedInput(0, "add", f"a{i}", USER_A, A_MAX_TOKENS) for i in range(A_STREAMS)]
+    inputs.append(ScriptedInput(0, "add", "c0", USER_C, A_MAX_TOKENS))
     inputs.append(ScriptedInput(t_new, "add", "b0", USER_B, B_MAX_TOKENS))
     inputs.append(ScriptedInput(t_abort, "abort", f"a{A_STREAMS - 1}"))
     return EngineWaitScenario(
         inputs=tuple(sorted(inputs, key=lambda i: i.at_ns)),
-        rates={USER_A: A_RATE_TOKENS_PER_S, USER_B: B_RATE_TOKENS_PER_S},
+        rates={USER_A: A_RATE_TOKENS_PER_S, USER_B: B_RATE_TOKENS_PER_S, USER_C: C_RATE_TOKENS_PER_S},
         burst_ns=BURST_NS,
         run_ns=RUN_NS,
         new_request_id="b0",
@@ -190,7 +205,9 @@ class EngineWaitVerdict:
     between wake-ups while requests were pending; ``new_request_latency_ns`` /
     ``abort_latency_ns``: arrival to first scheduled / to the scheduler's
     ``finish_requests`` (None: never). ``plugins``: the general plugins allowed to load;
-    ``seconds``: real seconds of the run (a batch's time shared equally);
+    ``max_early_ns``: how long before the next ready time of a user with pending
+    requests a wait on the input queue, shorter than ``R16_MAX_WAIT_NS``, timed out (0:
+    never early); ``seconds``: real seconds of the run (a batch's time shared equally);
     ``engine_step``: the engine's step function (``step``, or ``step_with_batch_queue`` for
     async scheduling); ``over_grants``: sampling dispatches the spec limiter refuses (an R2
     matter, reported, not judged here); ``stopped_by``: what ended the run.
@@ -210,6 +227,8 @@ class EngineWaitVerdict:
     median_idle_gap_ns: int | None = None
     max_lateness_ns: int = 0
     lateness_detail: str = ""
+    max_early_ns: int = 0
+    early_detail: str = ""
     max_wait_ns: int = 0
     new_request_latency_ns: int | None = None
     abort_latency_ns: int | None = None
@@ -449,6 +468,7 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
     sampled_by_user: dict[str, list[int]] = {}
     dispatch_times: dict[str, list[int]] = {}  # request id -> instants of its sampling dispatches
     expectations: list[tuple[str, int, int]] = []  # (user, dispatch instant, ready instant)
+    replay_at: list[tuple[int, Any]] = [(-1, state)]  # (instant of a step, replay state after it)
     for s in productive:
         users_now = []
         for rid in s["sampled"]:
@@ -460,6 +480,7 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
             dispatch_times.setdefault(rid, []).append(s["t"])
             sampled_by_user.setdefault(user, []).append(s["t"])
             users_now.append(user)
+        replay_at.append((s["t"], state))
         for user in set(users_now):
             ready = limiter.ready_at_ns(state, user, scenario.burst_ns)
             if ready is not None and ready > s["t"]:
@@ -517,6 +538,30 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
         if k < len(starts) and starts[k] < b:
             verdict.max_wait_ns = max(verdict.max_wait_ns, b - a)
 
+    # (2c) early wake: a wait on the input queue that timed out before R16_MAX_WAIT_NS
+    # (so the wait hint, not the 50 ms cap, ended it) must not end before the earliest
+    # ready time (R5: rounded up) of the users with pending requests, from the replay at
+    # the wait's start (nothing is dispatched during a wait).
+    inputs_at = {i.at_ns for i in scenario.inputs}
+    replay_times = [t for t, _ in replay_at]
+    for w in obs["waits"]:
+        start, end, pending, kind = w[0], w[1], w[2], w[3]
+        if (kind != "input-queue" or not pending or not start < end < end_ns or end in inputs_at
+                or end - start >= R16_MAX_WAIT_NS):
+            continue
+        at = replay_at[bisect.bisect_right(replay_times, start) - 1][1]
+        readies = []
+        for user in scenario.rates:
+            if _has_demand(user, end, dispatch_times, user_of, max_tokens, arrivals, scenario.aborted_request_id,
+                           t_abort):
+                ready = limiter.ready_at_ns(at, user, scenario.burst_ns)
+                readies.append((start if ready is None else ready, user))
+        if readies and min(readies)[0] - end > verdict.max_early_ns:
+            ready, user = min(readies)
+            verdict.max_early_ns = ready - end
+            verdict.early_detail = (f"its wait on the input queue ended at {end} ns, {ready - end} ns before {user}'s "
+                                    f"ready time {ready} ns, with every user with pending requests still refused")
+
     # (3) new input wakes the engine.
     t_new = arrivals[scenario.new_request_id]
     first = next((s["t"] for s in steps if scenario.new_request_id in s["scheduled"]), None)
@@ -572,6 +617,11 @@ def _first_failure(v: EngineWaitVerdict, obs: dict) -> str | None:
         return (
             f"the engine overslept: one wait lasted {ms(v.max_wait_ns)} while requests were pending; the article's "
             f"engine re-checks at least every 50 ms"
+        )
+    if v.max_early_ns > 0:
+        return (
+            f"the engine woke early: {v.early_detail}; the article's engine waits until the earliest ready time of a "
+            f"throttled user (ready_at rounded up), at most 50 ms"
         )
     if v.new_request_latency_ns is None or v.new_request_latency_ns > WAKE_TOLERANCE_NS:
         when = "never" if v.new_request_latency_ns is None else f"only after {ms(v.new_request_latency_ns)}"

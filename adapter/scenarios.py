@@ -16,6 +16,13 @@ vLLM exposes is used, so any scheduler class can be judged):
   outputs, or ``eos_index + 1`` if its EOS came first.
 
 Ample sync scenarios also check R11 "kept resident" (no preemption) and R14 rotation.
+Ample async scenarios check the under-grant (P4) for the requests with a token left to
+dispatch (outputs plus in-flight placeholders below ``max_tokens``); a pressured scenario
+with ``ample_from_step`` (its author guarantees seats, budget and KV from that step on)
+checks it from that step. At should, R13 is judged black-box: under PRIORITY no victim
+above vLLM's victim level, under FCFS no victim granted for all its user's running
+requests while a throttled request the running loop already passed keeps its KV
+(``_Judge._fcfs_victim_check``: both timings of "throttled", the article's and ours).
 Scenarios with resource pressure (``pressured_scenarios``) are judged by the black-box
 checks that still hold under pressure plus the white-box invariants on the scheduler's
 observation (docs/OBSERVATION.md): charges minus refunds equal sampling dispatches (R7,

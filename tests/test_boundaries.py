@@ -162,3 +162,58 @@ def test_check_boundaries_row_lists_scenarios_and_names_the_failing_boundary(mon
     assert bad.result == "fail" and bad.failed_level == "must"
     assert "[must] R2:" in bad.failure and "(boundary scenario cleanup-tat-now+1ns@" in bad.failure
     assert bad.saved is not None and Path(bad.saved).exists()
+
+
+@pytest.mark.rules("R13")
+@pytest.mark.parametrize("rate", ["1", "5"])
+def test_r13_fcfs_throttled_victim_kills_vllms_own_victim_choice(rate):
+    # FCFS: U1 (refused) stands before V1 and V2 in `running`; V1's decode needs a block.
+    # vLLM alone preempts V2 (the last of `running`) while the throttled U1 keeps its KV.
+    scenario = _scenario("fcfs-throttled-victim", rate)
+    assert scenario.policy == "fcfs"
+    verdict = run_scenario("vllm_output_rate.adapter.mutants.ThrottledNotPreferredVictims", scenario, "should")
+    assert (verdict.rule, verdict.level) == ("R13", "should"), verdict
+    assert "preempted v-r1" in verdict.failure and "u-r0" in verdict.failure
+    assert run_scenario(REFERENCE_SCHEDULER, scenario, "should").failure is None
+    # Below should the victim is not judged.
+    assert run_scenario("vllm_output_rate.adapter.mutants.ThrottledNotPreferredVictims", scenario, "must").failure \
+        is None
+
+
+@pytest.mark.rules("R13")
+def test_r13_priority_variant_puts_the_throttled_request_above_the_victim_level():
+    scenario = _scenario("priority-throttled-victim-above", "5")
+    priority = {r.request_id: r.priority for r in scenario.requests}
+    assert scenario.policy == "priority" and priority == {"u-r0": 0, "v-r0": 1, "v-r1": 1}
+    for async_mode, cls in ((False, REFERENCE_SCHEDULER), (True, REFERENCE_ASYNC_SCHEDULER)):
+        assert run_scenario(cls, _scenario("priority-throttled-victim-above", "5", async_mode), "should").failure \
+            is None
+
+
+@pytest.mark.rules("R9")
+@pytest.mark.parametrize("name", ["charged-then-preempted", "charged-then-alloc-failure"])
+def test_r9_kept_charge_is_an_under_grant_once_the_pressure_is_gone(name):
+    # The scenario is not ample (3-4 KV blocks), but from ``ample_from_step`` on only B is
+    # left: a charge kept although its request was not dispatched (no R9 refund) then
+    # refuses B where the GCRA grants it.
+    boundary = next(b for b in boundaries.BOUNDARIES if b.name == name)
+    for rate in boundary.rates(True)[:2]:
+        scenario = _scenario(name, rate)
+        assert not scenario.ample and scenario.ample_from_step is not None
+        verdict = run_scenario("vllm_output_rate.adapter.mutants.NoRefund", scenario, "must")
+        assert (verdict.rule, verdict.level) == ("R11", "must"), verdict
+        assert "under-grant" in verdict.failure and verdict.step >= scenario.ample_from_step
+        assert run_scenario(REFERENCE_SCHEDULER, scenario, "should").failure is None
+
+
+def test_ample_from_step_survives_json_and_old_files_default_to_none():
+    from vllm_output_rate.adapter.scenarios import Scenario
+
+    scenario = _scenario("charged-then-preempted", "5")
+    assert Scenario.from_json(scenario.to_json()) == scenario
+    import json
+
+    data = json.loads(scenario.to_json())
+    del data["ample_from_step"]  # a counterexample saved before the field existed
+    assert Scenario.from_json(json.dumps(data)).ample_from_step is None
+    assert scenario.ample_at(scenario.ample_from_step) and not scenario.ample_at(scenario.ample_from_step - 1)

@@ -9,6 +9,9 @@ module costs one engine-core import plus about a second per candidate:
 - the reference without its plugin (``VLLM_PLUGINS`` empty) is stock vLLM's 1 ms idle loop:
   it fails with "spun";
 - a reference whose wait hint is ``LATE_NS`` late fails with "overslept";
+- a reference whose wait hint is 1 ns early (``ready_at`` rounded down, R5) fails with
+  "woke early"; one whose hint is the latest ready time of the refused users instead of
+  the earliest oversleeps for the other throttled user;
 - a candidate that sleeps inside ``schedule()`` (the article's rejected first idea) neither
   spins nor oversleeps, but a request arriving mid-sleep waits: it fails on the new request;
 - stock vLLM (no rate limit) throttles nobody: the wait cannot be judged, which is a failure.
@@ -37,6 +40,14 @@ class LateHintScheduler(RateLimitedScheduler):
         return None if hint is None else hint + LATE_NS
 
 
+class EarlyHintScheduler(RateLimitedScheduler):
+    """The reference, but its R16 wait hint is 1 ns before the real ready time."""
+
+    def next_ready_ns(self):
+        hint = super().next_ready_ns()
+        return None if hint is None else hint - 1
+
+
 class SleepInScheduleScheduler(RateLimitedScheduler):
     """The reference, but when a step schedules nothing it sleeps inside ``schedule()``
     until the next ready time (at most 50 ms) -- the engine cannot see input meanwhile."""
@@ -55,6 +66,9 @@ CANDIDATES = {
     "reference-async": (REFERENCE_ASYNC_SCHEDULER, None),
     "no-plugin": (REFERENCE_SCHEDULER, []),
     "late-hint": (f"{HERE}.LateHintScheduler", None),
+    "early-hint": (f"{HERE}.EarlyHintScheduler", None),
+    "rounded-down": ("vllm_output_rate.adapter.mutants.ReadyAtRoundedDown", None),
+    "latest-hint": ("vllm_output_rate.adapter.mutants.WaitHintFromLatestUser", None),
     "sleep-in-schedule": (f"{HERE}.SleepInScheduleScheduler", []),
     "stock": (STOCK_SCHEDULER, None),
 }
@@ -76,9 +90,10 @@ def test_reference_passes(verdicts):
     assert v.idle_wakeups * 20 * MS < v.throttled_ns
     assert v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
     assert v.max_wait_ns <= ew.R16_MAX_WAIT_NS + ew.LATENESS_TOLERANCE_NS
-    # A at 5 tok/s, burst 100 ms, over 1.2 s: tokens at 0, 100, 300, ..., 1100 ms.
-    assert v.tokens[ew.USER_A] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
-    assert v.over_grants == 0
+    # A at 3 tok/s (burst 100 ms, one token at a time) over 1.2 s: tokens at 0, 233.3,
+    # 566.7, 900 ms; C at 5 tok/s: 0, 100, 300, ..., 1100 ms. Never woken early.
+    assert v.tokens[ew.USER_A] == 4 and v.tokens[ew.USER_C] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
+    assert v.over_grants == 0 and v.max_early_ns == 0
 
 
 def test_async_reference_passes_through_the_batch_queue(verdicts):
@@ -86,7 +101,8 @@ def test_async_reference_passes_through_the_batch_queue(verdicts):
     assert v.async_mode and v.engine_step == "step_with_batch_queue"
     assert v.failure is None, (v.failure, v.error)
     assert 0 < v.idle_wakeups <= v.allowed_idle_wakeups
-    assert v.tokens[ew.USER_A] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
+    assert v.tokens[ew.USER_A] == 4 and v.tokens[ew.USER_C] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
+    assert v.max_early_ns == 0
 
 
 def test_new_input_wakes_the_reference_at_once(verdicts):
@@ -109,6 +125,21 @@ def test_a_late_wait_hint_oversleeps(verdicts):
     v = verdicts["late-hint"]
     assert v.failure is not None and "overslept" in v.failure, v.failure
     assert LATE_NS - ew.LATENESS_TOLERANCE_NS <= v.max_lateness_ns <= LATE_NS + ew.LATENESS_TOLERANCE_NS
+
+
+@pytest.mark.parametrize("name", ["early-hint", "rounded-down"])
+def test_a_wait_hint_before_the_ready_time_wakes_early(verdicts, name):
+    # A's ready times are not whole ns (3 tok/s): a hint rounded down ends the wait 1 ns
+    # early, within the lateness tolerance (one stock 1 ms sleep) but not at the ready time.
+    v = verdicts[name]
+    assert v.failure is not None and "woke early" in v.failure, v.failure
+    assert v.max_early_ns == 1 and v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+
+
+def test_a_wait_hint_of_the_latest_refused_user_oversleeps_for_the_other(verdicts):
+    v = verdicts["latest-hint"]
+    assert v.failure is not None and "overslept" in v.failure, v.failure
+    assert v.max_lateness_ns > ew.LATENESS_TOLERANCE_NS
 
 
 def test_sleeping_inside_schedule_misses_new_requests(verdicts):

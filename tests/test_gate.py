@@ -73,6 +73,26 @@ def test_r2_window_bound_hand_computed_single_stream():
     assert verdict.steps == 61
 
 
+@pytest.mark.rules("R7", "R8")
+def test_async_under_grant_is_judged_for_requests_with_a_token_to_dispatch():
+    # Ample, async: a at 10 tok/s (tau 100 ms: 2 grants from idle), one stream, a step
+    # every 100 ms; the GCRA grants every step. A candidate that charges a decode twice
+    # when its previous step is in flight (TwoChargesInAsync) is refused every other step:
+    # an under-grant, judged in async too (the last token in flight is not demand: V3).
+    scenario = Scenario(
+        rates_tokens_per_s={"a": "10"},
+        requests=(RequestSpec("a0", "a", prompt_len=4, max_tokens=8),),
+        step_interval_ns=100_000_000,
+        num_steps=12,
+        async_scheduling=True,
+    )
+    verdict = run_scenario("vllm_output_rate.adapter.mutants.TwoChargesInAsync", scenario, "must")
+    assert (verdict.rule, verdict.level) == ("R11", "must"), verdict
+    assert "under-grant" in verdict.failure
+    ok = run_scenario(REFERENCE_ASYNC_SCHEDULER, scenario, "exact")
+    assert ok.failure is None and ok.sampled_per_user == {"a": 8}
+
+
 def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     out = tmp_path / "conform.json"

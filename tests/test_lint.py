@@ -37,5 +37,5 @@ def test_make_test_runs_ruff_before_pytest() -> None:
     dry = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
     lines = dry.splitlines()
     ruff = next(i for i, line in enumerate(lines) if "-m ruff check" in line)
-    pytest = next(i for i, line in enumerate(lines) if "-m pytest" in line)
-    assert ruff < pytest
+    first_pytest = next(i for i, line in enumerate(lines) if "-m pytest" in line)
+    assert ruff < first_pytest

@@ -185,3 +185,40 @@ def test_r9_counterexample_of_a_mutant_replays_from_json():
     assert again == scenario
     assert run_scenario(mutant.cls, again, "should").failure is not None
     assert run_scenario(mutant.base_cls, again, "should").failure is None
+
+
+# -- levels: a slip that is a defect only at exact is not hunted below it --------------------------
+EXACT_ONLY = {"HeadOfLineBlocking", "ChargePromptChunks"}
+
+
+def test_mutants_that_are_correct_below_exact_are_not_hunted_there():
+    assert {m.name for m in CATALOGUE if m.level == "exact"} == EXACT_ONLY
+    for name in EXACT_ONLY:
+        mutant = BY_NAME[name]
+        assert "level exact" in (mutant.load().__doc__ or ""), name
+        for level in ("must", "should"):
+            row = kill(mutant, level, "ci", seed=0)
+            assert not row.killed and not row.survived and row.checks_run == 0
+            assert row.not_judged == "not a defect below exact"
+            assert row.as_json()["not_judged"] == "not a defect below exact"
+    assert all(m.level == "must" for m in CATALOGUE if m.name not in EXACT_ONLY)
+
+
+@pytest.mark.rules("R13")
+def test_r13_priority_variant_boundary_kills_a_throttled_victim_taken_across_levels():
+    # U1 (refused, priority 0) above V1, V2 (priority 1): vLLM's victim level is 1; the
+    # article prefers throttled victims only within it, the slip at any level.
+    from vllm_output_rate.adapter import boundaries
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+
+    mutant, style = BY_NAME["ArticleVictimAcrossPriorities"], parse_config_style("engine-args")
+    for async_mode in (False, True):
+        scenario = boundaries._solved("priority-throttled-victim-above", "5", async_mode, 0)
+        cls, base = ((mutant.async_cls, mutant.base_async_cls) if async_mode else (mutant.cls, mutant.base_cls))
+        verdict = run_scenario(cls, scenario, "should", style)
+        assert (verdict.rule, verdict.level) == ("R13", "should"), verdict
+        assert "preempted u-r0 (priority 0)" in verdict.failure
+        assert run_scenario(base, scenario, "should", style).failure is None
+        assert run_scenario(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, scenario,
+                            "should").failure is None
