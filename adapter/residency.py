@@ -1,4 +1,4 @@
-"""R20 for any candidate: fair residency, black-box (gate rows ``fair-residency/{sync,async}``, level should).
+"""R20 for any candidate: fair residency, black-box (gate rows ``fair-residency/{sync,async}``, level exact).
 
 The flood of issue 13: one user ("flood", a slow rate, throttled most steps) opens more
 streams than the engine has resident slots (``max_num_seqs`` M); another user ("other",
@@ -125,7 +125,7 @@ class _Books:
 
 
 def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = None) -> ResidencyVerdict:
-    """R20 (level should) on one flood scenario (module docstring)."""
+    """R20 (level exact) on one flood scenario (module docstring)."""
     from vllm_output_rate.adapter.fidelity import engine_shape
     from vllm_output_rate.adapter.harness import Harness
 
@@ -215,14 +215,14 @@ def style_has_residency_cap(style: Any) -> bool:
 
 def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
                     save_dir: Path | None, style: Any = None):
-    """R20 (level should): ``run_residency`` on ``examples`` seeded flood scenarios; a
+    """R20 (level exact): ``run_residency`` on ``examples`` seeded flood scenarios; a
     failure is shrunk by Hypothesis and saved. Returns the ``CheckResult`` row
     ``fair-residency/{sync,async}``."""
     from vllm_output_rate.adapter.conform import CheckResult, _hunt, _reraise_gate_error, _save_counterexample
     from vllm_output_rate.adapter.scenarios import Verdict
 
     name = "fair-residency/" + ("async" if async_mode else "sync")
-    result = CheckResult(name, ["R20"], level="should")
+    result = CheckResult(name, ["R20"], level="exact")
     if not style_has_residency_cap(style):
         result.result = "not tested"
         result.failure = ("the candidate's configuration style has no per-user residency cap "
@@ -237,7 +237,7 @@ def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: i
             return Verdict(0, f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash",
                            None, level="must")
         return Verdict(verdict.steps, verdict.failure, "R20" if verdict.failure else None, verdict.step,
-                       level="should" if verdict.failure else None)
+                       level="exact" if verdict.failure else None)
 
     failed = _hunt(result, flood_scenarios(async_mode), run, examples, seed, tick)
     if failed is not None:

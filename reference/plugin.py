@@ -17,6 +17,10 @@ wraps a vLLM function -- it calls the original, it never replaces vLLM logic:
   decoding, DP/PP > 1, connectors, ...) stops ``vllm serve`` / ``LLM()`` before the
   engine core is spawned, with the message as the last line of the traceback (instead of
   "Engine core initialization failed" with the cause in the engine-core log).
+- Worker spin (R16, worker side): with the feature on, the same wrapper sets
+  ``VLLM_OUTPUT_RATE_READER_SPIN_MS`` (2) for the processes spawned after it, where
+  ``SpinCondition.wait`` (vLLM's shared-memory queue reader) is wrapped to cap its busy-loop
+  window at that many milliseconds instead of 1 s (``READER_SPIN_ENV``).
 - Metrics (``reference/metrics.py``): with the feature on, the same wrapper puts a private
   snapshot directory into ``VLLM_OUTPUT_RATE_METRICS_DIR`` before the engine core is
   spawned, so the engine core writes its per-second snapshot there and the API server's
@@ -43,6 +47,7 @@ Source: semantics.md R16, R17, "Configuration"; seed article, identity and valid
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -60,6 +65,16 @@ from vllm_output_rate.reference.config import (
 # R16: the engine core re-checks at least this often even when no user becomes ready sooner
 # (bounds the delay of anything the wait cannot see, e.g. a grammar compiled in the background).
 MAX_ENGINE_WAIT_NS = 50_000_000
+# R16, worker side (docs/PERFORMANCE.md "Idle cost"): vLLM 0.32's shared-memory message
+# queue lets a reader (the multiproc executor's worker waiting for the next RPC) spin with
+# sched_yield for 1 s after each message before it parks on its zmq notify socket. While
+# every user is throttled the engine core sends an (empty) execute_model RPC at least every
+# 50 ms, so the worker never parks: 100% of a core. With the feature on, the front end sets
+# this variable (milliseconds) before the engine core is spawned, and the engine core and
+# its workers cap a reader's spin window at it; the writer notifies on every enqueue, so a
+# parked reader wakes at once. Operators may set it themselves (1000 restores vLLM's window).
+READER_SPIN_ENV = "VLLM_OUTPUT_RATE_READER_SPIN_MS"
+DEFAULT_READER_SPIN_MS = 2
 
 BEAM_SEARCH_REFUSED = (
     "beam search is not supported while per-user output-rate limiting is on "
@@ -109,6 +124,7 @@ def register() -> None:
     _remember(_install_cli_duplicate_check, EngineArgs, "add_cli_args")
     _install_beam_search_refusal()
     _install_engine_wait()
+    _install_reader_spin_cap()
     _REGISTERED = True
 
 
@@ -157,6 +173,8 @@ def _install_startup_check() -> None:
             from vllm_output_rate.reference.metrics import ensure_metrics_dir
 
             ensure_metrics_dir()
+            # R16, worker side: the engine core and its workers inherit the spin cap.
+            os.environ.setdefault(READER_SPIN_ENV, str(DEFAULT_READER_SPIN_MS))
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
@@ -371,3 +389,44 @@ def _install_engine_wait() -> None:
         return model_executed
 
     EngineCoreProc._process_engine_step = _process_engine_step
+
+
+# -- R16, worker side: a shared-memory queue reader does not spin for a whole second --------
+def reader_spin_cap_s() -> float | None:
+    """The reader spin-window cap in seconds from ``VLLM_OUTPUT_RATE_READER_SPIN_MS``
+    (None: unset, or not a number >= 0: vLLM's own 1 s window stays)."""
+    text = os.environ.get(READER_SPIN_ENV)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value / 1000 if value >= 0 else None
+
+
+def _install_reader_spin_cap() -> None:
+    """Wrap ``SpinCondition.wait`` (vLLM's shm message-queue reader wait) when the cap is
+    set (the engine core and workers of a server with the feature on): before vLLM's own
+    wait runs, the reader's busy-loop window is capped at ``reader_spin_cap_s()``. vLLM's
+    logic is unchanged: within the window it yields and re-checks the buffer; after it, it
+    parks on the notify socket that every enqueue pings (and re-checks every 5 s)."""
+    cap = reader_spin_cap_s()
+    if cap is None:
+        return  # feature off (R18) or this is the front end: vLLM's window
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:  # another vLLM layout: nothing to cap
+        return
+    original = SpinCondition.wait
+    if getattr(original, "_output_rate_cap", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def wait(self, timeout_ms: int | None = None) -> None:
+        if self.busy_loop_s > cap:
+            self.busy_loop_s = cap
+        return original(self, timeout_ms)
+
+    wait._output_rate_cap = cap
+    SpinCondition.wait = wait

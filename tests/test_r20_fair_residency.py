@@ -156,7 +156,7 @@ def test_r20_gate_passes_the_reference_and_rejects_the_ignored_cap(monkeypatch):
         assert result.result == "pass", result.failure
     for cls, async_mode in (("r20_candidates.NoResidencyCap", False), ("r20_candidates.NoResidencyCapAsync", True)):
         result = check_residency(cls, async_mode, 20, seed=0, tick=_noop, save_dir=None)
-        assert result.result == "fail" and result.failure.startswith("[should] R20"), result.failure
+        assert result.result == "fail" and result.failure.startswith("[exact] R20"), result.failure
 
 
 @pytest.mark.rules("R20")
@@ -169,14 +169,16 @@ def test_r20_gate_not_tested_for_a_style_without_the_cap():
 
 
 @pytest.mark.rules("R20")
-def test_r20_registered_at_level_should():
+def test_r20_registered_at_level_exact():
+    """R20 is this project's extension (the article has no per-user cap): it never decides an
+    article-style candidate's must/should verdict."""
     specs = {s.name: s for s in registry.registry()}
     for mode in ("sync", "async"):
         check = specs[f"fair-residency/{mode}"]
-        assert (check.part, check.level, check.rules) == ("candidate", "should", ("R20",))
+        assert (check.part, check.level, check.rules) == ("candidate", "exact", ("R20",))
     names = {lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE, "x.Y", level=lvl))]
-             for lvl in ("must", "should")}
-    assert "fair-residency/sync" in names["should"] and "fair-residency/sync" not in names["must"]
+             for lvl in ("should", "exact")}
+    assert "fair-residency/sync" in names["exact"] and "fair-residency/sync" not in names["should"]
 
 
 # -- configuration -----------------------------------------------------------------------
