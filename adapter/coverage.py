@@ -44,7 +44,7 @@ RULE_OBLIGATIONS: tuple[tuple[str, str, str], ...] = (
     ("R8 dispatched after its final token (async)", "R8", "async"),
     ("R9 charge refunded at the end of the step", "R9", "any"),
     ("R10 refused prefill advanced to n-1", "R10", "any"),
-    ("R10 refused waiting request skipped, a later one admitted", "R10", "any"),
+    ("R10 refused waiting request ahead of another waiting request", "R10", "any"),
     ("R10 no chunked prefill: a refused prompt waits whole", "R10", "any"),
     ("R11 throttled request kept resident", "R11", "any"),
     ("R12 active cap binds", "R12", "any"),
@@ -245,9 +245,12 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
             if rid not in scheduled and user in refused and rid not in trace.preempted:
                 note(judge, "R11 throttled request kept resident")
             continue
+        if blocked_first and user not in refused:
+            # The situation R10 is about, whatever the outcome: the spec admits the later
+            # request; the article's charge-point placement may hold it for this step (an open
+            # choice, docs/SPEC.md "What the article leaves open").
+            note(judge, "R10 refused waiting request ahead of another waiting request")
         if rid in scheduled:
-            if blocked_first and rid in admitted:
-                note(judge, "R10 refused waiting request skipped, a later one admitted")
             continue
         if user in refused:
             blocked_first = True
