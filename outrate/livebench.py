@@ -22,9 +22,11 @@ without the engine-wait plugin). The model is the project's tiny decoder
   almost all of the run is spent with every request throttled; ``users`` x
   ``streams_per_user`` streams of ``tokens`` tokens. Reported: the CPU time of the
   engine-core process (psutil: user + system) over the wall time of the ``generate`` call,
-  in percent of one core. With the plugin, the engine core waits on its input queue until
+  in percent of one core, and of the engine core plus its worker (``engine_and_workers_cpu_percent``).
+  With the plugin, the engine core waits on its input queue until
   the earliest user is ready (R16); without it (``VLLM_PLUGINS=""``), vLLM's own idle loop
-  polls every millisecond.
+  polls every millisecond; and the worker's shared-memory queue reader spins at most 2 ms
+  after each RPC instead of 1 s (``plugin.READER_SPIN_ENV``; docs/PERFORMANCE.md "Idle cost").
 
 Source: semantics.md R16; docs/PERFORMANCE.md "Live engine".
 """
@@ -194,6 +196,8 @@ def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
     per_user = cfg["streams_per_user"] * cfg["tokens"]
     return {
         "engine_cpu_percent": 100 * (busy1["engine_core"] - idle1["engine_core"]) / wall,
+        # Issue 15 item 6: the engine core plus its worker(s), the cost of an all-throttled engine.
+        "engine_and_workers_cpu_percent": 100 * sum(busy1[r] - idle1[r] for r in procs if r != "front_end") / wall,
         "cpu_percent": {role: 100 * (busy1[role] - idle1[role]) / wall for role in procs},
         "idle_cpu_percent": {role: 100 * (idle1[role] - idle0[role]) / idle_s for role in procs},
         "wall_s": wall,

@@ -71,10 +71,11 @@ MAX_ENGINE_WAIT_NS = 50_000_000
 # every user is throttled the engine core sends an (empty) execute_model RPC at least every
 # 50 ms, so the worker never parks: 100% of a core. With the feature on, the front end sets
 # this variable (milliseconds) before the engine core is spawned, and the engine core and
-# its workers cap a reader's spin window at it; the writer notifies on every enqueue, so a
+# its workers (``VllmWorker-*`` processes only) cap a reader's spin window at it; the writer notifies on every enqueue, so a
 # parked reader wakes at once. Operators may set it themselves (1000 restores vLLM's window).
 READER_SPIN_ENV = "VLLM_OUTPUT_RATE_READER_SPIN_MS"
 DEFAULT_READER_SPIN_MS = 2
+WORKER_PROCESS_PREFIX = "VllmWorker"  # vLLM 0.32's multiproc executor names its workers VllmWorker-<rank>
 
 BEAM_SEARCH_REFUSED = (
     "beam search is not supported while per-user output-rate limiting is on "
@@ -414,6 +415,10 @@ def _install_reader_spin_cap() -> None:
     cap = reader_spin_cap_s()
     if cap is None:
         return  # feature off (R18) or this is the front end: vLLM's window
+    import multiprocessing
+
+    if not multiprocessing.current_process().name.startswith(WORKER_PROCESS_PREFIX):
+        return  # only the worker's RPC reader: the engine core's response reader keeps vLLM's window
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:  # another vLLM layout: nothing to cap
