@@ -85,15 +85,12 @@ SNAPSHOT_VERSION = 1
 def ensure_metrics_dir() -> str:
     """Make sure the engine core will know where to write (front end, before the spawn).
 
-    Returns the directory: ``VLLM_OUTPUT_RATE_METRICS_DIR`` if already set, else a new
-    private temporary directory (removed at exit) put into it, with this process's pid in
-    ``VLLM_OUTPUT_RATE_METRICS_OWNER``.
+    Returns a new private temporary directory (removed at exit), put into
+    ``VLLM_OUTPUT_RATE_METRICS_DIR`` with this process's pid in
+    ``VLLM_OUTPUT_RATE_METRICS_OWNER``. A new one for every engine this front end builds:
+    a directory inherited from a parent process, or left by an earlier engine of this
+    process, holds snapshots of other engines, which /metrics must not show.
     """
-    directory = os.environ.get(ENV_DIR)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-        os.environ.setdefault(ENV_OWNER, str(os.getpid()))
-        return directory
     directory = tempfile.mkdtemp(prefix="outrate-metrics-")
     os.environ[ENV_DIR] = directory
     os.environ[ENV_OWNER] = str(os.getpid())

@@ -158,13 +158,17 @@ def test_no_recorder_without_the_variable_or_in_the_owner_process(monkeypatch, t
     assert metrics.MetricsRecorder.from_env(config) is not None
 
 
-def test_ensure_metrics_dir_sets_a_private_directory_once(monkeypatch):
-    monkeypatch.delenv(metrics.ENV_DIR, raising=False)
-    monkeypatch.delenv(metrics.ENV_OWNER, raising=False)
+def test_ensure_metrics_dir_sets_a_new_private_directory_per_engine(monkeypatch, tmp_path):
+    # A directory inherited from a parent process (a test runner that built an engine
+    # before starting `vllm serve`) holds another engine's snapshots: never reused.
+    monkeypatch.setenv(metrics.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(metrics.ENV_OWNER, "1")
     directory = metrics.ensure_metrics_dir()
+    assert directory != str(tmp_path)
     assert os.environ[metrics.ENV_DIR] == directory and os.environ[metrics.ENV_OWNER] == str(os.getpid())
     assert os.stat(directory).st_mode & 0o777 == 0o700
-    assert metrics.ensure_metrics_dir() == directory
+    again = metrics.ensure_metrics_dir()
+    assert again != directory and os.environ[metrics.ENV_DIR] == again
 
 
 def test_stat_logger_plugin_is_a_vllm_stat_logger_registered_by_entry_point():
