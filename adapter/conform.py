@@ -374,6 +374,7 @@ OPEN_CHOICES = (
     ("tat_ns", "the burst and fractional rates (R2)"),
     ("charged", "where a waiting request's user is checked (R10)"),
     ("throttled", "which requests are recorded as throttled (R11, R13)"),
+    ("scheduled", "where a waiting request's user is checked (R10), or the order of a user's streams (R14)"),
 )
 
 
