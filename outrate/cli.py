@@ -195,7 +195,11 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
 
         reports.markdown(markdown_path, header, checks_json, mutant_rows, _budget(profile))
     console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started), soft_wrap=True)
-    sys.exit(code)
+    # Exit without interpreter teardown: Z3's context destructors (boundary scenarios) were
+    # seen to hang at exit on a loaded machine after the verdict was printed and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _budget(profile: str) -> dict:
