@@ -106,13 +106,18 @@ def run_shadow(scheduler_cls: str, scenario: Scenario) -> Verdict:
     if difference is None:
         return Verdict(steps, None)
     step, field, got, want = difference
-    name = scheduler_cls.rpartition(".")[2]
-    stock = base_class(scenario.async_scheduling).rpartition(".")[2]
-    where = f"at step {step}" if step is not None else "by the end"
+    name, stock, where = difference_names(scheduler_cls, scenario.async_scheduling, step)
     return Verdict(steps, f"in shadow mode (output_rate.shadow: true), {name} scheduled {where} {field} {got!r} "
                    f"where stock vLLM {stock} has {want!r}: shadow mode counts what it would throttle and "
                    "throttles nothing, so its schedule is the base class's step for step",
                    "shadow", step, level="exact")
+
+
+def difference_names(scheduler_cls: str, async_mode: bool, step: int | None) -> tuple[str, str, str]:
+    """(candidate class name, stock class name, "at step N" / "by the end") for the messages
+    of the side-by-side checks (R18, R19, shadow mode)."""
+    stock = base_class(async_mode).rpartition(".")[2]
+    return scheduler_cls.rpartition(".")[2], stock, f"at step {step}" if step is not None else "by the end"
 
 
 def check_shadow(scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int,

@@ -24,7 +24,7 @@ from typing import Callable
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter.feature_off import base_class, first_difference
+from vllm_output_rate.adapter.feature_off import difference_names, first_difference
 from vllm_output_rate.adapter.scenarios import (
     STEP_INTERVALS_NS,
     RequestSpec,
@@ -111,9 +111,7 @@ def run_not_binding(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
     if difference is None:
         return Verdict(steps, None)
     step, field, got, want = difference
-    name = scheduler_cls.rpartition(".")[2]
-    stock = base_class(scenario.async_scheduling).rpartition(".")[2]
-    where = f"at step {step}" if step is not None else "by the end"
+    name, stock, where = difference_names(scheduler_cls, scenario.async_scheduling, step)
     return Verdict(steps, (
         f"with no user throttled (every rate {NEVER_BINDING_RATE} tokens/s), {name} scheduled {where} "
         f"{field} {got!r} where stock vLLM {stock} has {want!r}: a rate limit that does not bind must not "
