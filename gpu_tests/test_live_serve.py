@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from live_server import free_port, log_tail, shutdown
 
 from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
 from vllm_output_rate.adapter.tinymodel import write_config
@@ -50,30 +49,6 @@ READY_TIMEOUT_S = 120
 CLIENT_SPAN_SLACK_S = 0.25
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
-
-def _shutdown(proc: subprocess.Popen) -> None:
-    """Stop the server's process group (API server, engine core, worker): TERM, then KILL."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """The server's directory: model, log and the engine trace (``trace.jsonl``)."""
@@ -85,7 +60,7 @@ def server(work):
     import httpx
 
     model = write_config(work / "model", tokenizer=True)
-    port = _free_port()
+    port = free_port()
     log_path = work / "serve.log"
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="WARNING")
@@ -108,9 +83,9 @@ def server(work):
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"outrate serve exited with {proc.returncode}:\n{_log_tail(log_path)}")
+                pytest.fail(f"outrate serve exited with {proc.returncode}:\n{log_tail(log_path)}")
             if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{_log_tail(log_path)}")
+                pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{log_tail(log_path)}")
             try:
                 if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                     break
@@ -119,7 +94,7 @@ def server(work):
             time.sleep(1)
         yield base_url
     finally:
-        _shutdown(proc)
+        shutdown(proc)
 
 
 @pytest.mark.rules("R2")
