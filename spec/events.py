@@ -13,6 +13,7 @@ shortage) are ordinary events or consequences of them, never hidden randomness.
 | ``AdvanceClock`` | ``advance`` | the monotonic clock moves forward (R16: the only time source) |
 | ``Step`` | ``step`` | one scheduling cycle and the model output (see below) |
 | ``Drain`` | ``drain`` | async only: deliver the output in flight, schedule nothing |
+| ``ChangeRates`` | ``change_rates`` | R21: the operator replaces the rate table; it takes effect at the start of the next ``schedule()``, at that cycle's clock reading |
 
 ``Step``: in sync mode, ``schedule()`` and then ``update_from_output()`` of that same
 step. In async mode (``AsyncScheduler``, one step in flight), ``schedule()`` of step N+1
@@ -26,6 +27,7 @@ iff ``k == eos_index``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Union
 
 # Bounds on one event's values (TigerBeetle style: everything has a limit).
@@ -106,5 +108,38 @@ class Drain:
         return "drain"
 
 
-Event = Union[AddRequest, Abort, AdvanceClock, Step, Drain]
-EVENT_TYPES = (AddRequest, Abort, AdvanceClock, Step, Drain)
+@dataclass(frozen=True)
+class ChangeRates:
+    """R21: the rate table is replaced without a restart (the reference's ``rates_file``).
+
+    ``default_rate_tokens_per_s``: the new default (an exact decimal or ``p/q`` string,
+    tokens/s, > 0); ``user_rates_tokens_per_s``: the new overrides as ``(user, rate)``
+    pairs (a user left out moves to the default). The change is applied at the start of
+    the next ``Step``'s ``schedule()``, at that cycle's one clock reading (R16), never in
+    the middle of one; of several changes before one ``Step`` the last one counts. Only
+    with the feature on: a change can neither turn the feature on nor off (R18).
+    """
+
+    default_rate_tokens_per_s: str
+    user_rates_tokens_per_s: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "user_rates_tokens_per_s",
+                           tuple((str(u), str(r)) for u, r in self.user_rates_tokens_per_s))
+        rates = [self.default_rate_tokens_per_s] + [r for _, r in self.user_rates_tokens_per_s]
+        assert all(Fraction(r) > 0 for r in rates), f"R21: rates must be positive, got {rates}"
+        users = [u for u, _ in self.user_rates_tokens_per_s]
+        assert all(users) and len(set(users)) == len(users), f"R21: bad or repeated users {users}"
+
+    def rates(self) -> tuple[Fraction, tuple[tuple[str, Fraction], ...]]:
+        """``(default, overrides)`` as exact Fractions."""
+        return (Fraction(self.default_rate_tokens_per_s),
+                tuple((u, Fraction(r)) for u, r in self.user_rates_tokens_per_s))
+
+    def __str__(self) -> str:
+        users = " ".join(f"{u}={r}" for u, r in self.user_rates_tokens_per_s)
+        return f"rates default={self.default_rate_tokens_per_s}" + (f" {users}" if users else "")
+
+
+Event = Union[AddRequest, Abort, AdvanceClock, Step, Drain, ChangeRates]
+EVENT_TYPES = (AddRequest, Abort, AdvanceClock, Step, Drain, ChangeRates)

@@ -142,6 +142,22 @@ class DispatchHistory:
         rest = tuple((u, t) for u, t in self.ledger_tat_ns if u != user)
         return replace(self, ledger_tat_ns=rest + ((user, new_tat),))
 
+    def rerate(self, old_rate_of, new_rate_of, now_ns: int) -> "DispatchHistory":
+        """R21: the rate table changed at ``now_ns``. I13: each changed user's ledger TAT is
+        rescaled as the limiter's is (``limiter.rescaled_tat_ns``). I7: a changed user's
+        window history restarts, since I7 judges one rate; windows across the change are
+        R21's piecewise bound (Z3 ``r21_window_bound_across_change``, gate ``rate-change/*``),
+        and every window from the change on holds R2's bound at the new rate."""
+        changed = {u for u, _ in self.times_ns + self.ledger_tat_ns if old_rate_of(u) != new_rate_of(u)}
+        ledger = []
+        for user, tat in self.ledger_tat_ns:
+            if user in changed:
+                tat = spec_limiter.rescaled_tat_ns(tat, old_rate_of(user), new_rate_of(user), now_ns)
+            if tat is not None:
+                ledger.append((user, tat))
+        times = tuple((u, t) for u, t in self.times_ns if u not in changed)
+        return replace(self, times_ns=times, ledger_tat_ns=tuple(ledger))
+
     def add(self, user: str, now_ns: int) -> "DispatchHistory":
         times = (self.of(user) + (now_ns,))[-MAX_HISTORY_PER_USER:]
         rest = tuple((u, t) for u, t in self.times_ns if u != user)
@@ -425,12 +441,17 @@ def check(
 
 def advance_history(history: DispatchHistory, before: SchedulerState, obs: Observation) -> DispatchHistory:
     """I7, I13: record the step's sampling dispatches at the step's instant (and, with the
-    feature on, replay them into the ledger)."""
+    feature on, replay them into the ledger). R21: a rate change the step applied first
+    rescales the ledger at the step's instant, and the step's dispatches use the new rates."""
+    config = before.config
+    if config.rate_limited and before.pending_rates is not None and obs.event == "step":
+        config = config.with_rates(*before.pending_rates)
+        history = history.rerate(before.config.rate_of, config.rate_of, obs.now_ns)
     for rid in obs.sampled:
         request = find(before, rid)
         assert request is not None, f"{rid} sampled without being live"
         history = history.add(request.user, obs.now_ns)
-        if before.config.rate_limited:
-            interval = spec_limiter.emission_interval_ns(before.config.rate_of(request.user))
+        if config.rate_limited:
+            interval = spec_limiter.emission_interval_ns(config.rate_of(request.user))
             history = history.replay(request.user, obs.now_ns, interval)
     return history

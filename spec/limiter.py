@@ -148,3 +148,74 @@ def window_bound_tokens(window_ns: int, rate_tokens_per_s: Fraction, burst_ns: i
     """
     assert window_ns >= 0, f"window_ns must be >= 0, got {window_ns}"
     return math.floor(Fraction(window_ns + burst_ns, NS_PER_S) * rate_tokens_per_s) + 1
+
+
+# -- R21: a rate changed without a restart ---------------------------------------------
+def rescaled_tat_ns(tat_ns: Fraction, old_rate_tokens_per_s: Fraction, new_rate_tokens_per_s: Fraction,
+                    now_ns: int) -> Fraction | None:
+    """R21: a user's TAT when its rate changes from ``old`` to ``new`` at ``now_ns``.
+
+    The lead over the clock is kept *in tokens*: ``lead_tokens = (TAT - now) / T_old``
+    and the new ``TAT = now + lead_tokens x T_new``, i.e. ``now + (TAT - now) x old / new``,
+    rounded *up* to a whole nanosecond. So the change hands out no burst (the tokens
+    already granted ahead of schedule stay ahead) and forgives no debt (nor does it add
+    any: the rounding adds less than 1 ns of lead, and a later TAT never grants more).
+    A user whose TAT is not ahead of the clock is idle (R6): ``None``, it is forgotten.
+    An unchanged rate keeps the TAT exactly.
+
+    Args:
+        tat_ns: the user's TAT (ns, exact). Rates: positive, tokens/s. ``now_ns`` >= 0.
+    Returns:
+        The new TAT (ns, exact; an integer unless the rate is unchanged), or ``None``.
+    Raises:
+        AssertionError: a non-positive rate or a negative clock.
+    """
+    assert old_rate_tokens_per_s > 0 and new_rate_tokens_per_s > 0, (
+        f"R21: rates must be positive, got {old_rate_tokens_per_s!r} -> {new_rate_tokens_per_s!r}")
+    assert now_ns >= 0, f"now_ns must be >= 0, got {now_ns}"
+    lead = tat_ns - now_ns
+    if lead <= 0:
+        return None
+    if old_rate_tokens_per_s == new_rate_tokens_per_s:
+        return tat_ns
+    return Fraction(now_ns + math.ceil(lead * Fraction(old_rate_tokens_per_s) / Fraction(new_rate_tokens_per_s)))
+
+
+def change_rates(state: LimiterState, old_rate_of, new_rate_of, now_ns: int) -> LimiterState:
+    """R21: every known user's TAT after the rate table changes at ``now_ns``.
+
+    ``old_rate_of`` / ``new_rate_of``: ``user -> rate`` (tokens/s) before and after (the
+    default changing, a user moving to or from the default and an override changing are
+    all a change of ``rate_of(user)``). Users whose rate is unchanged keep their TAT;
+    the others get ``rescaled_tat_ns`` (forgotten if idle). Unknown users stay unknown.
+    """
+    tats: dict[str, Fraction] = {}
+    for user, tat in state.tat_ns.items():
+        old, new = old_rate_of(user), new_rate_of(user)
+        if old == new:
+            tats[user] = tat
+            continue
+        rescaled = rescaled_tat_ns(tat, old, new, now_ns)
+        if rescaled is not None:
+            tats[user] = rescaled
+    return LimiterState(MappingProxyType(tats))
+
+
+def grants_at(state: LimiterState, user: str, rate_tokens_per_s: Fraction, now_ns: int,
+              burst_ns: int = BURST_NS) -> int:
+    """R2: how many ``try_take(user, ...)`` at ``now_ns`` in a row would succeed (R21's
+    "no burst from the change" compares it before and after a change)."""
+    lead = max(tat_of(state, user, now_ns) - now_ns, Fraction(0))
+    if lead > burst_ns:
+        return 0
+    return math.floor((burst_ns - lead) / emission_interval_ns(rate_tokens_per_s)) + 1
+
+
+def piecewise_window_bound_tokens(segments: list[tuple[int, Fraction]], burst_ns: int = BURST_NS) -> int:
+    """R21 bound: grants in a closed window made of ``segments`` ``(duration_ns, rate)``
+    (the rate in force over each part, in time order) are at most
+    ``floor(sum(duration x rate) + tau x max(rate)) + 1``; with one segment this is R2's
+    ``window_bound_tokens``."""
+    assert segments and all(d >= 0 and r > 0 for d, r in segments), segments
+    credit = sum((Fraction(d, NS_PER_S) * r for d, r in segments), Fraction(0))
+    return math.floor(credit + Fraction(burst_ns, NS_PER_S) * max(r for _, r in segments)) + 1

@@ -13,6 +13,7 @@ the cycle is vLLM's own). Each one decides one thing at one point of the cycle:
 | waiting loop, before a request is sized (V8) | ``residency_gate`` | R20: a user at its residency cap is skipped |
 | preemption (V6) | ``preferred_victim`` | R13 |
 | end of ``schedule()`` | ``end_cycle`` | R9 single refund point, R15 last served, R6 cleanup, R16 wait hint, R19 |
+| before the cycle, a rate change pending | ``apply_rate_change`` | R21 |
 
 R19: no function here reorders ``running`` or changes a chunk unless a limit binds
 (``limit_binds``); then the cycle is the base scheduler's (V1-V12) from the same state.
@@ -35,6 +36,21 @@ from vllm_output_rate.spec.state import (
     SchedulerState,
     get,
 )
+
+
+# -- R21: a rate change, at the start of a cycle -----------------------------------------
+def apply_rate_change(state: SchedulerState) -> SchedulerState:
+    """R21: install ``state.pending_rates`` at the cycle's clock reading, before R14/R2.
+
+    Every user with a TAT whose rate changes keeps its lead in tokens
+    (``limiter.change_rates``); the configuration gets the new table. Applied only here,
+    at the start of ``schedule()``, so no decision of a cycle ever sees two rates.
+    """
+    default, overrides = state.pending_rates
+    old = state.config
+    new = old.with_rates(default, overrides)
+    limiter = spec_limiter.change_rates(state.limiter, old.rate_of, new.rate_of, state.now_ns)
+    return replace(state, config=new, limiter=limiter, pending_rates=None)
 
 
 # -- start of the cycle ----------------------------------------------------------------

@@ -100,6 +100,10 @@ RULES: tuple[Rule, ...] = (
                                    "invariants.i19_residency_cap"),
          _mixin("_handle_blocked_waiting_request", "_below_residency_cap")
          + ("config.check_residency_cap", "config.parse_output_rate")),
+    Rule("R21", "rate change without a restart", ("limiter.rescaled_tat_ns", "limiter.change_rates",
+                                                 "limiter.piecewise_window_bound_tokens", "rate.apply_rate_change",
+                                                 "events.ChangeRates", "state.EngineConfig.with_rates"),
+         ()),
 )
 
 BY_ID: dict[str, Rule] = {rule.rule_id: rule for rule in RULES}

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vllm_output_rate.spec import rate
-from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
 from vllm_output_rate.spec.state import (
     ABORT,
     FCFS,
@@ -74,6 +74,10 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, Observati
         return replace(state, now_ns=state.now_ns + event.delta_ns), Observation(str(event), state.now_ns)
     if isinstance(event, Step):
         return scheduling_step(state)
+    if isinstance(event, ChangeRates):
+        # R21: applied at the start of the next schedule(), at its clock reading (R16).
+        assert state.config.rate_limited, "R21: rates can only change with the feature on (R18)"
+        return replace(state, pending_rates=event.rates()), Observation(str(event), state.now_ns)
     assert isinstance(event, Drain), f"unknown event {event!r}"
     return drain(state)
 
@@ -142,6 +146,8 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, Cycle, dict]:
     Returns the state after the loops (before V9), the cycle, and the rate-limit
     fields of the observation (empty with the feature off, R18).
     """
+    if state.pending_rates is not None and state.config.rate_limited:
+        state = rate.apply_rate_change(state)  # R21: at a step boundary, this cycle's clock
     cycle = Cycle(state=state, token_budget=state.config.max_num_batched_tokens, now_ns=state.now_ns)
     if state.config.rate_limited:
         cycle = rate.begin_cycle(cycle)  # R14, R13, R11

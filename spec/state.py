@@ -131,6 +131,18 @@ class EngineConfig:
                        output_rate_max_num_active_seqs=None, burst_ns=spec_limiter.BURST_NS,
                        max_num_seqs_per_user=None)
 
+    def with_rates(self, default_rate_tokens_per_s: Fraction,
+                   user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...]) -> "EngineConfig":
+        """R21: the same engine with another rate table (default and overrides, tokens/s).
+
+        Raises:
+            AssertionError: the feature is off (R18: a change cannot turn it on or off),
+                or a rate is not positive.
+        """
+        assert self.rate_limited, "R21: rates can only change with the feature on (R18)"
+        return replace(self, default_rate_tokens_per_s=default_rate_tokens_per_s,
+                       user_rates_tokens_per_s=tuple(user_rates_tokens_per_s))
+
     def rate_of(self, user: str) -> Fraction:
         """R1: the user's rate in tokens/s (override, else the default)."""
         assert self.default_rate_tokens_per_s is not None, "rate_of with the feature off"
@@ -223,7 +235,8 @@ class SchedulerState:
     the waiting queue in the order vLLM would pop it. ``in_flight``: async only, the
     model output of the last scheduled step, delivered by the next ``Step``/``Drain``.
     ``limiter``: per-user TATs (R1). ``last_served``: (user, priority, request id) of each
-    group's last dispatched stream (R15). ``turns``: R14's order of turns as the last cycle
+    group's last dispatched stream (R15). ``pending_rates``: R21's rate table waiting for the
+    next ``schedule()``. ``turns``: R14's order of turns as the last cycle
     left it (``rate.turn_order``; never the order of ``running``). ``num_schedules``: ``schedule()`` calls with the
     feature on (R6 cadence). ``base``: the vLLM release whose behaviour the V-rules follow
     where releases differ (``spec/versions.py``); data chosen by the caller, never read
@@ -243,6 +256,8 @@ class SchedulerState:
     last_served: tuple[tuple[str, int, str], ...] = ()
     turns: tuple[str, ...] = ()
     base: VllmVersionProfile = DEFAULT_PROFILE
+    # R21: a rate table waiting for the next schedule() (default, overrides); None: none.
+    pending_rates: tuple[Fraction, tuple[tuple[str, Fraction], ...]] | None = None
 
     def __post_init__(self) -> None:
         # Bounded collections; every queued id is a live request; KV is conserved.

@@ -1,0 +1,196 @@
+"""R21, a user's rate changed without a restart (issue 15 item 3).
+
+When a rate changes from ``r_old`` to ``r_new`` at ``now``, the user's lead over the clock
+is kept in tokens: ``TAT' = now + ceil((TAT - now) x r_old / r_new)`` (whole ns, rounded
+up), so the change hands out no burst and forgives no debt (docs/SPEC.md R21). Shown
+here on the spec limiter and step model, on the reference limiter and scheduler (against
+the spec, white box), on the rates file (the operator's interface, bad files included),
+and on the gate's ``rate-change/*`` rows, which reject the reference with the change
+applied the wrong way (TAT reset to now; TAT kept unchanged). The Z3 proofs are
+``r21_window_bound_across_change`` and ``r21_no_burst_from_change``
+(``tests/test_proofs_z3.py``); the live test is ``gpu_tests/test_live_rate_change.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.spec import invariants
+from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec import scheduler as spec
+from vllm_output_rate.spec.events import AddRequest, AdvanceClock, ChangeRates, Step
+from vllm_output_rate.spec.state import EngineConfig, initial_state
+
+MS = 1_000_000
+RATES = st.sampled_from([Fraction(r) for r in ("0.5", "1", "2", "3", "7", "10", "20", "100", "1/3", "2.5")])
+
+
+def _state(**tats: Fraction) -> spec_limiter.LimiterState:
+    from types import MappingProxyType
+
+    return spec_limiter.LimiterState(MappingProxyType(dict(tats)))
+
+
+# -- the spec rule ------------------------------------------------------------------------
+@pytest.mark.rules("R21")
+def test_r21_lead_is_kept_in_tokens() -> None:
+    # 10 tok/s, lead 150 ms = 1.5 tokens ahead; at 2 tok/s 1.5 tokens are 750 ms, at 20 tok/s 75 ms.
+    now = 50 * MS
+    tat = Fraction(200 * MS)
+    assert spec_limiter.rescaled_tat_ns(tat, Fraction(10), Fraction(2), now) == now + 750 * MS
+    assert spec_limiter.rescaled_tat_ns(tat, Fraction(10), Fraction(20), now) == now + 75 * MS
+    # Unchanged rate: the TAT is kept exactly (a rational TAT is not rounded).
+    odd = Fraction(10**9, 3) + now
+    assert spec_limiter.rescaled_tat_ns(odd, Fraction(3), Fraction(3), now) == odd
+    # A lead that is not a whole ns at the new rate is rounded up, never down.
+    assert spec_limiter.rescaled_tat_ns(Fraction(now + 1), Fraction(1), Fraction(3), now) == now + 1
+    assert spec_limiter.rescaled_tat_ns(Fraction(now + 10), Fraction(1), Fraction(3), now) == now + 4
+    # Idle (TAT not ahead of the clock): forgotten, as R6 would.
+    assert spec_limiter.rescaled_tat_ns(Fraction(now), Fraction(10), Fraction(2), now) is None
+
+
+@pytest.mark.rules("R21")
+@settings(max_examples=300, deadline=None)
+@given(old=RATES, new=RATES, lead_ns=st.integers(0, 3 * 10**9), frac=st.integers(0, 6),
+       later_ns=st.integers(0, 2 * 10**9))
+def test_r21_rounding_never_hands_out_a_token(old, new, lead_ns, frac, later_ns) -> None:
+    # Against the exact (unrounded) rule: at the change and at every later instant the
+    # rounded TAT grants at most as many tokens, and at most one ns of lead more.
+    now = 7 * MS
+    tat = Fraction(now + lead_ns) + Fraction(frac, 7)
+    rounded = spec_limiter.rescaled_tat_ns(tat, old, new, now)
+    exact = now + (tat - now) * old / new
+    if tat <= now:
+        assert rounded is None
+        return
+    assert exact <= rounded < exact + 1
+    state_rounded, state_exact = _state(u=rounded), _state(u=exact)
+    for t in (now, now + later_ns):
+        assert spec_limiter.grants_at(state_rounded, "u", new, t) <= spec_limiter.grants_at(state_exact, "u", new, t)
+
+
+@pytest.mark.rules("R21")
+@settings(max_examples=300, deadline=None)
+@given(old=RATES, new=RATES, lead_ns=st.integers(0, 3 * 10**9))
+def test_r21_no_burst_from_the_change(old, new, lead_ns) -> None:
+    # The grants available at the instant of the change never grow when the rate falls or
+    # stays, and grow by at most ceil(tau x (new - old)) when it rises (the growth of the
+    # burst tolerance itself, in tokens): the change adds nothing of its own.
+    now = 3 * MS
+    before = _state(u=Fraction(now + lead_ns))
+    after = spec_limiter.change_rates(before, lambda u: old, lambda u: new, now)
+    g_old = spec_limiter.grants_at(before, "u", old, now)
+    g_new = spec_limiter.grants_at(after, "u", new, now)
+    growth = max(0, math.ceil(Fraction(spec_limiter.BURST_NS, 10**9) * (new - old)))
+    assert g_new <= g_old + growth
+    if new <= old:
+        assert g_new <= g_old
+
+
+def _greedy_grants(times: list[int], rate_at, change_ns: int, old: Fraction, new: Fraction) -> list[int]:
+    """A user that asks for a token at every instant of ``times`` as often as the spec
+    limiter grants, with the rate change (R21) applied at ``change_ns``."""
+    state, granted, changed = spec_limiter.EMPTY, [], False
+    for t in times:
+        if not changed and t >= change_ns:
+            state = spec_limiter.change_rates(state, lambda u: old, lambda u: new, change_ns)
+            changed = True
+        while True:
+            state, ok = spec_limiter.try_take(state, "u", rate_at(t), t)
+            if not ok:
+                break
+            granted.append(t)
+    return granted
+
+
+@pytest.mark.rules("R21")
+@settings(max_examples=150, deadline=None)
+@given(old=RATES, new=RATES, gaps=st.lists(st.integers(0, 400 * MS), min_size=2, max_size=25),
+       change_index=st.integers(0, 24))
+def test_r21_piecewise_window_bound_holds_across_a_change(old, new, gaps, change_index) -> None:
+    times = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    change_ns = times[min(change_index, len(times) - 1)]
+    granted = _greedy_grants(times, lambda t: old if t < change_ns else new, change_ns, old, new)
+    for i, start in enumerate(granted):
+        for end in granted[i:]:
+            count = sum(1 for t in granted if start <= t <= end)
+            segments = ([(min(end, change_ns) - start, old)] if start < change_ns else []) + (
+                [(end - max(start, change_ns), new)] if end >= change_ns else [])
+            assert count <= spec_limiter.piecewise_window_bound_tokens(segments), (start, end, count, segments)
+            if start >= change_ns:  # from the moment of the change: R2's bound at the new rate
+                assert count <= spec_limiter.window_bound_tokens(end - start, new)
+
+
+@pytest.mark.rules("R21")
+def test_r21_reset_to_now_would_break_the_piecewise_bound() -> None:
+    # The mutant the rule rules out: TAT := now at the change hands out a second burst.
+    old = new = Fraction(10)
+    state = spec_limiter.EMPTY
+    granted = 0
+    for _ in range(5):
+        state, ok = spec_limiter.try_take(state, "u", old, 0)
+        granted += ok
+    state = spec_limiter.LimiterState()  # reset: as if the change forgave the lead
+    for _ in range(5):
+        state, ok = spec_limiter.try_take(state, "u", new, 0)
+        granted += ok
+    assert granted > spec_limiter.piecewise_window_bound_tokens([(0, old), (0, new)])
+    kept = spec_limiter.change_rates(spec_limiter.try_take(spec_limiter.try_take(spec_limiter.EMPTY, "u", old, 0)[0],
+                                                           "u", old, 0)[0], lambda u: old, lambda u: Fraction(20), 0)
+    assert spec_limiter.grants_at(kept, "u", Fraction(20), 0) == 1  # 2 tokens ahead of 3 at 20 tok/s
+
+
+@pytest.mark.rules("R21")
+def test_r21_default_change_and_moves_to_and_from_the_default() -> None:
+    # a: override 5 -> default (now 20); b: default 10 -> override 2; c: default 10 -> 20; d: override 4 -> 4.
+    old = EngineConfig(default_rate_tokens_per_s=Fraction(10),
+                       user_rates_tokens_per_s=(("a", Fraction(5)), ("d", Fraction(4))))
+    new = old.with_rates(Fraction(20), (("b", Fraction(2)), ("d", Fraction(4))))
+    now = 100 * MS
+    state = _state(a=Fraction(300 * MS), b=Fraction(300 * MS), c=Fraction(300 * MS), d=Fraction(10**9, 3) + now,
+                   e=Fraction(50 * MS))
+    after = spec_limiter.change_rates(state, old.rate_of, new.rate_of, now).tat_ns
+    assert after["a"] == now + 50 * MS  # 1 token at 5/s = 1 token at 20/s
+    assert after["b"] == now + 1000 * MS  # 2 tokens at 10/s = 2 tokens at 2/s
+    assert after["c"] == now + 100 * MS
+    assert after["d"] == state.tat_ns["d"]  # rate unchanged: TAT unchanged
+    assert "e" not in after  # idle under a changed rate: forgotten (R6)
+
+
+@pytest.mark.rules("R21")
+def test_r21_step_model_applies_a_change_at_the_next_schedule_clock() -> None:
+    config = EngineConfig(default_rate_tokens_per_s=Fraction(10), user_rates_tokens_per_s=(("a", Fraction(5)),))
+    state = initial_state(config)
+    history = invariants.DispatchHistory()
+    events = [AddRequest("r0", "a", max_tokens=30), Step(), AdvanceClock(20 * MS), Step(),
+              ChangeRates("10", (("a", "20"),)), AdvanceClock(30 * MS)]
+    for event in events:
+        before = state
+        state, obs = spec.step(state, event)
+        history = invariants.advance_history(history, before, obs)
+    # Pending: nothing applied yet, the clock moved after the change event.
+    assert state.pending_rates is not None and state.config.rate_of("a") == 5
+    tat_before = state.limiter.tat_ns["a"]  # 400 ms: 2 grants at 0 ms (burst), 5/s
+    before = state
+    state, obs = spec.step(state, Step())
+    history = invariants.advance_history(history, before, obs)
+    assert invariants.check(before, Step(), state, obs, history) is None
+    now = 50 * MS
+    lead_tokens = (tat_before - now) / (200 * MS)  # in tokens at 5/s (T = 200 ms)
+    assert state.config.rate_of("a") == 20 and state.pending_rates is None
+    # Rescaled at 50 ms (the step's clock), then the step's grants at 20 tok/s (50 ms each).
+    charged = len(obs.charged)
+    assert state.limiter.tat_ns["a"] == now + math.ceil(lead_tokens * 50 * MS) + charged * 50 * MS
+
+
+@pytest.mark.rules("R21")
+def test_r21_a_change_cannot_turn_the_feature_on() -> None:
+    with pytest.raises(AssertionError, match="R18"):
+        spec.step(initial_state(EngineConfig()), ChangeRates("10"))
+    with pytest.raises(AssertionError, match="positive"):
+        ChangeRates("0")
