@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Mapping
 
-from vllm_output_rate.reference.limiter import BURST_NS, parse_rate
+from vllm_output_rate.reference.limiter import parse_rate
+from vllm_output_rate.spec.limiter import BURST_NS
 
 KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path",
               "shadow", "max_num_seqs_per_user")
@@ -241,6 +242,10 @@ UNSUPPORTED_WHY = {
     "KV connector": "remote KV loads and deferred frees change when a request can run",
     "EC connector": "encoder-cache transfers are not covered by the accounting",
     "aux output connector": "auxiliary outputs are delivered per step, not per charged token",
+    "local prefill cadence": ("vLLM 0.33 holds prefill until prefill_schedule_interval executed steps have passed "
+                              "while any decode is resident; a throttled user's paused decodes leave steps empty, "
+                              "so every other user's prefill waits for the throttled user's next grant "
+                              "(docs/MODES.md)"),
     "sleep mode": ("sleep and wake-up pause the engine and discard or offload the KV cache of paused requests, "
                    "which the accounting does not cover and no test here exercises (docs/MODES.md)"),
 }
@@ -253,7 +258,9 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
     ``model_config.{is_multimodal_model, is_encoder_decoder, is_hybrid, is_attention_free,
     is_diffusion, runner_type}``, ``diffusion_config``, ``cache_config.kv_offloading_size``,
     ``kv_transfer_config``, ``ec_transfer_config``, ``aux_output_config.enabled``,
-    ``model_config.enable_sleep_mode``.
+    ``model_config.enable_sleep_mode``, ``scheduler_config.prefill_schedule_interval`` (only
+    where the installed vLLM applies it inside the scheduler: ``local_prefill_cadence`` of
+    ``spec.versions``, 0.33).
     """
     found: list[tuple[str, str]] = []
     if getattr(vllm_config, "speculative_config", None) is not None:
@@ -295,7 +302,21 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
         found.append(("aux output connector", "remove --enable-return-routed-experts"))
     if getattr(model, "enable_sleep_mode", False):
         found.append(("sleep mode", "remove --enable-sleep-mode"))
+    interval = getattr(getattr(vllm_config, "scheduler_config", None), "prefill_schedule_interval", 1)
+    if interval > 1 and dp == 1 and _installed_profile().local_prefill_cadence:
+        # P4 (other users proceed): measured on 0.33, interval 4, one user at 1 tok/s resident:
+        # another user's first prefill waited 2.9 s, against 1 ms on stock vLLM.
+        found.append(("local prefill cadence", f"set --prefill-schedule-interval 1 (got {interval})"))
     return found
+
+
+def _installed_profile():
+    """The ``spec.versions`` profile of the installed vLLM release."""
+    import vllm
+
+    from vllm_output_rate.spec.versions import select_profile
+
+    return select_profile(vllm.__version__)[0]
 
 
 def check_engine_supported(vllm_config: Any) -> None:

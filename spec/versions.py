@@ -121,7 +121,8 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         field="local_prefill_cadence",
         rule="V2/V8",
         what="prefill_schedule_interval > 1 defers prefill inside the scheduler without data parallelism (else "
-             "only the DP engine core applies it); the modelled class keeps the default interval 1",
+             "only the DP engine core applies it); the modelled class keeps the default interval 1, and the reference "
+             "refuses interval > 1 where the scheduler applies it (docs/MODES.md)",
         modelled=False,
         values=(
             ("0.32.0", False, Source(ENGINE_CORE_PY, "DPEngineCoreProc._should_throttle_prefills", "2318-2325")),
@@ -172,9 +173,9 @@ def select_profile(version: str) -> tuple[VllmVersionProfile, str | None]:
         return PROFILES[name], None
     chosen = DEFAULT_PROFILE
     if release is not None:
-        older = [v for v in SUPPORTED_VERSIONS if release_of(v) <= release]
+        older = {v: r for v in SUPPORTED_VERSIONS if (r := release_of(v)) is not None and r <= release}
         if older:
-            chosen = PROFILES[max(older, key=release_of)]
+            chosen = PROFILES[max(older, key=older.__getitem__)]
     warning = (f"WARNING: vLLM {version} is not a supported version ({', '.join(SUPPORTED_VERSIONS)}); the base "
                f"model uses the {chosen.version} rows. Run `outrate drift` to see where it diverges, per V-rule.")
     return chosen, warning

@@ -441,3 +441,35 @@ def test_unknown_key_suggestion_and_duplicates_helpers():
     with pytest.raises(OutputRateConfigError, match=r"X: key 'a' is given twice \(5 and 7\)"):
         loads_no_duplicates('{"a": 5, "a": 7}', "X")
     assert loads_no_duplicates('{"a": {"b": 1}, "c": [{"b": 2}]}', "X") == {"a": {"b": 1}, "c": [{"b": 2}]}
+
+
+def _prefill_cadence(d, interval: int = 4):
+    from vllm.config import SchedulerConfig
+
+    return vllm_config(d, scheduler_config=SchedulerConfig(max_model_len=2048, is_encoder_decoder=False,
+                                                           prefill_schedule_interval=interval))
+
+
+@pytest.mark.parametrize("cls_path", [SYNC, ASYNC], ids=["sync", "async"])
+def test_local_prefill_cadence_refused_where_the_scheduler_applies_it(cls_path, model_dirs):
+    # vLLM 0.33 holds prefill inside the scheduler until prefill_schedule_interval executed
+    # steps have passed while a decode is resident: a throttled user's paused decodes leave
+    # the steps empty and hold every other user's prefill (P4). 0.32 applies the interval
+    # only in the data-parallel engine core (refused anyway): there it is a no-op.
+    import vllm
+
+    from vllm_output_rate.spec.versions import select_profile
+
+    applies = select_profile(vllm.__version__)[0].local_prefill_cadence
+    config = _prefill_cadence(model_dirs)
+    assert [mode for mode, _ in unsupported_modes(config)] == (["local prefill cadence"] if applies else [])
+    if applies:
+        with pytest.raises(OutputRateConfigError) as err:
+            build_scheduler(cls_path, config)
+        assert "set --prefill-schedule-interval 1 (got 4)" in str(err.value)
+    else:
+        assert build_scheduler(cls_path, config).rate_limiter is not None
+
+
+def test_default_prefill_cadence_is_accepted(model_dirs):
+    assert unsupported_modes(_prefill_cadence(model_dirs, interval=1)) == []
