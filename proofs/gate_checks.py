@@ -13,12 +13,12 @@ from typing import Callable
 from vllm_output_rate.adapter.conform import CheckResult
 from vllm_output_rate.adapter.registry import CheckSpec
 
-Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6")
+Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R21")
 MODEL_RULES = ("I1-I18", "F1", "R6", "R19", "liveness")
 
 
 def check_proofs(tick: Callable[[], None]) -> CheckResult:
-    """R1-R6 for all inputs: the Z3 proofs of ``proofs/z3_limiter.py`` (``outrate prove``
+    """R1-R6 and R21 for all inputs: the Z3 proofs of ``proofs/z3_limiter.py`` (``outrate prove``
     adds the CrossHair contracts, which take about a minute)."""
     from vllm_output_rate.proofs.z3_limiter import run_all
 

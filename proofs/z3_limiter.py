@@ -168,12 +168,34 @@ class Semantics:
     ref_refund: Callable = _ref_refund
     ref_cleanup: Callable = _ref_cleanup
     ref_ready_at: Callable = _ref_ready_at
+    spec_rerate: Callable = None  # R21; None: _spec_rerate (set below, defined after the class)
 
     def spec_take(self, known, tat, now, T, tau):
         return _spec_take(self, known, tat, now, T, tau)
 
 
-CORRECT = Semantics("correct", "spec/limiter.py and reference/limiter.py as written")
+def _spec_rerate(known, tat, now, rate, rate2):
+    """R21 (``limiter.rescaled_tat_ns``): the TAT after the rate changes ``rate`` -> ``rate2``
+    (tokens/s) at ``now``. Returns ``(known', tat', side)``, ``side`` the constraints on the
+    fresh rounding term: a lead ``x`` with ``x x rate2 >= lead x rate`` (the lead in tokens
+    kept) and less than 1 ns above it (rounded up to a whole ns). An unchanged rate keeps
+    the TAT; a TAT not ahead of the clock is forgotten (idle, R6)."""
+    x = z3.FreshReal("lead_rounded")
+    ahead = z3.And(known, tat > now)
+    side = [z3.Implies(ahead, z3.And(x * rate2 >= (tat - now) * rate, (x - 1) * rate2 < (tat - now) * rate))]
+    new_tat = z3.If(rate2 == rate, tat, now + x)
+    return z3.If(rate2 == rate, known, ahead), z3.If(ahead, new_tat, tat), side
+
+
+def _rerate_reset(known, tat, now, rate, rate2):
+    return known, z3.If(known, now, tat), []  # BUG: TAT := now (a second burst)
+
+
+def _rerate_keep(known, tat, now, rate, rate2):
+    return known, tat, []  # BUG: TAT unchanged (debt forgiven when the rate falls)
+
+
+CORRECT = Semantics("correct", "spec/limiter.py and reference/limiter.py as written", spec_rerate=_spec_rerate)
 
 
 def _ref_take_strict(known, S, now, p, inc, burst):
@@ -241,12 +263,26 @@ BROKEN_VARIANTS: dict[str, Semantics] = {
             ref_take=_ref_take_now_unscaled,
         ),
         Semantics(
+            "rerate_reset_to_now",
+            "R21: a rate change resets the TAT to now (spec)",
+            spec_rerate=_rerate_reset,
+        ),
+        Semantics(
+            "rerate_keep_tat",
+            "R21: a rate change keeps the TAT unchanged, the lead in ns instead of in tokens (spec)",
+            spec_rerate=_rerate_keep,
+        ),
+        Semantics(
             "ref_ready_at_round_down",
             "reference ready_at = (S - burst) // p, rounded down (reference only)",
             ref_ready_at=lambda S, p, burst: (S - burst) / p,
         ),
     )
 }
+
+for _name, _variant in list(BROKEN_VARIANTS.items()):
+    if _variant.spec_rerate is None:  # R21: every other variant changes rates correctly
+        BROKEN_VARIANTS[_name] = Semantics(**{**_variant.__dict__, "spec_rerate": _spec_rerate})
 
 VARIANTS: dict[str, Semantics] = {CORRECT.name: CORRECT, **BROKEN_VARIANTS}
 
@@ -881,6 +917,153 @@ def _divergence_search(sem: Semantics, timeout_ms: int, insert: str, n1: int = 4
 
 
 # --------------------------------------------------------------------------------------
+# (g) R21: a rate change, window bound across it and no burst from it
+# --------------------------------------------------------------------------------------
+
+
+def _lead(known, tat, c):
+    """The effective lead ``max(TAT, c) - c`` (0 for an unknown user), ns."""
+    return z3.If(known, _zmax(tat, c), c) - c
+
+
+def _rerate_inv(known, tat, c, s, k, pend, R, T, tau, A, M):
+    """Inductive invariant of R21's window bound for a window starting at ``s``, clock ``c``.
+
+    ``k``: net grants at times in ``[s, c]``; ``pend``: grants of the current step not yet
+    refunded; ``R``: the rate in force (tokens/s, ``T x R = 10**9``); ``A``: the credit
+    accrued in ``[s, c]``, the integral of the rate in force, x 10**9 (tokens x 10**9);
+    ``M``: the largest rate at which a counted grant was made. In tokens: the grants so far
+    are at most the credit plus the lead (``k <= A + lead x R``), and at most the credit
+    plus one burst at ``M`` plus one (``k - 1 <= A + tau x M``).
+    """
+    return z3.And(
+        k >= 0, pend >= 0, A >= 0, M >= 0,
+        z3.Implies(c < s, z3.And(k == 0, A == 0)),
+        z3.Implies(c >= s, pend <= k),
+        z3.Implies(pend > 0, z3.And(known, tat >= c + pend * T)),
+        z3.Implies(k > 0, k * NS_PER_S <= A + _lead(known, tat, c) * R),
+        z3.Implies(k > 0, (k - 1) * NS_PER_S <= A + tau * M),
+    )
+
+
+def _rerate_window_obligations(sem: Semantics) -> list[Obligation]:
+    """R21 window bound across rate changes, all times in ns (reals), rates in tokens/s.
+
+    With the rate in force changing any number of times (each change at a step boundary,
+    R21: ``spec_rerate``), the invariant ``_rerate_inv`` holds initially and is preserved
+    by a new step at a later clock (the credit grows by the elapsed time in the window x
+    the rate), a try_take, a refund of a pending grant, a cleanup and a rate change.
+    Closing: net grants in a window ``[s, e]`` are at most ``(A + tau x M) / 10**9 + 1``
+    where ``A / 10**9`` is the integral of the rate over the window and ``M`` the largest
+    rate in force at a grant; with one change at ``c0`` from ``r_old`` to ``r_new``:
+    ``(c0 - s) x r_old + (e - c0) x r_new + tau x max(r_old, r_new)``, each side's rate and
+    one burst. A reset to now or an unchanged TAT breaks the change step.
+    """
+    known = z3.Bool("known")
+    tat, c, c2, s, T, T2, R, R2, tau, A, M = z3.Reals("tat c c2 s T T2 R R2 tau A M")
+    c0, r_old, r_new = z3.Reals("c0 r_old r_new")
+    k, pend = z3.Ints("k pend")
+    params = [R > 0, T * R == NS_PER_S, tau >= 0]
+    inv = _rerate_inv(known, tat, c, s, k, pend, R, T, tau, A, M)
+    hyp = tuple(params + [inv])
+    in_window = c >= s
+    g, k_t, t_t = sem.spec_take(known, tat, c, T, tau)
+    after_take = _rerate_inv(k_t, t_t, c, s, z3.If(z3.And(g, in_window), k + 1, k), z3.If(g, pend + 1, pend),
+                             R, T, tau, A, z3.If(z3.And(g, in_window), _zmax(M, R), M))
+    k_r, t_r = sem.spec_refund(known, tat, T)
+    after_refund = _rerate_inv(k_r, t_r, c, s, z3.If(in_window, k - 1, k), pend - 1, R, T, tau, A, M)
+    after_clean = _rerate_inv(sem.spec_cleanup(known, tat, c, tau), tat, c, s, k, pend, R, T, tau, A, M)
+    accrued = A + (_zmax(c2, s) - _zmax(c, s)) * R
+    after_advance = _rerate_inv(known, tat, c2, s, k, 0, R, T, tau, accrued, M)
+    k_n, t_n, side = sem.spec_rerate(known, tat, c, R, R2)
+    after_change = _rerate_inv(k_n, t_n, c, s, k, pend, R2, T2, tau, A, M)
+    return [
+        Obligation("init", tuple(params), _rerate_inv(known, tat, c, s, 0, 0, R, T, tau, 0, 0)),
+        Obligation("step_advance", hyp + (c2 >= c,), after_advance),
+        Obligation("step_take", hyp, after_take),
+        Obligation("step_refund", hyp + (pend > 0,), z3.And(known, after_refund)),
+        Obligation("step_cleanup", hyp, after_clean),
+        # R21: a change at a step boundary (no grant of the step pending), any new rate.
+        Obligation("step_rate_change", hyp + (pend == 0, R2 > 0, T2 * R2 == NS_PER_S, *side), after_change),
+        Obligation("close", hyp, k <= (A + tau * M) / NS_PER_S + 1),
+        Obligation(
+            "close_one_change",
+            hyp + (s <= c0, c0 <= c, r_old > 0, r_new > 0, A == (c0 - s) * r_old + (c - c0) * r_new,
+                   M <= _zmax(r_old, r_new)),
+            k <= ((c0 - s) * r_old + (c - c0) * r_new + tau * _zmax(r_old, r_new)) / NS_PER_S + 1,
+        ),
+    ]
+
+
+def _greedy_at(sem: Semantics, known, tat, now, T, tau, takes: int):
+    """``takes`` try_takes at ``now``; returns (known, tat, granted count term)."""
+    count = 0
+    for _ in range(takes):
+        g, known, tat = sem.spec_take(known, tat, now, T, tau)
+        count = count + z3.If(g, 1, 0)
+    return known, tat, count
+
+
+def _rerate_window_search(sem: Semantics, timeout_ms: int) -> str | None:
+    """A user takes greedily at 0, the rate changes at 0, it takes greedily at ``d``: more
+    grants in ``[0, d]`` than the piecewise bound (concrete, from the empty limiter)."""
+    tau = BURST_NS
+    for (p_old, p_new) in ((10, 10), (100, 1), (10, 2), (2, 10)):
+        for d in (0, 10_000_000, 50_000_000):
+            T_old, T_new = Fraction(NS_PER_S, p_old), Fraction(NS_PER_S, p_new)
+            known, tat, n1 = _greedy_at(sem, z3.BoolVal(False), z3.RealVal(0), 0, z3.RealVal(T_old), tau, 25)
+            known, tat, side = sem.spec_rerate(known, tat, z3.RealVal(0), z3.RealVal(p_old), z3.RealVal(p_new))
+            known, tat, n2 = _greedy_at(sem, known, tat, d, z3.RealVal(T_new), tau, 25)
+            bound = spec_limiter.piecewise_window_bound_tokens([(0, Fraction(p_old)), (d, Fraction(p_new))], tau)
+            model = _solve(list(side) + [n1 + n2 > bound], timeout_ms)
+            if model is not None:
+                return (f"rate={p_old}/s -> {p_new}/s at 0 ns: try_take x {model.eval(n1)} granted at 0 ns, change, "
+                        f"try_take x {model.eval(n2)} granted at {d} ns: {model.eval(n1 + n2)} grants in [0, {d}] ns > "
+                        f"piecewise bound {bound}")
+    return None
+
+
+def _grants_count(g, lead, R, tau):
+    """``g`` is the number of grants available at an instant with lead ``lead`` (R2):
+    0 if ``lead > tau``, else ``(g - 1) T <= tau - lead < g T`` (times R: x 10**9)."""
+    return z3.If(lead > tau, g == 0,
+                 z3.And(g >= 1, (g - 1) * NS_PER_S <= (tau - lead) * R, (tau - lead) * R < g * NS_PER_S))
+
+
+def _rerate_burst_obligations(sem: Semantics) -> list[Obligation]:
+    """R21 no burst from the change: for a user with lead ``L >= 0`` at ``now``, the grants
+    available at ``now`` after the change, ``g_new``, are at most those before, ``g_old``,
+    when the rate falls or stays, and at most ``g_old + ceil(tau x (r_new - r_old))`` when it
+    rises (the growth of the burst tolerance in tokens, which an idle user at ``r_new`` has
+    too). A reset of the TAT to now breaks it."""
+    L, now, R, R2, tau = z3.Reals("L now R R2 tau")
+    g_old, g_new, d = z3.Ints("g_old g_new d")
+    known_new, tat_new, side = sem.spec_rerate(z3.BoolVal(True), now + L, now, R, R2)
+    lead_new = _lead(known_new, tat_new, now)
+    hyp = (L >= 0, R > 0, R2 > 0, tau >= 0, *side, _grants_count(g_old, L, R, tau),
+           _grants_count(g_new, lead_new, R2, tau))
+    return [
+        Obligation("falls_or_stays", hyp + (R2 <= R,), g_new <= g_old),
+        Obligation("rises", hyp + (d >= 0, d * NS_PER_S >= tau * (R2 - R)), g_new <= g_old + d),
+    ]
+
+
+def _rerate_burst_search(sem: Semantics, timeout_ms: int) -> str | None:
+    """A user at 10/s takes its burst at 0 (2 grants), the rate is changed to 10/s again
+    (unchanged) and it takes again at 0."""
+    tau = BURST_NS
+    T = z3.RealVal(Fraction(NS_PER_S, 10))
+    known, tat, n1 = _greedy_at(sem, z3.BoolVal(False), z3.RealVal(0), 0, T, tau, 5)
+    known, tat, side = sem.spec_rerate(known, tat, z3.RealVal(0), z3.RealVal(10), z3.RealVal(10))
+    known, tat, n2 = _greedy_at(sem, known, tat, 0, T, tau, 5)
+    model = _solve(list(side) + [n2 > 0], timeout_ms)
+    if model is None:
+        return None
+    return (f"rate=10/s: try_take x {model.eval(n1)} granted at 0 ns (burst spent), rate change 10/s -> 10/s, "
+            f"try_take x {model.eval(n2)} granted again at 0 ns (0 available before the change)")
+
+
+# --------------------------------------------------------------------------------------
 # The catalogue
 # --------------------------------------------------------------------------------------
 
@@ -917,6 +1100,13 @@ PROPERTIES: list[Property] = [
     ),
 ]
 
+PROPERTIES += [
+    Property("r21_window_bound_across_change", ["R2", "R4", "R6", "R21"], _rerate_window_obligations.__doc__ or "",
+             _rerate_window_obligations, _rerate_window_search),
+    Property("r21_no_burst_from_change", ["R2", "R21"], _rerate_burst_obligations.__doc__ or "",
+             _rerate_burst_obligations, _rerate_burst_search),
+]
+
 PROPERTIES_BY_NAME: dict[str, Property] = {prop.name: prop for prop in PROPERTIES}
 
 # Which property must refute which broken variant (each variant is caught by at least one).
@@ -929,6 +1119,8 @@ EXPECTED_REFUTATIONS: dict[str, tuple[str, ...]] = {
     "ref_increment_uses_p": ("r3_integer_scaling_simulates_spec",),
     "ref_now_unscaled": ("r3_integer_scaling_simulates_spec",),
     "ref_ready_at_round_down": ("r5_ready_at_exact",),
+    "rerate_reset_to_now": ("r21_window_bound_across_change", "r21_no_burst_from_change"),
+    "rerate_keep_tat": ("r21_window_bound_across_change",),
 }
 
 

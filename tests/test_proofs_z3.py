@@ -68,6 +68,43 @@ def test_r6_cleanup_noop(results):
     _assert_proved(results, "r6_cleanup_noop", {"R6"})
 
 
+@pytest.mark.rules("R21")
+def test_r21_window_bound_across_change(results):
+    _assert_proved(results, "r21_window_bound_across_change", {"R21"})
+
+
+@pytest.mark.rules("R21")
+def test_r21_no_burst_from_change(results):
+    _assert_proved(results, "r21_no_burst_from_change", {"R21"})
+
+
+@pytest.mark.rules("R21")
+@pytest.mark.parametrize(("old", "new", "lead"), [(10, 2, 150_000_000), (1, 3, 10), (3, 7, 1), (5, 5, 7), (2, 9, 0)])
+def test_r21_z3_encoding_is_the_spec_rule(old, new, lead):
+    # The Z3 term of the correct rule admits the spec's TAT (any rounding up by < 1 ns; the
+    # proofs hold for each of them, so for the spec's whole-ns one too), and no TAT earlier.
+    from fractions import Fraction
+
+    from vllm_output_rate.spec import limiter as spec_limiter
+
+    now = 1_000
+    known, tat, side = zl._spec_rerate(z3.BoolVal(True), z3.RealVal(now + lead), z3.RealVal(now), z3.RealVal(old),
+                                       z3.RealVal(new))
+    want = spec_limiter.rescaled_tat_ns(Fraction(now + lead), Fraction(old), Fraction(new), now)
+    solver = z3.Solver()
+    solver.add(*side)
+    assert solver.check() == z3.sat
+    assert z3.is_true(z3.simplify(known)) == (want is not None)
+    if want is None:
+        return
+    solver.push()
+    solver.add(tat == z3.RealVal(want))
+    assert solver.check() == z3.sat  # the spec's TAT is admitted
+    solver.pop()
+    solver.add(tat < z3.RealVal(now + Fraction(lead) * old / new))
+    assert solver.check() == z3.unsat  # nothing below the exact lead in tokens
+
+
 def test_run_all_records_have_the_manifest_shape(results):
     assert [p.name for p in zl.PROPERTIES] == list(results)
     for record in results.values():
