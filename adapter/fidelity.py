@@ -84,6 +84,8 @@ class StepScenario:
                      f"rate_active={c.output_rate_max_num_active_seqs} burst_ms={c.burst_ns / 1_000_000:g}")
             if c.max_num_seqs_per_user is not None:
                 head += f" seqs_per_user={c.max_num_seqs_per_user}"
+        if c.max_loras is not None:
+            head += f" max_loras={c.max_loras}"
         return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
 
     def to_json(self) -> str:
@@ -137,6 +139,7 @@ def engine_shape(config: EngineConfig) -> EngineShape:
         async_scheduling=config.async_scheduling,
         max_model_len=config.max_model_len,
         output_rate=output_rate,
+        max_loras=config.max_loras,
     )
 
 
@@ -176,7 +179,7 @@ def apply_event(harness: Harness, event: Event) -> StepTrace | None:
     if isinstance(event, AddRequest):
         user = None if event.user == "__anonymous__" else event.user
         harness.add_request(event.request_id, user, event.prompt_len, event.max_tokens, event.eos_index,
-                            priority=event.priority)
+                            priority=event.priority, lora=event.lora)
         return None
     if isinstance(event, Abort):
         harness.abort(event.request_id)

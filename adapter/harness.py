@@ -70,6 +70,9 @@ class EngineShape:
     ``output_rate`` is ``additional_config["output_rate"]`` (None: feature off); how it
     reaches the scheduler depends on the ``adapter.configstyle.ConfigStyle`` in use.
     ``enable_prefix_caching``: off by default, since the spec does not model prefix caching.
+    ``max_loras``: vLLM's ``--max-loras`` with ``--enable-lora`` (None: LoRA off); requests
+    then name an adapter id (``Harness.add_request(lora=...)``), whose files are never read
+    in-process (the scheduler only counts adapter ids).
     """
 
     max_num_seqs: int = 8
@@ -83,6 +86,7 @@ class EngineShape:
     max_model_len: int = 2048
     output_rate: dict[str, Any] | None = None
     enable_prefix_caching: bool = False
+    max_loras: int | None = None
 
 
 @dataclass
@@ -145,7 +149,7 @@ def build_vllm_config(shape: EngineShape):
     ``scheduler_config.async_scheduling`` to False here; the harness still drives async
     mode when ``shape.async_scheduling`` is set.
     """
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(
         model=str(default_model_dir()),
@@ -171,6 +175,7 @@ def build_vllm_config(shape: EngineShape):
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         additional_config=additional,
+        lora_config=LoRAConfig(max_loras=shape.max_loras) if shape.max_loras is not None else None,
     )
     config.cache_config.num_gpu_blocks = shape.num_blocks
     return config
@@ -244,12 +249,15 @@ class Harness:
         eos_index: int | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora: int = 0,
     ) -> None:
         """Add a request; ``user`` None means no ``output_rate_user`` (anonymous).
 
         ``eos_index``: the 0-based output index at which the fabricated model emits EOS.
+        ``lora``: the LoRA adapter id (``LoRARequest.lora_int_id``; 0: the base model).
         """
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
         from vllm.v1.request import Request
 
         extra = None if user is None else {"output_rate_user": user}
@@ -263,6 +271,7 @@ class Harness:
             arrival_time=arrival_time if arrival_time is not None else float(len(self._eos_index)),
             priority=priority,
             block_hasher=self._hasher,
+            lora_request=LoRARequest(f"lora{lora}", lora, f"/lora-{lora}-never-read") if lora else None,
         )
         self._eos_index[request_id] = eos_index
         self.users[request_id] = user if isinstance(user, str) else "__anonymous__"

@@ -12,6 +12,11 @@ Nothing is fetched from a model hub: the project writes the directory itself.
   exactly 512 ids (so every id the random-weight model samples decodes), special tokens
   ``<unk>``=0, ``<s>``=1 (bos), ``</s>``=2 (eos), ``<pad>``=3 matching ``config.json``; and
   ``tokenizer_config.json`` with a plain Jinja chat template.
+- ``write_lora(DIR, seed)`` (``outrate tiny-model DIR --lora l1``): a tiny LoRA adapter for
+  that model in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``),
+  rank 4 on every attention projection of both layers, weights drawn from a seeded
+  generator (the same seed writes the same bytes), used by the live LoRA suite
+  (``vllm --enable-lora``).
 """
 
 from __future__ import annotations
@@ -134,6 +139,68 @@ def write_tokenizer(directory: Path) -> None:
         "chat_template": CHAT_TEMPLATE,
         **special,
     }, indent=2))
+
+
+# LoRA adapters (PEFT format). Rank and alpha are small; every attention projection of both
+# layers is targeted (vLLM packs q/k/v into qkv_proj and applies the three A/B pairs).
+LORA_RANK = 4
+LORA_ALPHA = 8
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_WEIGHT_STD = 0.5  # large enough that each adapter changes the greedy tokens of the dummy-weight model
+
+
+def lora_module_shapes() -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each LoRA-targeted projection of the tiny model."""
+    hidden, head_dim = CONFIG["hidden_size"], CONFIG["head_dim"]
+    q_out = CONFIG["num_attention_heads"] * head_dim
+    kv_out = CONFIG["num_key_value_heads"] * head_dim
+    return {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden),
+            "o_proj": (hidden, q_out)}
+
+
+def write_lora(directory: Path, seed: int) -> Path:
+    """Write a tiny LoRA adapter for the tiny model into ``directory``; return it.
+
+    PEFT format: ``adapter_config.json`` (``peft_type`` LORA, rank ``LORA_RANK``, alpha
+    ``LORA_ALPHA``, ``LORA_TARGET_MODULES``, no bias) and ``adapter_model.safetensors``
+    with, per layer and targeted projection, ``lora_A.weight`` of shape (rank, in_features)
+    and ``lora_B.weight`` of shape (out_features, rank), float32, normal with std
+    ``LORA_WEIGHT_STD`` from a ``torch.Generator`` seeded with ``seed`` (deterministic: the
+    same seed gives the same tensors). Both factors are non-zero, so the adapter changes
+    the model's output.
+
+    Raises:
+        ValueError: ``seed`` is negative (``torch.Generator.manual_seed`` takes 0 <= seed < 2**64).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    if seed < 0:
+        raise ValueError(f"LoRA seed {seed} must be >= 0")
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(CONFIG["num_hidden_layers"]):
+        for module, (out_features, in_features) in lora_module_shapes().items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(
+                LORA_RANK, in_features, generator=generator) * LORA_WEIGHT_STD
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
+                out_features, LORA_RANK, generator=generator) * LORA_WEIGHT_STD
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny-llama",
+        "r": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGET_MODULES),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }, indent=2))
+    return directory
 
 
 def default_model_dir() -> Path:

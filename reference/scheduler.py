@@ -255,6 +255,8 @@ class _RateLimitMixin:
         self._take_turns()  # R14
         enough, short = self._survey_users()  # R2 at the step's clock, once per user
         stock_order = self._move_throttled_last(short) if short else None  # R11, R13, R14
+        if short and self.lora_config is not None and self._throttled_at_start:
+            self._free_lora_slot(short)  # R13, LoRA
         self._record_only = self._unconstrained = enough and self._hook_fast
         scheduler_output = super().schedule(*args, **kwargs)
         self._commit_grants()  # R2/R7: the charges of this step, into the limiter
@@ -667,38 +669,114 @@ class _RateLimitMixin:
     # (the tests show what each per-version workaround prevents).
     vllm_profile: VllmVersionProfile = VLLM_PROFILE
 
+    @staticmethod
+    def _lora_id(request: Request) -> int:
+        """V8: the request's LoRA adapter id (0: the base model)."""
+        lora = request.lora_request
+        return lora.lora_int_id if lora is not None and lora.lora_int_id > 0 else 0
+
+    def _counted_loras(self) -> set[int]:
+        """V8 (+ R11): the adapters the waiting loop counts against ``max_loras`` (spec
+        ``scheduler.counted_loras``): those of the running requests scheduled or throttled
+        in this step and of those admitted so far.
+
+        That is every running request but one skipped by vLLM's async guard (V3: its
+        placeholders already carry it to ``max_tokens``; it finishes on the output in
+        flight and is never scheduled again). Throttled requests count (R11: resident,
+        they keep their adapter's slot); vLLM 0.32 alone counts only the scheduled ones.
+        """
+        counted = set()
+        for r in self.running:
+            lora = self._lora_id(r)
+            if lora and not (r.num_output_placeholders > 0 and r.num_computed_tokens + 2 - r.num_output_placeholders
+                             >= r.num_prompt_tokens + r.max_tokens):
+                counted.add(lora)
+        return counted
+
     def _lora_would_exceed(self, request: Request) -> bool:
-        """V8, LoRA: admitting ``request`` would make the running LoRAs exceed ``max_loras``.
+        """V8, LoRA: admitting ``request`` would make the counted adapters exceed ``max_loras``.
 
         vLLM 0.32 counts only the LoRAs of running requests scheduled in this step, so a
         throttled request's LoRA (R11: resident but not scheduled) would not count, a new LoRA
         would be admitted beside it, and the step that serves both would exceed
-        ``max_loras``. Counted here over every running request, as vLLM 0.33 does itself.
+        ``max_loras`` (vLLM's assertion). Counted here with the throttled ones
+        (``_counted_loras``); vLLM 0.33 counts every running request itself.
         """
-        lora = request.lora_request
-        if self.lora_config is None or lora is None or lora.lora_int_id <= 0:
+        lora = self._lora_id(request)
+        if self.lora_config is None or not lora:
             return False
-        running = {r.lora_request.lora_int_id for r in self.running
-                   if r.lora_request is not None and r.lora_request.lora_int_id > 0}
-        return lora.lora_int_id not in running and len(running) >= self.lora_config.max_loras
+        counted = self._counted_loras()
+        return lora not in counted and len(counted) >= self.lora_config.max_loras
+
+    def _takes_new_lora_slot(self, request: Request) -> bool:
+        """R13, LoRA: ``request`` is on an adapter no counted request uses (spec ``rate.lora_gate``)."""
+        lora = self._lora_id(request)
+        return self.lora_config is not None and bool(lora) and lora not in self._counted_loras()
+
+    def _free_lora_slot(self, short: dict[str, int]) -> None:
+        """R13, LoRA: preempt the throttled holders of an adapter slot another user needs.
+
+        Spec ``rate.free_lora_slot``: with ``max_loras`` adapters in use by ``running``, the
+        first waiting request (queue order) on another adapter whose user is granted now
+        names the need; an adapter all of whose running requests were throttled at the
+        step start, with their users refused (``short`` 0) and none of them the needing
+        request's user, is freed: the one of the last such request in ``running`` order,
+        its holders preempted last first (vLLM's ``_preempt_request``: blocks freed, back
+        to the front of ``waiting``). vLLM's waiting loop then runs (these preemptions are
+        not the running loop's, V7). O(running + waiting).
+        """
+        in_use: dict[int, list[Request]] = {}
+        for r in self.running:
+            lora = self._lora_id(r)
+            if lora:
+                in_use.setdefault(lora, []).append(r)
+        if len(in_use) < self.lora_config.max_loras:
+            return
+        needing = None
+        for w in self.waiting:
+            lora = self._lora_id(w)
+            if lora and lora not in in_use and self._grants_left(self._user(w)):
+                needing = w
+                break
+        if needing is None:
+            return
+        needing_user = self._user(needing)
+        at_start = {id(r) for r in self._throttled_at_start}
+
+        def freeable(holders: list[Request]) -> bool:
+            return all(id(r) in at_start and short.get(self._user(r)) == 0 and self._user(r) != needing_user
+                       for r in holders)
+
+        candidates = [r for r in self.running if (lora := self._lora_id(r)) and freeable(in_use[lora])]
+        if not candidates:
+            return
+        now = time.monotonic()
+        for victim in reversed(in_use[self._lora_id(candidates[-1])]):
+            self.running.remove(victim)
+            self._preempt_request(victim, now, drop_stale_output=self.requires_kv_delivery)
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):
             return False
         if self.rate_limiter is None:
             return True
-        if not self.vllm_profile.loras_counted_over_all_running and self._lora_would_exceed(request):
-            return False  # V8 (0.32): skipped like vLLM's own max_loras skip
         if self._per_user_cap is not None and not self._below_residency_cap(request):
             return False  # R20: its user holds its cap of running requests; skipped, later ones still looked at
-        if self._unconstrained:
-            return True
-        user = self._user(request)
-        if self._grants_left(user):
-            return True
-        self._refused_users.add(user)
-        # R10: a refused user's waiting request proceeds only if it can prefill without
-        # sampling; otherwise it is skipped and later waiting requests are still admitted.
+        if not self._unconstrained:
+            user = self._user(request)
+            if not self._grants_left(user):
+                self._refused_users.add(user)
+                if not self._refused_may_proceed(request):
+                    return False
+                if self._takes_new_lora_slot(request):
+                    return False  # R13: a refused user takes no new adapter slot
+        if not self.vllm_profile.loras_counted_over_all_running and self._lora_would_exceed(request):
+            return False  # V8 (0.32): skipped like vLLM's own max_loras skip
+        return True
+
+    def _refused_may_proceed(self, request: Request) -> bool:
+        """R10: a refused user's waiting request proceeds only if it can prefill without
+        sampling; otherwise it is skipped and later waiting requests are still admitted."""
         if not self.scheduler_config.enable_chunked_prefill:
             return False
         if not self.vllm_profile.zero_token_waiting_stops_admission:

@@ -35,6 +35,7 @@ MAX_PROMPT_TOKENS: int = 1 << 16
 MAX_OUTPUT_TOKENS: int = 1 << 16
 MAX_PRIORITY: int = 1 << 16
 MAX_DELTA_NS: int = 10**15  # about 11.6 days of clock advance in one event
+MAX_LORA_ID: int = 1 << 16  # bound on a LoRA adapter id (vLLM ``lora_int_id``)
 ANONYMOUS_USER: str = "__anonymous__"  # R17: requests that name no user share this bucket
 
 
@@ -45,6 +46,8 @@ class AddRequest:
     ``user``: the R17 identity (``extra_args["output_rate_user"]``, or ``__anonymous__``).
     ``priority``: vLLM's PRIORITY policy serves smaller values first (ignored under FCFS).
     ``eos_index``: the 0-based output index at which the model emits EOS (None: never).
+    ``lora``: the LoRA adapter the request runs on (vLLM ``lora_request.lora_int_id``; 0:
+    the base model). A LoRA > 0 needs ``EngineConfig.max_loras`` (V8 LoRA slots).
     """
 
     request_id: str
@@ -53,6 +56,7 @@ class AddRequest:
     prompt_len: int = 4
     max_tokens: int = 16
     eos_index: int | None = None
+    lora: int = 0
 
     def __post_init__(self) -> None:
         # Every field is inside its bound; a scenario generator that drifts fails here.
@@ -62,11 +66,13 @@ class AddRequest:
         assert 1 <= self.prompt_len <= MAX_PROMPT_TOKENS, f"prompt_len {self.prompt_len} out of range"
         assert 1 <= self.max_tokens <= MAX_OUTPUT_TOKENS, f"max_tokens {self.max_tokens} out of range"
         assert self.eos_index is None or 0 <= self.eos_index <= MAX_OUTPUT_TOKENS, f"eos_index {self.eos_index}"
+        assert 0 <= self.lora <= MAX_LORA_ID, f"lora {self.lora} out of range"
 
     def __str__(self) -> str:
         eos = "" if self.eos_index is None else f" eos@{self.eos_index}"
+        lora = f" lora={self.lora}" if self.lora else ""
         return (f"add {self.request_id} user={self.user} prio={self.priority} prompt={self.prompt_len} "
-                f"max_tokens={self.max_tokens}{eos}")
+                f"max_tokens={self.max_tokens}{eos}{lora}")
 
 
 @dataclass(frozen=True)

@@ -197,8 +197,9 @@ def i9_budget(after: SchedulerState, obs: Observation) -> str | None:
 
 
 def i10_no_admission_after_preemption(obs: Observation) -> str | None:
-    """I10 (V7): a step that preempted admits nothing."""
-    if obs.preempted and obs.admitted:
+    """I10 (V7): a step whose running loop preempted admits nothing (R13's LoRA victims,
+    preempted at the step start to free an adapter slot, are not the running loop's)."""
+    if any(rid not in obs.lora_victims for rid in obs.preempted) and obs.admitted:
         return f"I10 (V7): preempted {obs.preempted} and admitted {obs.admitted} in one step"
     return None
 
@@ -304,8 +305,9 @@ def i16_preemption_needed(before: SchedulerState, after: SchedulerState, obs: Ob
     stayed running (their blocks at the end of ``schedule()`` are an upper bound) and the
     last victim (at most the blocks of its whole sampling position). So that upper bound
     must exceed the usable blocks; if it does not, some victim was preempted for nothing.
+    R13's LoRA victims (``obs.lora_victims``) free an adapter slot, not blocks: left out.
     """
-    if not obs.preempted:
+    if not obs.preempted or all(rid in obs.lora_victims for rid in obs.preempted):
         return None
     config = before.config
     held = sum(_blocks_after_schedule(before, after, obs).values())
@@ -350,6 +352,8 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
         if (config.max_num_seqs_per_user is not None
                 and _resident_after_schedule(before, obs)[request.user] >= config.max_num_seqs_per_user):
             continue  # R20: its user holds its cap of running requests; skipped, the loop goes on
+        if request.lora > 0:
+            continue  # V8/R13: skipped when its adapter finds no slot (max_loras), the loop goes on
         refused = not spec_limiter.allows(after.limiter, request.user, after.now_ns, config.burst_ns)
         can_prefill = config.chunked_prefill and request.num_computed_tokens < request.num_tokens - 1
         if refused and not can_prefill:

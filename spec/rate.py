@@ -294,6 +294,67 @@ def preferred_victim(cycle: Cycle, request_id: str) -> str | None:
     return max(at_level, key=lambda r: r.arrival).request_id
 
 
+def free_lora_slot(cycle: Cycle) -> Cycle:
+    """R13 (LoRA): preempt the throttled holders of an adapter slot another user needs.
+
+    With ``max_loras`` K and K adapters in use by ``running``, take the first waiting
+    request W (queue order) on an adapter not in use whose user is granted now. An adapter
+    is a candidate if every running request on it was throttled at the start of this cycle
+    and its user is refused (not merely held, R14: a held user could take the slot back in
+    this very cycle) and is not W's user. The candidate of the last such request in
+    ``running`` order (FCFS's victim end) loses all its holders, last first, each preempted
+    as by V6 (blocks freed, back to ``waiting``); the running loop then runs on the rest
+    and the waiting loop admits as usual (no V7 for these). ``lora_gate`` keeps the
+    victims from taking the slot back while their user is refused, so W's delay is
+    bounded by this cycle (plus V8's own stops: budget, admission cap, blocks).
+    None of this happens without LoRA, with fewer than K adapters in use, or with no
+    throttled holder: the decision of docs/SPEC.md "LoRA slots".
+    """
+    state = cycle.state
+    limit = state.config.max_loras
+    if limit is None or not cycle.throttled_at_start:
+        return cycle
+    in_use: dict[int, list[str]] = {}
+    for rid in state.running:
+        lora = get(state, rid).lora
+        if lora > 0:
+            in_use.setdefault(lora, []).append(rid)
+    if len(in_use) < limit:
+        return cycle
+    needing = next((get(state, rid) for rid in state.waiting
+                    if (w := get(state, rid)).lora > 0 and w.lora not in in_use
+                    and w.user not in cycle.refused_users and allows(cycle, w.user)), None)
+    if needing is None:
+        return cycle
+    at_start = set(cycle.throttled_at_start)
+
+    def freeable(rids: list[str]) -> bool:
+        return all(rid in at_start and get(state, rid).user in cycle.refused_users
+                   and get(state, rid).user != needing.user for rid in rids)
+
+    holders = [rid for rid in state.running if freeable(in_use.get(get(state, rid).lora, []))
+               and get(state, rid).lora > 0]
+    if not holders:
+        return cycle
+    from vllm_output_rate.spec.scheduler import preempt  # the V6 preemption, shared
+
+    victim_lora = get(state, holders[-1]).lora
+    for rid in reversed(in_use[victim_lora]):
+        cycle = preempt(cycle, rid)
+        cycle = replace(cycle, lora_victims=cycle.lora_victims + (rid,))
+    return cycle
+
+
+def lora_gate(cycle: Cycle, request: RequestState, counted: frozenset[int]) -> bool:
+    """R13 (LoRA): may a waiting request take an adapter slot? A request of a user refused
+    in this cycle whose adapter is not among the ``counted`` ones (``scheduler.counted_loras``)
+    is skipped: a refused user could only prefill (R10), and would hold a slot another
+    user's request may need (``free_lora_slot`` would take it back next cycle)."""
+    if request.lora == 0 or request.lora in counted:
+        return True
+    return request.user not in cycle.refused_users
+
+
 # -- end of the cycle ------------------------------------------------------------------
 def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState, dict]:
     """R9, R15, R6, R16: settle the cycle's charges and report the rate-limit fields.

@@ -19,7 +19,7 @@ Base behaviour of vLLM 0.32 (V-rules), the vocabulary of the whole spec:
 | V5 | KV blocks. A request holds ``ceil(tokens / block_size)`` blocks for the tokens it has slots for; a chunk needs ``ceil(min(computed + n, max_model_len) / block_size) - held`` new blocks and fails if more than the free blocks. One block is vLLM's null block, never handed out. |
 | V6 | Preemption. When a running request's allocation fails, a victim is preempted and the allocation retried: FCFS the last of ``running``, PRIORITY the max (priority, arrival). The victim frees all its blocks, restarts at 0 computed tokens, loses its placeholders, keeps its in-flight tokens as stale, and goes back to ``waiting`` (FCFS: at the front). A victim already scheduled in this step gives its tokens back to the budget. If the victim is the request itself, the running loop stops (0.32; 0.33 under PRIORITY: the loop continues with the next running request, ``priority_self_preemption_stops_running_loop``). |
 | V7 | No admission in a step that preempted. |
-| V8 | Waiting loop. ``waiting`` in queue order (FCFS: arrival, preempted in front; PRIORITY: (priority, arrival)). A request given 0 tokens at the last cap stops the loop (0.32) or is skipped (0.33, ``zero_token_waiting_stops_admission``). Stops when the budget is 0, when ``len(running)`` reaches the admission cap, when without chunked prefill the request's ``num_tokens`` exceed the budget left, or when the blocks of its whole sequence (``num_tokens``) are not free (vLLM's ``scheduler_reserve_full_isl``). Async: a request whose stale output is still in flight is skipped. An admitted request gets ``min(num_tokens, budget)`` tokens and blocks for that chunk. |
+| V8 | Waiting loop. ``waiting`` in queue order (FCFS: arrival, preempted in front; PRIORITY: (priority, arrival)). A request given 0 tokens at the last cap stops the loop (0.32) or is skipped (0.33, ``zero_token_waiting_stops_admission``). LoRA (``max_loras`` K): a request whose adapter is not among the counted adapters while K are counted is skipped; counted are the adapters of the running requests scheduled in this step (0.32) or of every running request (0.33, ``loras_counted_over_all_running``), plus those admitted in this step; after the running loop vLLM asserts that the scheduled running requests use at most K adapters. Stops when the budget is 0, when ``len(running)`` reaches the admission cap, when without chunked prefill the request's ``num_tokens`` exceed the budget left, or when the blocks of its whole sequence (``num_tokens``) are not free (vLLM's ``scheduler_reserve_full_isl``). Async: a request whose stale output is still in flight is skipped. An admitted request gets ``min(num_tokens, budget)`` tokens and blocks for that chunk. |
 | V9 | After scheduling: ``num_computed_tokens`` += scheduled tokens; the chunk samples iff it reaches ``num_tokens + placeholders`` (a sampling dispatch); async: each sampling dispatch adds one placeholder. |
 | V10 | Model output. Each sampling dispatch yields one token; on delivery it is appended (stale output too) and the request stops with ``stop`` at EOS, else ``length`` at ``max_tokens`` outputs or ``max_model_len`` tokens. A stopped request frees its blocks and leaves ``running``/``waiting``. Output for a request that already left is dropped. |
 | V11 | Abort. A live request leaves at once (reason ``abort``), freeing its blocks. |
@@ -93,7 +93,10 @@ def add_request(state: SchedulerState, event: AddRequest) -> SchedulerState:
         prompt_len=event.prompt_len,
         max_tokens=event.max_tokens,
         eos_index=event.eos_index,
+        lora=event.lora,
     )
+    assert event.lora == 0 or state.config.max_loras is not None, (
+        f"V8: {event.request_id} names LoRA {event.lora} but LoRA is off (no max_loras)")
     state = replace(state, requests=state.requests + (request,), num_arrivals=state.num_arrivals + 1)
     return replace(state, waiting=enqueue(state, request.request_id, front=False))
 
@@ -127,6 +130,7 @@ def scheduling_step(state: SchedulerState) -> tuple[SchedulerState, Observation]
         delivered=to_deliver or (),
         scheduled_running=len(cycle.scheduled) - len(cycle.admitted),
         decided=cycle.decided,
+        lora_victims=cycle.lora_victims,
         **settled,
     )
     return state, observation
@@ -151,7 +155,9 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, Cycle, dict]:
     cycle = Cycle(state=state, token_budget=state.config.max_num_batched_tokens, now_ns=state.now_ns)
     if state.config.rate_limited:
         cycle = rate.begin_cycle(cycle)  # R14, R13, R11
+        cycle = rate.free_lora_slot(cycle)  # R13, LoRA
     cycle = running_loop(cycle)
+    check_scheduled_loras(cycle)  # V8: vLLM's max_loras assertion
     cycle = waiting_loop(cycle)
     if not state.config.rate_limited:
         return cycle.state, cycle, {}
@@ -291,10 +297,64 @@ def add_scheduled(cycle: Cycle, request_id: str, num_new_tokens: int) -> Cycle:
     )
 
 
+def lora_of(state: SchedulerState, request_id: str) -> int:
+    """V8: the LoRA adapter id of a live request (0: the base model)."""
+    return get(state, request_id).lora
+
+
+def scheduled_running_loras(cycle: Cycle) -> frozenset[int]:
+    """V8: the adapters (> 0) of the running requests scheduled so far in this cycle."""
+    return frozenset(lora for rid, _ in cycle.scheduled if (lora := lora_of(cycle.state, rid)) > 0)
+
+
+def check_scheduled_loras(cycle: Cycle) -> None:
+    """V8: after the running loop vLLM asserts that its batch uses at most ``max_loras``
+    adapters (vLLM 0.32 ``scheduler.py`` L897, 0.33 L1047: over every running request)."""
+    limit = cycle.state.config.max_loras
+    if limit is None:
+        return
+    used = counted_loras(cycle) if cycle.state.base.loras_counted_over_all_running else scheduled_running_loras(cycle)
+    assert len(used) <= limit, f"V8: the running requests use adapters {sorted(used)} > max_loras={limit}"
+
+
+def counted_loras(cycle: Cycle) -> frozenset[int]:
+    """V8 (+ R11): the adapters the waiting loop's ``max_loras`` check counts now.
+
+    Base: of the running requests scheduled in this cycle (0.32) or of every running
+    request (0.33), plus the requests admitted so far in this cycle (both: they are
+    scheduled and running). With the feature on, also the adapters of the requests
+    throttled in this cycle (R11: a throttled request stays resident and keeps its
+    adapter's slot; 0.32 alone would let another adapter in beside it, and the next step
+    serving both would exceed ``max_loras``). With nothing throttled this is the base's
+    count (R19).
+    """
+    state = cycle.state
+    if state.base.loras_counted_over_all_running:
+        ids: tuple[str, ...] = state.running
+    else:
+        ids = tuple(rid for rid, _ in cycle.scheduled)
+    if state.config.rate_limited:
+        ids += tuple(rid for rid in cycle.throttled if rid in state.running)
+    return frozenset(lora for rid in ids if (lora := lora_of(state, rid)) > 0)
+
+
+def lora_slot_free(cycle: Cycle, request: RequestState) -> bool:
+    """V8: admitting ``request`` keeps the counted adapters within ``max_loras``."""
+    limit = cycle.state.config.max_loras
+    if limit is None or request.lora == 0:
+        return True
+    counted = counted_loras(cycle)
+    return request.lora in counted or len(counted) < limit
+
+
 def waiting_loop(cycle: Cycle) -> Cycle:
-    """V7, V8: admit waiting requests in queue order until one stops the loop."""
+    """V7, V8: admit waiting requests in queue order until one stops the loop.
+
+    V7 counts the running loop's preemptions only: R13's LoRA victims, preempted at the
+    cycle start to free an adapter slot (``rate.free_lora_slot``), do not stop admission.
+    """
     order = cycle.state.waiting
-    if cycle.preempted:
+    if any(rid not in cycle.lora_victims for rid in cycle.preempted):
         # V7 (the requests this cycle preempted keep their V6)
         return replace(cycle, decided=cycle.decided + tuple((rid, "V7") for rid in order if rid not in cycle.preempted))
     for index, request_id in enumerate(order):
@@ -332,12 +392,18 @@ def visit_waiting(cycle: Cycle, request_id: str) -> tuple[Cycle, bool]:
         cycle, proceed = rate.waiting_gate(cycle, request)  # R10: refused users skipped
         if not proceed:
             return cycle.decide(request_id, "R10"), True
-    # V8: vLLM skips a waiting request whose stale output (V6) is still in flight. In the
-    # modelled class none is ever seen here: only a preemption makes output stale, a cycle
-    # that preempts admits nothing (V7), and the stale output is delivered right after
-    # that cycle (V12). So the skip is an invariant instead.
-    assert request.num_stale_output_tokens == 0, f"V8: stale output in flight at admission: {request}"
+    # V8: vLLM skips a waiting request whose stale output (V6) is still in flight. Only a
+    # preemption makes output stale and the stale output is delivered right after that
+    # cycle (V12); a cycle whose running loop preempts admits nothing (V7), so only R13's
+    # LoRA victims (preempted at the cycle start, async) are ever skipped here.
+    if request.num_stale_output_tokens > 0:
+        assert request_id in cycle.lora_victims, f"V8: stale output in flight at admission: {request}"
+        return cycle.decide(request_id, "V8"), True
     assert request.num_computed_tokens == 0 and request.num_blocks == 0, f"V6/V8: {request}"
+    if not lora_slot_free(cycle, request):
+        return cycle.decide(request_id, "V8"), True  # V8: max_loras adapters counted, skipped
+    if config.rate_limited and not rate.lora_gate(cycle, request, counted_loras(cycle)):
+        return cycle.decide(request_id, "R13"), True  # R13: a refused user takes no new adapter slot
     if not config.chunked_prefill and request.num_tokens > cycle.token_budget:
         return cycle.decide(request_id, "V8"), False
     num_new_tokens = min(request.num_tokens, cycle.token_budget)

@@ -11,9 +11,11 @@ V1-V12 (base vLLM) and R1-R18 (rate limit) are explained in ``spec/scheduler.py`
 
 Modelled configuration class (``EngineConfig``): a standard causal decoder, no prefix
 caching (the gate turns it off: every admission starts at 0 computed tokens), no
-speculative decoding, no KV connector, no LoRA, no multimodal inputs, no structured output,
+speculative decoding, no KV connector, no multimodal inputs, no structured output,
 no pipeline parallelism, watermark 0, ``long_prefill_token_threshold`` 0, one full-attention
-KV cache group of ``num_blocks`` blocks (one of them is vLLM's reserved null block).
+KV cache group of ``num_blocks`` blocks (one of them is vLLM's reserved null block). LoRA
+is modelled as adapter slots only (``max_loras``, each request's adapter id; V8): the
+adapters' weights and ranks do not change scheduling.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class EngineConfig:
     burst_ns: int = spec_limiter.BURST_NS
     # R20: resident (running) requests one user may hold; None: no cap (the article's behaviour).
     max_num_seqs_per_user: int | None = None
+    # V8: vLLM's ``--max-loras`` (adapters one step's batch may use); None: LoRA off
+    # (``--enable-lora`` not given), and every request must be on the base model (lora 0).
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         # The configuration is one that vLLM 0.32 accepts (SchedulerConfig validation).
@@ -98,6 +103,7 @@ class EngineConfig:
             self.rate_limited and 1 <= self.max_num_seqs_per_user <= self.max_num_seqs), (
             f"max_num_seqs_per_user {self.max_num_seqs_per_user} needs the feature on and must be in "
             f"[1, max_num_seqs={self.max_num_seqs}]")
+        assert self.max_loras is None or self.max_loras >= 1, f"max_loras {self.max_loras} must be >= 1"
 
     @property
     def rate_limited(self) -> bool:
@@ -178,6 +184,7 @@ class RequestState:
     num_blocks: int = 0
     num_sampling_dispatches: int = 0
     num_preemptions: int = 0
+    lora: int = 0  # V8: the LoRA adapter id (0: the base model)
 
     def __post_init__(self) -> None:
         # Counters are never negative; a waiting request holds no KV and computed nothing.
@@ -329,6 +336,8 @@ class Observation:
     ``decided``: (request id, V-rule) of the decision the cycle took last about each request
     it looked at or passed over (why it was scheduled, skipped, preempted, admitted or not
     reached); it names the V-rule of a divergence (``adapter/drift.py``) and is not compared.
+    ``lora_victims``: the part of ``preempted`` that R13 preempted at the step start to free
+    a LoRA slot (not a KV shortage: I10 and I16 leave them out).
     """
 
     event: str
@@ -348,6 +357,7 @@ class Observation:
     rate_limited: bool = False
     limit_bound: bool = False
     decided: tuple[tuple[str, str], ...] = ()
+    lora_victims: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -368,7 +378,10 @@ class Cycle:
     order of preference over ``running`` at the start (``running`` itself is never
     reordered); ``active_cap_reached``: R12 gave a running request 0 tokens (R19);
     ``residency_skipped``: waiting requests skipped because their user already held
-    ``max_num_seqs_per_user`` running requests (R20).
+    ``max_num_seqs_per_user`` running requests (R20). ``lora_victims``: running requests
+    preempted at the cycle start to free a LoRA slot that another user's waiting request
+    needs (R13, LoRA); they are in ``preempted`` too, but do not stop admission (V7 is
+    about the running loop's preemptions).
     ``decided``: the V-rule trail of the cycle (``Observation.decided``).
     """
 
@@ -388,6 +401,7 @@ class Cycle:
     active_cap_reached: bool = False
     decided: tuple[tuple[str, str], ...] = ()
     residency_skipped: tuple[str, ...] = ()  # R20: waiting requests skipped, their user at its cap
+    lora_victims: tuple[str, ...] = ()  # R13: preempted at the start to free a LoRA slot (no V7)
 
     def __post_init__(self) -> None:
         # V1: the budget is never overspent; R7: at most one charge per request per cycle.

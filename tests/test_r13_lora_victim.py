@@ -1,0 +1,102 @@
+"""R13 (LoRA): a throttled resident holding the adapter slot another user's request needs
+is the preferred victim (docs/SPEC.md, Decision "LoRA slots"); V8's max_loras count per
+vLLM release, checked against real vLLM (base fidelity, stock) and against the reference
+(white box). In-process, sync and async, on the installed vLLM (0.32.0 or 0.33.0).
+
+The issue-13 shape: ``max_loras`` 1; A (user u, 10 tok/s, adapter 1) decodes and is
+throttled; B (user v, 1000 tok/s, adapter 2) arrives. Without the decision B waits until A
+has finished (0.33; 0.32 without the reference's own count would even crash); with it A is
+preempted in the next step, B is admitted in that same step and finishes, and A resumes
+and finishes with all its tokens.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from vllm_output_rate.adapter.fidelity import StepScenario, run_step_scenario
+from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
+from vllm_output_rate.adapter.whitebox import run_white_box
+from vllm_output_rate.spec import scheduler as spec
+from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Step
+from vllm_output_rate.spec.state import EngineConfig, initial_state
+
+MS = 1_000_000
+
+
+def _shape(async_scheduling: bool, a_tokens: int = 6, b_tokens: int = 2, steps: int = 12) -> StepScenario:
+    config = EngineConfig(max_loras=1, async_scheduling=async_scheduling, default_rate_tokens_per_s=Fraction(10),
+                          user_rates_tokens_per_s=(("v", Fraction(1000)),))
+    events = [AddRequest("A", "u", prompt_len=4, max_tokens=a_tokens, lora=1), Step(), AdvanceClock(50 * MS),
+              Step(), AdvanceClock(50 * MS), AddRequest("B", "v", prompt_len=4, max_tokens=b_tokens, lora=2)]
+    events += [Step(), AdvanceClock(50 * MS)] * steps
+    if async_scheduling:
+        events.append(Drain())
+    return StepScenario(config, tuple(events))
+
+
+def _spec_steps(scenario: StepScenario):
+    state, observations = spec.run(initial_state(scenario.config), scenario.events)
+    return state, [o for o in observations if o.event == "step"]
+
+
+@pytest.mark.rules("R13")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_r13_lora_throttled_holder_is_preempted_and_the_other_adapter_admitted_the_same_step(async_scheduling):
+    scenario = _shape(async_scheduling)
+    state, steps = _spec_steps(scenario)
+    freed = next(i for i, o in enumerate(steps) if o.lora_victims)
+    assert steps[freed].lora_victims == ("A",) and steps[freed].preempted == ("A",)
+    assert steps[freed].admitted == ("B",), steps[freed]  # no V7 for a LoRA victim
+    # B arrived before step 2, in which A was still granted (and so running on the slot by
+    # right); A is refused from step 3, the step that frees the slot and admits B.
+    assert freed == 3 and ("A", 1) in steps[2].scheduled
+    finished = {f.request_id: (f.reason, f.num_output_tokens) for o in steps for f in o.finished}
+    assert finished == {"A": ("length", 6), "B": ("length", 2)} and not state.requests
+    # A preempted once only: refused, it does not take the slot back while B runs (lora_gate).
+    assert sum(o.preempted.count("A") for o in steps) == 1
+
+
+@pytest.mark.rules("R13")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_r13_lora_reference_matches_the_spec_step_for_step(async_scheduling):
+    # White box: batches, preemptions, admissions, running/waiting order, KV and every
+    # rate-limit field of the reference equal the spec's (which the test above pins down).
+    verdict = run_white_box(_shape(async_scheduling))
+    assert verdict.failure is None, verdict
+    assert verdict.steps >= 12
+
+
+@pytest.mark.rules("R13")
+def test_r13_lora_holder_of_a_held_user_is_not_a_victim():
+    # u has 2 streams on adapter 1 and grants for one of them (held, R14, not refused): its
+    # other stream could take the slot back at once, so nothing is preempted and B waits.
+    config = EngineConfig(max_loras=1, default_rate_tokens_per_s=Fraction(20),
+                          user_rates_tokens_per_s=(("v", Fraction(1000)),))
+    events = [AddRequest("A1", "u", prompt_len=4, max_tokens=8, lora=1),
+              AddRequest("A2", "u", prompt_len=4, max_tokens=8, lora=1), Step(), AdvanceClock(50 * MS),
+              AddRequest("B", "v", prompt_len=4, max_tokens=2, lora=2)]
+    events += [Step(), AdvanceClock(50 * MS)] * 3
+    _, steps = _spec_steps(StepScenario(config, tuple(events)))
+    assert any(o.throttled for o in steps)
+    assert not any(o.lora_victims for o in steps) and not any("B" in o.admitted for o in steps)
+    assert run_white_box(StepScenario(config, tuple(events))).failure is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_v8_lora_base_fidelity_stock_counts_adapters_per_release(async_scheduling):
+    # Stock vLLM, feature off: B (adapter 2) is skipped while A (adapter 1) runs, C (adapter
+    # 1) is admitted beside A, B once A and C have finished: the spec's V8 count agrees
+    # with the installed release step for step.
+    config = EngineConfig(max_loras=1, async_scheduling=async_scheduling)
+    events = (AddRequest("A", "u", prompt_len=4, max_tokens=6, lora=1), Step(),
+              AddRequest("B", "v", prompt_len=4, max_tokens=2, lora=2),
+              AddRequest("C", "v", prompt_len=4, max_tokens=2, lora=1)) + (Step(),) * 12
+    scenario = StepScenario(config, events)
+    verdict = run_step_scenario(STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER, scenario)
+    assert verdict.failure is None, verdict
+    _, steps = _spec_steps(scenario)
+    admitted = [rid for o in steps for rid in o.admitted]
+    assert admitted == ["A", "C", "B"], admitted
