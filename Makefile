@@ -68,8 +68,11 @@ bench: $(STAMP)
 
 LINT_PATHS := spec reference adapter proofs outrate tests gpu_tests
 
+# Lint (ruff) and types (mypy: strict on spec/ and the reference limiter, pyproject.toml
+# [tool.mypy]) before pytest; either stops `make test`.
 test: $(STAMP)
 	$(PY) -m ruff check -q $(LINT_PATHS)
+	$(PY) -m vllm_output_rate.typecheck
 ifeq ($(PYTEST_MARKS),)
 	$(PY) -m pytest -q
 else

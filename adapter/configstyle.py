@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from fractions import Fraction
 from typing import Any, Callable
+from unittest import mock
 
 from vllm_output_rate.adapter import harness as _harness
 from vllm_output_rate.adapter.harness import EngineShape
@@ -253,10 +254,10 @@ class EngineArgsStyle(ConfigStyle):
             raise ValueError(f"vLLM's engine arguments reject {argv}: {message}{hint}")
 
         # Raise instead of printing usage and exiting (argparse's error path).
-        parser.error = reject  # type: ignore[method-assign]
         parser.exit_on_error = False
         try:
-            args = parser.parse_args(argv)
+            with mock.patch.object(parser, "error", reject):
+                args = parser.parse_args(argv)
         except argparse.ArgumentError as error:
             reject(str(error))
         return EngineArgs.from_cli_args(args).create_engine_config()

@@ -40,7 +40,9 @@ class CheckResult:
     why). ``part``: "candidate" (runs the class under test) or "spec health" (the spec
     against itself or against stock vLLM; never the candidate's verdict). ``level``: the
     lowest conformance level at which the row runs; ``failed_level``: the level of the
-    property that failed.
+    property that failed. ``scenarios``: the scenarios a row ran, by name (the boundaries
+    row); ``coverage``: the coverage table (the coverage row); both go to the JSON report
+    only when set.
     """
 
     name: str
@@ -56,6 +58,8 @@ class CheckResult:
     level: str = "must"
     failed_level: str | None = None
     minimal: bool = True  # the counterexample is 1-minimal
+    scenarios: list[str] = field(default_factory=list)
+    coverage: dict[str, Any] | None = None
 
     def as_json(self) -> dict:
         return {
@@ -169,8 +173,8 @@ def check_scheduler(
     from vllm_output_rate.adapter.scenarios import minimize, pressured_scenarios, run_scenario, scenarios
 
     tag = "async" if async_mode else "sync"
-    kwargs = dict(async_scheduling=async_mode, max_steps=max_steps, integer_rates=integer_rates,
-                  burst_configurable=burst_configurable)
+    kwargs: dict[str, Any] = dict(async_scheduling=async_mode, max_steps=max_steps, integer_rates=integer_rates,
+                                  burst_configurable=burst_configurable)
     if pressured:
         name, rules = f"invariants/{tag}", ["R1", "R2", "R6", "R7", "R9", "R11", "R12", "R16", "R17"]
         strategy = pressured_scenarios(**kwargs)
@@ -315,6 +319,15 @@ def check_base_fidelity(
     return result
 
 
+def _integer_rates_only(scenario: Any) -> bool:
+    """A step scenario whose rates (default and overrides, tokens/s) are all whole numbers."""
+    config = scenario.config
+    rates = [r for _, r in config.user_rates_tokens_per_s]
+    if config.default_rate_tokens_per_s is not None:
+        rates.append(config.default_rate_tokens_per_s)
+    return all(rate.denominator == 1 for rate in rates)
+
+
 def check_white_box(
     scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
     save_dir: Path | None, burst_configurable: bool = True, style=None, integer_rates: bool = False,
@@ -333,15 +346,13 @@ def check_white_box(
     if style is not None:  # output_rate.max_num_active_seqs is this project's key, not the article's flag
         strategy = strategy.filter(lambda scenario: scenario.config.output_rate_max_num_active_seqs is None)
     if integer_rates:
-        strategy = strategy.filter(lambda scenario: all(
-            rate.denominator == 1 for rate in [scenario.config.default_rate_tokens_per_s]
-            + [r for _, r in scenario.config.user_rates_tokens_per_s]))
+        strategy = strategy.filter(_integer_rates_only)
     result = _check_step_scenarios(name, rules, strategy,
                                    _guarded_step(lambda scenario: run_white_box(scenario, scheduler_cls, style=style),
                                                  scheduler_cls),
                                    examples, seed, tick, save_dir, subject=scheduler_cls.rpartition(".")[2])
     result.level = "exact"
-    if result.result == "fail":
+    if result.result == "fail" and result.failure is not None:
         result.failed_level = "exact"
         result.failure = f"[exact] {result.failure}; {open_choice_hint(result.failure)}"
     return result

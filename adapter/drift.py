@@ -86,6 +86,12 @@ def _diverges(scenario: StepScenario, base: VllmVersionProfile, rule: str) -> St
     return verdict if verdict.failure is not None and verdict.rule == rule else None
 
 
+def _through_failure(scenario: StepScenario, verdict: StepVerdict) -> StepScenario:
+    """``scenario`` cut after the event at which ``verdict`` failed (later ones cannot matter)."""
+    assert verdict.event_index is not None, "a failed verdict names its event"
+    return replace(scenario, events=scenario.events[: verdict.event_index + 1])
+
+
 def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
                 tick: Callable[[], None] = lambda: None) -> tuple[StepScenario, StepVerdict]:
     """Remove single events while ``rule``'s divergence remains; the result is 1-minimal.
@@ -95,7 +101,7 @@ def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
     """
     verdict = _diverges(scenario, base, rule)
     assert verdict is not None, f"the scenario does not diverge on {rule}"
-    scenario = replace(scenario, events=scenario.events[: verdict.event_index + 1])
+    scenario = _through_failure(scenario, verdict)
     changed = True
     while changed:
         changed = False
@@ -104,7 +110,7 @@ def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
             tick()
             found = _diverges(candidate, base, rule)
             if found is not None:
-                scenario, verdict = replace(candidate, events=candidate.events[: found.event_index + 1]), found
+                scenario, verdict = _through_failure(candidate, found), found
                 changed = True
                 break
     return scenario, verdict

@@ -72,6 +72,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Iterator, Sequence
+from unittest import mock
 
 MS = 1_000_000  # ns per millisecond
 
@@ -659,7 +660,7 @@ class _World:
         self.clock = FakeClock()
         self.scenario = scenario
         self.script = list(scenario.inputs)
-        self.engine = None  # the EngineCoreProc, once built
+        self.engine: Any = None  # the EngineCoreProc, once built
         self.wakeups: list[list] = []  # [t, ran the model]
         self.steps: list[dict] = []
         self.waits: list[list] = []  # [start, end, pending, kind]
@@ -755,9 +756,6 @@ class _World:
         from vllm_output_rate.adapter.harness import patched_time
 
         world = self
-        saved = (time.sleep, time.perf_counter_ns, time.time_ns, queue_module.time, threading._time,
-                 threading.Condition.wait)
-
         real_sleep = time.sleep
 
         def fake_sleep(seconds: float) -> None:
@@ -774,18 +772,14 @@ class _World:
             on_input = engine is not None and cond is getattr(getattr(engine, "input_queue", None), "not_empty", None)
             return world.block(timeout, wake_on_input=on_input, kind="input-queue" if on_input else "condition")
 
-        with patched_time(self.clock):
-            time.sleep = fake_sleep
-            time.perf_counter_ns = self.clock.now_ns
-            time.time_ns = self.clock.now_ns
-            queue_module.time = time.monotonic
-            threading._time = time.monotonic
-            threading.Condition.wait = fake_condition_wait
-            try:
-                yield
-            finally:
-                (time.sleep, time.perf_counter_ns, time.time_ns, queue_module.time, threading._time,
-                 threading.Condition.wait) = saved
+        with patched_time(self.clock), contextlib.ExitStack() as patches:
+            # time.monotonic is the fake clock's here; each patch is undone when the block ends.
+            for owner, name, fake in ((time, "sleep", fake_sleep), (time, "perf_counter_ns", self.clock.now_ns),
+                                      (time, "time_ns", self.clock.now_ns), (queue_module, "time", time.monotonic),
+                                      (threading, "_time", time.monotonic),
+                                      (threading.Condition, "wait", fake_condition_wait)):
+                patches.enter_context(mock.patch.object(owner, name, fake))
+            yield
 
 
 def _fabricated_output(scheduler_output, sampled: list[str]):
@@ -804,7 +798,7 @@ def _fabricated_output(scheduler_output, sampled: list[str]):
 
 
 _WORLD: _World | None = None  # the child's world (one run per child process)
-_SHAPE = None
+_SHAPE: Any = None  # the child's EngineShape (adapter/harness.py), set with _WORLD
 
 
 def _executor_class():
@@ -856,8 +850,10 @@ def _executor_class():
             if scheduler_output.total_num_scheduled_tokens == 0:
                 value = EMPTY_MODEL_RUNNER_OUTPUT
             else:
-                sampled = _WORLD.sampled_of.pop(id(scheduler_output), [])
-                _WORLD.model_step()
+                world = _WORLD
+                assert world is not None, "the child sets _WORLD before it builds the engine"
+                sampled = world.sampled_of.pop(id(scheduler_output), [])
+                world.model_step()
                 self._pending, value = _fabricated_output(scheduler_output, sampled), None
             return done(value) if non_block else value
 

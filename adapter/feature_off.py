@@ -63,15 +63,15 @@ def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scen
     base = build_harness(base_cls, base_scenario)
     pair = (candidate, base)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
-    aborts = sorted((r for r in scenario.requests if r.abort_at_step is not None), key=lambda r: r.abort_at_step)
+    aborts = scenario.abort_schedule()
     steps = 0
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
         while pending and pending[0].at_step <= step:
             r = pending.pop(0)
             for h in pair:
                 h.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
-        while aborts and aborts[0].abort_at_step <= step and aborts[0].at_step < step:
-            rid = aborts.pop(0).request_id
+        while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
+            rid = aborts.pop(0)[1].request_id
             for h in pair:
                 h.abort(rid)
         if step >= scenario.num_steps and not pending and not aborts and len(base.finished) == len(scenario.requests):

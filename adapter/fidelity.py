@@ -117,7 +117,7 @@ def _frac_in(value: str | None) -> Fraction | None:
 def engine_shape(config: EngineConfig) -> EngineShape:
     """The harness shape (vLLM configuration) of a spec configuration."""
     output_rate = None
-    if config.rate_limited:
+    if config.default_rate_tokens_per_s is not None:  # R18: rate_limited
         output_rate = {
             "default_tokens_per_s": _as_number(config.default_rate_tokens_per_s),
             "user_tokens_per_s": {u: _as_number(r) for u, r in config.user_rates_tokens_per_s},
@@ -241,6 +241,7 @@ def compare_event(
 ) -> str | None:
     """Compare one event's effect (batch, deliveries, aborts) on vLLM and on the spec."""
     if isinstance(event, Step):
+        assert trace is not None, "a Step event has the step's trace"
         return compare_step(trace, harness, obs)
     finished = {f.request_id: (f.reason, f.num_output_tokens) for f in obs.finished}
     got = {k: v for k, v in harness.finished.items() if k not in finished_before}

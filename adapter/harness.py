@@ -53,10 +53,10 @@ class FakeClock:
 def patched_time(clock: FakeClock) -> Iterator[None]:
     """Make the ``time`` module's clocks read ``clock`` (for schedulers without ``clock_ns``)."""
     saved = (time.monotonic_ns, time.monotonic, time.perf_counter, time.time)
-    time.monotonic_ns = clock.now_ns  # type: ignore[assignment]
-    time.monotonic = lambda: clock.now_ns() / 1e9  # type: ignore[assignment]
-    time.perf_counter = time.monotonic  # type: ignore[assignment]
-    time.time = time.monotonic  # type: ignore[assignment]
+    time.monotonic_ns = clock.now_ns
+    time.monotonic = lambda: clock.now_ns() / 1e9
+    time.perf_counter = time.monotonic
+    time.time = time.monotonic
     try:
         yield
     finally:
@@ -235,7 +235,7 @@ class Harness:
         self.users: dict[str, str] = {}  # request id -> R17 user, as the gate sees it
         self.num_outputs: dict[str, int] = {}
         self.finished: dict[str, tuple[str, int]] = {}
-        self._in_flight = None  # async: (SchedulerOutput, ModelRunnerOutput) of the step in flight
+        self._in_flight: tuple[Any, Any] | None = None  # async: (SchedulerOutput, ModelRunnerOutput) in flight
         self._out_index: dict[str, int] = {}  # request id -> next output index to fabricate
         self.step_index = 0
 
@@ -307,7 +307,7 @@ class Harness:
         from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids = list(so.num_scheduled_tokens)
-        tokens = []
+        tokens: list[list[int]] = []
         sampled_set = set(sampled)
         for req_id in req_ids:
             if req_id not in sampled_set:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
@@ -89,9 +90,13 @@ class OpSequence:
         )
 
 
-def _to_fraction(rate: object) -> Fraction:
+# A rate in tokens/s as the reference takes it.
+RateLike = int | float | str | Fraction | Decimal
+
+
+def _to_fraction(rate: RateLike) -> Fraction:
     # Floats are taken as the decimal they are written as (the reference's R3 decision).
-    return Fraction(repr(rate)) if isinstance(rate, float) else Fraction(rate)  # type: ignore[arg-type]
+    return Fraction(repr(rate)) if isinstance(rate, float) else Fraction(rate)
 
 
 class SpecLimiter:
@@ -104,8 +109,8 @@ class SpecLimiter:
 
     def __init__(
         self,
-        default_rate_tokens_per_s: object,
-        user_rates_tokens_per_s: Mapping[str, object] | None = None,
+        default_rate_tokens_per_s: RateLike,
+        user_rates_tokens_per_s: Mapping[str, RateLike] | None = None,
         burst_ns: int = spec.BURST_NS,
     ) -> None:
         self.burst_ns = burst_ns

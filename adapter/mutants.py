@@ -15,7 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from vllm_output_rate.reference.limiter import OutputRateLimiter
-from vllm_output_rate.reference.scheduler import RateLimitedAsyncScheduler, RateLimitedScheduler, _RateLimitMixin
+from vllm_output_rate.reference.scheduler import RateLimitedAsyncScheduler, RateLimitedScheduler
 
 
 # -- R7: charge on dispatch of sampling steps only ---------------------------------------
@@ -74,6 +74,7 @@ class ChargeOnModelOutput(RateLimitedScheduler):
 
     def _force_take(self, user: str) -> None:
         limiter = self.rate_limiter
+        assert limiter is not None, "a mutant of the feature on"
         if not limiter.try_take(user, self._now_ns):
             limiter._tat[user] += (limiter._scales.get(user) or limiter._default).inc
 
@@ -163,7 +164,7 @@ class HeadOfLineBlocking(RateLimitedScheduler):
     def max_num_active_reqs(self) -> int:
         if getattr(self, "_admission_stopped", False):
             return 0
-        return _RateLimitMixin.max_num_active_reqs.fget(self)
+        return super().max_num_active_reqs
 
     @max_num_active_reqs.setter
     def max_num_active_reqs(self, value: int) -> None:

@@ -82,8 +82,11 @@ def _step_budget(options: GateOptions) -> dict:
     return STEP_SPEC_PROFILES[options.profile]
 
 
-def _cls(options: GateOptions, async_mode: bool) -> str | None:
-    return options.async_scheduler_cls if async_mode else options.scheduler_cls
+def _cls(options: GateOptions, async_mode: bool) -> str:
+    """The class an async or sync check runs (an async check is planned only with an async class)."""
+    cls = options.async_scheduler_cls if async_mode else options.scheduler_cls
+    assert cls is not None, "an async check without --async-scheduler-cls is planned as not tested"
+    return cls
 
 
 def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:

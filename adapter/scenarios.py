@@ -93,6 +93,12 @@ class Scenario:
     # (P4) applies from it on although the scenario is not ``ample``. None: never.
     ample_from_step: int | None = None
 
+    def abort_schedule(self) -> list[tuple[int, RequestSpec]]:
+        """The aborted requests as (step before which it is aborted, request), in abort
+        order (requests aborted before the same step: in scenario order)."""
+        aborts = [(r.abort_at_step, r) for r in self.requests if r.abort_at_step is not None]
+        return sorted(aborts, key=lambda abort: abort[0])
+
     @property
     def ample(self) -> bool:
         """True when nothing but the rate limit (and the active cap, R12) can keep a request
@@ -363,13 +369,13 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
         scheduler_cls, scenario)
     judge = _Judge(scenario, harness, level)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
-    aborts = sorted((r for r in scenario.requests if r.abort_at_step is not None), key=lambda r: r.abort_at_step)
+    aborts = scenario.abort_schedule()
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
         while pending and pending[0].at_step <= step:
             r = pending.pop(0)
             harness.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
-        while aborts and aborts[0].abort_at_step <= step and aborts[0].at_step < step:
-            harness.abort(aborts.pop(0).request_id)
+        while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
+            harness.abort(aborts.pop(0)[1].request_id)
         if step >= scenario.num_steps and not pending and not aborts and len(harness.finished) == len(judge.by_id):
             break
         unfinished = [rid for rid in harness.num_outputs if rid not in harness.finished]
@@ -485,9 +491,9 @@ class _Judge:
                 return failure
         for rid in trace.sampled:
             self.last_sample_step[rid] = step
-        failure = _window_violation(self.history, scenario)
-        if failure:
-            return "R2", "must", f"{self.name}: {failure}"
+        window_failure = _window_violation(self.history, scenario)
+        if window_failure:
+            return "R2", "must", f"{self.name}: {window_failure}"
         if self.should and scenario.max_num_active_seqs is not None:
             scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
             if len(scheduled_running) > scenario.max_num_active_seqs:
@@ -572,8 +578,10 @@ class _Judge:
         throttled, grants, counts = self._fcfs_passed_throttled(trace, state_before, now)
         if not throttled:
             return None
+        start = self.start
+        assert start is not None, "checked only with the step start recorded"
         for rid in trace.preempted:
-            if rid not in self.by_id or rid not in self.start.running:
+            if rid not in self.by_id or rid not in start.running:
                 continue
             user = self.user_of(rid)
             if grants.get(user, 0) >= counts.get(user, 0) > 0:
@@ -589,6 +597,7 @@ class _Judge:
         """For ``_fcfs_victim_check``: (the requests Q, in ``running`` order; each running
         user's grants at the step start, up to its running requests; those counts)."""
         start = self.start
+        assert start is not None, "checked only with the step start recorded"
         running_after = {r.request_id for r in self.harness.scheduler.running}
         known = [rid for rid in start.running if rid in self.by_id]
         if not known:
@@ -702,8 +711,8 @@ def _next_advance_ns(scenario, step, trace, state, by_id, harness) -> int:
     if step < scenario.num_steps or trace.sampled or trace.scheduled:
         return interval
     users = {spec_limiter_user(by_id[rid].user) for rid in harness.num_outputs if rid not in harness.finished}
-    ready = [spec_limiter.ready_at_ns(state, u, scenario.burst_ns) for u in users]
-    ready = [t for t in ready if t is not None and t > trace.now_ns]
+    ready = [t for u in users
+             if (t := spec_limiter.ready_at_ns(state, u, scenario.burst_ns)) is not None and t > trace.now_ns]
     # A candidate may be more conservative than the spec replay (R8: async over-charges are
     # allowed): when the spec says "ready now" and nothing ran, move on by DRAIN_IDLE_NS.
     return max(interval, min(ready) - trace.now_ns) if ready else max(interval, DRAIN_IDLE_NS)

@@ -25,13 +25,14 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 EOS_TOKEN_ID = 2
 BOS_TOKEN_ID = 1
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0, 1, 2, 3 in this order
 
-CONFIG = {
+CONFIG: dict[str, Any] = {  # config.json of the tiny model (JSON values)
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 64,

@@ -131,14 +131,15 @@ class UserSummary:
 
     def close_period(self) -> None:
         """The user has no request left in the engine: its open busy period ends."""
-        if self.period_first_ns is not None:
+        if self.period_first_ns is not None and self.last_dispatch_ns is not None:
             self.closed_busy_ns += self.last_dispatch_ns - self.period_first_ns
             self.period_first_ns = None
 
     @property
     def busy_s(self) -> float:
         """Seconds of the busy periods (each from its first to its last dispatch), summed."""
-        open_ns = 0 if self.period_first_ns is None else self.last_dispatch_ns - self.period_first_ns
+        first, last = self.period_first_ns, self.last_dispatch_ns
+        open_ns = 0 if first is None or last is None else last - first
         return (self.closed_busy_ns + open_ns) / NS_PER_S
 
     @property
@@ -151,9 +152,10 @@ class UserSummary:
     @property
     def span_s(self) -> float | None:
         """Seconds from the first to the last dispatch; None below two dispatches."""
-        if self.dispatches < 2:
+        first, last = self.first_dispatch_ns, self.last_dispatch_ns
+        if self.dispatches < 2 or first is None or last is None:
             return None
-        return (self.last_dispatch_ns - self.first_dispatch_ns) / NS_PER_S
+        return (last - first) / NS_PER_S
 
     @property
     def engine_rate(self) -> float | None:
@@ -233,7 +235,8 @@ class TraceReport:
         for i, run in enumerate(self.runs):
             h = run.header
             overrides = h.get("user_tokens_per_s") or {}
-            span = "" if run.first_ns is None else f" over {(run.last_ns - run.first_ns) / NS_PER_S:.2f} s"
+            span = ("" if run.first_ns is None or run.last_ns is None
+                    else f" over {(run.last_ns - run.first_ns) / NS_PER_S:.2f} s")
             lines.append(
                 f"run {i}: {h.get('scheduler', '?')} pid {h.get('pid', '?')}, "
                 f"{'async' if run.async_scheduling else 'sync'}, default {h.get('default_tokens_per_s')} tok/s, "
@@ -493,7 +496,7 @@ class _Checker:
                 self.fail("R7/R9-accounting", f"charges - refunds = {charged} != {dispatched} sampling dispatches",
                           index, step, user)
 
-    def dispatch(self, run: _Run, user: str | None, now: int, limited: bool = True) -> None:
+    def dispatch(self, run: _Run, user: str, now: int, limited: bool = True) -> None:
         """One sampling dispatch of ``user`` at ``now`` ns: summary, then R2-window and R2-gcra.
 
         ``limited`` False: a shadow-mode dispatch over the limit (counted, not checked by R2)."""
@@ -556,7 +559,7 @@ class _Checker:
         req = report.requests[rid]
         if tokens is None:
             return True
-        upper = tokens + 1 if report.async_scheduling else tokens
+        upper: int | None = tokens + 1 if report.async_scheduling else tokens
         if req.preempted and report.async_scheduling:
             upper = None  # an in-flight output of a preempted request may be dropped
         if req.sampled < tokens or (upper is not None and req.sampled > upper):

@@ -76,7 +76,7 @@ def rate_configs(draw, async_scheduling: bool, contention: bool) -> EngineConfig
     budget = draw(st.one_of(st.integers(8, 24), st.integers(8, 128)))
     max_model_len = draw(st.sampled_from([2048, 80])) if chunked else budget
     if contention:
-        overrides = (("u0", Fraction(draw(st.sampled_from(("0.5", "2", "5"))))),
+        overrides: tuple[tuple[str, Fraction], ...] = (("u0", Fraction(draw(st.sampled_from(("0.5", "2", "5"))))),
                      ("u1", Fraction(draw(st.sampled_from(("50", "100"))))))
         block_size, num_blocks = 4, draw(st.integers(5, 12))
     else:

@@ -168,7 +168,7 @@ class _Driver:
         self.expected_throttled = len(throttled) if limited else 0
         self.async_mode = async_mode
         self.scheduler = self.harness.scheduler
-        self._in_flight = None
+        self._in_flight: tuple[Any, Any] | None = None  # async: (SchedulerOutput, ModelRunnerOutput) in flight
         self.steps = 0
         self.clock = clock
 
@@ -537,7 +537,6 @@ def measure_live(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
 def profile_schedule(n: int, steps: int, top: int) -> dict[str, Any]:
     """cProfile of the reference's ``schedule()`` at ``n`` running requests (limit not binding)."""
     import cProfile
-    import pstats
 
     from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER
 
@@ -551,10 +550,14 @@ def profile_schedule(n: int, steps: int, top: int) -> dict[str, Any]:
         profiler.disable()
         scheduler.update_from_output(so, driver._model_output(so))
         driver.harness.clock.advance(STEP_NS)
-    stats = pstats.Stats(profiler)
-    total = stats.total_tt
-    rows = []
-    for (path, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+    # One entry per function as pstats labels it (file, first line, name; builtins: "~", 0):
+    # calls, time in the function itself, and with its callees (seconds).
+    stats = {(("~", 0, e.code) if isinstance(e.code, str) else (e.code.co_filename, e.code.co_firstlineno,
+                                                                 e.code.co_name)): e for e in profiler.getstats()}
+    total = sum(e.inlinetime for e in stats.values())
+    rows: list[dict[str, Any]] = []
+    for (path, line, func), entry in stats.items():
+        ncalls, tottime, cumtime = entry.callcount, entry.inlinetime, entry.totaltime
         rows.append({"function": f"{_short(path)}:{line}({func})", "calls_per_step": ncalls / steps,
                      "self_share": tottime / total, "cum_share": cumtime / total,
                      "self_us_per_step": tottime / steps * 1e6, "cum_us_per_step": cumtime / steps * 1e6,

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -15,6 +16,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vllm_output_rate import __version__
+from vllm_output_rate.bench import bench
+from vllm_output_rate.check import check
+from vllm_output_rate.loadtest import measure
+from vllm_output_rate.prove import prove
+from vllm_output_rate.serve import serve
+from vllm_output_rate.soak import soak
+
+if TYPE_CHECKING:
+    from vllm_output_rate.adapter.fidelity import StepScenario
+    from vllm_output_rate.adapter.scenarios import Scenario
 
 console = Console(width=None if sys.stdout.isatty() else 130)
 
@@ -138,9 +149,9 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
         if rows:
             console.print(_results_table(title, rows))
     for r in results:  # issue 18: the boundary scenarios run, by name, and the coverage table
-        if getattr(r, "scenarios", None):
+        if r.scenarios:
             console.print(f"{r.name} scenarios: {escape_markup(', '.join(r.scenarios))}", soft_wrap=True)
-    coverage_row = next((r for r in results if getattr(r, "coverage", None)), None)
+    coverage_row = next((r for r in results if r.coverage), None)
     if coverage_row is not None:
         console.print(_coverage_table(coverage_row.coverage))
     for r in results:
@@ -162,9 +173,9 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
     checks_json = [r.as_json() for r in results]
     for r, row in zip(results, checks_json):
-        if getattr(r, "scenarios", None):
+        if r.scenarios:
             row["scenarios"] = r.scenarios
-        if getattr(r, "coverage", None):
+        if r.coverage:
             row["coverage"] = r.coverage
     code = registry.exit_code(results)
     if survivors and code == 0:
@@ -351,12 +362,9 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths) -> None:
     every event: with the feature off as base fidelity (default class: stock vLLM), with it
     on as white box (default class: the reference).
     """
-    from rich.markup import escape
-
     from vllm_output_rate.adapter import fidelity
-    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, load_class
-    from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
-    from vllm_output_rate.adapter.whitebox import run_white_box
+    from vllm_output_rate.adapter.harness import load_class
+    from vllm_output_rate.adapter.scenarios import Scenario
 
     text = scenario_file.read_text()
     try:
@@ -364,17 +372,14 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths) -> None:
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"{scenario_file} is not JSON: {exc}", param_hint="SCENARIO_FILE") from None
     keys = set(data) if isinstance(data, dict) else set()
-    if {"config", "events"} <= keys:
-        kind, parse = "step", fidelity.StepScenario.from_json
-    elif {"rates_tokens_per_s", "requests"} <= keys:
-        kind, parse = "rate-limit", Scenario.from_json
-    else:
+    if not ({"config", "events"} <= keys or {"rates_tokens_per_s", "requests"} <= keys):
         found = sorted(keys) if isinstance(data, dict) else type(data).__name__
         raise click.BadParameter(
             f"{scenario_file} is neither a rate-limit scenario (keys rates_tokens_per_s, requests) nor a step "
             f"scenario (keys config, events); found {found}", param_hint="SCENARIO_FILE")
+    kind = "step" if {"config", "events"} <= keys else "rate-limit"
     try:
-        scenario = parse(text)
+        scenario = fidelity.StepScenario.from_json(text) if kind == "step" else Scenario.from_json(text)
     except (TypeError, KeyError, ValueError, AssertionError) as exc:
         raise click.BadParameter(f"{scenario_file}: not a valid {kind} scenario: {exc!r}",
                                  param_hint="SCENARIO_FILE") from None
@@ -386,25 +391,45 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths) -> None:
             load_class(scheduler_cls)
         except (ValueError, ImportError) as exc:
             raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
+    if isinstance(scenario, Scenario):
+        _replay_rate_limit(scenario, scheduler_cls, level, style)
+    else:
+        _replay_step(scenario, scheduler_cls, style)
 
-    if kind == "rate-limit":
-        cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER)
-        console.print(f"rate-limit scenario on {cls}")
-        for line in scenario.events():
-            console.print(f"  {escape(line)}")
-        if not scenario.feature_on:
-            from vllm_output_rate.adapter.feature_off import run_feature_off
 
-            verdict = run_feature_off(cls, scenario, style)
-        else:
-            verdict = run_scenario(cls, scenario, level, style)
-        if verdict.failure:
-            console.print(f"[bold red]FAIL[/] {escape(f'[{verdict.level}]')} {verdict.rule}: step {verdict.step}: "
-                          f"{escape(verdict.failure)}")
-            sys.exit(1)
-        console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
-                      f"{verdict.sampled_per_user}")
-        return
+def _replay_rate_limit(scenario: Scenario, scheduler_cls: str | None, level: str, style: Any) -> None:
+    """``outrate replay`` of a rate-limit scenario (adapter/scenarios.py); exit 1 if it fails."""
+    from rich.markup import escape
+
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+    from vllm_output_rate.adapter.scenarios import run_scenario
+
+    cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER)
+    console.print(f"rate-limit scenario on {cls}")
+    for line in scenario.events():
+        console.print(f"  {escape(line)}")
+    if not scenario.feature_on:
+        from vllm_output_rate.adapter.feature_off import run_feature_off
+
+        verdict = run_feature_off(cls, scenario, style)
+    else:
+        verdict = run_scenario(cls, scenario, level, style)
+    if verdict.failure:
+        console.print(f"[bold red]FAIL[/] {escape(f'[{verdict.level}]')} {verdict.rule}: step {verdict.step}: "
+                      f"{escape(verdict.failure)}")
+        sys.exit(1)
+    console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
+                  f"{verdict.sampled_per_user}")
+
+
+def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any) -> None:
+    """``outrate replay`` of a step scenario (adapter/fidelity.py): white box with the feature
+    on, base fidelity with it off; exit 1 if it fails."""
+    from rich.markup import escape
+
+    from vllm_output_rate.adapter import fidelity
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+    from vllm_output_rate.adapter.whitebox import run_white_box
 
     async_mode = scenario.config.async_scheduling
     if scenario.config.rate_limited:
@@ -525,17 +550,8 @@ def tiny_model(directory) -> None:
     console.print(f"wrote {directory}/config.json")
 
 
-from vllm_output_rate.bench import bench  # noqa: E402
-main.add_command(bench)
-
-
-from vllm_output_rate.serve import serve  # noqa: E402
-main.add_command(serve)
-from vllm_output_rate.loadtest import measure  # noqa: E402
-main.add_command(measure)
-from vllm_output_rate.prove import prove; main.add_command(prove)  # noqa: E402,E702
-from vllm_output_rate.check import check; main.add_command(check)  # noqa: E402,E702
-from vllm_output_rate.soak import soak; main.add_command(soak)  # noqa: E402,E702
+for _command in (bench, serve, measure, prove, check, soak):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -184,9 +184,10 @@ def run_measurement(base_url: str, streams: list[tuple[str, int]], tokens: int, 
         count = len(times)
         span = max(times) - min(times) if count >= 2 else None
         engine = [r.engine_first_last_s for r in mine]
+        ends = [e for e in engine if e is not None]
         engine_span = None
-        if engine and all(e is not None for e in engine):
-            engine_span = max(e[1] for e in engine) - min(e[0] for e in engine)
+        if engine and len(ends) == len(engine):
+            engine_span = max(e[1] for e in ends) - min(e[0] for e in ends)
         limit = limits.get(user)
         reports.append(UserReport(
             user=user,
@@ -208,7 +209,7 @@ def engine_processes(server_pid: int) -> dict[str, Any]:
     """The engine-core and worker processes below ``server_pid`` (psutil), by role."""
     import psutil
 
-    found = {}
+    found: dict[str, Any] = {}
     for proc in psutil.Process(server_pid).children(recursive=True):
         try:
             title = " ".join(proc.cmdline()) or proc.name()

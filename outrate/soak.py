@@ -119,7 +119,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     rss_start = _rss_mb()
     started = time.monotonic()
     deadline = started + minutes * 60
-    slots = {u: [None] * streams for u in names}  # request id or None
+    slots: dict[str, list[str | None]] = {u: [None] * streams for u in names}  # request id or None
     next_start = {(u, k): started + arrive_s[u] + rnd.uniform(0, 1) for u in names for k in range(streams)}
     cancel_at: dict[str, float] = {}
     tokens: dict[str, int] = {}

@@ -123,9 +123,9 @@ def _code_link(dotted: str, package: str, folder: str) -> str:
         obj = resolve(dotted, package)
     except LookupError:
         return f"`{dotted}` (missing)"  # problems() names it
-    target = inspect.unwrap(obj.fget if isinstance(obj, property) else obj)
+    target = obj.fget if isinstance(obj, property) else obj
     try:
-        line = inspect.getsourcelines(target)[1]  # type: ignore[arg-type]
+        line = inspect.getsourcelines(inspect.unwrap(target))[1] if callable(target) else 0
     except (TypeError, OSError):
         line = 0  # a constant: link the module
     path = f"../{folder}/{dotted.split('.')[0]}.py"

@@ -171,10 +171,11 @@ class Take(NamedTuple):
 def r2_take_holds(k: int, known: bool, now: int, t: Take) -> bool:
     """R2: granted iff ``TAT - now <= tau`` (an unknown user always); after a grant
     ``TAT = max(TAT, now) + T``; a refusal changes nothing."""
-    if t.granted != ((not known) or t.before - now <= TAU):
+    before = t.before if known else None
+    if t.granted != (before is None or before - now <= TAU):
         return False
     if t.granted:
-        return t.after == max(t.before if known else Fraction(now), Fraction(now)) + interval(rate(k))
+        return t.after == max(before if before is not None else Fraction(now), Fraction(now)) + interval(rate(k))
     return t.unchanged
 
 
@@ -187,7 +188,7 @@ def spec_try_take(k: int, known: bool, s: int, now: int) -> Take:
     """
     r = rate(k)
     tat = Fraction(s, r.numerator) if known else None
-    state = spec_state({"u": tat} if known else {})
+    state = spec_state({"u": tat} if tat is not None else {})
     new, granted = spec.try_take(state, "u", r, now)
     return Take(granted, tat, new.tat_ns.get("u"), new is state or dict(new.tat_ns) == dict(state.tat_ns))
 
@@ -240,7 +241,7 @@ def spec_refund_undoes_take(k: int, known: bool, s: int, now: int) -> Undo:
     """
     r = rate(k)
     tat = Fraction(s, r.numerator) if known else None
-    taken, granted = spec.try_take(spec_state({"u": tat} if known else {}), "u", r, now)
+    taken, granted = spec.try_take(spec_state({"u": tat} if tat is not None else {}), "u", r, now)
     if not granted:
         return Undo(False, tat, None)
     return Undo(True, tat, spec.refund(taken, "u", r).tat_ns["u"])
@@ -291,6 +292,7 @@ def spec_ready_at_least(k: int, s: int) -> Ready:
     r = rate(k)
     state = spec_state({"u": Fraction(s, r.numerator)})
     ready = spec.ready_at_ns(state, "u")
+    assert ready is not None  # the user has a TAT
     return Ready(ready, spec.allows(state, "u", ready), spec.allows(state, "u", ready - 1),
                  spec.try_take(state, "u", r, max(ready, 0))[1],
                  ready - 1 >= 0 and spec.try_take(state, "u", r, ready - 1)[1])
@@ -423,12 +425,15 @@ def spec_vs_reference_step(k: int, known: bool, s: int, op: int, now: int) -> tu
     r = rate(k)
     state = spec_state({"u": Fraction(s, r.numerator)} if known else {})
     lim = ref_limiter(Fraction(1), {"u": r}, {"u": s} if known else {})
+    spec_out: object
+    ref_out: object
     if op == OP_TAKE:
         state, spec_out = spec.try_take(state, "u", r, now)
         ref_out = lim.try_take("u", now)
     elif op == OP_REFUND:
         state, spec_out = spec.refund(state, "u", r), None
-        ref_out = lim.refund("u")
+        lim.refund("u")
+        ref_out = None
     elif op == OP_CLEANUP:
         before = len(state.tat_ns)
         state = spec.cleanup_idle_users(state, now)

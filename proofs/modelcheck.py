@@ -578,6 +578,7 @@ def _check_fair_admission(before: SchedulerState, obs: Observation, users_of: di
     flood at C. (Without R20, the flood's throttled streams hold every slot: caught.)"""
     config = before.config
     cap = config.max_num_seqs_per_user
+    assert cap is not None, "F2 scopes set max_num_seqs_per_user (R20)"
     held: dict[str, int] = {}
     for rid in [r for r in before.running if r not in obs.preempted] + list(obs.admitted):
         held[users_of[rid]] = held.get(users_of[rid], 0) + 1  # after schedule(), admissions included
@@ -784,12 +785,12 @@ def _explore(scope, max_states, stop_at_first, on_progress, concretize_violation
                 queue.append((tid, rep))
                 if on_progress is not None and tid % PROGRESS_EVERY == 0:
                     on_progress(tid + 1, transitions)
-            if isinstance(event, Step):
+            if isinstance(event, Step) and outcome.obs is not None:
                 _cover(coverage, outcome.obs, world.state)
             if _is_progress_event(event):
                 edge_src.append(sid)
                 edge_dst.append(tid)
-                if isinstance(event, Step) and outcome.obs.scheduled:
+                if isinstance(event, Step) and outcome.obs is not None and outcome.obs.scheduled:
                     productive[sid] = 1
     result.states = len(keys)
     result.transitions = transitions
@@ -934,6 +935,7 @@ def sample_scenarios(scope: Scope, count: int, seed: int = 0):
     from vllm_output_rate.adapter.fidelity import StepScenario
 
     result = explore(scope, concretize_violations=False, keep_graph=True)
+    assert result.graph is not None, "keep_graph=True keeps the graph"
     keys, parent, depth = result.graph
     cs = Compiled(scope)
     deepest = sorted(range(len(keys)), key=lambda i: -depth[i])[: max(1, count // 2)]

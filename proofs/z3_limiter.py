@@ -151,6 +151,19 @@ def _ref_ready_at(S, p, burst):
     return -((burst - S) / p)
 
 
+def _spec_rerate(known, tat, now, rate, rate2):
+    """R21 (``limiter.rescaled_tat_ns``): the TAT after the rate changes ``rate`` -> ``rate2``
+    (tokens/s) at ``now``. Returns ``(known', tat', side)``, ``side`` the constraints on the
+    fresh rounding term: a lead ``x`` with ``x x rate2 >= lead x rate`` (the lead in tokens
+    kept) and less than 1 ns above it (rounded up to a whole ns). An unchanged rate keeps
+    the TAT; a TAT not ahead of the clock is forgotten (idle, R6)."""
+    x = z3.FreshReal("lead_rounded")
+    ahead = z3.And(known, tat > now)
+    side = [z3.Implies(ahead, z3.And(x * rate2 >= (tat - now) * rate, (x - 1) * rate2 < (tat - now) * rate))]
+    new_tat = z3.If(rate2 == rate, tat, now + x)
+    return z3.If(rate2 == rate, known, ahead), z3.If(ahead, new_tat, tat), side
+
+
 @dataclass(frozen=True)
 class Semantics:
     """One limiter implementation as Z3 term builders (the correct one or a broken one)."""
@@ -168,23 +181,10 @@ class Semantics:
     ref_refund: Callable = _ref_refund
     ref_cleanup: Callable = _ref_cleanup
     ref_ready_at: Callable = _ref_ready_at
-    spec_rerate: Callable = None  # R21; None: _spec_rerate (set below, defined after the class)
+    spec_rerate: Callable = _spec_rerate  # R21
 
     def spec_take(self, known, tat, now, T, tau):
         return _spec_take(self, known, tat, now, T, tau)
-
-
-def _spec_rerate(known, tat, now, rate, rate2):
-    """R21 (``limiter.rescaled_tat_ns``): the TAT after the rate changes ``rate`` -> ``rate2``
-    (tokens/s) at ``now``. Returns ``(known', tat', side)``, ``side`` the constraints on the
-    fresh rounding term: a lead ``x`` with ``x x rate2 >= lead x rate`` (the lead in tokens
-    kept) and less than 1 ns above it (rounded up to a whole ns). An unchanged rate keeps
-    the TAT; a TAT not ahead of the clock is forgotten (idle, R6)."""
-    x = z3.FreshReal("lead_rounded")
-    ahead = z3.And(known, tat > now)
-    side = [z3.Implies(ahead, z3.And(x * rate2 >= (tat - now) * rate, (x - 1) * rate2 < (tat - now) * rate))]
-    new_tat = z3.If(rate2 == rate, tat, now + x)
-    return z3.If(rate2 == rate, known, ahead), z3.If(ahead, new_tat, tat), side
 
 
 def _rerate_reset(known, tat, now, rate, rate2):
@@ -279,10 +279,6 @@ BROKEN_VARIANTS: dict[str, Semantics] = {
         ),
     )
 }
-
-for _name, _variant in list(BROKEN_VARIANTS.items()):
-    if _variant.spec_rerate is None:  # R21: every other variant changes rates correctly
-        BROKEN_VARIANTS[_name] = Semantics(**{**_variant.__dict__, "spec_rerate": _spec_rerate})
 
 VARIANTS: dict[str, Semantics] = {CORRECT.name: CORRECT, **BROKEN_VARIANTS}
 

@@ -138,7 +138,7 @@ class MetricsRecorder:
         return user if user in self.named else OTHER
 
     def step(self, now_ns: int, granted: Mapping[str, int], throttled: Collection[str],
-             user_of: Callable[[str], str | None], refunded_users: Iterable[str] = (), limiter: Any = None) -> None:
+             user_of: Callable[[str], str | None], refunded_users: Iterable[str | None] = (), limiter: Any = None) -> None:
         """One ``schedule()`` at ``now_ns``.
 
         ``granted``: user -> sampling dispatches charged in the step (before refunds);
@@ -150,11 +150,11 @@ class MetricsRecorder:
         counts = self.granted
         for user, n in granted.items():
             counts[user if user in self.named else OTHER] += n
-        for user in refunded_users:
-            key = label(user)
+        for refunded in refunded_users:
+            key = label(refunded)
             counts[key] -= 1
             self.refunds[key] += 1
-        if self._throttled_labels:
+        if self._throttled_labels and self._last_ns is not None:
             elapsed = now_ns - self._last_ns
             for key in self._throttled_labels:
                 self.throttled_ns[key] += elapsed
@@ -271,10 +271,10 @@ class OutputRateCollector:
                 family.add_metric([key], merged[key].get(field, 0))
             yield family
         for name, field, doc in GAUGES:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["user"])
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["user"])
             for key in sorted(merged):
-                family.add_metric([key], merged[key].get(field, 0))
-            yield family
+                gauge.add_metric([key], merged[key].get(field, 0))
+            yield gauge
         if snapshots:
             yield GaugeMetricFamily(PREFIX + "throttled_requests", "Resident requests throttled in the last step.",
                                     value=sum(s.get("throttled_requests", 0) for s in snapshots))

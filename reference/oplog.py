@@ -66,6 +66,7 @@ def shown_rate(rate: Fraction) -> str:
 def limits_message(scheduler: str, config: OutputRateConfig, active_cap: int, max_num_seqs: int) -> str:
     """The start-up line: default, overrides (count, the first few named), burst, active cap."""
     overrides = config.user_rates
+    assert config.default_rate is not None, "limits_message is for a configuration with the feature on (R18)"
     named = ", ".join(f"{shown_user(u)} {shown_rate(r)} tok/s" for u, r in list(overrides.items())[:NAMES_SHOWN])
     more = len(overrides) - NAMES_SHOWN
     users = f"{len(overrides)} override(s)" + (f": {named}" if named else "") + (f" and {more} more" if more > 0
@@ -132,7 +133,7 @@ class ThrottleLog:
             parts = []
             for user, n in top:
                 try:
-                    limit = f"limit {shown_rate(self.rate_of(user))} tok/s"
+                    limit = f"limit {shown_rate(self.rate_of(user))} tok/s" if user is not None else "limit ?"
                 except (KeyError, TypeError, ValueError):
                     limit = "limit ?"
                 parts.append(f"{shown_user(user)} {n} ({limit})")

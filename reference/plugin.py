@@ -50,7 +50,8 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 from vllm.exceptions import VLLMValidationError
 
@@ -86,6 +87,8 @@ BEAM_SEARCH_REFUSED = (
 )
 
 _REGISTERED = False
+# The wrappers this module installed over vLLM functions (so that a second install is a no-op).
+_OUR_WRAPPERS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
 class OutputRateRequestError(VLLMValidationError, ValueError):
@@ -93,8 +96,12 @@ class OutputRateRequestError(VLLMValidationError, ValueError):
 
     A ``VLLMValidationError`` so that vLLM's ``AsyncLLM.generate`` passes it through as a
     client error (a plain ``ValueError`` raised there becomes an HTTP 500 with an empty
-    message); also a ``ValueError`` for callers that catch that.
+    message); also a ``ValueError`` for callers that catch that. ``parameter`` names the
+    request field at fault (vLLM puts it in the error response).
     """
+
+    def __init__(self, message: str, *, parameter: str) -> None:
+        VLLMValidationError.__init__(self, message, parameter=parameter)
 
 
 def _feature_on(vllm_config) -> bool:
@@ -281,7 +288,7 @@ def _install_cli_duplicate_check() -> None:
         return parser
 
     def _strict_additional_config(vllm_type):
-        if getattr(vllm_type, "_output_rate_strict", False):
+        if vllm_type in _OUR_WRAPPERS:
             return vllm_type
 
         def parse(text: str):
@@ -290,7 +297,7 @@ def _install_cli_duplicate_check() -> None:
                 raise argparse.ArgumentTypeError(message)
             return vllm_type(text)
 
-        parse._output_rate_strict = True
+        _OUR_WRAPPERS.add(parse)
         return parse
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
@@ -340,7 +347,7 @@ def engine_wait_timeout_ns(core) -> int:
     """
     scheduler = getattr(core, "scheduler", None)
     next_ready_ns = getattr(scheduler, "next_ready_ns", None)
-    if next_ready_ns is None or not _feature_on(getattr(core, "vllm_config", None)):
+    if scheduler is None or next_ready_ns is None or not _feature_on(getattr(core, "vllm_config", None)):
         return 0
     if getattr(core.vllm_config.parallel_config, "data_parallel_size", 1) > 1:
         return 0  # DP engines must keep stepping together (and DP is refused anyway)
@@ -426,7 +433,7 @@ def _install_reader_spin_cap() -> None:
     except ImportError:  # another vLLM layout: nothing to cap
         return
     original = SpinCondition.wait
-    if getattr(original, "_output_rate_cap", None) is not None:
+    if original in _OUR_WRAPPERS:
         return
 
     @functools.wraps(original)
@@ -435,5 +442,5 @@ def _install_reader_spin_cap() -> None:
             self.busy_loop_s = cap
         return original(self, timeout_ms)
 
-    wait._output_rate_cap = cap
+    _OUR_WRAPPERS.add(wait)
     SpinCondition.wait = wait

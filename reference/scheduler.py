@@ -36,7 +36,7 @@ import logging
 import operator
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -61,6 +61,13 @@ _RUNNING = RequestStatus.RUNNING
 _REQUEST_ID = operator.attrgetter("request_id")
 _IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
 logger = logging.getLogger(__name__)
+# The mixin is only ever combined with vLLM's Scheduler (the two classes at the end), whose
+# attributes (running, waiting, requests, scheduler_config, ...) and methods it uses and
+# overrides; the type checker is told so, the runtime class stays a plain mixin.
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerHost
+else:
+    _SchedulerHost = object
 
 
 def group_key(user: str, priority: int) -> str:
@@ -78,7 +85,7 @@ def user_of(request: Request) -> str:
     return validate_extra_args(params.extra_args if params is not None else None)
 
 
-class _RateLimitMixin:
+class _RateLimitMixin(_SchedulerHost):
     """The rules R6-R18 layered on a vLLM V1 scheduler class (see module docstring)."""
 
     # -- construction ---------------------------------------------------------
@@ -247,7 +254,8 @@ class _RateLimitMixin:
 
     # -- the step ---------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any):
-        if self.rate_limiter is None:
+        limiter = self.rate_limiter
+        if limiter is None:
             if self._shadow is not None:
                 return self._shadow_schedule(*args, **kwargs)  # shadow mode: the base's schedule
             return super().schedule(*args, **kwargs)  # R18
@@ -265,16 +273,18 @@ class _RateLimitMixin:
         refunded = self._settle(scheduler_output)  # R9
         self._steps += 1
         if self._steps % CLEANUP_INTERVAL_STEPS == 0:
-            self.rate_limiter.cleanup_idle_users(self._now_ns)  # R6
+            limiter.cleanup_idle_users(self._now_ns)  # R6
             # R15: forget streams that left the scheduler (rotation ignores them anyway),
             # so this map stays bounded by the live requests.
             self._last_served = {k: rid for k, rid in self._last_served.items() if rid in self.requests}
         self._observe(scheduler_output, refunded)
-        self._throttle_log.step(self._now_ns, self._throttled, self._user_cache)  # operator log (oplog.py)
+        throttle_log = self._throttle_log
+        assert throttle_log is not None, "the operator log is made with the limiter (__init__)"
+        throttle_log.step(self._now_ns, self._throttled, self._user_cache)  # operator log (oplog.py)
         if self._metrics is not None:  # /metrics (reference/metrics.py); snapshot at most once per second
             cache = self._user_cache
             self._metrics.step(self._now_ns, self._step_taken, self._throttled, cache.get,
-                               map(cache.get, refunded) if refunded else (), self.rate_limiter)
+                               map(cache.get, refunded) if refunded else (), limiter)
         if self._trace is not None:
             self._trace_step(scheduler_output, refunded)
         return scheduler_output
@@ -310,9 +320,10 @@ class _RateLimitMixin:
         """
         now_ns = self.clock_ns()  # R16: one clock read per schedule()
         scheduler_output = super().schedule(*args, **kwargs)
-        shadow = self._shadow
+        shadow, throttle_log = self._shadow, self._throttle_log
+        assert shadow is not None and throttle_log is not None, "shadow mode is set up by _start_shadow"
         would = shadow.step(now_ns, scheduler_output, self.requests)
-        self._throttle_log.step(now_ns, would, shadow.users)  # operator log: would-be throttled
+        throttle_log.step(now_ns, would, shadow.users)  # operator log: would-be throttled
         if self._metrics is not None:  # /metrics: every dispatch granted, would-be throttles counted
             self._metrics.step(now_ns, shadow.step_dispatches, would, shadow.users.get, (), shadow.limiter)
         if self._trace is not None:
@@ -322,7 +333,8 @@ class _RateLimitMixin:
     def _trace_shadow_step(self, now_ns: int, scheduler_output, would: list[str]) -> None:
         """One shadow-mode trace line: ``charges`` are the shadow limiter's grants, and
         ``would_throttle`` lists the dispatches an enforcing scheduler would have refused."""
-        shadow = self._shadow
+        shadow, trace = self._shadow, self._trace
+        assert shadow is not None and trace is not None, "called by _shadow_schedule with the trace on"
         granted, would_set = set(shadow.last_granted), set(would)
         requests: dict[str, dict[str, Any]] = {}
         for rid, tokens in scheduler_output.num_scheduled_tokens.items():
@@ -337,13 +349,15 @@ class _RateLimitMixin:
                 "throttled": False,
                 "would_throttle": rid in would_set,
             }
-        self._trace.write_step(shadow.steps - 1, now_ns, requests, shadow.last_granted, [],
+        trace.write_step(shadow.steps - 1, now_ns, requests, shadow.last_granted, [],
                                sorted(scheduler_output.preempted_req_ids), len(self.running),
                                len(self.waiting), len(shadow.limiter), extra={"would_throttle": would})
 
     # -- the engine-side event trace (output_rate.trace_path; reference/trace.py) -------
     def _trace_step(self, scheduler_output, refunded: list[str]) -> None:
         """One trace line from this step's own data (charges, refunds, throttled, batch)."""
+        trace, limiter = self._trace, self.rate_limiter
+        assert trace is not None and limiter is not None, "called by schedule() with the trace on"
         scheduled = scheduler_output.num_scheduled_tokens
         charged = [r.request_id for r in self._charged]
         charged_set, refunded_set, throttled = set(charged), set(refunded), self._throttled
@@ -364,9 +378,9 @@ class _RateLimitMixin:
                 "refunded": rid in refunded_set,
                 "throttled": rid in throttled,
             }
-        self._trace.write_step(self._steps - 1, self._now_ns, requests, charged, refunded,
-                               sorted(scheduler_output.preempted_req_ids), len(self.running),
-                               len(self.waiting), len(self.rate_limiter))
+        trace.write_step(self._steps - 1, self._now_ns, requests, charged, refunded,
+                         sorted(scheduler_output.preempted_req_ids), len(self.running),
+                         len(self.waiting), len(limiter))
 
     def _trace_if_idle(self) -> None:
         if self._trace is not None and not self.requests:
@@ -390,8 +404,10 @@ class _RateLimitMixin:
 
     def _metrics_idle(self) -> None:
         """No request left: write the metrics snapshot now (exact counters while idle)."""
-        limiter = self.rate_limiter if self.rate_limiter is not None else self._shadow.limiter
-        self._metrics.write(self.clock_ns(), limiter)
+        metrics, shadow = self._metrics, self._shadow
+        assert metrics is not None, "called with the metrics on"
+        limiter = self.rate_limiter if self.rate_limiter is not None or shadow is None else shadow.limiter
+        metrics.write(self.clock_ns(), limiter)
 
     def shutdown(self) -> None:
         if self._trace is not None:
@@ -614,7 +630,9 @@ class _RateLimitMixin:
         """R2: grants ``user`` may still receive in this step (the limiter asked once per step)."""
         left = self._grants.get(user)
         if left is None:
-            left = self._grants[user] = self._grants_at_start[user] = self.rate_limiter.grants_at(user, self._now_ns)
+            limiter = self.rate_limiter
+            assert limiter is not None, "the hooks ask for grants with the feature on only"
+            left = self._grants[user] = self._grants_at_start[user] = limiter.grants_at(user, self._now_ns)
         return left
 
     def _survey_users(self) -> tuple[bool, dict[str, int]]:
@@ -632,6 +650,7 @@ class _RateLimitMixin:
         cannot use up in one step. O(users).
         """
         spare, taken, limiter, now = self._spare, self._spare_taken, self.rate_limiter, self._now_ns
+        assert limiter is not None, "called by schedule() with the feature on"
         bound: dict[str, int] = {}
         short: dict[str, int] = {}
         for user, requests in self._user_requests.items():
@@ -652,12 +671,13 @@ class _RateLimitMixin:
         Also keeps, per user, the grants left at this clock reading (``_survey_users``).
         """
         limiter, now = self.rate_limiter, self._now_ns
+        assert limiter is not None, "called by schedule() with the feature on"
         if self._unconstrained:
             ids = self._charged_ids = list(map(_REQUEST_ID, self._charged))
-            taken = Counter(map(self._user_cache.__getitem__, ids))
-            limiter.take_counts(taken, now)
-            self._spare, self._spare_taken = self._grants_at_start, taken
-            self._step_taken = taken  # the metrics' granted tokens (reference/metrics.py)
+            counted = Counter(map(self._user_cache.__getitem__, ids))
+            limiter.take_counts(counted, now)
+            self._spare, self._spare_taken = self._grants_at_start, counted
+            self._step_taken = counted  # the metrics' granted tokens (reference/metrics.py)
             return
         left = self._grants
         taken = {u: n - left[u] for u, n in self._grants_at_start.items() if n > left[u]}
@@ -808,7 +828,9 @@ class _RateLimitMixin:
             for admitted in running[self._resident_seen:]:
                 resident[self._user(admitted)] += 1
         self._resident_seen = len(running)
-        return resident[self._user(request)] < self._per_user_cap
+        cap = self._per_user_cap
+        assert cap is not None, "called only with the R20 cap set"
+        return resident[self._user(request)] < cap
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         if self.rate_limiter is not None:
@@ -830,14 +852,15 @@ class _RateLimitMixin:
             return []
         refunded = []
         served = []
-        cache = self._user_cache
+        cache, limiter = self._user_cache, self.rate_limiter
+        assert limiter is not None, "called by schedule() with the feature on"
         for request in charged:
             rid = request.request_id
             user = cache.get(rid) or self._user(request)
             if rid in scheduled and not request.is_prefill_chunk:
                 served.append(rid)
             else:
-                self.rate_limiter.refund(user)  # R4/R9
+                limiter.refund(user)  # R4/R9
                 refunded.append(rid)
         self._record_last_served(served)
         return refunded
@@ -852,7 +875,9 @@ class _RateLimitMixin:
         position = self._turn_position()
         late = len(position)
         admitted = {r.request_id: late + i for i, r in enumerate(self.running) if r.request_id not in position}
-        key = position.get if not admitted else lambda rid: position.get(rid, admitted.get(rid))
+        def key(rid: str) -> int:  # a turn position; admitted in this step: after every turn
+            return position[rid] if rid in position else admitted.get(rid, late)
+
         last_served, groups = self._last_served, self._group_cache
         for rid in sorted(ids, key=key):  # admitted in this step: after every turn
             last_served[groups[rid]] = rid
@@ -860,11 +885,11 @@ class _RateLimitMixin:
     def _observe(self, scheduler_output, refunded: list[str]) -> None:
         """Record this step's decisions; the observation dict is built only when read."""
         limiter = self.rate_limiter
-        ready = [limiter.ready_at_ns(u) for u in self._refused_users]
-        ready = [t for t in ready if t is not None]
+        assert limiter is not None, "called by schedule() with the feature on"
+        ready = [t for u in self._refused_users if (t := limiter.ready_at_ns(u)) is not None]
         self._wait_hint_ns = min(ready) if ready else None
         self._step_record = (self._now_ns, self._charged, refunded, self._throttled)
-        self._observation_cache = None
+        self._observation_cache: dict[str, Any] | None = None
 
     @property
     def last_step_observation(self) -> dict[str, Any] | None:

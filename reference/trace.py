@@ -35,7 +35,7 @@ import atexit
 import json
 import os
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, TextIO
 
 FLUSH_INTERVAL_NS = 500_000_000  # flush at least every 0.5 s of steps
 TRACE_VERSION = 1
@@ -54,17 +54,17 @@ class TraceWriter:
     def __init__(self, path: str, header: dict[str, Any]) -> None:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        self._file = open(path, "a", buffering=_BUFFER_BYTES, encoding="utf-8")
+        self._file: TextIO | None = open(path, "a", buffering=_BUFFER_BYTES, encoding="utf-8")
         self._dumps = json.JSONEncoder(separators=(",", ":")).encode
         self._last_flush_ns: int | None = None
         self.finished: dict[str, dict[str, Any]] = {}  # freed since the last line
-        self._write({"header": {"version": TRACE_VERSION, "pid": os.getpid(), **header}})
+        self._write(self._file, {"header": {"version": TRACE_VERSION, "pid": os.getpid(), **header}})
         self._file.flush()
         atexit.register(_close_ref, weakref.ref(self))
 
-    def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(self._dumps(record))
-        self._file.write("\n")
+    def _write(self, file: TextIO, record: dict[str, Any]) -> None:
+        file.write(self._dumps(record))
+        file.write("\n")
 
     def note_freed(self, request_id: str, status: str, output_tokens: int) -> None:
         self.finished[request_id] = {"status": status, "output_tokens": output_tokens}
@@ -82,7 +82,8 @@ class TraceWriter:
         limiter_users: int,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        if self._file is None:
+        file = self._file
+        if file is None:
             return
         record = {
             "step": step,
@@ -99,28 +100,30 @@ class TraceWriter:
         if extra:
             record.update(extra)
         self.finished = {}
-        self._write(record)
+        self._write(file, record)
         if self._last_flush_ns is None or now_ns - self._last_flush_ns >= FLUSH_INTERVAL_NS:
-            self._file.flush()
+            file.flush()
             self._last_flush_ns = now_ns
 
     def idle(self, now_ns: int) -> None:
         """The scheduler has no requests left: write pending finishes and flush."""
-        if self._file is None:
+        file = self._file
+        if file is None:
             return
         if self.finished:
-            self._write({"now_ns": now_ns, "finished": self.finished})
+            self._write(file, {"now_ns": now_ns, "finished": self.finished})
             self.finished = {}
-        self._file.flush()
+        file.flush()
         self._last_flush_ns = now_ns
 
     def close(self) -> None:
-        if self._file is None:
+        file = self._file
+        if file is None:
             return
         try:
             if self.finished:
-                self._write({"now_ns": None, "finished": self.finished})
+                self._write(file, {"now_ns": None, "finished": self.finished})
                 self.finished = {}
-            self._file.close()
+            file.close()
         finally:
             self._file = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -54,6 +55,7 @@ from vllm_output_rate.spec.state import (
     SchedulerState,
     blocks_for,
     find,
+    get,
 )
 
 MAX_HISTORY_PER_USER: int = 4096  # I7 looks back this many dispatches per user (bounded)
@@ -142,7 +144,8 @@ class DispatchHistory:
         rest = tuple((u, t) for u, t in self.ledger_tat_ns if u != user)
         return replace(self, ledger_tat_ns=rest + ((user, new_tat),))
 
-    def rerate(self, old_rate_of, new_rate_of, now_ns: int) -> "DispatchHistory":
+    def rerate(self, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction],
+               now_ns: int) -> "DispatchHistory":
         """R21: the rate table changed at ``now_ns``. I13: each changed user's ledger TAT is
         rescaled as the limiter's is (``limiter.rescaled_tat_ns``). I7: a changed user's
         window history restarts, since I7 judges one rate; windows across the change are
@@ -151,10 +154,9 @@ class DispatchHistory:
         changed = {u for u, _ in self.times_ns + self.ledger_tat_ns if old_rate_of(u) != new_rate_of(u)}
         ledger = []
         for user, tat in self.ledger_tat_ns:
-            if user in changed:
-                tat = spec_limiter.rescaled_tat_ns(tat, old_rate_of(user), new_rate_of(user), now_ns)
-            if tat is not None:
-                ledger.append((user, tat))
+            kept = spec_limiter.rescaled_tat_ns(tat, old_rate_of(user), new_rate_of(user), now_ns) if user in changed else tat
+            if kept is not None:
+                ledger.append((user, kept))
         times = tuple((u, t) for u, t in self.times_ns if u not in changed)
         return replace(self, times_ns=times, ledger_tat_ns=tuple(ledger))
 
@@ -291,7 +293,7 @@ def _blocks_after_schedule(before: SchedulerState, after: SchedulerState, obs: O
         if rid in live_after:
             held[rid] = live_after[rid].num_blocks
         else:
-            request = find(before, rid)
+            request = get(before, rid)
             held[rid] = max(request.num_blocks,
                             blocks_for(request.num_computed_tokens + scheduled.get(rid, 0), before.config))
     return held
@@ -311,7 +313,7 @@ def i16_preemption_needed(before: SchedulerState, after: SchedulerState, obs: Ob
         return None
     config = before.config
     held = sum(_blocks_after_schedule(before, after, obs).values())
-    last = find(before, obs.preempted[-1])
+    last = get(before, obs.preempted[-1])
     peak = max(last.num_blocks, blocks_for(last.sampling_position, config))
     if held + peak <= config.num_usable_blocks:
         return (f"I16 (R11/V6): preempted {list(obs.preempted)} although the survivors' {held} blocks plus the last "
@@ -345,7 +347,7 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
     for rid in before.waiting:
         if rid in admitted:
             continue
-        request = find(before, rid)
+        request = get(before, rid)
         if (budget == 0 or num_running >= cap or (not config.chunked_prefill and request.num_tokens > budget)
                 or blocks_for(request.num_tokens, config) > free):
             return None  # admission may have stopped here; nothing behind it is owed a place
@@ -364,12 +366,12 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
     return None
 
 
-def _resident_after_schedule(before: SchedulerState, obs: Observation) -> Counter:
+def _resident_after_schedule(before: SchedulerState, obs: Observation) -> Counter[str]:
     """R20: running requests per user right after ``schedule()`` (before the step's
     deliveries): ``running`` before the step, less the preempted, plus the admitted."""
     preempted = set(obs.preempted)
     ids = [rid for rid in before.running if rid not in preempted] + list(obs.admitted)
-    return Counter(find(before, rid).user for rid in ids)
+    return Counter(get(before, rid).user for rid in ids)
 
 
 def i19_residency_cap(before: SchedulerState, obs: Observation) -> str | None:
@@ -431,7 +433,7 @@ def check(
     if found:
         return found
     if history is not None:
-        for user in sorted({find(before, rid).user for rid in obs.sampled if find(before, rid) is not None}):
+        for user in sorted({request.user for rid in obs.sampled if (request := find(before, rid)) is not None}):
             found = i7_window_bound(history, user, after)
             if found:
                 return found

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 # R1: burst tolerance tau. 100 ms: covers at least one engine step (a slow step must not
 # let budget expire, semantics.md R1-R6 closing note).
@@ -181,7 +181,8 @@ def rescaled_tat_ns(tat_ns: Fraction, old_rate_tokens_per_s: Fraction, new_rate_
     return Fraction(now_ns + math.ceil(lead * Fraction(old_rate_tokens_per_s) / Fraction(new_rate_tokens_per_s)))
 
 
-def change_rates(state: LimiterState, old_rate_of, new_rate_of, now_ns: int) -> LimiterState:
+def change_rates(state: LimiterState, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction],
+                 now_ns: int) -> LimiterState:
     """R21: every known user's TAT after the rate table changes at ``now_ns``.
 
     ``old_rate_of`` / ``new_rate_of``: ``user -> rate`` (tokens/s) before and after (the

@@ -26,6 +26,7 @@ whole cycle (R2).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.state import (
@@ -46,6 +47,7 @@ def apply_rate_change(state: SchedulerState) -> SchedulerState:
     (``limiter.change_rates``); the configuration gets the new table. Applied only here,
     at the start of ``schedule()``, so no decision of a cycle ever sees two rates.
     """
+    assert state.pending_rates is not None, "R21: called with a rate change pending"
     default, overrides = state.pending_rates
     old = state.config
     new = old.with_rates(default, overrides)
@@ -130,7 +132,8 @@ def start_turns(state: SchedulerState, order: tuple[str, ...] | None = None
         if decoding(request):
             streams.setdefault(request.user, []).append(rid)
     passed: set[str] = set()
-    refused, held = set(), set()
+    refused: set[str] = set()
+    held: set[str] = set()
     for user, rids in streams.items():
         grants = grants_now(state, user, len(rids))
         if grants < len(rids):
@@ -356,7 +359,7 @@ def lora_gate(cycle: Cycle, request: RequestState, counted: frozenset[int]) -> b
 
 
 # -- end of the cycle ------------------------------------------------------------------
-def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState, dict]:
+def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState, dict[str, Any]]:
     """R9, R15, R6, R16: settle the cycle's charges and report the rate-limit fields.
 
     R9: every charge whose request is not dispatched to sample is refunded, once, here
@@ -389,9 +392,9 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
         last_served=tuple((u, p, rid) for (u, p), rid in served.items()),
     )
     waiting_users = cycle.refused_users | cycle.held_users
-    ready = [spec_limiter.ready_at_ns(limiter, u, state.config.burst_ns) for u in waiting_users]
-    ready = [t for t in ready if t is not None]
-    settled = {
+    ready = [t for u in waiting_users
+             if (t := spec_limiter.ready_at_ns(limiter, u, state.config.burst_ns)) is not None]
+    settled: dict[str, Any] = {
         "charged": cycle.charged,
         "refunded": tuple(refunded),
         "throttled": tuple(sorted(cycle.throttled)),

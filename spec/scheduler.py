@@ -35,7 +35,9 @@ Every function below cites the rules it implements. ``spec/rate.py`` holds R7-R1
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
+from typing import Any
 
 from vllm_output_rate.spec import rate
 from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
@@ -144,7 +146,7 @@ def drain(state: SchedulerState) -> tuple[SchedulerState, Observation]:
 
 
 # -- schedule(): one cycle ----------------------------------------------------------
-def schedule(state: SchedulerState) -> tuple[SchedulerState, Cycle, dict]:
+def schedule(state: SchedulerState) -> tuple[SchedulerState, Cycle, dict[str, Any]]:
     """V1-V8 (+ R6-R16 with the feature on): decide this step's batch.
 
     Returns the state after the loops (before V9), the cycle, and the rate-limit
@@ -535,7 +537,7 @@ def finish(state: SchedulerState, request: RequestState, reason: str) -> tuple[S
     return state, Finished(rid, reason, request.num_output_tokens)
 
 
-def run(state: SchedulerState, events) -> tuple[SchedulerState, list[Observation]]:
+def run(state: SchedulerState, events: Iterable[Event]) -> tuple[SchedulerState, list[Observation]]:
     """Apply ``events`` in order; return the final state and one observation per event."""
     observations = []
     for event in events:

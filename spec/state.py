@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Callable
+from typing import Any, Callable
 
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.versions import DEFAULT_PROFILE, VllmVersionProfile
@@ -305,7 +305,7 @@ def with_request(state: SchedulerState, request_id: str, change: Callable[[Reque
     return replace(state, requests=requests)
 
 
-def with_blocks(state: SchedulerState, request_id: str, num_blocks: int, **changes) -> SchedulerState:
+def with_blocks(state: SchedulerState, request_id: str, num_blocks: int, **changes: Any) -> SchedulerState:
     """V5: ``request_id`` now holds ``num_blocks`` blocks (plus ``changes`` to its fields);
     the difference moves from or to the free pool in the same state change."""
     request = get(state, request_id)

@@ -1,4 +1,4 @@
-"""``make test`` runs ruff (the rule set of pyproject.toml) before pytest, and it passes.
+"""``make test`` runs ruff and mypy (the settings of pyproject.toml) before pytest; both pass.
 
 The checks that stop ``make test`` on a drifted design are pytest tests of their own:
 ``tests/test_layers.py`` (imports against the layers), ``tests/test_traceability.py``
@@ -16,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = [sys.executable, "-m", "ruff", "check", "--no-cache", "--config", str(ROOT / "pyproject.toml")]
+MYPY = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--no-incremental"]
+LAYERS = ("outrate", "spec", "reference", "adapter", "proofs")
 
 
 def test_the_tree_passes_ruff() -> None:
@@ -39,3 +41,68 @@ def test_make_test_runs_ruff_before_pytest() -> None:
     ruff = next(i for i, line in enumerate(lines) if "-m ruff check" in line)
     first_pytest = next(i for i, line in enumerate(lines) if "-m pytest" in line)
     assert ruff < first_pytest
+
+
+def _make_dry_run(*args: str) -> list[str]:
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    return subprocess.run(["make", "-n", "test", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60).stdout.splitlines()
+
+
+@pytest.mark.parametrize("vllm", ["0.32.0", "0.33.0"])
+def test_make_test_runs_mypy_after_ruff_before_pytest(vllm: str) -> None:
+    lines = _make_dry_run(f"VLLM={vllm}")
+    ruff = next(i for i, line in enumerate(lines) if "-m ruff check" in line)
+    mypy = next(i for i, line in enumerate(lines) if "-m vllm_output_rate.typecheck" in line)
+    first_pytest = next(i for i, line in enumerate(lines) if "-m pytest" in line)
+    assert ruff < mypy < first_pytest
+
+
+def test_the_package_passes_mypy() -> None:
+    run = subprocess.run([sys.executable, "-m", "vllm_output_rate.typecheck"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
+
+
+def _fake_repository(root: Path, files: dict[str, str]) -> None:
+    """The five package folders under ``root`` (empty ``__init__.py``), plus ``files``."""
+    for folder in LAYERS:
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    for name, text in files.items():
+        (root / name).write_text(text)
+
+
+UNTYPED = "def double(x):\n    return 2 * x\n"
+
+
+def test_mypy_is_strict_on_spec_and_normal_elsewhere(tmp_path: Path) -> None:
+    """The same unannotated function fails in spec/ (strict) and passes in adapter/ (normal);
+    a wrong type fails anywhere. The error lines name the repository's paths."""
+    from vllm_output_rate import typecheck
+
+    _fake_repository(tmp_path, {"spec/untyped.py": UNTYPED, "adapter/untyped.py": UNTYPED,
+                                "proofs/wrong.py": "count: int = 'three'\n"})
+    tree = typecheck.build_tree(tmp_path, tmp_path / ".mypy_cache" / "tree")
+    run = subprocess.run(MYPY + [str(tree)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [typecheck.to_repository(line, tmp_path, tmp_path / ".mypy_cache" / "tree")
+             for line in run.stdout.splitlines()]
+    assert run.returncode == 1, run.stdout
+    errors = [line for line in lines if ": error:" in line]
+    assert any(line.startswith("spec/untyped.py:1:") and "[no-untyped-def]" in line for line in errors), lines
+    assert any(line.startswith("proofs/wrong.py:1:") and "[assignment]" in line for line in errors), lines
+    assert not any(line.startswith("adapter/") for line in errors), lines
+
+
+def test_typecheck_maps_paths_both_ways(tmp_path: Path) -> None:
+    from vllm_output_rate import typecheck
+
+    tree = tmp_path / "t"
+    assert typecheck.to_tree(str(ROOT / "spec" / "limiter.py"), ROOT, tree) == str(
+        tree / "vllm_output_rate" / "spec" / "limiter.py")
+    assert typecheck.to_tree(str(ROOT / "outrate" / "cli.py"), ROOT, tree) == str(tree / "vllm_output_rate" / "cli.py")
+    assert typecheck.to_repository(f"{tree}/vllm_output_rate/cli.py:3: error: x", ROOT, tree) == "outrate/cli.py:3: error: x"
+    assert typecheck.to_repository(f"{tree}/vllm_output_rate/spec/a.py:1: note: y", ROOT, tree) == "spec/a.py:1: note: y"
+    with pytest.raises(SystemExit, match="docs"):
+        typecheck.to_tree(str(ROOT / "docs"), ROOT, tree)
