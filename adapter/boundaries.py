@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Callable
 
 import z3
 
@@ -77,7 +77,7 @@ class _User:
     """One user's limiter trajectory in a ``_Model``: scaled TAT ``S[i]`` before step i,
     grants available ``ga[i]``, grants ``g[i] = min(demand[i], ga[i])`` (R2)."""
 
-    def __init__(self, model: "_Model", name: str, rate: Fraction, demand: list,
+    def __init__(self, model: _Model, name: str, rate: Fraction, demand: list,
                  refunds: list[int] | None = None) -> None:
         assert len(demand) == model.steps
         refunds = refunds or [0] * model.steps
@@ -501,7 +501,7 @@ BOUNDARY_NAMES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES)
 PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 10}  # scenarios per boundary and mode
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _solved(name: str, rate: str, async_mode: bool, seed: int) -> Scenario | None:
     boundary = next(b for b in BOUNDARIES if b.name == name)
     scenario = boundary.build(rate, async_mode, seed)

@@ -24,9 +24,10 @@ import copy
 import importlib
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any
 from unittest import mock
 
 from vllm_output_rate.adapter import harness as _harness

@@ -8,11 +8,13 @@ as JSON for ``outrate replay``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hseed
 
 PROFILES = {
     # examples per check: limiter differential, real scheduler sync / async (ample), each
@@ -141,10 +143,10 @@ def _reraise_gate_error(exc: Exception) -> None:
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    if frames and any(part in frames[-1].filename for part in ("/adapter/", "/spec/", "vllm_output_rate/adapter",
-                                                               "vllm_output_rate/spec")):
-        if "configstyle" not in frames[-1].filename:  # a style that cannot express the scenario is a finding
-            raise exc
+    ours = frames and any(part in frames[-1].filename for part in ("/adapter/", "/spec/", "vllm_output_rate/adapter",
+                                                                  "vllm_output_rate/spec"))
+    if ours and "configstyle" not in frames[-1].filename:  # a style that cannot express the scenario is a finding
+        raise exc
 
 
 def check_scheduler(
@@ -173,8 +175,8 @@ def check_scheduler(
     from vllm_output_rate.adapter.scenarios import minimize, pressured_scenarios, run_scenario, scenarios
 
     tag = "async" if async_mode else "sync"
-    kwargs: dict[str, Any] = dict(async_scheduling=async_mode, max_steps=max_steps, integer_rates=integer_rates,
-                                  burst_configurable=burst_configurable)
+    kwargs: dict[str, Any] = {"async_scheduling": async_mode, "max_steps": max_steps,
+                              "integer_rates": integer_rates, "burst_configurable": burst_configurable}
     if pressured:
         name, rules = f"invariants/{tag}", ["R1", "R2", "R6", "R7", "R9", "R11", "R12", "R16", "R17"]
         strategy = pressured_scenarios(**kwargs)

@@ -26,9 +26,10 @@ import contextlib
 import math
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Iterator
+from typing import Any
 
 from vllm_output_rate.spec import limiter as spec_limiter
 
@@ -333,10 +334,7 @@ def table(counts: Counter, k: int, async_tested: bool) -> list[dict]:
     rows = []
     for name, rules, applies in obligations():
         count = counts.get(name, 0)
-        if applies == "async" and not async_tested:
-            status = "not applicable"
-        else:
-            status = "ok" if count >= k else "NOT REACHED"
+        status = "not applicable" if applies == "async" and not async_tested else "ok" if count >= k else "NOT REACHED"
         rows.append({"obligation": name, "rules": rules, "count": count, "k": k, "status": status})
     return rows
 

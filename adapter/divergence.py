@@ -47,7 +47,7 @@ def _first_out_of_place(got: list, want: list) -> list[str]:
     else:
         longer = got[len(want):] or want[len(got):]
         ids += [x[0] if isinstance(x, tuple) else x for x in longer[:1]]
-    norm = lambda xs: {x[0] if isinstance(x, tuple) else x for x in xs}  # noqa: E731
+    norm = lambda xs: {x[0] if isinstance(x, tuple) else x for x in xs}
     ids += sorted(norm(got) ^ norm(want))
     return ids
 

@@ -20,8 +20,8 @@ self-preemption no longer ends the running loop).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -69,9 +70,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 from unittest import mock
 
 MS = 1_000_000  # ns per millisecond
@@ -342,7 +344,7 @@ def run_engine_waits(
         verdicts.append(verdict)
         try:
             config, shape = _build_config(scheduler_cls, async_mode, scenario, style)
-        except Exception as error:  # noqa: BLE001 - a config the candidate refuses is its failure
+        except Exception as error:  # a config the candidate refuses is its failure
             verdict.failure = f"the engine could not be configured for the R16 scenario: {error}"
             verdict.error = traceback.format_exc()
             continue
@@ -505,7 +507,7 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
         length = (events[k + 1] if k + 1 < len(events) else end_ns) - events[k]
         verdict.throttled_ns += length
         verdict.allowed_idle_wakeups += math.ceil(length / R16_MAX_WAIT_NS) + SPIN_SLACK_WAKEUPS
-    gaps = sorted(b - a for a, b in zip(idle_times, idle_times[1:]))
+    gaps = sorted(b - a for a, b in itertools.pairwise(idle_times))
     verdict.median_idle_gap_ns = gaps[len(gaps) // 2] if gaps else None
 
     # (2a) oversleep: a throttled user with demand gets its next token at its ready time.
@@ -534,7 +536,7 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
     instants = [t for t, _ in wakeups] + [end_ns]
     pending_waits = sorted((w[0], w[1]) for w in obs["waits"] if w[2] and w[1] > w[0])
     starts = [w[0] for w in pending_waits]
-    for a, b in zip(instants, instants[1:]):
+    for a, b in itertools.pairwise(instants):
         k = bisect.bisect_left(starts, a)
         if k < len(starts) and starts[k] < b:
             verdict.max_wait_ns = max(verdict.max_wait_ns, b - a)
@@ -959,7 +961,7 @@ def _drive(payload: dict) -> dict:
     with world.installed():
         try:
             engine = _build_engine(world, config)
-        except BaseException:  # noqa: BLE001 - the candidate's constructor failed
+        except BaseException:  # the candidate's constructor failed
             obs["error"] = traceback.format_exc()
             return obs
         obs["step_fn"] = world.step_fn_name
@@ -971,7 +973,7 @@ def _drive(payload: dict) -> dict:
             obs["stopped_by"] = over.why
         except SystemExit:
             obs["stopped_by"] = "loop exited"
-        except BaseException:  # noqa: BLE001 - the candidate raised inside the loop
+        except BaseException:  # the candidate raised inside the loop
             obs["error"] = traceback.format_exc()
             obs["stopped_by"] = "error"
         world.looping = False
@@ -986,7 +988,7 @@ def _child_main(out_dir: str) -> None:
     """Child entry: import vLLM's engine core once, then fork one process per run (each
     sets its own ``VLLM_PLUGINS`` before vLLM loads any plugin) and wait for it."""
     import vllm.plugins
-    import vllm.v1.engine.core  # noqa: F401 - the expensive import, shared by every fork
+    import vllm.v1.engine.core  # the expensive import, shared by every fork
 
     runs = pickle.load(sys.stdin.buffer)
     assert not vllm.plugins.plugins_loaded, "plugins must load in each candidate's own process"
@@ -997,7 +999,7 @@ def _child_main(out_dir: str) -> None:
             os.environ["VLLM_PLUGINS"] = ",".join(run["plugins"])
             try:
                 obs = _drive(run)
-            except BaseException:  # noqa: BLE001 - reported, never raised
+            except BaseException:  # reported, never raised
                 obs = {"error": traceback.format_exc()}
             with open(out_path, "w") as handle:
                 json.dump(obs, handle)

@@ -24,12 +24,14 @@ the comparison).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any
 
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter import divergence
 from vllm_output_rate.adapter.harness import (
     STOCK_ASYNC_SCHEDULER,
     STOCK_SCHEDULER,
@@ -37,7 +39,6 @@ from vllm_output_rate.adapter.harness import (
     Harness,
     StepTrace,
 )
-from vllm_output_rate.adapter import divergence
 from vllm_output_rate.adapter.versions import installed_profile
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import scheduler as spec
@@ -96,7 +97,7 @@ class StepScenario:
         return json.dumps({"config": config, "events": events}, indent=1)
 
     @staticmethod
-    def from_json(text: str) -> "StepScenario":
+    def from_json(text: str) -> StepScenario:
         data = json.loads(text)
         config = dict(data["config"])
         config["default_rate_tokens_per_s"] = _frac_in(config["default_rate_tokens_per_s"])
@@ -317,10 +318,8 @@ def base_configs(draw, async_scheduling: bool, pressure: bool) -> EngineConfig:
     max_num_seqs = draw(st.integers(2, 6) if pressure else st.integers(1, 6))
     chunked = draw(st.booleans())
     budget = draw(st.integers(8, 256))
-    if chunked:
-        max_model_len = draw(st.sampled_from([2048, 2048, 66, 80, 128]))
-    else:
-        max_model_len = budget  # vLLM: max_num_batched_tokens >= max_model_len without chunking
+    # vLLM: max_num_batched_tokens >= max_model_len without chunking.
+    max_model_len = draw(st.sampled_from([2048, 2048, 66, 80, 128])) if chunked else budget
     if pressure:
         block_size, num_blocks = draw(st.sampled_from([4, 4, 8])), draw(st.integers(4, 14))
     else:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID, default_model_dir
 

@@ -25,10 +25,11 @@ returns a one-line description of the first divergence (naming the rule id) or `
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Protocol
 
 from hypothesis import strategies as st
 

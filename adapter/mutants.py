@@ -88,9 +88,9 @@ class TwoChargesInAsync(RateLimitedAsyncScheduler):
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         before = len(self._charged) if self.rate_limiter is not None else 0
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if self.rate_limiter is not None and len(self._charged) > before and request.num_output_placeholders:
-            if self.rate_limiter.try_take(self._user(request), self._now_ns):
-                self._charged.append(request)
+        if (self.rate_limiter is not None and len(self._charged) > before and request.num_output_placeholders
+                and self.rate_limiter.try_take(self._user(request), self._now_ns)):
+            self._charged.append(request)
         return n
 
 

@@ -24,9 +24,9 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from vllm_output_rate.adapter.mutants import MUTANTS, Mutant
 
@@ -306,7 +306,8 @@ def kill_all(level: str = "should", profile: str = "ci", seed: int = 0, white_bo
 def first_failure(mutant: Mutant, strategy, examples: int, seed: int, level: str = "should"):
     """The first scenario of ``strategy`` (``examples`` seeded Hypothesis examples, no
     shrinking) on which ``mutant`` fails, or None: the discovery tests' probe."""
-    from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
 
     from vllm_output_rate.adapter.configstyle import parse_config_style
     from vllm_output_rate.adapter.scenarios import run_scenario

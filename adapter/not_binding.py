@@ -17,10 +17,10 @@ the check also draws the generic ample and pressured scenarios.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable
 
 from hypothesis import strategies as st
 
@@ -51,7 +51,7 @@ def never_binding(scenario: Scenario) -> Scenario:
             most ``floor(tau x rate) + 1`` takes is granted by GCRA whatever its timing (R2).
     """
     scenario = replace(scenario, feature_on=True, burst_ms=None, default_rate_tokens_per_s=NEVER_BINDING_RATE,
-                       rates_tokens_per_s={u: NEVER_BINDING_RATE for u in scenario.rates_tokens_per_s})
+                       rates_tokens_per_s=dict.fromkeys(scenario.rates_tokens_per_s, NEVER_BINDING_RATE))
     grants = spec_limiter.idle_burst_grants(Fraction(NEVER_BINDING_RATE), scenario.burst_ns)
     demand: dict[str, int] = {}
     for r in scenario.requests:

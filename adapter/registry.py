@@ -12,9 +12,10 @@ profile and seed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from vllm_output_rate.adapter.levels import check_level, includes
 

@@ -136,7 +136,7 @@ class Scenario:
         return json.dumps(asdict(self), indent=1)
 
     @staticmethod
-    def from_json(text: str) -> "Scenario":
+    def from_json(text: str) -> Scenario:
         data = json.loads(text)
         data["requests"] = tuple(RequestSpec(**r) for r in data["requests"])
         if data.get("advances_ns") is not None:

@@ -59,10 +59,11 @@ import json
 import os
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.limiter import NS_PER_S
@@ -296,7 +297,7 @@ class _UserWindow:
     TAT. Each check stops at its first violation (one report per user and run).
     """
 
-    __slots__ = ("user", "rate", "burst_ns", "count", "window", "window_ok", "gcra", "gcra_ok")
+    __slots__ = ("burst_ns", "count", "gcra", "gcra_ok", "rate", "user", "window", "window_ok")
 
     def __init__(self, user: str, rate: Fraction, burst_ns: int) -> None:
         self.user, self.rate, self.burst_ns = user, rate, burst_ns

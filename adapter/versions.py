@@ -21,7 +21,7 @@ def installed_version() -> str:
     return vllm.__version__
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _selected(version: str) -> tuple[VllmVersionProfile, str | None]:
     profile, warning = select_profile(version)
     if warning is not None:

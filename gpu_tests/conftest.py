@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pytest
 
@@ -70,20 +71,20 @@ def tiny_llm(output_rate: dict[str, Any] | None = None, **overrides: Any):
 
     from vllm_output_rate.adapter.tinymodel import default_model_dir
 
-    kwargs: dict[str, Any] = dict(
-        model=str(default_model_dir()),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=8,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.2,  # on CPU: the share of RAM reserved (vLLM checks it at start)
-        kv_cache_memory_bytes=128 * 2**20,
-        scheduler_cls=REFERENCE_ASYNC_SCHEDULER if overrides.get("async_scheduling") else REFERENCE_SCHEDULER,
-        async_scheduling=False,
-    )
+    kwargs: dict[str, Any] = {
+        "model": str(default_model_dir()),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "max_model_len": 512,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "gpu_memory_utilization": 0.2,  # on CPU: the share of RAM reserved (vLLM checks it at start)
+        "kv_cache_memory_bytes": 128 * 2**20,
+        "scheduler_cls": REFERENCE_ASYNC_SCHEDULER if overrides.get("async_scheduling") else REFERENCE_SCHEDULER,
+        "async_scheduling": False,
+    }
     if output_rate is not None:
         kwargs["additional_config"] = {"output_rate": output_rate}
     kwargs.update(overrides)
@@ -94,8 +95,8 @@ def sampling(user: Any, n: int, **overrides: Any):
     """``SamplingParams`` of one stream of ``user``: ``n`` tokens, ``ignore_eos``, token ids only."""
     from vllm import SamplingParams
 
-    kwargs: dict[str, Any] = dict(max_tokens=n, ignore_eos=True, detokenize=False,
-                                  extra_args={"output_rate_user": user})
+    kwargs: dict[str, Any] = {"max_tokens": n, "ignore_eos": True, "detokenize": False,
+                                  "extra_args": {"output_rate_user": user}}
     kwargs.update(overrides)
     return SamplingParams(**kwargs)
 

@@ -16,11 +16,10 @@ import os
 import subprocess
 import sys
 
-from vllm_output_rate.reference.config import KNOWN_KEYS
-
 import pytest
 
 from vllm_output_rate.adapter.tinymodel import write_config
+from vllm_output_rate.reference.config import KNOWN_KEYS
 
 pytestmark = pytest.mark.live
 

@@ -15,8 +15,8 @@ import json
 import time
 
 import pytest
-
 from live_server import scrape, serving
+
 from vllm_output_rate.loadtest import run_measurement
 
 pytestmark = pytest.mark.live
@@ -33,7 +33,7 @@ def test_metrics_live_per_label_series_match_the_client(tmp_path):
              "--user-output-tokens-per-second", json.dumps({"slow": SLOW_RATE})]
     with serving(tmp_path, flags) as url:
         during = {}
-        reports, streams = run_measurement(url, [("slow", 2), ("fast", 1)], 30, timeout_s=120)
+        _reports, streams = run_measurement(url, [("slow", 2), ("fast", 1)], 30, timeout_s=120)
         # The engine core writes its snapshot when it goes idle; the API server may get the
         # last token a moment before that.
         deadline = time.monotonic() + 5

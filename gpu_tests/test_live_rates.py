@@ -82,7 +82,7 @@ def test_r2_live_rates_20_and_100_tok_s_over_10_s(engine, sampling):
     (run,) = report.runs
     print(f"\nwall {wall_s:.2f} s, {run.steps} engine steps")
     print(f"{'user':<5} {'limit':>6} {'streams':>7} {'dispatches':>10} {'span s':>7} {'engine tok/s':>12}")
-    for user, (limit, streams, tokens, _) in USERS.items():
+    for user, (limit, streams, _tokens, _) in USERS.items():
         u = run.users[user]
         print(f"{user:<5} {limit:>6} {streams:>7} {u.dispatches:>10} {u.span_s:>7.2f} {u.engine_rate:>12.2f}")
     for user, (limit, streams, tokens, (low, high)) in USERS.items():

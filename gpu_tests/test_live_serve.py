@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 from live_server import free_port, log_tail, shutdown
 
-from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
 from vllm_output_rate.adapter.tinymodel import write_config
+from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
 
 pytestmark = pytest.mark.live
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from live_server import scrape, serving
+
 from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
 
 pytestmark = pytest.mark.live
@@ -40,7 +40,7 @@ def test_shadow_live_counts_would_be_throttles_and_pauses_nothing(tmp_path, requ
         metrics = scrape(url)
     assert [s.error for s in streams] == [None] * len(streams)
     assert [s.completion_tokens for s in streams] == [TOKENS] * len(streams)
-    capped, free = reports
+    capped, _free = reports
     enforced_s = gcra_min_span_s(STREAMS * TOKENS, CAPPED_RATE)
     print(f"\ncapped: {capped.tokens} tokens in {capped.send_to_last_s:.2f} s ({capped.client_rate:.1f} tok/s, "
           f"limit {CAPPED_RATE}; enforcing would need >= {enforced_s:.1f} s)")

@@ -59,10 +59,11 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 from rich.console import Console
@@ -329,8 +330,8 @@ def measure_limiter(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     from vllm_output_rate.reference.limiter import OutputRateLimiter
 
     users = [f"user-{i}" for i in range(LIMITER_USERS)]
-    limiter = OutputRateLimiter(50, {u: 3.5 for u in users[::8]})
-    refused = OutputRateLimiter(50, {u: TINY_RATE for u in users})
+    limiter = OutputRateLimiter(50, dict.fromkeys(users[::8], 3.5))
+    refused = OutputRateLimiter(50, dict.fromkeys(users, TINY_RATE))
     now = 10**15  # a monotonic clock after ~11 days of uptime
     for u in users:
         refused.try_take(u, now)
@@ -665,7 +666,7 @@ def _gate_table(gate: dict[str, Any]) -> Table:
             rate = f"{r['scenarios_per_s']:,.1f} scenarios/s, {r['steps_per_s']:,.0f} steps/s"
         table.add_row(r["check"], r["what"], str(r.get("scenarios", "-")), str(r.get("steps", r.get("states", "-"))),
                       f"{r['seconds']:.1f}", rate)
-    for name, why in gate["skipped"].items():
+    for name, _why in gate["skipped"].items():
         table.add_row(name, "skipped: not available (reason below)", "-", "-", "-", "-")
     return table
 
@@ -818,7 +819,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
 
     env = machine()
     env["load_average_at_start"] = load_at_start
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     console.print(f"{when}; {env['cores']} cores, {env['cpu']}; vLLM {vllm.__version__}; Python {env['python']}; "
                   f"load average at the end {env['load_average']}; command: {command}")
     if scheduler_rows:

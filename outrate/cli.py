@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -130,7 +131,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
         for item in plan:
             total = item.spec.total(options) if item.skip is None else 1
             task = progress.add_task(item.spec.name, total=total)
-            result = registry.run_planned(item, options, lambda: progress.advance(task))
+            result = registry.run_planned(item, options, functools.partial(progress.advance, task))
             progress.update(task, completed=total)
             results.append(result)
 
@@ -475,7 +476,7 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
 
     started = time.monotonic()
     with console.status("importing vLLM"):
-        import vllm.v1.core.sched.async_scheduler  # noqa: F401
+        import vllm.v1.core.sched.async_scheduler
         import vllm.v1.core.sched.scheduler  # noqa: F401
 
         logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))

@@ -33,6 +33,7 @@ Source: semantics.md R16; docs/PERFORMANCE.md "Live engine".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -235,16 +236,12 @@ def _stop_engines() -> None:
 
     children = psutil.Process().children(recursive=True)
     for proc in children:
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.terminate()
-        except psutil.Error:
-            pass
     _, alive = psutil.wait_procs(children, timeout=5)
     for proc in alive:
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.kill()
-        except psutil.Error:
-            pass
 
 
 def run_child(cfg: dict[str, Any], env_overrides: dict[str, str] | None = None, tick=lambda: None,
@@ -278,14 +275,10 @@ def run_child(cfg: dict[str, Any], env_overrides: dict[str, str] | None = None, 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         reader.join(timeout_s)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30 if found else 1)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # the group this call started (no-op if all ended)
-        except (ProcessLookupError, PermissionError):
-            pass
         proc.wait()
         err.seek(0)
         stderr = err.read()

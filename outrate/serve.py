@@ -85,7 +85,7 @@ def _parse_default_rate(text: str) -> int | float:
     try:
         parse_rate(value, FLAG_DEFAULT)
     except ValueError as exc:
-        raise click.UsageError(f"{exc}; give a positive number of tokens per second, e.g. {FLAG_DEFAULT} 100")
+        raise click.UsageError(f"{exc}; give a positive number of tokens per second, e.g. {FLAG_DEFAULT} 100") from None
     return value
 
 

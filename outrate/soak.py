@@ -16,6 +16,7 @@ Exit status 1 if the checker finds a violation or a stream fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -34,10 +35,8 @@ def _rss_mb() -> dict[str, float]:
     me = psutil.Process()
     rss = {"driver": me.memory_info().rss / 2**20}
     for child in me.children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.Error):
             rss[f"child-{child.pid}"] = child.memory_info().rss / 2**20
-        except psutil.Error:
-            pass
     return rss
 
 
@@ -84,8 +83,8 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     from rich.console import Console
     from rich.table import Table
 
-    from vllm_output_rate.adapter.trace_check import TraceFollower
     from vllm_output_rate.adapter.tinymodel import default_model_dir
+    from vllm_output_rate.adapter.trace_check import TraceFollower
 
     console = Console()
     rnd = random.Random(seed)

@@ -97,10 +97,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.spec import limiter as spec
@@ -146,8 +147,8 @@ def spec_state(tats: dict[str, Fraction]) -> spec.LimiterState:
     return spec.LimiterState(MappingProxyType(dict(tats)))
 
 
-def ref_limiter(default: Fraction, overrides: Optional[dict[str, Fraction]] = None,
-                scaled_tats: Optional[dict[str, int]] = None) -> OutputRateLimiter:
+def ref_limiter(default: Fraction, overrides: dict[str, Fraction] | None = None,
+                scaled_tats: dict[str, int] | None = None) -> OutputRateLimiter:
     """An ``OutputRateLimiter`` whose scaled TATs are ``scaled_tats`` (white-box: ``_tat``
     is the limiter's one piece of per-user state, R1/R3)."""
     lim = OutputRateLimiter(default, overrides or {})
@@ -163,8 +164,8 @@ def ref_limiter(default: Fraction, overrides: Optional[dict[str, Fraction]] = No
 
 class Take(NamedTuple):
     granted: bool
-    before: Optional[Fraction]  # input TAT in ns (None: user unknown)
-    after: Optional[Fraction]  # TAT in ns after the take, as the implementation holds it
+    before: Fraction | None  # input TAT in ns (None: user unknown)
+    after: Fraction | None  # TAT in ns after the take, as the implementation holds it
     unchanged: bool  # the implementation's whole state is exactly as before
 
 
@@ -215,8 +216,8 @@ def ref_try_take(k: int, known: bool, s: int, now: int) -> Take:
 
 class Undo(NamedTuple):
     granted: bool  # the take was granted (only a granted take is refunded, R9)
-    before: Optional[Fraction]  # input TAT in ns (None: user unknown)
-    refunded: Optional[Fraction]  # TAT after take + refund, as the implementation holds it
+    before: Fraction | None  # input TAT in ns (None: user unknown)
+    refunded: Fraction | None  # TAT after take + refund, as the implementation holds it
 
 
 def r4_refund_holds(now: int, u: Undo) -> bool:
@@ -298,7 +299,7 @@ def spec_ready_at_least(k: int, s: int) -> Ready:
                  ready - 1 >= 0 and spec.try_take(state, "u", r, ready - 1)[1])
 
 
-def _ref_ready(k: int, s: int, ready_of: Callable[[OutputRateLimiter], Optional[int]]) -> Ready:
+def _ref_ready(k: int, s: int, ready_of: Callable[[OutputRateLimiter], int | None]) -> Ready:
     r = rate(k)
     lim = ref_limiter(r, scaled_tats={"u": s})
     ready = ready_of(lim)
@@ -537,8 +538,8 @@ def install_ceil_model() -> bool:
     import math
 
     try:
-        from crosshair.core import _PATCH_REGISTRATIONS
         import crosshair.core_and_libs  # noqa: F401  (makes CrossHair's own registrations)
+        from crosshair.core import _PATCH_REGISTRATIONS
     except ImportError:
         return False
     current = _PATCH_REGISTRATIONS.get(math.ceil)
@@ -591,7 +592,7 @@ def check_property(prop: CrossHairProperty, per_condition_timeout: float = DEFAU
                     # preconditions (vacuous); SYNTAX_ERR / IMPORT_ERR: nothing was checked.
                     status = "unknown"
                 conditions.append({"line": msg.line, "status": status, "message": msg.message})
-    except Exception as exc:  # noqa: BLE001 - a CrossHair crash is "unknown", never a proof
+    except Exception as exc:  # a CrossHair crash is "unknown", never a proof
         conditions.append({"line": 0, "status": "unknown", "message": f"crosshair crashed: {exc!r}"})
     statuses = [c["status"] for c in conditions]
     if "refuted" in statuses:
@@ -623,11 +624,11 @@ def _share_out(props: list[CrossHairProperty], jobs: int) -> list[list[CrossHair
 
 def run_all(
     per_condition_timeout: float = DEFAULT_PER_CONDITION_TIMEOUT_S,
-    names: Optional[list[str]] = None,
+    names: list[str] | None = None,
     include_broken: bool = False,
     jobs: int = 2,
-    wall_timeout: Optional[float] = DEFAULT_WALL_TIMEOUT_S,
-    on_record: Optional[Callable[[dict], None]] = None,
+    wall_timeout: float | None = DEFAULT_WALL_TIMEOUT_S,
+    on_record: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Check properties in ``jobs`` child processes; one record per property, in catalogue
     order (see ``check_property``).
@@ -699,7 +700,7 @@ def _pump(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-condition-timeout", type=float, default=DEFAULT_PER_CONDITION_TIMEOUT_S,
                         help="CPU seconds per condition (CrossHair's --per_condition_timeout)")

@@ -8,7 +8,7 @@ adapter <- proofs <- outrate; ``tests/test_layers.py``): the proofs use the adap
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from vllm_output_rate.adapter.conform import CheckResult
 from vllm_output_rate.adapter.registry import CheckSpec

@@ -105,11 +105,12 @@ import sys
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import limiter as spec_limiter
@@ -301,7 +302,7 @@ class World:
     ``added``: per user, streams added so far (names concrete request ids; not in the key).
     """
 
-    __slots__ = ("state", "pending", "ledger", "bypass", "aborts_left", "added")
+    __slots__ = ("aborts_left", "added", "bypass", "ledger", "pending", "state")
 
     def __init__(self, state, pending, ledger, bypass, aborts_left, added) -> None:
         self.state: SchedulerState = state

@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable
 
 import z3
 
@@ -122,7 +122,7 @@ def _ref_scale(p, q, tau):
 def _ref_take(known, S, now, p, inc, burst):
     """R2/R3 (reference ``try_take``), branch for branch."""
     nowp = now * p
-    reset = z3.Or(z3.Not(known), S < nowp)  # `tat is None or tat < now`: tat = now
+    reset = z3.Or(z3.Not(known), nowp > S)  # `tat is None or tat < now`: tat = now
     refused = z3.And(z3.Not(reset), S - nowp > burst)  # `elif tat - now > s.burst`
     granted = z3.Not(refused)
     return granted, z3.Or(known, granted), z3.If(granted, z3.If(reset, nowp, S) + inc, S)
@@ -140,7 +140,7 @@ def _ref_refund(known, S, inc):
 
 def _ref_cleanup(known, S, now, p, burst):
     """R6 (reference ``cleanup_idle_users``): kept iff ``S > now * p``."""
-    return z3.And(known, S > now * p)
+    return z3.And(known, now * p < S)
 
 
 def _ref_ready_at(S, p, burst):
@@ -200,7 +200,7 @@ CORRECT = Semantics("correct", "spec/limiter.py and reference/limiter.py as writ
 
 def _ref_take_strict(known, S, now, p, inc, burst):
     nowp = now * p
-    reset = z3.Or(z3.Not(known), S < nowp)
+    reset = z3.Or(z3.Not(known), nowp > S)
     refused = z3.And(z3.Not(reset), S - nowp >= burst)  # BUG: allowed iff lead < burst
     granted = z3.Not(refused)
     return granted, z3.Or(known, granted), z3.If(granted, z3.If(reset, nowp, S) + inc, S)
@@ -501,8 +501,8 @@ def _window_obligations(sem: Semantics) -> list[Obligation]:
     grants in the closed window [s, s + W] equal ``k`` in the last state with
     ``c <= s + W``, so the bound holds for every window.
     """
-    known, known2 = z3.Bools("known known2")
-    tat, tat2, c, c2, s, W, T, tau, rate = z3.Reals("tat tat2 c c2 s W T tau rate")
+    known, _known2 = z3.Bools("known known2")
+    tat, _tat2, c, c2, s, W, T, tau, rate = z3.Reals("tat tat2 c c2 s W T tau rate")
     k, pend = z3.Ints("k pend")
     params = [T > 0, tau >= 0]
     inv = _window_inv(known, tat, c, s, k, pend, T, tau)
@@ -577,7 +577,7 @@ def _burst_obligations(sem: Semantics) -> list[Obligation]:
     tat, t, T, tau, rate = z3.Reals("tat t T tau rate")
     m, N = z3.Ints("m N")
     params = [T > 0, tau >= 0]
-    n_def = [N >= 1, (N - 1) * T <= tau, tau < N * T]
+    n_def = [N >= 1, tau >= (N - 1) * T, tau < N * T]
     g0, k0, t0 = sem.spec_take(known, tat, t, T, tau)
     j = z3.If(m <= N, m, N)
     j1 = z3.If(m + 1 <= N, m + 1, N)
@@ -595,8 +595,8 @@ def _burst_obligations(sem: Semantics) -> list[Obligation]:
         ),
         Obligation(
             "close",
-            tuple(params + [rate > 0, T * rate == NS_PER_S, N == z3.ToInt(tau * rate / NS_PER_S) + 1]),
-            z3.And(N >= 1, (N - 1) * T <= tau, tau < N * T),
+            tuple(params + [rate > 0, T * rate == NS_PER_S, z3.ToInt(tau * rate / NS_PER_S) + 1 == N]),
+            z3.And(N >= 1, tau >= (N - 1) * T, tau < N * T),
         ),
         Obligation(
             "k_th_take_iff",
@@ -750,8 +750,8 @@ def _ready_search(sem: Semantics, timeout_ms: int, depth: int = 5) -> str | None
         kr, S = ref_steps[-1].known, ref_steps[-1].tat
         inc, burst = sem.ref_scale(z3.IntVal(p), z3.IntVal(q), z3.IntVal(tau))
         r_spec, r_ref = sem.spec_ready_at(tat, tau), sem.ref_ready_at(S, z3.IntVal(p), burst)
-        spec_ok = lambda now: sem.spec_take(yes, tat, now, T, tau)[0]
-        ref_ok = lambda now: sem.ref_take(yes, S, now, p, inc, burst)[0]
+        spec_ok = lambda now, tat=tat, T=T, tau=tau: sem.spec_take(yes, tat, now, T, tau)[0]
+        ref_ok = lambda now, S=S, p=p, inc=inc, burst=burst: sem.ref_take(yes, S, now, p, inc, burst)[0]
         # Both ready_at and ready_at - 1 ns are times the clock can still show (>= clock).
         cons += [ks, kr, r_spec >= clock + 1, r_ref >= clock + 1]
         cons.append(
@@ -984,8 +984,8 @@ def _rerate_window_obligations(sem: Semantics) -> list[Obligation]:
         Obligation("close", hyp, k <= (A + tau * M) / NS_PER_S + 1),
         Obligation(
             "close_one_change",
-            hyp + (s <= c0, c0 <= c, r_old > 0, r_new > 0, A == (c0 - s) * r_old + (c - c0) * r_new,
-                   M <= _zmax(r_old, r_new)),
+            hyp + (s <= c0, c0 <= c, r_old > 0, r_new > 0, (c0 - s) * r_old + (c - c0) * r_new == A,
+                   _zmax(r_old, r_new) >= M),
             k <= ((c0 - s) * r_old + (c - c0) * r_new + tau * _zmax(r_old, r_new)) / NS_PER_S + 1,
         ),
     ]
@@ -1141,7 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"variant: {args.variant}")
     print(f"{'property':38} {'result':8} {'seconds':>8} vacuity_ok  rules")
     for r in results:
-        print(f"{r['name']:38} {r['result']:8} {r['seconds']:8.3f} {str(r['vacuity_ok']):10}  {','.join(r['rules'])}")
+        print(f"{r['name']:38} {r['result']:8} {r['seconds']:8.3f} {r['vacuity_ok']!s:10}  {','.join(r['rules'])}")
         if r["counterexample"]:
             print(f"    counterexample: {r['counterexample']}")
     expect = "proved" if args.variant == CORRECT.name else None

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any
 
 from vllm_output_rate.reference.limiter import parse_rate
 from vllm_output_rate.spec.limiter import BURST_NS

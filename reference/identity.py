@@ -13,7 +13,8 @@ the engine core would fail every request in flight.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ANONYMOUS_USER = "__anonymous__"
 USER_KEY = "output_rate_user"

@@ -19,10 +19,10 @@ Source: semantics.md R1-R6; seed article, "OutputRateLimiter" section.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from fractions import Fraction
 from numbers import Rational
-from typing import Iterable, Mapping
 
 # The rule constants are the spec's (R1: tau = 100 ms); the arithmetic below is this
 # limiter's own (integer-scaled), checked against the spec's rationals by the gate.
@@ -69,7 +69,7 @@ def parse_rate(value: object, name: str = "rate") -> Fraction:
 class _Scale:
     """R3: the integer constants of one rate ``p/q``: scale p, increment, scaled tau."""
 
-    __slots__ = ("p", "inc", "burst")
+    __slots__ = ("burst", "inc", "p")
 
     def __init__(self, rate: Fraction, burst_ns: int) -> None:
         self.p = rate.numerator

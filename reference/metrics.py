@@ -70,8 +70,9 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
 from fractions import Fraction
-from typing import Any, Callable, Collection, Iterable, Mapping
+from typing import Any
 
 ENV_DIR = "VLLM_OUTPUT_RATE_METRICS_DIR"
 ENV_OWNER = "VLLM_OUTPUT_RATE_METRICS_OWNER"
@@ -126,7 +127,7 @@ class MetricsRecorder:
         self.snapshots = 0  # written (for tests)
 
     @classmethod
-    def from_env(cls, config: Any) -> "MetricsRecorder | None":
+    def from_env(cls, config: Any) -> MetricsRecorder | None:
         """A recorder if the front end set ``VLLM_OUTPUT_RATE_METRICS_DIR`` and this is not
         the process that set it (an engine core it spawned); else None (metrics off)."""
         directory = os.environ.get(ENV_DIR)
@@ -294,7 +295,7 @@ def register_collector(directory: str, registry: Any = None) -> OutputRateCollec
     global _COLLECTOR
     if _COLLECTOR is None:
         if registry is None:
-            from prometheus_client import REGISTRY as registry  # noqa: N811
+            from prometheus_client import REGISTRY as registry
         _COLLECTOR = OutputRateCollector(directory)
         registry.register(_COLLECTOR)
     return _COLLECTOR

@@ -34,8 +34,8 @@ Source: semantics.md "Configuration" (operator-visible behaviour); issue 15, ite
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from fractions import Fraction
-from typing import Callable, Collection, Mapping
 
 from vllm.logger import init_logger
 
@@ -103,7 +103,7 @@ class ThrottleLog:
     the requests throttled in it and the request id -> user map.
     """
 
-    __slots__ = ("counts", "next_ns", "since_ns", "interval_ns", "rate_of", "lines", "what")
+    __slots__ = ("counts", "interval_ns", "lines", "next_ns", "rate_of", "since_ns", "what")
 
     def __init__(self, rate_of: Callable[[str], Fraction], interval_ns: int = SUMMARY_INTERVAL_NS,
                  shadow: bool = False) -> None:

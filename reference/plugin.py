@@ -51,7 +51,8 @@ import functools
 import os
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
@@ -212,7 +213,7 @@ def implements_output_rate(scheduler_cls: Any) -> bool | None:
 
         try:
             scheduler_cls = resolve_obj_by_qualname(scheduler_cls)
-        except Exception:  # noqa: BLE001 - not ours to report
+        except Exception:  # not ours to report
             return None
     from vllm_output_rate.reference.scheduler import _RateLimitMixin
 

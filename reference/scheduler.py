@@ -36,7 +36,8 @@ import logging
 import operator
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -47,8 +48,8 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_output_rate.reference.config import OutputRateConfig, check_engine_supported, parse_output_rate
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
-from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
 from vllm_output_rate.reference.metrics import MetricsRecorder
+from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
 from vllm_output_rate.reference.shadow import ShadowAccounting
 from vllm_output_rate.reference.trace import TraceWriter
 from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
@@ -790,9 +791,8 @@ class _RateLimitMixin(_SchedulerHost):
                     return False
                 if self._takes_new_lora_slot(request):
                     return False  # R13: a refused user takes no new adapter slot
-        if not self.vllm_profile.loras_counted_over_all_running and self._lora_would_exceed(request):
-            return False  # V8 (0.32): skipped like vLLM's own max_loras skip
-        return True
+        # V8 (0.32): skipped like vLLM's own max_loras skip.
+        return self.vllm_profile.loras_counted_over_all_running or not self._lora_would_exceed(request)
 
     def _refused_may_proceed(self, request: Request) -> bool:
         """R10: a refused user's waiting request proceeds only if it can prefill without

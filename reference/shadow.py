@@ -31,7 +31,8 @@ Source: issue 15 "Operators see and steer the limit", shadow mode.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from vllm_output_rate.reference.config import OutputRateConfig
 from vllm_output_rate.reference.limiter import OutputRateLimiter
@@ -48,7 +49,7 @@ class ShadowAccounting:
         resolve_user: R17, request -> user, never raising (the scheduler's resolver).
     """
 
-    __slots__ = ("limiter", "resolve_user", "users", "steps", "last_granted", "last_would", "step_dispatches")
+    __slots__ = ("last_granted", "last_would", "limiter", "resolve_user", "step_dispatches", "steps", "users")
 
     def __init__(self, config: OutputRateConfig, resolve_user: Callable[[Any], str]) -> None:
         self.limiter = OutputRateLimiter(config.default_rate, config.user_rates, config.burst_ns)

@@ -35,14 +35,15 @@ import atexit
 import json
 import os
 import weakref
-from typing import Any, Iterable, TextIO
+from collections.abc import Iterable
+from typing import Any, TextIO
 
 FLUSH_INTERVAL_NS = 500_000_000  # flush at least every 0.5 s of steps
 TRACE_VERSION = 1
 _BUFFER_BYTES = 1 << 16
 
 
-def _close_ref(ref: "weakref.ref[TraceWriter]") -> None:
+def _close_ref(ref: weakref.ref[TraceWriter]) -> None:
     writer = ref()
     if writer is not None:
         writer.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Union
 
 # Bounds on one event's values (TigerBeetle style: everything has a limit).
 MAX_PROMPT_TOKENS: int = 1 << 16
@@ -147,5 +146,5 @@ class ChangeRates:
         return f"rates default={self.default_rate_tokens_per_s}" + (f" {users}" if users else "")
 
 
-Event = Union[AddRequest, Abort, AdvanceClock, Step, Drain, ChangeRates]
+Event = AddRequest | Abort | AdvanceClock | Step | Drain | ChangeRates
 EVENT_TYPES = (AddRequest, Abort, AdvanceClock, Step, Drain, ChangeRates)

@@ -137,7 +137,7 @@ class DispatchHistory:
                 return tat
         return None
 
-    def replay(self, user: str, now_ns: int, interval_ns: Fraction) -> "DispatchHistory":
+    def replay(self, user: str, now_ns: int, interval_ns: Fraction) -> DispatchHistory:
         """I13: one sampling dispatch of ``user`` at ``now_ns`` enters the ledger."""
         tat = self.ledger_of(user)
         new_tat = max(tat if tat is not None else Fraction(now_ns), Fraction(now_ns)) + interval_ns
@@ -145,7 +145,7 @@ class DispatchHistory:
         return replace(self, ledger_tat_ns=rest + ((user, new_tat),))
 
     def rerate(self, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction],
-               now_ns: int) -> "DispatchHistory":
+               now_ns: int) -> DispatchHistory:
         """R21: the rate table changed at ``now_ns``. I13: each changed user's ledger TAT is
         rescaled as the limiter's is (``limiter.rescaled_tat_ns``). I7: a changed user's
         window history restarts, since I7 judges one rate; windows across the change are
@@ -160,7 +160,7 @@ class DispatchHistory:
         times = tuple((u, t) for u, t in self.times_ns if u not in changed)
         return replace(self, times_ns=times, ledger_tat_ns=tuple(ledger))
 
-    def add(self, user: str, now_ns: int) -> "DispatchHistory":
+    def add(self, user: str, now_ns: int) -> DispatchHistory:
         times = (self.of(user) + (now_ns,))[-MAX_HISTORY_PER_USER:]
         rest = tuple((u, t) for u, t in self.times_ns if u != user)
         return replace(self, times_ns=rest + ((user, times),))

@@ -12,10 +12,10 @@ limiter (``OutputRateLimiter``, GCRA with a 100 ms burst).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Callable, Mapping
 
 # R1: burst tolerance tau. 100 ms: covers at least one engine step (a slow step must not
 # let budget expire, semantics.md R1-R6 closing note).

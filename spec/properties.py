@@ -16,9 +16,9 @@ its own message.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterable, Sequence
 
 from vllm_output_rate.spec.limiter import BURST_NS, NS_PER_S, window_bound_tokens
 
@@ -44,7 +44,7 @@ class R2Window:
     the one with the most excess (the earliest such start on ties).
     """
 
-    __slots__ = ("rate", "burst_ns", "_unit", "_limit", "count", "_min_a", "_min_index", "_min_ns")
+    __slots__ = ("_limit", "_min_a", "_min_index", "_min_ns", "_unit", "burst_ns", "count", "rate")
 
     def __init__(self, rate: Fraction, burst_ns: int = BURST_NS) -> None:
         assert rate > 0, f"rate must be positive, got {rate}"

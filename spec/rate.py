@@ -30,8 +30,8 @@ from typing import Any
 
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.state import (
-    FCFS,
     CLEANUP_INTERVAL_STEPS,
+    FCFS,
     Cycle,
     RequestState,
     SchedulerState,

@@ -59,6 +59,7 @@ from vllm_output_rate.spec.state import (
     find,
     get,
     initial_state,
+    put_request,
     with_blocks,
     with_request,
 )
@@ -463,12 +464,12 @@ def commit(state: SchedulerState, cycle: Cycle) -> tuple[SchedulerState, tuple[O
         samples = request.num_computed_tokens + num_tokens >= request.sampling_position
         eos = samples and request.num_sampling_dispatches == request.eos_index
         placeholders = 1 if samples and state.config.async_scheduling else 0
-        state = with_request(state, request_id, lambda r: replace(
-            r,
-            num_computed_tokens=r.num_computed_tokens + num_tokens,
-            num_in_flight_tokens=r.num_in_flight_tokens + num_tokens,
-            num_output_placeholders=r.num_output_placeholders + placeholders,
-            num_sampling_dispatches=r.num_sampling_dispatches + (1 if samples else 0),
+        state = put_request(state, replace(
+            request,
+            num_computed_tokens=request.num_computed_tokens + num_tokens,
+            num_in_flight_tokens=request.num_in_flight_tokens + num_tokens,
+            num_output_placeholders=request.num_output_placeholders + placeholders,
+            num_sampling_dispatches=request.num_sampling_dispatches + (1 if samples else 0),
         ))
         output.append(OutputEntry(request_id, num_tokens, samples, eos))
     return state, tuple(output)
@@ -546,4 +547,4 @@ def run(state: SchedulerState, events: Iterable[Event]) -> tuple[SchedulerState,
     return state, observations
 
 
-__all__ = ["step", "run", "initial_state", "schedule", "commit", "deliver", "WAITING"]
+__all__ = ["WAITING", "commit", "deliver", "initial_state", "run", "schedule", "step"]

@@ -21,9 +21,10 @@ adapters' weights and ranks do not change scheduling.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any
 
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.versions import DEFAULT_PROFILE, VllmVersionProfile
@@ -127,7 +128,7 @@ class EngineConfig:
         """V8: vLLM's own admission cap into RUNNING (feature off)."""
         return self.max_num_active_seqs if self.max_num_active_seqs is not None else self.max_num_seqs
 
-    def base_config(self) -> "EngineConfig":
+    def base_config(self) -> EngineConfig:
         """R19: the configuration of the base scheduler a rate-limited step is compared with:
         the feature off (R18), and the active cap A as vLLM's own admission cap (with no
         throttled request, R12's admission cap ``min(M, A + 0)`` is upstream's ``A``)."""
@@ -138,7 +139,7 @@ class EngineConfig:
                        max_num_seqs_per_user=None)
 
     def with_rates(self, default_rate_tokens_per_s: Fraction,
-                   user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...]) -> "EngineConfig":
+                   user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...]) -> EngineConfig:
         """R21: the same engine with another rate table (default and overrides, tokens/s).
 
         Raises:
@@ -305,6 +306,11 @@ def with_request(state: SchedulerState, request_id: str, change: Callable[[Reque
     return replace(state, requests=requests)
 
 
+def put_request(state: SchedulerState, request: RequestState) -> SchedulerState:
+    """``state`` with the live request of ``request``'s id replaced by ``request``."""
+    return with_request(state, request.request_id, lambda _: request)
+
+
 def with_blocks(state: SchedulerState, request_id: str, num_blocks: int, **changes: Any) -> SchedulerState:
     """V5: ``request_id`` now holds ``num_blocks`` blocks (plus ``changes`` to its fields);
     the difference moves from or to the free pool in the same state change."""
@@ -408,7 +414,7 @@ class Cycle:
         assert self.token_budget >= 0, f"V1: token budget overspent: {self.token_budget}"
         assert len(set(self.charged)) == len(self.charged), f"R7: charged twice in one step: {self.charged}"
 
-    def decide(self, request_id: str, rule: str) -> "Cycle":
+    def decide(self, request_id: str, rule: str) -> Cycle:
         """The cycle with ``rule`` recorded as the reason for what happened to ``request_id``."""
         return replace(self, decided=self.decided + ((request_id, rule),))
 

@@ -13,13 +13,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 # The expensive imports, paid once per session (the harness imports lazily).
-import vllm.config  # noqa: E402,F401
-import vllm.v1.core.sched.async_scheduler  # noqa: E402,F401
-import vllm.v1.core.sched.scheduler  # noqa: E402,F401
-import vllm_output_rate.reference.scheduler  # noqa: E402,F401
+import vllm.config
+import vllm.v1.core.sched.async_scheduler
+import vllm.v1.core.sched.scheduler  # noqa: F401
+
+import vllm_output_rate.reference.scheduler  # noqa: F401
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

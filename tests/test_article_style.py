@@ -5,6 +5,7 @@ outputs and a fake clock."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import random
@@ -23,7 +24,6 @@ if _FIXTURES not in sys.path:
     sys.path.insert(0, _FIXTURES)
 
 import torch  # noqa: E402
-
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -325,7 +325,7 @@ def test_one_user_rate_is_limit_and_evenly_paced(model_dir, clock):
     # burst at t0: leads 0, 50, 100 ms are <= 100 ms -> 3 tokens, then 1/50 ms
     assert count_in(times, t0, t0 + 1) == 3
     assert len(times) == 3 + 2990 // 50 == 62
-    gaps = {b - a for a, b in zip(times[2:], times[3:])}
+    gaps = {b - a for a, b in itertools.pairwise(times[2:])}
     assert gaps == {50 * MS}
     for k in range(1, 3):
         assert count_in(times, t0 + k * S, t0 + (k + 1) * S) == 20
@@ -455,7 +455,7 @@ def test_throttled_request_is_preferred_preemption_victim(model_dir, clock):
         return sim, first
 
     for policy in ("fcfs", "priority"):
-        stock, stock_victims = scenario(Scheduler, policy, False)
+        _stock, stock_victims = scenario(Scheduler, policy, False)
         assert stock_victims == ("b2",)  # stock picks the last / latest request
         ours, victims = scenario(ArticleScheduler, policy, True)
         assert victims == ("a",), policy  # a is throttled (1 tok/s)
@@ -516,10 +516,10 @@ def _random_workload(sim, seed):
 @pytest.mark.parametrize(
     "mode,kw",
     [
-        ("sync", dict(num_blocks=30, max_num_seqs=6, max_active=4)),
-        ("sync", dict(num_blocks=25, policy="priority", batched_tokens=64)),
-        ("async", dict(num_blocks=30, max_num_seqs=5)),
-        ("sync", dict(num_blocks=60, chunked=False)),
+        ("sync", {"num_blocks": 30, "max_num_seqs": 6, "max_active": 4}),
+        ("sync", {"num_blocks": 25, "policy": "priority", "batched_tokens": 64}),
+        ("async", {"num_blocks": 30, "max_num_seqs": 5}),
+        ("sync", {"num_blocks": 60, "chunked": False}),
     ],
 )
 def test_feature_off_schedules_are_identical_to_stock(model_dir, clock, mode, kw):
@@ -606,9 +606,10 @@ def test_flags_path_configures_the_scheduler(model_dir, clock):
 
 
 def test_flags_install_is_idempotent_and_reversible(model_dir):
-    from article_style import flags
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from article_style import flags
 
     flags.install()
     flags.install()
@@ -693,8 +694,9 @@ def test_wait_seconds_and_engine_idle_wait(model_dir, clock):
     assert len(sim.step()) == 1
 
     # the engine-loop wrapper waits on the input queue when nothing executed
-    from article_style import engine
     from vllm.v1.engine.core import EngineCoreProc
+
+    from article_style import engine
 
     engine.install()
     engine.install()  # idempotent

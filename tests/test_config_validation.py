@@ -35,12 +35,12 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_output_rate.adapter.harness import EngineShape, build_kv_cache_config, load_class
+from vllm_output_rate.adapter.tinymodel import CONFIG, default_model_dir
 from vllm_output_rate.reference.config import (
     OutputRateConfigError,
     check_engine_supported,
     unsupported_modes,
 )
-from vllm_output_rate.adapter.tinymodel import CONFIG, default_model_dir
 
 FEATURE_ON = {"output_rate": {"default_tokens_per_s": 100}}
 SYNC = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"

@@ -9,6 +9,7 @@ style hands the documented dict to a user function.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def test_engine_args_config_equals_direct_config(shape):
 def test_engine_argv_from_shape():
     shape = SHAPES[1]
     argv = engine_argv(shape)
-    pairs = dict(zip(argv, argv[1:]))
+    pairs = dict(itertools.pairwise(argv))
     assert pairs["--model"] == str(harness_module.default_model_dir())
     assert pairs["--max-num-seqs"] == "3" and pairs["--max-num-active-seqs"] == "2"
     assert pairs["--max-num-batched-tokens"] == "32" and pairs["--block-size"] == "8"
@@ -200,7 +201,7 @@ def test_engine_argv_from_shape():
     assert only_users[-2:] == ["--user-output-tokens-per-second", '{"a": 2}']
     # The section's own active cap is the article's single --max-num-active-seqs.
     capped = engine_argv(EngineShape(output_rate={"default_tokens_per_s": 5, "max_num_active_seqs": 2}))
-    assert dict(zip(capped, capped[1:]))["--max-num-active-seqs"] == "2"
+    assert dict(itertools.pairwise(capped))["--max-num-active-seqs"] == "2"
 
 
 def test_engine_args_cache_hands_out_independent_copies():

@@ -9,6 +9,7 @@ must find with a short counterexample.
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ def _noop() -> None:
 
 
 def cfg(**kw) -> EngineConfig:
-    base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65)
+    base = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 65}
     base.update(kw)
     return EngineConfig(**base)
 
@@ -151,7 +152,7 @@ def test_seeded_spec_bug_is_found_with_a_short_counterexample(monkeypatch, tmp_p
     result = gate.check_base_fidelity(False, 200, seed=0, tick=_noop, save_dir=tmp_path)
     assert result.result == "fail" and "first difference" in result.counterexample[-1]
     assert len(result.counterexample) <= 16, result.counterexample
-    saved = StepScenario.from_json(open(result.saved).read())
+    saved = StepScenario.from_json(Path(result.saved).read_text())
     assert run_base(saved).failure is not None  # the saved file replays the failure
     monkeypatch.setattr(spec_scheduler, "choose_victim", original)
     assert run_base(saved).failure is None

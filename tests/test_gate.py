@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,7 +44,7 @@ def test_r2_gate_rejects_stock_vllm_with_short_replayable_counterexample(cls, as
     assert result.failed_level == "must"
     # config line + request events + the "then N steps" line: a handful of events.
     assert len(result.counterexample) <= 5, result.counterexample
-    saved = Scenario.from_json(open(result.saved).read())
+    saved = Scenario.from_json(Path(result.saved).read_text())
     assert run_scenario(cls, saved).failure is not None  # the saved file replays the failure
     assert run_scenario(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, saved).failure is None
 

@@ -9,9 +9,9 @@ calls the pure spec functions on a held ``LimiterState``), the reference through
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
-from typing import Callable
 
 import pytest
 
@@ -383,7 +383,7 @@ def test_r4_take_then_refund_changes_no_later_decision(make: MakeLimiter, histor
         # the take moved TAT to max(TAT, t0) = t0 first; t0 behaves as any TAT <= now
         assert a.tat_ns("u") == t0
     # every later decision is the same, on a dense grid around the 100 ms boundaries
-    times = sorted({t0 + d for k in range(0, 12) for d in (k * 50 * MS - 1, k * 50 * MS, k * 50 * MS + 1) if d >= 0})
+    times = sorted({t0 + d for k in range(12) for d in (k * 50 * MS - 1, k * 50 * MS, k * 50 * MS + 1) if d >= 0})
     decisions_a, decisions_b = [], []
     for t in times:
         for _ in range(3):

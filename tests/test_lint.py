@@ -106,3 +106,11 @@ def test_typecheck_maps_paths_both_ways(tmp_path: Path) -> None:
     assert typecheck.to_repository(f"{tree}/vllm_output_rate/spec/a.py:1: note: y", ROOT, tree) == "spec/a.py:1: note: y"
     with pytest.raises(SystemExit, match="docs"):
         typecheck.to_tree(str(ROOT / "docs"), ROOT, tree)
+
+
+def test_ruff_reports_a_bugbear_finding(tmp_path: Path) -> None:
+    """The stricter families run too: a mutable default argument (B006) fails the check."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(items=[]):\n    return items\n")
+    run = subprocess.run(RUFF + [str(bad)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "B006" in run.stdout

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -99,7 +100,7 @@ def test_i7_ledger_form_equals_the_window_bound_over_the_whole_history():
             now += rng.choice([0, 0, 10, 50, 100, 333, 400]) * mc.MS
             burst = [f"r{k}-{i}" for i in range(rng.choice([1, 1, 2]))]
             obs = Observation("step", now, sampled=tuple(burst))
-            ledger, found = mc._advance_ledger(ledger, {rid: "a" for rid in burst}, obs, cs)
+            ledger, found = mc._advance_ledger(ledger, dict.fromkeys(burst, "a"), obs, cs)
             for _ in burst:
                 history = history.add("a", now)
             official = invariants.i7_window_bound(history, "a", initial_state(scope.config))
@@ -116,7 +117,7 @@ def test_seeded_refund_bug_is_found_with_a_short_replayable_counterexample(tmp_p
     violation = result.violations["I13"]
     assert violation.concrete and violation.length == len(violation.events) <= 6
     assert violation.official is not None and "I13" in violation.official
-    scenario = StepScenario.from_json(open(violation.scenario_path).read())
+    scenario = StepScenario.from_json(Path(violation.scenario_path).read_text())
     assert scenario.events == violation.events and scenario.config == scope.config
     # Without the mutation the same events are fine (the spec as written keeps I13), and the
     # saved file replays on real vLLM: the reference scheduler agrees with that spec throughout.

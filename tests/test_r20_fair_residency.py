@@ -142,7 +142,7 @@ def test_r20_model_checker_catches_an_ignored_cap_with_i19_and_the_f2_bound():
 
 @pytest.mark.rules("R20")
 def test_r20_model_checker_explored_paths_replay_on_the_reference():
-    for name, count, events, failure in mc.replay_sample_on_vllm(list(FLOOD_SCOPES), 4):
+    for name, _count, _events, failure in mc.replay_sample_on_vllm(list(FLOOD_SCOPES), 4):
         assert failure is None, (name, failure)
 
 

@@ -161,7 +161,7 @@ def test_shadow_grants_everything_and_counts_exactly_the_tokens_above_the_limit(
 
 def test_shadow_trace_marks_would_be_throttles_and_passes_the_checker(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    h, batches, would = _run_over_limit(REFERENCE_SCHEDULER, {"default_tokens_per_s": 10, **SHADOW}, trace=trace)
+    h, _batches, would = _run_over_limit(REFERENCE_SCHEDULER, {"default_tokens_per_s": 10, **SHADOW}, trace=trace)
     h.scheduler.shutdown()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert lines[0]["header"]["shadow"] is True

@@ -31,7 +31,7 @@ MS = 1_000_000
 
 
 def cfg(**kw) -> EngineConfig:
-    base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65, chunked_prefill=True)
+    base = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 65, "chunked_prefill": True}
     base.update(kw)
     return EngineConfig(**base)
 
@@ -298,7 +298,7 @@ def test_r12_running_loop_serves_at_most_a_running_requests():
     # A = 1; a0 and b0 both running and both granted: only the first is in the batch,
     # b0 gets 0 tokens without being throttled (no refusal involved).
     config = rated("1000", output_rate_max_num_active_seqs=1, max_num_active_seqs=2)
-    state, obs = play(config, [add("a0", "a"), Step(), add("b0", "b"), AdvanceClock(10 * MS), Step(),
+    _state, obs = play(config, [add("a0", "a"), Step(), add("b0", "b"), AdvanceClock(10 * MS), Step(),
                                AdvanceClock(10 * MS), Step()])
     assert obs[0].admitted == ("a0",) and obs[1].admitted == ()  # 1 running, 0 throttled = A
     assert sched(obs[2]) == [("a0", 1)] and obs[2].throttled == ()

@@ -12,8 +12,8 @@ import json
 
 from click.testing import CliRunner
 
-from vllm_output_rate.cli import main
 from vllm_output_rate.adapter.tinymodel import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, default_model_dir
+from vllm_output_rate.cli import main
 
 
 def test_outrate_tiny_model_writes_a_servable_directory(tmp_path):

@@ -9,6 +9,7 @@ grow with the number of steps. Synthetic traces come from the builders of
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from fractions import Fraction
@@ -43,7 +44,7 @@ def _follow(path: Path, data: bytes, cuts: list[int], completions=None, cancelle
     follower = TraceFollower(path, **kwargs)
     polls = []
     bounds = [0, *sorted(cuts), len(data)]
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         with open(path, "ab") as f:
             f.write(data[lo:hi])
         polls.append(follower.poll())
@@ -163,7 +164,7 @@ def test_all_rules_streaming_equals_batch(tmp_path_factory, data):
 
 def _broken_traces() -> dict[str, list[str]]:
     paced = [_step(k, 100 * k, {"a": ("u", 1, True, False)}) for k in range(6)]
-    burst = [_step(0, 0, {r: ("u", 1, True, False) for r in "abc"})] + paced[1:]
+    burst = [_step(0, 0, dict.fromkeys("abc", ("u", 1, True, False)))] + paced[1:]
     return {
         "R2-window": _lines(*burst),
         "R2-gcra": _lines(*burst),
@@ -226,7 +227,7 @@ def test_r2_window_and_gcra_streaming_equal_brute_force(tmp_path_factory, rate, 
 @pytest.mark.rules("R2", "R7")
 def test_r2_and_r7_violations_listed_once_over_many_polls(tmp_path):
     path = tmp_path / "trace.jsonl"
-    broken = _step(0, 0, {r: ("u", 1, True, False) for r in "abc"}, charges=["a", "a", "b", "c"], refunds=["a"])
+    broken = _step(0, 0, dict.fromkeys("abc", ("u", 1, True, False)), charges=["a", "a", "b", "c"], refunds=["a"])
     path.write_text("".join(_lines(broken)))
     follower = TraceFollower(path)
     expected = {"R2-gcra": 1, "R2-window": 1, "R7-once": 1}

@@ -29,7 +29,7 @@ def test_committed_table_matches_the_declarations(cover, spec_text) -> None:
 
 
 def test_a_hand_edited_row_fails(cover, spec_text) -> None:
-    before, block, after = traceability.split(spec_text)
+    _before, block, _after = traceability.split(spec_text)
     row = next(line for line in block.splitlines() if line.startswith("| [R4]"))
     edited = spec_text.replace(row, row.replace("| none |", "| `r4_by_hand` |", 1) if "| none |" in row
                                else row + " hand note |")

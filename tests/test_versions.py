@@ -77,7 +77,7 @@ def test_select_profile_supported_or_nearest_older_with_a_warning(version, chose
 def test_installed_vllm_selects_its_own_profile() -> None:
     assert INSTALLED.version == vllm.__version__.split("+")[0]
     assert reference.VLLM_PROFILE is INSTALLED
-    with pytest.raises(ValueError, match="no base-model rows for vLLM 0.99.0"):
+    with pytest.raises(ValueError, match=r"no base-model rows for vLLM 0\.99\.0"):
         profile_named("0.99.0")
 
 
@@ -100,7 +100,7 @@ def test_v6_priority_self_preemption_ends_the_running_loop_only_on_0_32(base) ->
     # PRIORITY, 4 usable blocks of 4: A (prio 2) runs first; at step 6 it needs a 3rd block,
     # none is free, and the victim is A itself (worst key). 0.32: the running loop stops, B is
     # not served in that step. 0.33: the loop goes on and serves B.
-    add = lambda rid, prompt, prio: AddRequest(rid, "u0", prio, prompt, 16, None)  # noqa: E731
+    add = lambda rid, prompt, prio: AddRequest(rid, "u0", prio, prompt, 16, None)
     obs = _play(base, [add("A", 4, 2), Step(), add("B", 3, 0)] + [Step()] * 5)
     assert obs[5].preempted == ("A",)
     assert dict(obs[5].decided)["A"] == "V6"
