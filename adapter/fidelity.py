@@ -24,7 +24,8 @@ the comparison).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import tempfile
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
@@ -42,7 +43,7 @@ from vllm_output_rate.adapter.harness import (
 from vllm_output_rate.adapter.versions import installed_profile
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import scheduler as spec
-from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
 from vllm_output_rate.spec.state import EngineConfig, Observation, SchedulerState, initial_state
 from vllm_output_rate.spec.versions import VllmVersionProfile
 
@@ -102,7 +103,7 @@ class StepScenario:
         config = dict(data["config"])
         config["default_rate_tokens_per_s"] = _frac_in(config["default_rate_tokens_per_s"])
         config["user_rates_tokens_per_s"] = tuple((u, _frac_in(r)) for u, r in config["user_rates_tokens_per_s"])
-        kinds = {cls.__name__: cls for cls in (AddRequest, Abort, AdvanceClock, Step, Drain)}
+        kinds = {cls.__name__: cls for cls in (AddRequest, Abort, AdvanceClock, Step, Drain, ChangeRates)}
         events = tuple(kinds[e.pop("type")](**e) for e in data["events"])
         return StepScenario(EngineConfig(**config), events)
 
@@ -115,9 +116,10 @@ def _frac_in(value: str | None) -> Fraction | None:
     return None if value is None else Fraction(value)
 
 
-def engine_shape(config: EngineConfig) -> EngineShape:
-    """The harness shape (vLLM configuration) of a spec configuration."""
-    output_rate = None
+def engine_shape(config: EngineConfig, rates_file: str | None = None) -> EngineShape:
+    """The harness shape (vLLM configuration) of a spec configuration; ``rates_file``: R21's
+    ``output_rate.rates_file`` (only with the feature on)."""
+    output_rate: dict[str, Any] | None = None  # R21: rates_file is a str value
     if config.default_rate_tokens_per_s is not None:  # R18: rate_limited
         output_rate = {
             "default_tokens_per_s": _as_number(config.default_rate_tokens_per_s),
@@ -129,6 +131,8 @@ def engine_shape(config: EngineConfig) -> EngineShape:
             output_rate["max_num_active_seqs"] = config.output_rate_max_num_active_seqs
         if config.max_num_seqs_per_user is not None:  # R20
             output_rate["max_num_seqs_per_user"] = config.max_num_seqs_per_user
+        if rates_file is not None:  # R21
+            output_rate["rates_file"] = rates_file
     return EngineShape(
         max_num_seqs=config.max_num_seqs,
         max_num_active_seqs=config.max_num_active_seqs,
@@ -190,6 +194,9 @@ def apply_event(harness: Harness, event: Event) -> StepTrace | None:
         return None
     if isinstance(event, Step):
         return harness.step()
+    if isinstance(event, ChangeRates):  # R21: through the candidate's rates file
+        harness.change_rates(*event.rates())
+        return None
     assert isinstance(event, Drain), f"unknown event {event!r}"
     return harness.drain()
 
@@ -260,8 +267,19 @@ def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCh
     ``style``: an ``adapter.configstyle.ConfigStyle`` (None: ``AdditionalConfigStyle``).
     ``base``: the vLLM release the spec's V-rules follow (``spec/versions.py``; None: the
     installed vLLM's, ``adapter/versions.py``). A failure's ``rule`` names its V-rule.
+    R21: a scenario with ``ChangeRates`` events configures ``output_rate.rates_file`` (a
+    temporary file) and ``Harness.change_rates`` rewrites it before the next step.
     """
-    harness = ObservedHarness(scheduler_cls, engine_shape(scenario.config), style=style)
+    if not any(isinstance(event, ChangeRates) for event in scenario.events):
+        return _run_step_scenario(scheduler_cls, scenario, engine_shape(scenario.config), extra, style, base)
+    with tempfile.TemporaryDirectory(prefix="outrate-rates-") as directory:
+        shape = engine_shape(scenario.config, rates_file=os.path.join(directory, "rates.json"))
+        return _run_step_scenario(scheduler_cls, scenario, shape, extra, style, base)
+
+
+def _run_step_scenario(scheduler_cls: str, scenario: StepScenario, shape: EngineShape, extra: ExtraCheck | None,
+                       style: Any, base: VllmVersionProfile | None) -> StepVerdict:
+    harness = ObservedHarness(scheduler_cls, shape, style=style)
     state = initial_state(scenario.config, base if base is not None else installed_profile())
     history = invariants.DispatchHistory() if scenario.config.rate_limited else None
     verdict = StepVerdict()

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from fractions import Fraction
+from typing import Any, Iterable, Iterator
 
 from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID, default_model_dir
 
@@ -195,6 +198,17 @@ def build_kv_cache_config(shape: EngineShape):
     )
 
 
+def _json_rate(rate: Fraction) -> int | float:
+    """A rate as the JSON number that is read back as exactly ``rate`` (R3)."""
+    rate = Fraction(rate)
+    if rate.denominator == 1:
+        return int(rate)
+    value = float(rate)
+    if Fraction(repr(value)) != rate:
+        raise ValueError(f"rate {rate} has no exact short decimal form")
+    return value
+
+
 class Harness:
     """One real scheduler under the gate's control.
 
@@ -289,6 +303,24 @@ class Harness:
 
     def advance(self, delta_ns: int) -> None:
         self.clock.advance(delta_ns)
+
+    def change_rates(self, default_rate: Fraction, user_rates: Iterable[tuple[str, Fraction]]) -> None:
+        """R21: replace the candidate's rate table through its rates file
+        (``output_rate.rates_file`` of the shape), written atomically (a temporary file
+        renamed over it); the candidate picks it up at the start of its next ``schedule()``.
+
+        Raises:
+            ValueError: the shape has no ``rates_file``, or a rate has no exact decimal form.
+        """
+        path = (self.shape.output_rate or {}).get("rates_file")
+        if not path:
+            raise ValueError("change_rates needs output_rate.rates_file in the engine shape (R21)")
+        table = {"default_tokens_per_s": _json_rate(default_rate),
+                 "user_tokens_per_s": {u: _json_rate(r) for u, r in user_rates}}
+        temporary = f"{path}.{self.step_index}.tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(table, handle)
+        os.replace(temporary, path)
 
     # -- steps ----------------------------------------------------------------
     def _schedule(self):

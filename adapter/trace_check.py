@@ -188,6 +188,7 @@ class RunReport:
     max_running: int = 0
     first_ns: int | None = None
     last_ns: int | None = None
+    rate_changes_ns: list[int] = field(default_factory=list)  # R21: engine ns of each rate change
 
     @property
     def async_scheduling(self) -> bool:
@@ -393,6 +394,9 @@ class _Checker:
     # -- per record ----------------------------------------------------------------
     def record(self, run: _Run, rec: dict) -> None:
         report = run.report
+        if "rates" in rec:  # R21: the rate table changed
+            self.rates(run, rec["rates"])
+            return
         if "requests" not in rec:  # idle / shutdown line: finishes only
             self.finishes(run, rec.get("finished") or {})
             return
@@ -410,6 +414,27 @@ class _Checker:
         # Finishes listed here happened before this step was scheduled.
         self.finishes(run, rec.get("finished") or {})
         self.step(run, rec)
+
+    @staticmethod
+    def rates(run: _Run, change: Mapping[str, Any]) -> None:
+        """R21: a rate change at ``change["now_ns"]``: each user whose rate changes keeps its
+        replayed lead in tokens (``limiter.change_rates``, as the engine must), its R2 window
+        restarts at the new rate (windows across the change are R21's piecewise bound), and
+        its summary shows the new limit; users seen later get the new table."""
+        now = int(change["now_ns"])
+        header = {**run.report.header, "default_tokens_per_s": change["default_tokens_per_s"],
+                  "user_tokens_per_s": dict(change.get("user_tokens_per_s") or {})}
+        for user, window in run.windows.items():
+            if user is None:  # R21: no anonymous key here (R17 resolves every request's user)
+                continue
+            old, new = window.rate, _rate_of(header, user)
+            if old == new:
+                continue
+            window.gcra = spec_limiter.change_rates(window.gcra, lambda _u: old, lambda _u: new, now)
+            window.rate, window.window = new, R2Window(new, window.burst_ns)
+            run.report.users[user].rate = new
+        run.report.header = header
+        run.report.rate_changes_ns.append(now)
 
     def finishes(self, run: _Run, finished: Mapping[str, Any]) -> None:
         """Record freed requests and check the token bounds of those not aborted."""

@@ -14,6 +14,11 @@ Keys (all optional; an empty or missing section means the feature is off, R18):
 ``trace_path``                  file to which the reference scheduler appends one
                                 JSON line per ``schedule()`` (the engine-side event
                                 trace, ``adapter/trace_check.py``); default: off
+``rates_file``                  R21: a JSON file ``{"default_tokens_per_s": ...,
+                                "user_tokens_per_s": {...}}`` watched at the start
+                                of each ``schedule()``; a change replaces the rate
+                                table without a restart (reference/ratesfile.py).
+                                Default: off
 ``shadow``                      ``true``: shadow mode (docs/SPEC.md, Decision
                                 "Shadow mode"): the limiter counts and reports what
                                 it would throttle, and throttles nothing; the
@@ -37,7 +42,7 @@ from vllm_output_rate.reference.limiter import parse_rate
 from vllm_output_rate.spec.limiter import BURST_NS
 
 KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path",
-              "shadow", "max_num_seqs_per_user")
+              "shadow", "max_num_seqs_per_user", "rates_file")
 SECTION = "output_rate"  # the key of vLLM's additional_config that holds the section
 
 
@@ -56,6 +61,7 @@ class OutputRateConfig:
     trace_path: str | None = None
     max_num_seqs_per_user: int | None = None  # R20: resident requests per user; None: no cap
     shadow: bool = False  # count and report would-be throttles, throttle nothing (Decision "Shadow mode")
+    rates_file: str | None = None  # R21: watched JSON rate table (reference/ratesfile.py); None: off
 
     @property
     def enabled(self) -> bool:
@@ -129,7 +135,25 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
             f"user may hold), got {per_user!r}; remove it for no per-user cap"
         )
     config = OutputRateConfig(default_rate, user_rates, active, burst_ms * 1_000_000, trace_path, shadow=shadow)
-    return replace(config, max_num_seqs_per_user=per_user) if per_user is not None else config
+    config = replace(config, max_num_seqs_per_user=per_user) if per_user is not None else config
+    rates_file = section.get("rates_file")
+    if rates_file is not None:
+        config = _with_rates_file(config, rates_file)
+    return config
+
+
+def _with_rates_file(config: OutputRateConfig, rates_file: Any) -> OutputRateConfig:
+    """R21: ``rates_file`` validated; an existing file's rates replace the section's (a bad
+    file stops start-up, naming it and what to change; a missing one is watched)."""
+    if not isinstance(rates_file, str) or not rates_file.strip():
+        raise OutputRateConfigError(
+            f"rates_file must be a non-empty string naming a JSON file of rates (watched for changes, R21), e.g. "
+            f"\"/etc/outrate/rates.json\", got {rates_file!r}; remove it to change limits only by a restart")
+    from vllm_output_rate.reference.ratesfile import RatesFileWatcher
+
+    table = RatesFileWatcher(rates_file).load_initial()
+    config = replace(config, rates_file=rates_file)
+    return config if table is None else replace(config, default_rate=table.default_rate, user_rates=table.user_rates)
 
 
 def nearest_key(key: object, known: tuple[str, ...] | list[str], cutoff: float = 0.6) -> str | None:

@@ -222,6 +222,43 @@ class OutputRateLimiter:
             del self._tat[user]
         return len(idle)
 
+    def change_rates(self, default_rate_tokens_per_s: object, user_rates_tokens_per_s: Mapping[str, object] | None,
+                     now_ns: int) -> int:
+        """R21: replace the rate table at ``now_ns``, keeping every user's lead in tokens.
+
+        For a user holding a TAT whose rate changes ``p/q -> p'/q'`` (override or default),
+        with scaled lead ``L = S - now x p`` (``L / p`` ns): if ``L <= 0`` the user is idle
+        and forgotten (R6); otherwise its new lead is ``ceil(L x q' / (q x p'))`` ns (the
+        lead in tokens kept, rounded up to a whole ns: never a token handed out) and
+        ``S' = (now + lead) x p'``. Integer arithmetic only, the same TAT as the spec's
+        ``limiter.rescaled_tat_ns``. Users whose rate is unchanged keep ``S``. The burst
+        tolerance is not part of the change. Call between steps only (the scheduler calls
+        it at the start of ``schedule()``).
+
+        Returns:
+            How many users' TATs were rescaled or forgotten.
+        Raises:
+            ValueError: a bad rate or user id (``parse_rate``); nothing is changed then.
+        """
+        fresh = OutputRateLimiter(default_rate_tokens_per_s, user_rates_tokens_per_s, self.burst_ns)  # validates
+        changed = 0
+        for user, scaled in list(self._tat.items()):
+            old_rate, new_rate = self.rate_of(user), fresh.rate_of(user)
+            if old_rate == new_rate:
+                continue
+            changed += 1
+            old = self._scales.get(user) or self._default
+            lead = scaled - now_ns * old.p
+            if lead <= 0:
+                del self._tat[user]
+                continue
+            num, den = lead * new_rate.denominator, old_rate.denominator * new_rate.numerator
+            lead_ns = -((-num) // den)  # R21: rounded up
+            self._tat[user] = (now_ns + lead_ns) * new_rate.numerator
+        self.default_rate, self._default = fresh.default_rate, fresh._default
+        self.user_rates, self._scales = fresh.user_rates, fresh._scales
+        return changed
+
     def users(self) -> Iterable[str]:
         """Users that currently hold a TAT (for observation and memory checks)."""
         return self._tat.keys()

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -45,11 +46,20 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_output_rate.reference.config import OutputRateConfig, check_engine_supported, parse_output_rate
+from vllm_output_rate.reference.config import (
+    OutputRateConfig,
+    OutputRateConfigError,
+    check_engine_supported,
+    parse_output_rate,
+)
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
-from vllm_output_rate.reference.metrics import MetricsRecorder
 from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
+from vllm_output_rate.reference.metrics import OTHER as OTHER_LABEL
+from vllm_output_rate.reference.metrics import MetricsRecorder
+from vllm_output_rate.reference.oplog import logger as oplog_logger
+from vllm_output_rate.reference.ratesfile import RatesFileWatcher, RateTable
+from vllm_output_rate.reference.ratesfile import describe as describe_rates
 from vllm_output_rate.reference.shadow import ShadowAccounting
 from vllm_output_rate.reference.trace import TraceWriter
 from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
@@ -119,6 +129,11 @@ class _RateLimitMixin(_SchedulerHost):
         self._shadow: ShadowAccounting | None = None  # shadow mode (reference/shadow.py)
         self._metrics: MetricsRecorder | None = None  # /metrics snapshot (reference/metrics.py)
         self._step_taken: dict[str, int] = {}  # user -> charges of the last step (for the metrics)
+        # R21: rate changes without a restart, applied at the start of schedule() only.
+        self._rates_watcher: RatesFileWatcher | None = (RatesFileWatcher(output_rate_config.rates_file)
+                                                        if output_rate_config.rates_file else None)
+        self._pending_rates: RateTable | None = None  # queued by update_output_rates (any thread)
+        self._rates_lock = threading.Lock()
         if not self.output_rate_config.enabled:
             log_feature_off(type(self).__name__)  # operator log only; behaviour is the base's
             return  # R18: feature off, every override below defers to the base class
@@ -261,6 +276,8 @@ class _RateLimitMixin(_SchedulerHost):
                 return self._shadow_schedule(*args, **kwargs)  # shadow mode: the base's schedule
             return super().schedule(*args, **kwargs)  # R18
         self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
+        if self._rates_watcher is not None or self._pending_rates is not None:
+            self._apply_pending_rates(self._now_ns)  # R21: at the step boundary, this step's clock
         self._take_turns()  # R14
         enough, short = self._survey_users()  # R2 at the step's clock, once per user
         stock_order = self._move_throttled_last(short) if short else None  # R11, R13, R14
@@ -289,6 +306,62 @@ class _RateLimitMixin(_SchedulerHost):
         if self._trace is not None:
             self._trace_step(scheduler_output, refunded)
         return scheduler_output
+
+    # -- R21: a rate change without a restart --------------------------------------------
+    def update_output_rates(self, default_tokens_per_s: object,
+                            user_tokens_per_s: Mapping[str, object] | None = None) -> None:
+        """R21: queue a new rate table (tokens/s), applied at the start of the next
+        ``schedule()`` at that step's clock reading, never in the middle of one.
+
+        Validated now, as at start-up; thread-safe (a lock guards the queue only). The
+        rates file (``output_rate.rates_file``) is the operator's interface; this is for
+        code in the engine-core process. A queued table wins over a file change seen in
+        the same step.
+
+        Raises:
+            OutputRateConfigError: the feature is off (R18: a change cannot turn it on),
+                or a bad rate (naming the user and value).
+        """
+        if not self.output_rate_config.enabled:
+            raise OutputRateConfigError(
+                "update_output_rates: output-rate limiting is off for this engine (no default_tokens_per_s at "
+                "start-up); a rate change cannot turn it on: restart with a default rate")
+        config = parse_output_rate({"default_tokens_per_s": default_tokens_per_s,
+                                    "user_tokens_per_s": dict(user_tokens_per_s or {})})
+        assert config.default_rate is not None
+        with self._rates_lock:
+            self._pending_rates = RateTable(config.default_rate, dict(config.user_rates))
+
+    def _apply_pending_rates(self, now_ns: int) -> None:
+        """R21: install a queued table or a changed rates file at ``now_ns`` (the start of
+        ``schedule()``): each user keeps its lead in tokens (``OutputRateLimiter.change_rates``),
+        the spare-grant bounds of ``_survey_users`` are dropped (they were for the old
+        rates), and the log, the metrics' limit gauges and the trace learn the new table."""
+        table = self._rates_watcher.poll() if self._rates_watcher is not None else None
+        if self._pending_rates is not None:
+            with self._rates_lock:
+                table, self._pending_rates = self._pending_rates, None
+        if table is None:
+            return
+        if self.rate_limiter is not None:
+            limiter = self.rate_limiter
+        else:  # R21 in shadow mode: the shadow limiter's rates
+            assert self._shadow is not None
+            limiter = self._shadow.limiter
+        if table.default_rate == limiter.default_rate and dict(table.user_rates) == limiter.user_rates:
+            return  # the table in force (e.g. the file as read at start-up)
+        changed = limiter.change_rates(table.default_rate, table.user_rates, now_ns)
+        if self.rate_limiter is not None:
+            self._spare, self._spare_taken = {}, {}  # lower bounds at the old rates
+        self.output_rate_config = replace(self.output_rate_config, default_rate=table.default_rate,
+                                          user_rates=dict(table.user_rates))
+        if self._metrics is not None:  # the limit gauges; labels stay the start-up ones (bounded)
+            self._metrics.rates = {**{u: float(r) for u, r in table.user_rates.items() if u in self._metrics.named},
+                                   OTHER_LABEL: float(table.default_rate)}
+        if self._trace is not None:
+            self._trace.rates_changed(now_ns, table.default_rate, table.user_rates)
+        oplog_logger.info("output-rate limits changed without a restart (R21): %s; %d user(s) rescaled, "
+                          "lead kept in tokens", describe_rates(table), changed)
 
     # -- shadow mode (Decision "Shadow mode"; reference/shadow.py) ------------------------
     def _start_shadow(self) -> None:
@@ -320,6 +393,8 @@ class _RateLimitMixin(_SchedulerHost):
         would-be throttled requests go to the operator log, the metrics and the trace.
         """
         now_ns = self.clock_ns()  # R16: one clock read per schedule()
+        if self._rates_watcher is not None or self._pending_rates is not None:
+            self._apply_pending_rates(now_ns)  # R21: the shadow limiter's rates too
         scheduler_output = super().schedule(*args, **kwargs)
         shadow, throttle_log = self._shadow, self._throttle_log
         assert shadow is not None and throttle_log is not None, "shadow mode is set up by _start_shadow"

@@ -21,6 +21,8 @@ File format (JSON lines, appended; one run = one header line followed by its rec
   ``finished`` lists the requests freed since the previous line (finished or aborted),
   with their output-token count at that moment; ``limiter_users`` is the number of users
   holding a TAT (R6 keeps it bounded);
+- rates (R21): ``{"rates": {"now_ns", "default_tokens_per_s", "user_tokens_per_s"}}`` --
+  the rate table changed at ``now_ns`` (a rates-file reload), before that step's record;
 - idle: ``{"now_ns", "finished": {...}}`` -- written when the scheduler runs out of
   requests, so the trace is complete whenever the engine is idle.
 
@@ -35,8 +37,7 @@ import atexit
 import json
 import os
 import weakref
-from collections.abc import Iterable
-from typing import Any, TextIO
+from typing import Any, Iterable, Mapping, TextIO
 
 FLUSH_INTERVAL_NS = 500_000_000  # flush at least every 0.5 s of steps
 TRACE_VERSION = 1
@@ -105,6 +106,16 @@ class TraceWriter:
         if self._last_flush_ns is None or now_ns - self._last_flush_ns >= FLUSH_INTERVAL_NS:
             file.flush()
             self._last_flush_ns = now_ns
+
+    def rates_changed(self, now_ns: int, default_rate: Any, user_rates: Mapping[str, Any]) -> None:
+        """R21: the rate table changed at ``now_ns`` (before that step's record); rates as
+        exact fraction strings, like the header's."""
+        file = self._file
+        if file is None:
+            return
+        self._write(file, {"rates": {"now_ns": now_ns, "default_tokens_per_s": str(default_rate),
+                                     "user_tokens_per_s": {u: str(r) for u, r in user_rates.items()}}})
+        file.flush()
 
     def idle(self, now_ns: int) -> None:
         """The scheduler has no requests left: write pending finishes and flush."""

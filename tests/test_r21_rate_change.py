@@ -194,3 +194,224 @@ def test_r21_a_change_cannot_turn_the_feature_on() -> None:
         spec.step(initial_state(EngineConfig()), ChangeRates("10"))
     with pytest.raises(AssertionError, match="positive"):
         ChangeRates("0")
+
+
+# -- the reference --------------------------------------------------------------------------
+REFERENCE = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
+DECIMAL_RATES = st.sampled_from([Fraction(r) for r in ("0.5", "1", "2", "3", "7", "10", "20", "100", "2.5", "0.333")])
+
+
+@pytest.mark.rules("R21", "R3")
+@settings(max_examples=200, deadline=None)
+@given(default=DECIMAL_RATES, override=st.none() | DECIMAL_RATES, new_default=DECIMAL_RATES,
+       new_override=st.none() | DECIMAL_RATES, takes=st.integers(0, 30), now=st.integers(0, 10**9),
+       later=st.integers(0, 3 * 10**8))
+def test_r21_reference_limiter_rescales_exactly_as_the_spec(default, override, new_default, new_override, takes,
+                                                            now, later) -> None:
+    from types import MappingProxyType
+
+    from vllm_output_rate.reference.limiter import OutputRateLimiter
+
+    old_users = {} if override is None else {"a": override}
+    new_users = {} if new_override is None else {"b": new_override}
+    limiter = OutputRateLimiter(default, old_users)
+    for _ in range(takes):
+        limiter.try_take("a", now)
+        limiter.try_take("b", now)
+    before = spec_limiter.LimiterState(MappingProxyType({u: limiter.tat_ns(u) for u in limiter.users()}))
+    old_rate_of = OutputRateLimiter(default, old_users).rate_of
+    limiter.change_rates(new_default, new_users, now + later)
+    want = spec_limiter.change_rates(before, old_rate_of, OutputRateLimiter(new_default, new_users).rate_of,
+                                     now + later)
+    assert {u: limiter.tat_ns(u) for u in limiter.users()} == dict(want.tat_ns)
+    assert limiter.rate_of("a") == (new_default) and limiter.rate_of("b") == (new_override or new_default)
+
+
+def _change_scenario(async_scheduling: bool):
+    from vllm_output_rate.adapter.fidelity import StepScenario
+
+    config = EngineConfig(default_rate_tokens_per_s=Fraction(10), user_rates_tokens_per_s=(("a", Fraction(5)),),
+                          async_scheduling=async_scheduling)
+    events: list = [AddRequest("r0", "a", max_tokens=30), AddRequest("r1", "b", max_tokens=30),
+                    AddRequest("r2", "a", max_tokens=30)]
+    for _ in range(8):
+        events += [Step(), AdvanceClock(33 * MS)]
+    events += [ChangeRates("20", (("b", "2.5"),))]  # a moves to the default (faster), b to an override (slower)
+    for _ in range(12):
+        events += [Step(), AdvanceClock(17 * MS)]
+    events += [ChangeRates("3", (("a", "7"),)), AdvanceClock(5 * MS)]  # applied at the next step's clock
+    for _ in range(12):
+        events += [Step(), AdvanceClock(40 * MS)]
+    return StepScenario(config, tuple(events))
+
+
+@pytest.mark.rules("R21")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_r21_reference_matches_the_spec_step_for_step_across_changes(async_scheduling) -> None:
+    # White box: batch, charges, refunds, throttled, wait hint and every exact TAT, after
+    # every step, with two changes written to the reference's rates file.
+    from vllm_output_rate.adapter.whitebox import run_white_box
+
+    verdict = run_white_box(_change_scenario(async_scheduling))
+    assert verdict.failure is None, verdict
+    assert verdict.steps == 32
+
+
+def _harness(tmp_path, rates_file: bool = True, **output_rate):
+    from vllm_output_rate.adapter.harness import EngineShape, Harness
+
+    section = {"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 5}, **output_rate}
+    if rates_file:
+        section["rates_file"] = str(tmp_path / "rates.json")
+    return Harness(REFERENCE, EngineShape(output_rate=section))
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+
+    def error(self, fmt, *args) -> None:
+        self.lines.append(("error", fmt % args))
+
+    def warning(self, fmt, *args) -> None:
+        self.lines.append(("warning", fmt % args))
+
+
+@pytest.mark.rules("R21")
+def test_r21_queued_change_waits_for_the_step_boundary(tmp_path) -> None:
+    harness = _harness(tmp_path, rates_file=False)
+    scheduler = harness.scheduler
+    harness.add_request("r0", "a", max_tokens=20)
+    harness.step()  # one request: one charge at 0 ns, TAT 200 ms at 5 tok/s
+    assert scheduler.rate_limiter.tat_ns("a") == 200 * MS
+    scheduler.update_output_rates(20, {})  # a moves to the default 20 tok/s
+    # Not applied outside schedule(): the limiter still has the old rate and TAT.
+    assert scheduler.rate_limiter.rate_of("a") == 5 and scheduler.rate_limiter.tat_ns("a") == 200 * MS
+    harness.advance(100 * MS)
+    harness.step()  # applied at 100 ms: lead 100 ms at 5/s = 0.5 token = 25 ms at 20/s; then one grant
+    assert scheduler.rate_limiter.rate_of("a") == 20
+    assert scheduler.rate_limiter.tat_ns("a") == 100 * MS + 25 * MS + 50 * MS
+    assert scheduler.output_rate_config.default_rate == 20
+
+
+@pytest.mark.rules("R21")
+def test_r21_rates_file_reload_and_a_bad_file_keeps_the_limits(tmp_path) -> None:
+    harness = _harness(tmp_path)
+    scheduler, path = harness.scheduler, tmp_path / "rates.json"
+    log = _Log()
+    scheduler._rates_watcher._logger = log
+    harness.add_request("r0", "a", max_tokens=50)
+    harness.step()
+    assert log.lines and log.lines[0][0] == "warning" and "does not exist" in log.lines[0][1]
+    path.write_text('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 5, "a": 50}}')
+    harness.advance(10 * MS)
+    harness.step()  # a key given twice: refused, logged, limits kept, no crash
+    assert scheduler.rate_limiter.rate_of("a") == 5
+    assert log.lines[-1][0] == "error" and "'a' is given twice" in log.lines[-1][1]
+    assert "limits in force are kept" in log.lines[-1][1]
+    harness.advance(10 * MS)
+    harness.step()  # the same bad file: not read again, not logged again
+    assert len([kind for kind, _ in log.lines if kind == "error"]) == 1
+    temporary = tmp_path / "rates.tmp"
+    temporary.write_text('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 40}}')
+    temporary.replace(path)
+    harness.advance(10 * MS)
+    harness.step()
+    assert scheduler.rate_limiter.rate_of("a") == 40 and scheduler._rates_watcher.reloads == 1
+    temporary.write_text("{not json")
+    temporary.replace(path)
+    harness.advance(10 * MS)
+    harness.step()
+    assert scheduler.rate_limiter.rate_of("a") == 40 and "not valid JSON" in log.lines[-1][1]
+    path.unlink()
+    harness.advance(10 * MS)
+    harness.step()  # removed: the limits in force are kept
+    assert scheduler.rate_limiter.rate_of("a") == 40
+
+
+@pytest.mark.rules("R21")
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"default_tokens_per_s": 10, "default_tokens_per_s": 20}', "'default_tokens_per_s' is given twice"),
+    ('{"default_tokens_per_s": 10, "user_token_per_s": {}}', "did you mean 'user_tokens_per_s'?"),
+    ('{"default_tokens_per_s": 10, "burst_ms": 50}', "'burst_ms' cannot be changed without a restart"),
+    ('{"user_tokens_per_s": {"a": 5}}', "no default_tokens_per_s"),
+    ('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0}}', "user_tokens_per_s['a'] must be > 0"),
+    ('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0.1234567891}}', "at most 9 decimal places"),
+    ('{"default_tokens_per_s": "fast"}', "default_tokens_per_s must be a number"),
+    ("[10]", "must be a JSON object"),
+    ("{", "not valid JSON"),
+])
+def test_r21_rates_file_is_validated_like_start_up(text, message) -> None:
+    from vllm_output_rate.reference.config import OutputRateConfigError
+    from vllm_output_rate.reference.ratesfile import parse_rates_file
+
+    with pytest.raises(OutputRateConfigError, match="rates file r.json: ") as caught:
+        parse_rates_file(text, "r.json")
+    assert message in str(caught.value)
+
+
+@pytest.mark.rules("R21")
+def test_r21_start_up_reads_the_rates_file_and_refuses_a_bad_one(tmp_path) -> None:
+    from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+
+    path = tmp_path / "rates.json"
+    section = {"default_tokens_per_s": 10, "rates_file": str(path)}
+    assert parse_output_rate(section).default_rate == 10  # no file yet: the section's rates, watched
+    path.write_text('{"default_tokens_per_s": 2.5, "user_tokens_per_s": {"a": 7}}')
+    config = parse_output_rate(section)
+    assert config.default_rate == Fraction(5, 2) and config.user_rates == {"a": 7}
+    path.write_text('{"default_tokens_per_s": -1}')
+    with pytest.raises(OutputRateConfigError, match=f"rates file {path}: default_tokens_per_s must be > 0"):
+        parse_output_rate(section)
+    with pytest.raises(OutputRateConfigError, match="rates_file must be a non-empty string"):
+        parse_output_rate({"default_tokens_per_s": 10, "rates_file": ""})
+
+
+@pytest.mark.rules("R21", "R18")
+def test_r21_a_change_cannot_turn_the_reference_on(tmp_path) -> None:
+    from vllm_output_rate.adapter.harness import EngineShape, Harness
+    from vllm_output_rate.reference.config import OutputRateConfigError
+
+    harness = Harness(REFERENCE, EngineShape())
+    with pytest.raises(OutputRateConfigError, match="cannot turn it on"):
+        harness.scheduler.update_output_rates(10)
+    with pytest.raises(OutputRateConfigError, match="must be > 0"):
+        _harness(tmp_path, rates_file=False).scheduler.update_output_rates(0)
+
+
+@pytest.mark.rules("R21")
+def test_r21_trace_records_the_change_and_the_checker_applies_it(tmp_path) -> None:
+    import json
+
+    from vllm_output_rate.adapter.trace_check import check_records, check_trace
+
+    trace, rates = tmp_path / "trace.jsonl", tmp_path / "rates.json"
+    harness = _harness(tmp_path, trace_path=str(trace))
+    for i in range(3):
+        harness.add_request(f"a{i}", "a", max_tokens=40)
+    for n in range(200):
+        if n == 30:  # a: 5 -> 50 tok/s, a reload at the step after
+            rates.write_text('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 50}}')
+        harness.step()
+        harness.advance(20 * MS)
+        if len(harness.finished) == 3:
+            break
+    harness.scheduler.shutdown()
+    lines = trace.read_text().splitlines()
+    changes = [json.loads(line)["rates"] for line in lines if '"rates"' in line]
+    assert len(changes) == 1 and changes[0]["user_tokens_per_s"] == {"a": "50"}
+    report = check_trace(trace, completions={rid: n for rid, (_, n) in harness.finished.items()})
+    assert report.ok, report.summary()
+    assert report.runs[0].rate_changes_ns == [changes[0]["now_ns"]] and report.runs[0].users["a"].rate == 50
+    # Against a trace whose engine handed out a second burst at the change (TAT reset to now,
+    # shown by moving every dispatch after the change forward to the change instant), R2-gcra fails.
+    change_ns = changes[0]["now_ns"]
+    forged, moved = [], 0
+    for line in lines:
+        record = json.loads(line)
+        if "requests" in record and record["now_ns"] > change_ns and moved < 12:
+            record["now_ns"] = change_ns  # the candidate dispatched these at the change instant
+            moved += sum(1 for info in record["requests"].values() if info.get("sampled"))
+        forged.append(json.dumps(record))
+    bad = check_records(forged)
+    assert not bad.ok and any(v.rule == "R2-gcra" for v in bad.violations), bad.summary()
