@@ -63,7 +63,7 @@ def test_r19_live_not_binding_token_timeline_equals_stock(tiny_llm, sampling, tm
     # arrival could fall one step apart, which would compare timing, not scheduling).
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     trace = tmp_path / "trace.jsonl"
-    engine_args = dict(max_num_batched_tokens=BUDGET, enable_chunked_prefill=True)
+    engine_args = {"max_num_batched_tokens": BUDGET, "enable_chunked_prefill": True}
     stock = tiny_llm(None, scheduler_cls=STOCK, **engine_args)
     try:
         want = _timeline(stock, sampling)
