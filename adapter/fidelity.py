@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
@@ -145,6 +146,7 @@ def engine_shape(config: EngineConfig, rates_file: str | None = None) -> EngineS
         max_model_len=config.max_model_len,
         output_rate=output_rate,
         max_loras=config.max_loras,
+        enable_prefix_caching=False,  # the step spec models no prefix cache: step identity needs it off
     )
 
 

@@ -22,10 +22,10 @@ import importlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID, default_model_dir
 

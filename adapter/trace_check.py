@@ -59,7 +59,7 @@ import json
 import os
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -285,6 +285,11 @@ def engine_id_matches(engine_id: str, client_id: str) -> bool:
     return engine_id == client_id or _base_id(engine_id) == client_id
 
 
+def _constant(rate: Fraction) -> Callable[[str], Fraction]:
+    """``user -> rate`` for one user's own rate (tokens/s), as ``spec.limiter.change_rates`` takes it."""
+    return lambda _user: rate
+
+
 def _rate_of(header: Mapping[str, Any], user: str) -> Fraction:
     overrides = header.get("user_tokens_per_s") or {}
     return Fraction(overrides.get(user, header["default_tokens_per_s"]))
@@ -430,7 +435,7 @@ class _Checker:
             old, new = window.rate, _rate_of(header, user)
             if old == new:
                 continue
-            window.gcra = spec_limiter.change_rates(window.gcra, lambda _u: old, lambda _u: new, now)
+            window.gcra = spec_limiter.change_rates(window.gcra, _constant(old), _constant(new), now)
             window.rate, window.window = new, R2Window(new, window.burst_ns)
             run.report.users[user].rate = new
         run.report.header = header

@@ -23,9 +23,10 @@ message as its last line).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any
 
 from vllm_output_rate.reference.config import (
     KNOWN_KEYS,

@@ -37,8 +37,9 @@ import operator
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -54,9 +55,9 @@ from vllm_output_rate.reference.config import (
 )
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
-from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
 from vllm_output_rate.reference.metrics import OTHER as OTHER_LABEL
 from vllm_output_rate.reference.metrics import MetricsRecorder
+from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
 from vllm_output_rate.reference.oplog import logger as oplog_logger
 from vllm_output_rate.reference.ratesfile import RatesFileWatcher, RateTable
 from vllm_output_rate.reference.ratesfile import describe as describe_rates

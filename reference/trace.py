@@ -37,7 +37,8 @@ import atexit
 import json
 import os
 import weakref
-from typing import Any, Iterable, Mapping, TextIO
+from collections.abc import Iterable, Mapping
+from typing import Any, TextIO
 
 FLUSH_INTERVAL_NS = 500_000_000  # flush at least every 0.5 s of steps
 TRACE_VERSION = 1

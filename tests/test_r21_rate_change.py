@@ -345,7 +345,7 @@ def test_r21_rates_file_is_validated_like_start_up(text, message) -> None:
     from vllm_output_rate.reference.config import OutputRateConfigError
     from vllm_output_rate.reference.ratesfile import parse_rates_file
 
-    with pytest.raises(OutputRateConfigError, match="rates file r.json: ") as caught:
+    with pytest.raises(OutputRateConfigError, match=r"rates file r\.json: ") as caught:
         parse_rates_file(text, "r.json")
     assert message in str(caught.value)
 
@@ -415,3 +415,62 @@ def test_r21_trace_records_the_change_and_the_checker_applies_it(tmp_path) -> No
         forged.append(json.dumps(record))
     bad = check_records(forged)
     assert not bad.ok and any(v.rule == "R2-gcra" for v in bad.violations), bad.summary()
+
+
+# -- the gate ---------------------------------------------------------------------------------
+REFERENCE_ASYNC = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
+
+
+def _noop() -> None:
+    pass
+
+
+@pytest.mark.rules("R21")
+def test_r21_gate_passes_the_reference_and_rejects_wrong_changes(monkeypatch) -> None:
+    from pathlib import Path
+
+    from vllm_output_rate.adapter.rate_change import check_rate_change
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
+    for cls, async_mode in ((REFERENCE, False), (REFERENCE_ASYNC, True)):
+        result = check_rate_change(cls, async_mode, 6, seed=0, tick=_noop, save_dir=None)
+        assert result.result == "pass", result.failure
+    expected = {"ResetOnChange": "an over-grant", "KeepTatOnChange": "an under-grant",
+                "IgnoreRateChanges": "an under-grant"}
+    for name, finding in expected.items():
+        result = check_rate_change(f"r21_candidates.{name}", False, 30, seed=0, tick=_noop, save_dir=None)
+        assert result.result == "fail" and result.failure.startswith("[exact] R21"), (name, result.failure)
+        assert finding in result.failure, (name, result.failure)
+        assert any("rates default=" in line for line in result.counterexample), result.counterexample
+
+
+@pytest.mark.rules("R21")
+def test_r21_white_box_rejects_a_reset_on_change(monkeypatch) -> None:
+    from pathlib import Path
+
+    from vllm_output_rate.adapter.whitebox import run_white_box
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
+    verdict = run_white_box(_change_scenario(False), "r21_candidates.ResetOnChange")
+    assert verdict.failure is not None and "tat_ns" in verdict.failure, verdict
+
+
+@pytest.mark.rules("R21")
+def test_r21_gate_rows_at_exact_unless_the_candidate_opts_in() -> None:
+    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter.rate_change import check_rate_change
+
+    specs = {s.name: s for s in registry.registry()}
+    for name in ("rate-change/sync", "rate-change/async"):
+        assert specs[name].level == "exact" and specs[name].rules == ("R21",) and specs[name].part == "candidate"
+    plain = registry.GateOptions(scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False)
+    opted = registry.GateOptions(scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False,
+                                 rate_change=True)
+    assert "rate-change/sync" not in [p.spec.name for p in registry.plan(plain)]
+    assert "rate-change/sync" in [p.spec.name for p in registry.plan(opted)]
+    assert specs["rate-change/sync"].level_for(opted) == "must"
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+
+    result = check_rate_change(REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None,
+                               style=parse_config_style("engine-args"))
+    assert result.result == "not tested" and "rates_file" in result.failure
