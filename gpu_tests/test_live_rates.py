@@ -14,7 +14,7 @@ duplicated token against the client's counts), every stream has exactly its toke
 and each user's engine rate (sampling dispatches / first-to-last dispatch span, engine
 clock) lies near its limit; ``-s`` prints the table.
 
-The seed article measured, client-side on an RTX 4090 with 200 tokens per stream,
+The article measured, client-side on an RTX 4090 with 200 tokens per stream,
 20.1-20.2 tok/s for a 20 tok/s user with 1 and with 4 streams, and ~102 tok/s for a
 concurrent 100 tok/s user. The engine-side rates here read a little above the limit for
 the same reason (the 100 ms burst grants floor(0.1 x rate) + 1 tokens at once from idle):

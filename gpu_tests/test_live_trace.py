@@ -2,7 +2,7 @@
 
 ``vllm.LLM`` (the engine-core process runs the reference scheduler) on the project's tiny
 model, with ``output_rate.trace_path`` set. Two users decode concurrently: "slow" at
-20 tok/s with 4 streams, "fast" at 100 tok/s with 1 stream (the seed article's setting,
+20 tok/s with 4 streams, "fast" at 100 tok/s with 1 stream (the article's setting,
 shorter). The trace must pass every check of ``adapter.trace_check`` (window bound and
 GCRA replay per user, charge/refund accounting, throttled never scheduled, no lost or
 duplicated token against the client's token counts), and the per-user engine-side rates

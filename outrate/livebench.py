@@ -28,7 +28,7 @@ without the engine-wait plugin). The model is the project's tiny decoder
   polls every millisecond; and the worker's shared-memory queue reader spins at most 2 ms
   after each RPC instead of 1 s (``plugin.READER_SPIN_ENV``; docs/PERFORMANCE.md "Idle cost").
 
-Source: semantics.md R16; docs/PERFORMANCE.md "Live engine".
+Source: docs/SPEC.md R16; docs/PERFORMANCE.md "Live engine (tiny model on CPU)".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Opens concurrent streaming chat completions (``vllm_xargs: {"output_rate_user": 
 reports, per user:
 
 - client-side rate = the user's tokens / (last token - first token) over all its streams,
-  timestamps taken when each streamed chunk arrives (the seed article's method; HTTP
+  timestamps taken when each streamed chunk arrives (the article's method; HTTP
   buffering blurs it a little);
 - engine-side rate, if the server runs with ``--enable-per-request-metrics``: the same
   span rebuilt from vLLM's per-request timings (queue, time to first token, first-to-last
@@ -19,7 +19,7 @@ reports, per user:
 The core is ``run_measurement()`` (asyncio + httpx), reused by the live test; it can also
 cancel chosen streams by closing their connection after some tokens (``cancel_after``).
 
-Source: seed article, "measurements" section; semantics.md R2, R16.
+Source: docs/SPEC.md R2, R16; docs/PERFORMANCE.md "Live engine (tiny model on CPU)".
 """
 
 from __future__ import annotations

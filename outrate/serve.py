@@ -1,6 +1,6 @@
 """``outrate serve MODEL [vllm serve args...]``: vLLM's OpenAI server with the reference scheduler.
 
-Accepts the seed article's start-up flags and turns them into the plain vLLM command
+Accepts the article's start-up flags (docs/SPEC.md "Configuration") and turns them into the plain vLLM command
 (printed by ``--print-command``)::
 
     vllm serve MODEL --scheduler-cls vllm_output_rate.reference.scheduler.RateLimitedScheduler \\
@@ -40,7 +40,7 @@ A > M, and no default rate at all (``outrate serve`` exists to run the feature: 
 says to use plain ``vllm serve`` for that). The server replaces this process (``exec``),
 so signals reach it directly.
 
-Source: semantics.md "Configuration"; seed article, start-up command.
+Source: docs/SPEC.md "Configuration" (the flags and their ``additional_config`` keys).
 """
 
 from __future__ import annotations

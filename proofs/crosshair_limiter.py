@@ -4,7 +4,7 @@ Each *property* below is a small pure wrapper function over ``spec/limiter.py`` 
 rational TATs) or ``reference/limiter.py`` (``OutputRateLimiter``, scaled integer TATs)
 with a PEP 316 contract in its docstring: ``pre:`` lines restrict the inputs and one
 ``post:`` line states the property through a ``*_holds`` predicate, which writes the rule
-out from semantics.md instead of calling the code under test. CrossHair runs the wrapper
+out from docs/SPEC.md (R1-R6) instead of calling the code under test. CrossHair runs the wrapper
 on symbolic integers and explores its execution paths with Z3. A condition is
 
 * ``confirmed`` when CrossHair exhausted *every* path with definite solver answers
@@ -139,7 +139,7 @@ def interval(r: Fraction) -> Fraction:
 # --------------------------------------------------------------------------------------
 # Building states: spec state {user: S/p} and a reference limiter holding scaled TAT S.
 # The wrappers below are the harness; the `*_holds` predicates state the rules directly
-# (from semantics.md), not by calling the code under test.
+# (from docs/SPEC.md "The limiter (R1-R6)"), not by calling the code under test.
 # --------------------------------------------------------------------------------------
 
 

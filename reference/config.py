@@ -26,7 +26,7 @@ Keys (all optional; an empty or missing section means the feature is off, R18):
                                 Default ``false``
 =============================== ===================================================
 
-Source: semantics.md "Configuration"; seed article, start-up flags.
+Source: docs/SPEC.md "Configuration" (keys, flags and the start-up checks).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Fractional rates are exact: a rate is taken as the decimal number it is written 
 (``0.5`` -> 1/2, ``2.5`` -> 5/2, ``Fraction(1, 3)`` stays 1/3). Floats are read through
 their shortest ``repr`` so ``0.1`` means 1/10, not the binary double nearest to it.
 
-Source: semantics.md R1-R6; seed article, "OutputRateLimiter" section.
+Source: docs/SPEC.md "The limiter (R1-R6)" and Decision R3 (fractional rates).
 """
 
 from __future__ import annotations

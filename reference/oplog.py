@@ -28,7 +28,7 @@ Cost on the scheduler's hot path: one method call per ``schedule()``; with reque
 throttled, one C-level ``Counter.update`` over their ids. Formatting happens only when a
 line is written. Memory: one counter per user throttled in the current interval.
 
-Source: semantics.md "Configuration" (operator-visible behaviour); issue 15, item 2.
+Source: docs/SPEC.md "Configuration" (operator-visible behaviour).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ never sleeps; without the engine wait, vLLM's own 1 ms idle loop paces throttled
 correctly, only with about 1000 wake-ups per second. ``VLLM_PLUGINS`` can filter this
 plugin out (its entry-point name is ``output_rate``).
 
-Source: semantics.md R16, R17, "Configuration"; seed article, identity and validation sections.
+Source: docs/SPEC.md "Configuration", R16, R17 and Decision R17 (bad identity values).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ the token budget in its order. A separate turn order (``_take_turns``, kept betw
 decides only which decoding streams of a user whose grants do not cover them all get the
 grants; the others are throttled at the step start (``_move_throttled_last``, ``_held``).
 
-Source: semantics.md R7-R18, docs/SPEC.md R19; seed article, "Scheduler" section.
+Source: docs/SPEC.md "The scheduler rules (R7-R19)", R20, R21 and "Decisions".
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ deliberately naive: one frozen mapping ``user -> TAT`` with TATs as ``fractions.
 nanoseconds, so that no rounding can ever hide a bug. Every function is pure: it takes a
 state and returns a new one. No clock is read here; ``now_ns`` is always an argument.
 
-Source: semantics.md "The limiter: GCRA (R1-R6)"; the seed article, section on the
-limiter (``OutputRateLimiter``, GCRA with a 100 ms burst).
+Source: docs/SPEC.md "The limiter (R1-R6)" (GCRA with a 100 ms burst tolerance) and
+"Constants".
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fractions import Fraction
 from types import MappingProxyType
 
 # R1: burst tolerance tau. 100 ms: covers at least one engine step (a slow step must not
-# let budget expire, semantics.md R1-R6 closing note).
+# let budget expire; docs/SPEC.md "Constants").
 BURST_NS: int = 100_000_000
 NS_PER_S: int = 1_000_000_000
 # R6: idle users are deleted every CLEANUP_INTERVAL_STEPS scheduling steps.

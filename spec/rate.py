@@ -223,7 +223,7 @@ def waiting_gate(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
     Yes if its user is granted now. Otherwise its user is refused for the cycle, and it
     proceeds only if, with chunked prefill, it can prefill something short of sampling;
     else it is skipped, and later waiting requests are still considered (the decision
-    of semantics.md R10: vLLM 0.32 would stop admission here).
+    of docs/SPEC.md "Decisions", R10: vLLM 0.32 would stop admission here).
     """
     if request.user not in cycle.refused_users and allows(cycle, request.user):
         return cycle, True

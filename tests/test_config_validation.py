@@ -1,6 +1,6 @@
 """Start-up validation: the engine modes the output-rate accounting does not cover.
 
-semantics.md "Configuration": with the feature on, speculative decoding, data parallel > 1,
+docs/SPEC.md "Configuration": with the feature on, speculative decoding, data parallel > 1,
 pipeline parallel > 1, multimodal / encoder-decoder / hybrid (mamba) / attention-free /
 diffusion / pooling models, KV connectors, KV offload, EC connectors and aux-output
 connectors are refused with a message saying what to change; with the feature off

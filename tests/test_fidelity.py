@@ -101,7 +101,8 @@ HAND_RATED = {
     # test_r10_refused_waiting_request_does_not_block_other_users
     "r10-no-chunk": (rated("10", chunked_prefill=False, max_model_len=64),
                      [add("a0", "a"), add("a1", "a"), add("a2", "a"), add("b0", "b"), Step(), Step()]),
-    # Two places where the reference (and so the spec) departs from semantics.md; kept as
+    # Two places where the reference (and so the spec) departs from the rules' plain reading
+    # (docs/SPEC.md "Known consequences"); kept as
     # replayable agreement checks. R13: a1 is throttled earlier in the same running loop
     # (not at the step start) and keeps its KV while b0, an unthrottled stream, preempts
     # itself at t=100 ms.

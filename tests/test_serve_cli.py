@@ -1,4 +1,4 @@
-"""``outrate serve``: the seed article's flags -> the plain ``vllm serve`` command.
+"""``outrate serve``: the article's flags -> the plain ``vllm serve`` command.
 
 Runs the click command with ``--print-command`` (nothing is started): the command line
 carries ``--scheduler-cls`` and the ``output_rate`` section, every other argument passes

@@ -1,7 +1,7 @@
 """The step spec (``spec/scheduler.py``, ``spec/rate.py``) on small hand-computed scenarios.
 
 Pure Python, no vLLM: every expectation below is worked out by hand in the comments from
-the V-rules (vLLM 0.32 behaviour, ``spec/scheduler.py``) and R-rules (semantics.md).
+the V-rules (vLLM 0.32 behaviour, ``spec/scheduler.py``) and R-rules (docs/SPEC.md).
 ``tests/test_fidelity.py`` replays several of these scenarios on real vLLM.
 
 Notation: "blocks 4x4" = block size 4 and 4 usable blocks (``num_blocks`` counts vLLM's
