@@ -212,6 +212,85 @@ def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _ping_reader(handle, answers, messages: int, timeout_s: float, park: bool) -> None:
+    """Child process of ``ping_round_trips``: vLLM's reader of the queue ``handle``; after
+    every read it parks (``plugin.park_reader``, as the worker after an empty step) or keeps
+    vLLM's spin window; answers each message with whether its read waited ``timeout_s`` s
+    (vLLM's reader polls at most that long before re-checking the buffer)."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from vllm_output_rate.reference import plugin
+
+    reader = MessageQueue.create_from_handle(handle, 0)
+    response = MessageQueue(1, 1)
+    answers.put(response.export_handle())
+    reader.wait_until_ready()
+    response.wait_until_ready()
+    for _ in range(messages):
+        started = time.monotonic()
+        # A dropped ping leaves vLLM's poll to time out after timeout_s (then its flag
+        # re-check finds the message): a read that long means the ping was lost.
+        while True:
+            try:
+                reader.dequeue(timeout=timeout_s)
+                break
+            except TimeoutError:  # nothing sent yet: wait again
+                continue
+        lost = time.monotonic() - started >= timeout_s
+        if park:
+            plugin.park_reader(reader)
+        response.enqueue(lost)
+
+
+def ping_round_trips(lossless: bool, park: bool = True, steps: int = 300, timeout_s: float = 2.0,
+                     seed: int = 0) -> dict[str, Any]:
+    """R16, worker side: vLLM's shm ``MessageQueue`` between this process and a reader process.
+
+    The engine core's pattern: per step an ``execute_model`` then a ``sample_tokens``
+    message, each sent after the reader's answer to the previous one, then a gap of 0-2 ms
+    (seeded). The reader parks after every read (``park``) or keeps vLLM's 1 s spin window;
+    ``lossless`` applies ``plugin.make_pings_lossless`` to the writer. Returns ``lost`` (reads
+    that waited ``timeout_s`` s: their wake-up ping was dropped), ``messages`` and the
+    median / 99th percentile round trip (send to answer) in microseconds.
+    """
+    import multiprocessing
+    import random
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from vllm_output_rate.reference import plugin
+
+    context = multiprocessing.get_context("fork")
+    writer = MessageQueue(1, 1)
+    answers = context.Queue()
+    child = context.Process(target=_ping_reader, args=(writer.export_handle(), answers, 2 * steps, timeout_s, park),
+                            daemon=True)
+    child.start()
+    try:
+        response = MessageQueue.create_from_handle(answers.get(timeout=60), 0)
+        writer.wait_until_ready()
+        response.wait_until_ready()
+        if lossless and not plugin.make_pings_lossless(writer):
+            raise RuntimeError("the writer has no notify socket to make lossless")
+        rnd = random.Random(seed)
+        lost = 0
+        trips: list[float] = []
+        for i in range(steps):
+            for method in ("execute_model", "sample_tokens"):
+                started = time.perf_counter()
+                writer.enqueue((method, i))
+                lost += bool(response.dequeue(timeout=30))
+                trips.append(time.perf_counter() - started)
+            time.sleep(rnd.choice([0.0, 0.0002, 0.0005, 0.001, 0.002]))
+    finally:
+        child.kill()
+        child.join(10)
+    trips.sort()
+    return {"lost": lost, "messages": len(trips), "round_trip_us_p50": 1e6 * trips[len(trips) // 2],
+            "round_trip_us_p99": 1e6 * trips[min(len(trips) - 1, int(0.99 * len(trips)))],
+            "lossless": lossless, "park": park}
+
+
 def _progress() -> None:
     print("progress", flush=True)
 

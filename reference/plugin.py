@@ -17,11 +17,15 @@ wraps a vLLM function -- it calls the original, it never replaces vLLM logic:
   decoding, DP/PP > 1, connectors, ...) stops ``vllm serve`` / ``LLM()`` before the
   engine core is spawned, with the message as the last line of the traceback (instead of
   "Engine core initialization failed" with the cause in the engine-core log).
-- Worker spin (R16, worker side), opt-in: with ``VLLM_OUTPUT_RATE_READER_SPIN_MS`` set
-  (e.g. 2) in the server's environment, ``SpinCondition.wait`` (vLLM's shared-memory queue
-  reader) is wrapped in worker processes to cap its busy-loop window at that many
-  milliseconds instead of 1 s (``READER_SPIN_ENV``). Not on by default: under load the cap
-  slowed live decoding below the configured rates.
+- Worker idle (R16, worker side; docs/PERFORMANCE.md "Idle cost"): with the feature on, a
+  ``VllmWorker-*`` process's RPC reader parks on its notify socket right after an
+  ``execute_model`` RPC that scheduled no token (the engine core is about to wait or to
+  idle), instead of busy-polling vLLM's shared-memory queue for 1 s; the next RPC resets
+  vLLM's window, so a decoding engine keeps vLLM's spin. The engine core makes its RPC
+  queue's wake-up pings reliable (``zmq.XPUB_NODROP`` on the queue's notify socket: vLLM's
+  ``SNDHWM`` of 1 silently drops a ping sent within about 1 ms of the previous one, and a
+  parked reader then sleeps until vLLM's 5 s re-check). ``VLLM_OUTPUT_RATE_WORKER_PARK=0``
+  in the server's environment turns both off (vLLM's own spin; ``WORKER_PARK_ENV``).
 - Metrics (``reference/metrics.py``): with the feature on, the same wrapper puts a private
   snapshot directory into ``VLLM_OUTPUT_RATE_METRICS_DIR`` before the engine core is
   spawned, so the engine core writes its per-second snapshot there and the API server's
@@ -68,17 +72,14 @@ from vllm_output_rate.reference.config import (
 # R16: the engine core re-checks at least this often even when no user becomes ready sooner
 # (bounds the delay of anything the wait cannot see, e.g. a grammar compiled in the background).
 MAX_ENGINE_WAIT_NS = 50_000_000
-# R16, worker side (docs/PERFORMANCE.md "Idle cost"): vLLM 0.32's shared-memory message
-# queue lets a reader (the multiproc executor's worker waiting for the next RPC) spin with
-# sched_yield for 1 s after each message before it parks on its zmq notify socket. While
-# every user is throttled the engine core sends an (empty) execute_model RPC at least every
-# 50 ms, so the worker never parks: 100% of a core. With the feature on, the front end sets
-# this variable (milliseconds) before the engine core is spawned, and the engine core and
-# its workers (``VllmWorker-*`` processes only) cap a reader's spin window at it; the writer notifies on every enqueue, so a
-# parked reader wakes at once. Operators may set it themselves (1000 restores vLLM's window).
-READER_SPIN_ENV = "VLLM_OUTPUT_RATE_READER_SPIN_MS"
-DEFAULT_READER_SPIN_MS = 2
-WORKER_PROCESS_PREFIX = "VllmWorker"  # vLLM 0.32's multiproc executor names its workers VllmWorker-<rank>
+# R16, worker side (docs/PERFORMANCE.md "Idle cost"): vLLM 0.32's multiproc executor worker
+# reads its RPCs from a shared-memory queue whose reader (``SpinCondition.wait``) busy-polls
+# with sched_yield for 1 s after each message before it parks on the queue's zmq notify
+# socket. An all-throttled engine core sends an empty ``execute_model`` RPC at least every
+# 50 ms (R16's cap), so the worker never parks: 100% of a core. With the feature on, the
+# worker parks right after an empty ``execute_model`` and the engine core's pings are made
+# lossless; this variable set to "0" turns both off (vLLM's own behaviour).
+WORKER_PARK_ENV = "VLLM_OUTPUT_RATE_WORKER_PARK"
 
 BEAM_SEARCH_REFUSED = (
     "beam search is not supported while per-user output-rate limiting is on "
@@ -134,7 +135,7 @@ def register() -> None:
     _remember(_install_cli_duplicate_check, EngineArgs, "add_cli_args")
     _install_beam_search_refusal()
     _install_engine_wait()
-    _install_reader_spin_cap()
+    _install_worker_park()
     _REGISTERED = True
 
 
@@ -183,9 +184,6 @@ def _install_startup_check() -> None:
             from vllm_output_rate.reference.metrics import ensure_metrics_dir
 
             ensure_metrics_dir()
-            # R16, worker side: the spin cap is opt-in (the operator sets READER_SPIN_ENV,
-            # e.g. to DEFAULT_READER_SPIN_MS): under load it slowed live decoding below the
-            # configured rates in the full live suite, so it is not on by default.
         return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config
@@ -402,46 +400,111 @@ def _install_engine_wait() -> None:
     EngineCoreProc._process_engine_step = _process_engine_step
 
 
-# -- R16, worker side: a shared-memory queue reader does not spin for a whole second --------
-def reader_spin_cap_s() -> float | None:
-    """The reader spin-window cap in seconds from ``VLLM_OUTPUT_RATE_READER_SPIN_MS``
-    (None: unset, or not a number >= 0: vLLM's own 1 s window stays)."""
-    text = os.environ.get(READER_SPIN_ENV)
-    if not text:
-        return None
+# -- R16, worker side: the worker parks while the engine core waits -------------------------
+def worker_park_enabled(vllm_config) -> bool:
+    """R16, worker side: whether this engine's worker parks after an empty step.
+
+    True with the feature on (R18) unless ``VLLM_OUTPUT_RATE_WORKER_PARK`` is "0"
+    (``WORKER_PARK_ENV``; any other value, or unset, leaves it on).
+    """
+    return _feature_on(vllm_config) and os.environ.get(WORKER_PARK_ENV, "").strip() != "0"
+
+
+def make_pings_lossless(message_queue) -> bool:
+    """R16, worker side: the writer of vLLM's shm ``MessageQueue`` never drops a wake-up ping.
+
+    vLLM's writer publishes one ping per ``enqueue`` on a zmq PUB socket with ``SNDHWM`` 1,
+    and PUB drops a message when its pipe is at the high-water mark: a ping sent within
+    about 1 ms of the previous one (before the socket has processed the credit its I/O
+    thread returned) is lost, and a reader parked on it sleeps until vLLM's 5 s re-check.
+    ``zmq.XPUB_NODROP`` makes that send wait for the credit instead (microseconds; a
+    writer already waits on the ring buffer when a reader stalls). A socket option, set
+    through zmq on vLLM's socket; vLLM's queue is otherwise untouched. Returns True if set
+    (False: the queue has no local readers, so no notify socket).
+    """
+    import zmq
+
+    condition = getattr(message_queue, "_spin_condition", None)
+    socket = getattr(condition, "local_notify_socket", None)
+    if condition is None or condition.is_reader or socket is None:
+        return False
+    socket.setsockopt(zmq.XPUB_NODROP, 1)
+    return True
+
+
+def park_reader(message_queue) -> bool:
+    """R16, worker side: the next wait of this shm ``MessageQueue`` reader parks at once.
+
+    vLLM's reader busy-polls while ``now <= last_read + busy_loop_s`` (1 s); this marks
+    the last read as long past, so the next ``SpinCondition.wait`` goes straight to vLLM's
+    poll on the notify socket (woken by the next ``enqueue``'s ping, re-checked every 5 s
+    by vLLM). vLLM's own ``record_read`` at the next message restores the window. Returns
+    True if the queue has a local reader to park.
+    """
+    condition = getattr(message_queue, "_spin_condition", None)
+    if condition is None or not getattr(condition, "is_reader", False):
+        return False
+    condition.last_read = float("-inf")
+    return True
+
+
+def is_empty_step_rpc(rpc_request) -> bool:
+    """True for an ``execute_model`` RPC whose ``SchedulerOutput`` schedules no token.
+
+    ``rpc_request`` is the multiproc executor's ``(method, args, kwargs, output_rank)``.
+    That is the RPC the engine core sends before it waits for budget (R16) or idles.
+    """
     try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value / 1000 if value >= 0 else None
+        method, args, _kwargs, _rank = rpc_request
+    except (TypeError, ValueError):
+        return False
+    if method != "execute_model" or not args:
+        return False
+    return getattr(args[0], "total_num_scheduled_tokens", None) == 0
 
 
-def _install_reader_spin_cap() -> None:
-    """Wrap ``SpinCondition.wait`` (vLLM's shm message-queue reader wait) when the cap is
-    set (the engine core and workers of a server with the feature on): before vLLM's own
-    wait runs, the reader's busy-loop window is capped at ``reader_spin_cap_s()``. vLLM's
-    logic is unchanged: within the window it yields and re-checks the buffer; after it, it
-    parks on the notify socket that every enqueue pings (and re-checks every 5 s)."""
-    cap = reader_spin_cap_s()
-    if cap is None:
-        return  # feature off (R18) or this is the front end: vLLM's window
-    import multiprocessing
+def _install_worker_park() -> None:
+    """Wrap the multiproc executor on both sides (R16, worker side; module docstring).
 
-    if not multiprocessing.current_process().name.startswith(WORKER_PROCESS_PREFIX):
-        return  # only the worker's RPC reader: the engine core's response reader keeps vLLM's window
+    Engine core: ``MultiprocExecutor._init_executor`` -- after vLLM built the RPC queue and
+    its workers connected, its pings are made lossless (``make_pings_lossless``). Worker:
+    ``WorkerProc._init_message_queues`` records whether to park (``worker_park_enabled``);
+    ``WorkerProc._execute_worker_rpc`` runs the RPC as vLLM does, then after an empty
+    ``execute_model`` parks the RPC reader (``park_reader``).
+    """
     try:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-    except ImportError:  # another vLLM layout: nothing to cap
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
+    except ImportError:  # another vLLM layout: nothing to do (vLLM's spin stays)
         return
-    original = SpinCondition.wait
-    if original in _OUR_WRAPPERS:
+    if WorkerProc._execute_worker_rpc in _OUR_WRAPPERS:
         return
 
-    @functools.wraps(original)
-    def wait(self, timeout_ms: int | None = None) -> None:
-        if self.busy_loop_s > cap:
-            self.busy_loop_s = cap
-        return original(self, timeout_ms)
+    init_executor = MultiprocExecutor._init_executor
 
-    _OUR_WRAPPERS.add(wait)
-    SpinCondition.wait = wait
+    @functools.wraps(init_executor)
+    def _init_executor(self) -> None:
+        init_executor(self)
+        if worker_park_enabled(getattr(self, "vllm_config", None)):
+            queue = getattr(self, "rpc_broadcast_mq", None)
+            if queue is not None:
+                make_pings_lossless(queue)
+
+    init_queues = WorkerProc._init_message_queues
+
+    @functools.wraps(init_queues)
+    def _init_message_queues(self, input_shm_handle, vllm_config) -> None:
+        init_queues(self, input_shm_handle, vllm_config)
+        self._output_rate_park = worker_park_enabled(vllm_config)
+
+    execute_rpc = WorkerProc._execute_worker_rpc
+
+    @functools.wraps(execute_rpc)
+    def _execute_worker_rpc(self, rpc_request) -> None:
+        execute_rpc(self, rpc_request)
+        if getattr(self, "_output_rate_park", False) and is_empty_step_rpc(rpc_request):
+            park_reader(self.rpc_broadcast_mq)
+
+    _OUR_WRAPPERS.add(_execute_worker_rpc)
+    MultiprocExecutor._init_executor = _init_executor
+    WorkerProc._init_message_queues = _init_message_queues
+    WorkerProc._execute_worker_rpc = _execute_worker_rpc

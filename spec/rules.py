@@ -105,7 +105,8 @@ RULES: tuple[Rule, ...] = (
     Rule("R21", "rate change without a restart", ("limiter.rescaled_tat_ns", "limiter.change_rates",
                                                  "limiter.piecewise_window_bound_tokens", "rate.apply_rate_change",
                                                  "events.ChangeRates", "state.EngineConfig.with_rates"),
-         ()),
+         ("limiter.OutputRateLimiter.change_rates", "ratesfile.RatesFileWatcher", "ratesfile.parse_rates_file",
+          "config.parse_output_rate") + _mixin("update_output_rates", "_apply_pending_rates")),
 )
 
 BY_ID: dict[str, Rule] = {rule.rule_id: rule for rule in RULES}

@@ -1,68 +1,138 @@
-"""R16, worker side (docs/PERFORMANCE.md "Idle cost"; issue 15 item 6): the plugin caps the
-spin window of vLLM's shared-memory queue reader in the worker process.
+"""R16, worker side (docs/PERFORMANCE.md "Idle cost"; issue 15 item 6): with the feature on,
+the multiproc executor's worker parks after an empty ``execute_model`` RPC instead of
+busy-polling vLLM's shared-memory queue for 1 s, and the engine core's wake-up pings on that
+queue are lossless.
 
-vLLM 0.32's ``SpinCondition.wait`` busy-loops (``sched_yield``) for ``busy_loop_s`` = 1 s
-after each read before parking on its notify socket; an all-throttled engine core sends an
-RPC at least every 50 ms (R16), so the worker never parked (100% of a core). The wrap caps
-the window at ``VLLM_OUTPUT_RATE_READER_SPIN_MS`` (set by the front end with the feature
-on), in ``VllmWorker-*`` processes only, and leaves vLLM's wait itself unchanged.
+vLLM 0.32's ``SpinCondition.wait`` busy-loops (``sched_yield``) while ``now <= last_read +
+busy_loop_s`` (1 s) and only then parks on the queue's zmq notify socket; an all-throttled
+engine core sends an (empty) RPC at least every 50 ms (R16), so the worker never parked
+(100% of a core). Parking alone is not enough: vLLM's PUB notify socket has ``SNDHWM`` 1 and
+drops a ping sent within about 1 ms of the previous one, so a parked reader missed it and
+slept until vLLM's 5 s re-check (``test_vllms_pings_drop_when_sent_close_together``; ``make
+bench`` counts lost pings and the round trip side by side).
+CPU percentages are measured by ``make bench`` (side by side), not asserted here.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from types import SimpleNamespace
 
 import pytest
-from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
 
+from vllm_output_rate.livebench import ping_round_trips
 from vllm_output_rate.reference import plugin
+
+ON = SimpleNamespace(additional_config={"output_rate": {"default_tokens_per_s": 5.0}})
+OFF = SimpleNamespace(additional_config={})
 
 
 @pytest.fixture
-def restore_wait():
-    original = SpinCondition.wait
-    yield original
-    SpinCondition.wait = original
+def originals(monkeypatch):
+    """vLLM's executor functions, restored after the test (the install replaces them)."""
+    saved = {
+        "init_executor": MultiprocExecutor._init_executor,
+        "init_queues": WorkerProc._init_message_queues,
+        "execute_rpc": WorkerProc._execute_worker_rpc,
+    }
+    monkeypatch.setattr(MultiprocExecutor, "_init_executor", saved["init_executor"])
+    monkeypatch.setattr(WorkerProc, "_init_message_queues", saved["init_queues"])
+    monkeypatch.setattr(WorkerProc, "_execute_worker_rpc", saved["execute_rpc"])
+    return saved
 
 
-@pytest.mark.parametrize("text, cap", [(None, None), ("", None), ("2", 0.002), ("0.5", 0.0005), ("x", None),
-                                       ("-1", None), ("1000", 1.0)])
-def test_cap_read_from_the_environment(monkeypatch, text, cap):
-    if text is None:
-        monkeypatch.delenv(plugin.READER_SPIN_ENV, raising=False)
+@pytest.mark.parametrize("config, env, parks", [(ON, None, True), (ON, "1", True), (ON, "", True), (ON, " 0 ", False),
+                                                (ON, "0", False), (OFF, None, False), (None, None, False)])
+def test_r16_worker_parks_only_with_the_feature_on_unless_turned_off(monkeypatch, config, env, parks):
+    if env is None:
+        monkeypatch.delenv(plugin.WORKER_PARK_ENV, raising=False)
     else:
-        monkeypatch.setenv(plugin.READER_SPIN_ENV, text)
-    assert plugin.reader_spin_cap_s() == cap
+        monkeypatch.setenv(plugin.WORKER_PARK_ENV, env)
+    assert plugin.worker_park_enabled(config) is parks
 
 
-def _as_process(monkeypatch, name: str) -> None:
-    monkeypatch.setattr(multiprocessing.current_process(), "name", name)
+def _step(tokens: int) -> SchedulerOutput:
+    output = SchedulerOutput.make_empty()
+    output.total_num_scheduled_tokens = tokens
+    return output
 
 
-def test_worker_reader_window_capped_and_vllm_wait_still_runs(monkeypatch, restore_wait):
-    monkeypatch.setenv(plugin.READER_SPIN_ENV, "2")
-    _as_process(monkeypatch, "VllmWorker-0")
-    plugin._install_reader_spin_cap()
-    assert SpinCondition.wait is not restore_wait
-    reader = SimpleNamespace(is_reader=True, busy_loop_s=1.0, last_read=time.monotonic())
-    SpinCondition.wait(reader)  # within the (capped) window: vLLM's own sched_yield path
-    assert reader.busy_loop_s == 0.002
-    plugin._install_reader_spin_cap()  # idempotent: not wrapped twice
-    assert getattr(SpinCondition.wait, "__wrapped__", None) is restore_wait
+def test_r16_only_an_execute_model_that_schedules_nothing_is_an_empty_step():
+    assert plugin.is_empty_step_rpc(("execute_model", (_step(0),), {}, 0))
+    assert not plugin.is_empty_step_rpc(("execute_model", (_step(3),), {}, 0))
+    assert not plugin.is_empty_step_rpc(("sample_tokens", (None,), {}, 0))
+    assert not plugin.is_empty_step_rpc((b"\x80pickled", (), {}, None))
+    assert not plugin.is_empty_step_rpc(("execute_model", (), {}, 0))
+    assert not plugin.is_empty_step_rpc("garbage")
 
 
-@pytest.mark.parametrize("name", ["EngineCore", "MainProcess"])
-def test_other_processes_keep_vllms_window(monkeypatch, restore_wait, name):
-    monkeypatch.setenv(plugin.READER_SPIN_ENV, "2")
-    _as_process(monkeypatch, name)
-    plugin._install_reader_spin_cap()
-    assert SpinCondition.wait is restore_wait
+def _worker_proc(park: bool, reader) -> tuple[WorkerProc, list]:
+    """A WorkerProc shell around ``reader`` whose worker records the RPCs it ran."""
+    ran: list = []
+    proc = WorkerProc.__new__(WorkerProc)
+    proc.worker = SimpleNamespace(execute_model=lambda out: ran.append(out.total_num_scheduled_tokens) or "result")
+    proc.rank = 0
+    proc.rpc_broadcast_mq = reader
+    proc.handle_output = lambda output: ran.append(output)
+    proc._output_rate_park = park
+    return proc, ran
 
 
-def test_feature_off_keeps_vllms_window(monkeypatch, restore_wait):
-    monkeypatch.delenv(plugin.READER_SPIN_ENV, raising=False)  # R18: the front end sets it only when on
-    _as_process(monkeypatch, "VllmWorker-0")
-    plugin._install_reader_spin_cap()
-    assert SpinCondition.wait is restore_wait
+def _spinning(condition) -> bool:
+    """Whether vLLM's ``SpinCondition.wait`` would busy-loop now instead of parking."""
+    return time.monotonic() <= condition.last_read + condition.busy_loop_s
+
+
+def test_r16_worker_rpc_runs_as_vllm_then_parks_after_an_empty_step_only(originals):
+    plugin._install_worker_park()
+    assert WorkerProc._execute_worker_rpc is not originals["execute_rpc"]
+    plugin._install_worker_park()  # idempotent: not wrapped twice
+    assert WorkerProc._execute_worker_rpc.__wrapped__ is originals["execute_rpc"]
+    condition = SimpleNamespace(is_reader=True, last_read=time.monotonic(), busy_loop_s=1.0)
+    reader = SimpleNamespace(_spin_condition=condition)
+
+    proc, ran = _worker_proc(True, reader)
+    proc._execute_worker_rpc(("execute_model", (_step(4),), {}, 0))
+    assert ran == [4, "result"] and _spinning(condition)  # decoding: vLLM's 1 s window stays
+    proc._execute_worker_rpc(("execute_model", (_step(0),), {}, 0))
+    assert ran[2:] == [0, "result"] and not _spinning(condition)  # the engine core waits: park
+    condition.last_read = time.monotonic()  # vLLM's record_read at the next message
+    assert _spinning(condition)
+
+    off, ran_off = _worker_proc(False, reader)
+    off._execute_worker_rpc(("execute_model", (_step(0),), {}, 0))
+    assert ran_off == [0, "result"] and _spinning(condition)  # feature off: vLLM's spin
+
+
+@pytest.mark.parametrize("config, expected", [(ON, True), (OFF, False)])
+def test_r16_worker_records_at_queue_setup_whether_to_park(originals, monkeypatch, config, expected):
+    monkeypatch.delenv(plugin.WORKER_PARK_ENV, raising=False)
+    monkeypatch.setattr(WorkerProc, "_init_message_queues", lambda self, handle, vllm_config: None)
+    plugin._install_worker_park()
+    proc = WorkerProc.__new__(WorkerProc)
+    proc._init_message_queues(None, config)
+    assert proc._output_rate_park is expected
+
+
+def test_r16_park_reader_marks_only_a_reader():
+    writer = MessageQueue(1, 1)
+    reader = SimpleNamespace(_spin_condition=SimpleNamespace(is_reader=True, last_read=time.monotonic(),
+                                                             busy_loop_s=1.0))
+    assert plugin.park_reader(reader) and not _spinning(reader._spin_condition)
+    assert not plugin.park_reader(writer)
+    assert not plugin.park_reader(SimpleNamespace(_spin_condition=None))
+
+
+def test_r16_lossless_pings_wake_a_parked_reader_every_time():
+    result = ping_round_trips(lossless=True, park=True, steps=300, timeout_s=1.0)
+    assert result["messages"] == 600 and result["lost"] == 0
+
+
+
+def test_vllms_pings_drop_when_sent_close_together():
+    """The cause (no fix applied): on vLLM's own queue a reader that parks misses pings."""
+    result = ping_round_trips(lossless=False, park=True, steps=150, timeout_s=0.25)
+    assert result["lost"] >= 1
