@@ -171,6 +171,8 @@ def engine_argv(shape: EngineShape) -> list[str]:
     ]
     if active is not None:
         argv += [ACTIVE_SEQS_FLAG, str(active)]
+    if shape.max_loras is not None:
+        argv += ["--enable-lora", "--max-loras", str(shape.max_loras)]
     return argv + rate_flags
 
 

@@ -27,7 +27,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -424,6 +424,19 @@ def base_scenarios(draw, async_scheduling: bool, max_steps: int = 40) -> StepSce
     drains = set(draw(st.lists(st.integers(0, num_steps - 1), max_size=2))) if async_scheduling else set()
     final_drain = async_scheduling and draw(st.booleans())
     return StepScenario(config, build_events(plans, num_steps, drains, None, final_drain))
+
+
+@st.composite
+def with_loras(draw, scenarios: st.SearchStrategy[StepScenario]) -> StepScenario:
+    """V8 LoRA slots: a scenario of ``scenarios`` with ``max_loras`` 1 or 2 and each request
+    on the base model or on one of ``max_loras + 1`` adapters (more adapters than slots,
+    so admission skips for ``max_loras``). The draws come after the scenario's own, so
+    ``base_scenarios`` and ``white_box_scenarios`` keep their examples."""
+    scenario = draw(scenarios)
+    max_loras = draw(st.integers(1, 2))
+    events = tuple(replace(e, lora=draw(st.integers(0, max_loras + 1))) if isinstance(e, AddRequest) else e
+                   for e in scenario.events)
+    return StepScenario(replace(scenario.config, max_loras=max_loras), events)
 
 
 def base_scheduler_cls(async_scheduling: bool) -> str:

@@ -207,6 +207,25 @@ def _residency_check(async_mode: bool) -> CheckSpec:
                      async_mode, total, run)
 
 
+def _lora_check(async_mode: bool) -> CheckSpec:
+    """Issue 13 item 2: LoRA slots on the issue's load (``adapter/lora_slots.py``): no crash
+    (must), the other user's adapter served within a bound (should, R13 Decision "LoRA slots")."""
+
+    def run(options: GateOptions, tick: Tick):
+        from vllm_output_rate.adapter.lora_slots import EXAMPLES, check_lora
+
+        return check_lora(_cls(options, async_mode), async_mode, EXAMPLES[options.profile], options.seed, tick,
+                          options.save_dir, options.style)
+
+    def total(options: GateOptions) -> int:
+        from vllm_output_rate.adapter.lora_slots import EXAMPLES
+
+        return EXAMPLES[options.profile]
+
+    return CheckSpec(f"lora-slots/{'async' if async_mode else 'sync'}", "candidate", "should", ("R11", "R13"),
+                     async_mode, total, run)
+
+
 def _spec_health_checks() -> list[CheckSpec]:
     from vllm_output_rate.adapter import conform as gate
 
@@ -279,6 +298,7 @@ def registry(extra: Sequence[CheckSpec] = ()) -> list[CheckSpec]:
                    _feature_off_check(async_mode), _not_binding_check(async_mode), _boundaries_check(async_mode)]
     checks += [_engine_wait_check(False), _engine_wait_check(True)]
     checks += [_residency_check(False), _residency_check(True)]  # R20
+    checks += [_lora_check(False), _lora_check(True)]  # R11, R13: LoRA slots
     checks += [_white_box_check(False), _white_box_check(True), _shadow_check(False), _shadow_check(True),
                _coverage_check()]
     return checks + _spec_health_checks() + list(extra)

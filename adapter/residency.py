@@ -219,8 +219,7 @@ def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: i
     """R20 (level exact): ``run_residency`` on ``examples`` seeded flood scenarios; a
     failure is shrunk by Hypothesis and saved. Returns the ``CheckResult`` row
     ``fair-residency/{sync,async}``."""
-    from vllm_output_rate.adapter.conform import CheckResult, _hunt, _reraise_gate_error, _save_counterexample
-    from vllm_output_rate.adapter.scenarios import Verdict
+    from vllm_output_rate.adapter.conform import CheckResult
 
     name = "fair-residency/" + ("async" if async_mode else "sync")
     result = CheckResult(name, ["R20"], level="exact")
@@ -230,17 +229,33 @@ def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: i
                           "(output_rate.max_num_seqs_per_user): the article's flags do not name one")
         return result
 
-    def run(scenario: ResidencyScenario):
+    return hunt_row(result, flood_scenarios(async_mode), lambda scenario: run_residency(scheduler_cls, scenario, style),
+                    scheduler_cls, examples, seed, tick, save_dir, rule="R20", level="exact")
+
+
+def hunt_row(result, strategy, run_one: Callable[[Any], Any], scheduler_cls: str, examples: int, seed: int,
+             tick: Callable[[], None], save_dir: Path | None, rule: str, level: str, crash_note: str = ""):
+    """Fill the gate row ``result`` (``conform.CheckResult``) from ``examples`` seeded
+    scenarios of ``strategy``, each judged by ``run_one(scenario)`` (a verdict with
+    ``steps``, ``failure``, ``step`` and, optionally, its own ``level``). An exception of
+    the candidate (or of vLLM inside it) is a ``crash`` at level must (``crash_note`` is
+    appended to its message); a gate error is re-raised. A failure is shrunk by
+    Hypothesis, printed as ``[level] rule: step N: ...`` and saved. Returns ``result``."""
+    from vllm_output_rate.adapter.conform import _hunt, _reraise_gate_error, _save_counterexample
+    from vllm_output_rate.adapter.scenarios import Verdict
+
+    def run(scenario):
         try:
-            verdict = run_residency(scheduler_cls, scenario, style)
+            verdict = run_one(scenario)
         except Exception as exc:  # the candidate's own error is a finding
             _reraise_gate_error(exc)
-            return Verdict(0, f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash",
-                           None, level="must")
-        return Verdict(verdict.steps, verdict.failure, "R20" if verdict.failure else None, verdict.step,
-                       level="exact" if verdict.failure else None)
+            return Verdict(0, f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}{crash_note}",
+                           "crash", None, level="must")
+        failed_level = (getattr(verdict, "level", None) or level) if verdict.failure else None
+        return Verdict(verdict.steps, verdict.failure, rule if verdict.failure else None, verdict.step,
+                       level=failed_level)
 
-    failed = _hunt(result, flood_scenarios(async_mode), run, examples, seed, tick)
+    failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:
         scenario, verdict = failed
         result.result = "fail"

@@ -100,3 +100,34 @@ def test_v8_lora_base_fidelity_stock_counts_adapters_per_release(async_schedulin
     _, steps = _spec_steps(scenario)
     admitted = [rid for o in steps for rid in o.admitted]
     assert admitted == ["A", "C", "B"], admitted
+
+
+# -- generated LoRA scenarios: spec against stock vLLM (base) and the reference (white box)
+def _hunt(strategy, run, examples: int) -> None:
+    from hypothesis import HealthCheck, given, seed, settings
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @seed(13)
+    @given(scenario=strategy)
+    def prop(scenario):
+        verdict = run(scenario)
+        assert verdict.failure is None, (verdict.failure, scenario.lines())
+
+    prop()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_v8_lora_base_fidelity_generated_scenarios(async_scheduling):
+    from vllm_output_rate.adapter.fidelity import base_scenarios, run_base, with_loras
+
+    _hunt(with_loras(base_scenarios(async_scheduling)), run_base, 60)
+
+
+@pytest.mark.rules("R11", "R13")
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_r13_lora_white_box_generated_scenarios(async_scheduling):
+    from vllm_output_rate.adapter.fidelity import with_loras
+    from vllm_output_rate.adapter.whitebox import white_box_scenarios
+
+    _hunt(with_loras(white_box_scenarios(async_scheduling)), run_white_box, 60)

@@ -1,0 +1,170 @@
+"""LoRA slots for any candidate, black-box (gate rows ``lora-slots/{sync,async}``, level should).
+
+The LoRA load of issue 13: ``--enable-lora --max-loras`` K; user "slow" (a rate its long
+streams exhaust at once, so it is throttled most steps) decodes on adapters 1..K, holding
+every slot while resident (R11); user "fast" (a rate its few tokens never exhaust) then
+sends requests on adapter K + 1, and sometimes on adapter 1 too. Resources are ample (KV
+blocks, token budget, seats). After every ``schedule()`` the candidate must:
+
+- not crash (level must): vLLM 0.32 counts only the scheduled running requests' adapters,
+  so a candidate that admits another adapter beside a throttled holder fails vLLM's own
+  ``assert len(scheduled_loras) <= max_loras`` in the next step, and every request on the
+  engine dies;
+- dispatch each "fast" request to sample within ``BOUND_STEPS`` steps of its arrival
+  (level should): docs/SPEC.md Decision "LoRA slots" (R13) preempts a throttled holder of
+  the slot another user's request needs, in the first step its user is refused; the slow
+  user is refused in at least 3 of any 4 consecutive steps here (at most 0.25 grants per
+  step after its burst), so the bound leaves room for the grant steps. A candidate that
+  only counts the throttled holder's adapter (as vLLM 0.33 does) makes "fast" wait until
+  the slow streams end, seconds later;
+- and, after the scenario, finish every request with exactly its ``max_tokens`` outputs
+  (level must, P3: a preempted holder resumes, nothing is cut).
+
+Fixtures that fail it: ``tests/fixtures/lora_candidates.py`` (no victim: starves; no
+victim and vLLM 0.32's own count: crashes on 0.32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from hypothesis import strategies as st
+
+from vllm_output_rate.adapter.residency import ResidencyScenario, hunt_row
+from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.state import EngineConfig
+
+SLOW_USER = "slow"
+FAST_USER = "fast"
+FAST_RATE = "1000"  # tokens/s: 101 grants from idle, above any demand drawn here
+SLOW_RATES = ("1", "2", "5")  # x at most 50 ms per step: <= 0.25 grants per step after the burst
+BOUND_STEPS = 8  # a fast request samples within this many steps of its arrival (module docstring)
+DRAIN_STEPS = 3000
+DRAIN_INTERVAL_NS = 50_000_000
+EXAMPLES = {"quick": 8, "ci": 30, "release": 200}
+
+
+class LoraScenario(ResidencyScenario):
+    """A LoRA-slot scenario: the engine configuration (``max_loras`` set) and events."""
+
+    def lines(self) -> list[str]:
+        c = self.config
+        head = (f"config: max_loras={c.max_loras} max_num_seqs={c.max_num_seqs} budget={c.max_num_batched_tokens} "
+                f"chunked={c.chunked_prefill} async={c.async_scheduling} policy={c.policy} rates: {SLOW_USER}="
+                f"{dict(c.user_rates_tokens_per_s).get(SLOW_USER)} {FAST_USER}={FAST_RATE}")
+        return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
+
+
+@st.composite
+def lora_scenarios(draw, async_scheduling: bool) -> LoraScenario:
+    """Hypothesis strategy: the LoRA load (module docstring), resources ample."""
+    max_loras = draw(st.integers(1, 2))
+    slow = [(draw(st.integers(1, max_loras)), draw(st.integers(1, 12)), draw(st.integers(12, 30)))
+            for _ in range(draw(st.integers(max_loras, max_loras + 2)))]
+    fast = [(draw(st.sampled_from((max_loras + 1, max_loras + 1, 1))), draw(st.integers(1, 12)),
+             draw(st.integers(1, 6))) for _ in range(draw(st.integers(1, 3)))]
+    arrive = draw(st.integers(2, 6))
+    num_steps = arrive + BOUND_STEPS + draw(st.integers(0, 6))
+    requests = slow + fast
+    config = EngineConfig(
+        max_num_seqs=len(requests),
+        max_num_batched_tokens=512,
+        chunked_prefill=draw(st.booleans()),
+        block_size=16,
+        num_blocks=1 + sum(-(-(p + m + 1) // 16) for _, p, m in requests) + 4,
+        async_scheduling=async_scheduling,
+        max_model_len=512,
+        default_rate_tokens_per_s=Fraction(FAST_RATE),
+        user_rates_tokens_per_s=((SLOW_USER, Fraction(draw(st.sampled_from(SLOW_RATES)))),),
+        max_loras=max_loras,
+    )
+    interval_ns = draw(st.sampled_from((10, 20, 50))) * 1_000_000
+    events: list[Event] = [AddRequest(f"s{i}", SLOW_USER, 0, p, m, None, lora)
+                           for i, (lora, p, m) in enumerate(slow)]
+    for step in range(num_steps):
+        if step == arrive:
+            events += [AddRequest(f"f{i}", FAST_USER, 0, p, m, None, lora) for i, (lora, p, m) in enumerate(fast)]
+        events += [Step(), AdvanceClock(interval_ns)]
+    return LoraScenario(config, tuple(events))
+
+
+@dataclass
+class LoraVerdict:
+    """Outcome of one scenario (``failure`` None: every property held); ``level`` of the failure."""
+
+    steps: int
+    failure: str | None = None
+    step: int | None = None
+    level: str | None = None
+
+
+def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> LoraVerdict:
+    """The LoRA-slot properties (module docstring) on one scenario. A crash of the
+    candidate (or of vLLM inside its ``schedule()``) propagates to the caller."""
+    from vllm_output_rate.adapter.fidelity import engine_shape
+    from vllm_output_rate.adapter.harness import Harness
+
+    harness = Harness(scheduler_cls, engine_shape(scenario.config), style=style)
+    arrived: dict[str, int] = {}  # fast request -> step before which it was added
+    max_tokens: dict[str, int] = {}
+    steps = 0
+
+    def judge(trace) -> str | None:
+        for rid in trace.sampled:
+            arrived.pop(rid, None)
+        late = sorted(rid for rid, at in arrived.items() if steps - at >= BOUND_STEPS)
+        if late:
+            return (f"R13 (LoRA): {late[0]} of user {FAST_USER!r} has not sampled {BOUND_STEPS} steps after it "
+                    f"arrived (step {arrived[late[0]]}): the throttled user {SLOW_USER!r} holds the adapter slots "
+                    f"(max_loras={scenario.config.max_loras}) it needs; a throttled holder must give way "
+                    "(docs/SPEC.md, Decision \"LoRA slots\")")
+        return None
+
+    for event in scenario.events:
+        if isinstance(event, AddRequest):
+            harness.add_request(event.request_id, event.user, event.prompt_len, event.max_tokens, event.eos_index,
+                                event.priority, lora=event.lora)
+            max_tokens[event.request_id] = event.max_tokens
+            if event.user == FAST_USER:
+                arrived[event.request_id] = steps
+        elif isinstance(event, AdvanceClock):
+            harness.advance(event.delta_ns)
+        elif isinstance(event, Drain):
+            harness.drain()
+        elif isinstance(event, Step):
+            trace = harness.step()
+            steps += 1
+            failure = judge(trace)
+            if failure is not None:
+                return LoraVerdict(steps, failure, steps - 1, "should")
+    for _ in range(DRAIN_STEPS):
+        if len(harness.finished) == len(max_tokens):
+            break
+        harness.step()
+        steps += 1
+        harness.advance(DRAIN_INTERVAL_NS)
+    if scenario.config.async_scheduling:
+        harness.drain()
+    for rid, want in max_tokens.items():
+        got = harness.finished.get(rid)
+        if got is None or got[1] != want:
+            return LoraVerdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {want}) within "
+                                      f"{DRAIN_STEPS} steps after the scenario", None, "must")
+    return LoraVerdict(steps)
+
+
+def check_lora(scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
+               save_dir: Path | None, style: Any = None):
+    """``run_lora`` on ``examples`` seeded LoRA scenarios; a failure is shrunk by
+    Hypothesis and saved. Returns the ``CheckResult`` row ``lora-slots/{sync,async}``."""
+    from vllm_output_rate.adapter.conform import CheckResult
+
+    name = "lora-slots/" + ("async" if async_mode else "sync")
+    result = CheckResult(name, ["R11", "R13"], level="should")
+    return hunt_row(result, lora_scenarios(async_mode), lambda scenario: run_lora(scheduler_cls, scenario, style),
+                    scheduler_cls, examples, seed, tick, save_dir, rule="R13", level="should",
+                    crash_note=" (with LoRA requests every request on the engine fails)")
