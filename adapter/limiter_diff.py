@@ -269,6 +269,38 @@ def _compare(model: SpecLimiter, impl: LimiterLike, users: tuple[str, ...], now:
     return None
 
 
+def _take(model: SpecLimiter, impl: LimiterLike, user: str, now: int, where: str, counts: Counter[str],
+          pending: list[str]) -> str | None:
+    """One ``try_take`` on both (R2): None, or the divergence or crash ``where`` it happened."""
+    ready = model.ready_at_ns(user)
+    granted_s = model.try_take(user, now)
+    try:
+        granted_i = impl.try_take(user, now)
+    except Exception as exc:  # the implementation crashed: report, do not raise
+        return f"{_RULE_OF_OP['take']}: implementation raised {type(exc).__name__}: {exc} {where}"
+    if granted_s != granted_i:
+        return f"R2: grant differs {where}: spec {granted_s}, impl {granted_i}"
+    counts["granted" if granted_s else "refused"] += 1
+    counts["granted_at_ready"] += granted_s and ready == now
+    counts["refused_before_ready"] += (not granted_s) and ready == now + 1
+    if granted_s:
+        pending.append(user)
+    return None
+
+
+def _cleanup(model: SpecLimiter, impl: LimiterLike, now: int, where: str, counts: Counter[str]) -> str | None:
+    """One ``cleanup_idle_users`` on both (R6): None, or the divergence or crash ``where`` it happened."""
+    deleted_s = model.cleanup_idle_users(now)
+    try:
+        deleted_i = impl.cleanup_idle_users(now)
+    except Exception as exc:
+        return f"{_RULE_OF_OP['cleanup']}: implementation raised {type(exc).__name__}: {exc} {where}"
+    if deleted_s != deleted_i:
+        return f"R6: cleanup deleted {deleted_i} users, spec {deleted_s}, {where}"
+    counts["cleanup_deleted"] += deleted_s
+    return None
+
+
 def run_differential(
     ops: OpSequence,
     make_impl: Callable[..., LimiterLike] | None = None,
@@ -309,19 +341,9 @@ def run_differential(
             pending = []
         elif op.kind == "take":
             assert op.user is not None
-            ready = model.ready_at_ns(op.user)
-            granted_s = model.try_take(op.user, now)
-            try:
-                granted_i = impl.try_take(op.user, now)
-            except Exception as exc:  # the implementation crashed: report, do not raise
-                return f"{rule}: implementation raised {type(exc).__name__}: {exc} {where}"
-            if granted_s != granted_i:
-                return f"R2: grant differs {where}: spec {granted_s}, impl {granted_i}"
-            counts["granted" if granted_s else "refused"] += 1
-            counts["granted_at_ready"] += granted_s and ready == now
-            counts["refused_before_ready"] += (not granted_s) and ready == now + 1
-            if granted_s:
-                pending.append(op.user)
+            found = _take(model, impl, op.user, now, where, counts, pending)
+            if found is not None:
+                return found
         elif op.kind == "refund":
             if pending:
                 user = pending.pop(op.arg % len(pending))
@@ -333,15 +355,10 @@ def run_differential(
                     return f"{rule}: implementation raised {type(exc).__name__}: {exc} {where}"
                 counts["refund"] += 1
         else:  # cleanup
-            deleted_s = model.cleanup_idle_users(now)
-            try:
-                deleted_i = impl.cleanup_idle_users(now)
-            except Exception as exc:
-                return f"{rule}: implementation raised {type(exc).__name__}: {exc} {where}"
+            found = _cleanup(model, impl, now, where, counts)
             pending = []
-            if deleted_s != deleted_i:
-                return f"R6: cleanup deleted {deleted_i} users, spec {deleted_s}, {where}"
-            counts["cleanup_deleted"] += deleted_s
+            if found is not None:
+                return found
         if op.kind != "refund":
             where = f"at op {i} ({op}), now={now} ns"
         try:

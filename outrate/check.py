@@ -28,6 +28,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -77,8 +78,24 @@ def check(profile, json_path, jobs, counterexamples) -> None:
         results = modelcheck.run_profile(profile, jobs=jobs, save_dir=str(counterexamples),
                                          on_progress=on_progress, on_done=on_done)
     elapsed = time.monotonic() - started
+    table, failed, changed = _results_table(f"outrate check --profile {profile} ({len(scopes)} scopes, {jobs} processes)",
+                                            results, elapsed)
+    console.print(table)
+    _print_details(console, results, changed, profile)
+    ok = [r for r in results if "error" not in r]
+    total_states = sum(r["states"] for r in ok)
+    total_transitions = sum(r["transitions"] for r in ok)
+    console.print(f"{total_states:,} distinct states, {total_transitions:,} transitions in {elapsed:.1f} s "
+                  f"({jobs} processes); {failed} scope(s) failed")
+    if json_path is not None:
+        _write_json(json_path, results, profile, jobs, elapsed, total_states, total_transitions)
+    sys.exit(1 if failed else 0)
 
-    table = Table(title=f"outrate check --profile {profile} ({len(scopes)} scopes, {jobs} processes)")
+
+def _results_table(title: str, results: list[dict[str, Any]], elapsed: float) -> tuple[Table, int, list[Any]]:
+    """The table of scopes and its total row; the number of failed scopes; the scopes whose
+    state or transition count moved from the pinned one, as (name, pin, result)."""
+    table = Table(title=title)
     for col in ("scope", "states", "transitions", "states/s", "invariants checked", "violations", "result"):
         table.add_column(col, justify="left" if col in ("scope", "result") else "right")
     failed = 0
@@ -106,8 +123,11 @@ def check(profile, json_path, jobs, counterexamples) -> None:
                   f"{total_states / elapsed:,.0f}" if elapsed > 0 else "-",
                   f"{sum(r['invariant_checks'] for r in ok):,}", str(sum(r['violations'] for r in ok)),
                   "[bold red]FAIL[/]" if failed else "[green]pass[/]")
-    console.print(table)
+    return table, failed, changed
 
+
+def _print_details(console: Console, results: list[dict[str, Any]], changed: list[Any], profile: str) -> None:
+    """Each scope error and violation (events, replay command), then each moved count."""
     for r in results:
         if "error" in r:
             console.print(f"[bold red]{r['name']}[/]: {r['error']}")
@@ -124,23 +144,23 @@ def check(profile, json_path, jobs, counterexamples) -> None:
         console.print(f"[yellow]{name}[/]: {r['states']} states / {r['transitions']} transitions, pinned "
                       f"{pin['states']} / {pin['transitions']}: the spec's state space changed; if intended, re-pin "
                       f"with python -m vllm_output_rate.proofs.modelcheck --profile {profile} --pin")
-    console.print(f"{total_states:,} distinct states, {total_transitions:,} transitions in {elapsed:.1f} s "
-                  f"({jobs} processes); {failed} scope(s) failed")
 
-    if json_path is not None:
-        doc = {
-            "scopes": [{**{k: r[k] for k in SCOPE_KEYS}, "invariant_checks": r["invariant_checks"],
-                        "max_depth": r["max_depth"], "seconds": r["seconds"], "pinned": r["pinned"],
-                        "coverage": r["coverage"], "counterexamples": r["details"]}
-                       if "error" not in r else {"name": r["name"], "states": 0, "transitions": 0,
-                                                 "states_per_s": 0.0, "violations": 0, "error": r["error"]}
-                       for r in results],
-            "profile": profile,
-            "jobs": jobs,
-            "seconds": round(elapsed, 2),
-            "total_states": total_states,
-            "total_transitions": total_transitions,
-        }
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(doc, indent=2) + "\n")
-    sys.exit(1 if failed else 0)
+
+def _write_json(json_path: Path, results: list[dict[str, Any]], profile: str, jobs: int, elapsed: float,
+                total_states: int, total_transitions: int) -> None:
+    """The JSON report (module docstring)."""
+    doc = {
+        "scopes": [{**{k: r[k] for k in SCOPE_KEYS}, "invariant_checks": r["invariant_checks"],
+                    "max_depth": r["max_depth"], "seconds": r["seconds"], "pinned": r["pinned"],
+                    "coverage": r["coverage"], "counterexamples": r["details"]}
+                   if "error" not in r else {"name": r["name"], "states": 0, "transitions": 0,
+                                             "states_per_s": 0.0, "violations": 0, "error": r["error"]}
+                   for r in results],
+        "profile": profile,
+        "jobs": jobs,
+        "seconds": round(elapsed, 2),
+        "total_states": total_states,
+        "total_transitions": total_transitions,
+    }
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(doc, indent=2) + "\n")

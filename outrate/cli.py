@@ -93,26 +93,10 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     """
     from vllm_output_rate import gate_plan
     from vllm_output_rate.adapter import registry
-    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, load_class
-
-    for directory in reversed(paths):
-        sys.path.insert(0, str(Path(directory).resolve()))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(directory).resolve()),
-                                                                 os.environ.get("PYTHONPATH")]))
-    sync_cls = scheduler_cls or REFERENCE_SCHEDULER
-    if async_scheduler_cls is None and sync_cls == REFERENCE_SCHEDULER and not sync_only:
-        async_scheduler_cls = REFERENCE_ASYNC_SCHEDULER
-    if sync_only:
-        async_scheduler_cls = None
+    sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
     with console.status("importing vLLM and the scheduler under test"):
-        for path, hint in ((sync_cls, "--scheduler-cls"), (async_scheduler_cls, "--async-scheduler-cls")):
-            if path is None:
-                continue
-            try:
-                load_class(path)
-            except (ValueError, ImportError) as exc:
-                raise click.BadParameter(str(exc), param_hint=hint) from None
+        _import_candidates(sync_cls, async_scheduler_cls)
         style = _config_style(config_style)
         import vllm
 
@@ -124,60 +108,20 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
         spec_health=not no_spec_health, save_dir=counterexamples)
     plan = gate_plan.plan(options)
 
-    results = []
-    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=False)
-    with progress:
-        for item in plan:
-            total = item.spec.total(options) if item.skip is None else 1
-            task = progress.add_task(item.spec.name, total=total)
-            result = registry.run_planned(item, options, functools.partial(progress.advance, task))
-            progress.update(task, completed=total)
-            results.append(result)
+    results = _run_plan(plan, options)
 
     header = (f"outrate conform -- vLLM {vllm.__version__} -- {sync_cls} / {async_scheduler_cls or '-'}"
               f" -- level {level}, profile {profile}, seed {seed}, config {config_style}, "
               f"burst {'configurable' if burst_configurable else 'fixed 100 ms'}"
-              f"{', integer rates' if integer_rates else ''}")
-    from vllm_output_rate.adapter.versions import installed_warning
-
-    version_warning = installed_warning()
-    if version_warning:
-        header += f"\nWARNING: {version_warning}"
-    for part, title in (("candidate", f"{header}\ncandidate checks (the verdict)"),
-                        ("spec health", "spec health (never the candidate's verdict)")):
-        rows = [r for r in results if r.part == part]
-        if rows:
-            console.print(_results_table(title, rows))
-    for r in results:  # issue 18: the boundary scenarios run, by name, and the coverage table
-        if r.scenarios:
-            console.print(f"{r.name} scenarios: {escape_markup(', '.join(r.scenarios))}", soft_wrap=True)
-    coverage_row = next((r for r in results if r.coverage), None)
-    if coverage_row is not None:
-        console.print(_coverage_table(coverage_row.coverage))
-    for r in results:
-        if r.result != "fail":
-            continue
-        console.print(f"[bold red]{r.name} FAILED[/] ({r.part}): {escape_markup(r.failure)}")
-        console.print("  counterexample (" + ("shrunk, 1-minimal" if r.minimal else
-                                              "shrunk by Hypothesis, not proven 1-minimal") + "):")
-        for line in r.counterexample:
-            console.print(f"    {escape_markup(line)}")
-        if r.saved:
-            cls = async_scheduler_cls if r.name.endswith("/async") and async_scheduler_cls else sync_cls
-            extra = "".join(f" --path {p}" for p in paths) + (
-                f" --config-style {config_style}" if config_style != "additional-config" else "")
-            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {cls} "
-                          f"--level {level}{extra})", soft_wrap=True)
+              f"{', integer rates' if integer_rates else ''}") + _version_warning()
+    _print_results(results, header)
+    replay_options = "".join(f" --path {p}" for p in paths) + (
+        f" --config-style {config_style}" if config_style != "additional-config" else "")
+    _print_failures(results, sync_cls, async_scheduler_cls, f"--level {level}{replay_options}")
 
     mutant_rows = _run_mutants(profile, seed, level, not no_white_box) if mutants else []
     survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
-    checks_json = [r.as_json() for r in results]
-    for r, row in zip(results, checks_json):
-        if r.scenarios:
-            row["scenarios"] = r.scenarios
-        if r.coverage:
-            row["coverage"] = r.coverage
+    checks_json = _checks_json(results)
     code = registry.exit_code(results)
     if survivors and code == 0:
         code = 1
@@ -198,20 +142,123 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
             "checks": checks_json,
             "mutants": mutant_rows,
         }, indent=2))
-    if junit_path is not None:
-        from vllm_output_rate.adapter import reports
-
-        reports.junit(junit_path, header, checks_json, mutant_rows)
-    if markdown_path is not None:
-        from vllm_output_rate.adapter import reports
-
-        reports.markdown(markdown_path, header, checks_json, mutant_rows, _budget(profile))
+    _write_reports(junit_path, markdown_path, header, checks_json, mutant_rows, profile)
     console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started), soft_wrap=True)
     # Exit without interpreter teardown: Z3's context destructors (boundary scenarios) were
     # seen to hang at exit on a loaded machine after the verdict was printed and saved.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _candidate_classes(scheduler_cls: str | None, async_scheduler_cls: str | None, sync_only: bool,
+                       paths: tuple[str, ...]) -> tuple[str, str | None]:
+    """Put ``paths`` first on the import path (and the children's ``PYTHONPATH``); the sync
+    class (default: the reference) and the async one (default: the reference's with the
+    reference, none with ``--sync-only``)."""
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+
+    for directory in reversed(paths):
+        sys.path.insert(0, str(Path(directory).resolve()))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(directory).resolve()),
+                                                                 os.environ.get("PYTHONPATH")]))
+    sync_cls = scheduler_cls or REFERENCE_SCHEDULER
+    if async_scheduler_cls is None and sync_cls == REFERENCE_SCHEDULER and not sync_only:
+        async_scheduler_cls = REFERENCE_ASYNC_SCHEDULER
+    if sync_only:
+        async_scheduler_cls = None
+    return sync_cls, async_scheduler_cls
+
+
+def _version_warning() -> str:
+    """A header line warning that the installed vLLM is not a supported version ("" if it is)."""
+    from vllm_output_rate.adapter.versions import installed_warning
+
+    version_warning = installed_warning()
+    return f"\nWARNING: {version_warning}" if version_warning else ""
+
+
+def _checks_json(results: list[Any]) -> list[dict[str, Any]]:
+    """The JSON rows of the checks, with the scenarios run and the coverage table where set."""
+    checks_json = [r.as_json() for r in results]
+    for r, row in zip(results, checks_json):
+        if r.scenarios:
+            row["scenarios"] = r.scenarios
+        if r.coverage:
+            row["coverage"] = r.coverage
+    return checks_json
+
+
+def _write_reports(junit_path: Path | None, markdown_path: Path | None, header: str, checks_json: list[Any],
+                   mutant_rows: list[Any], profile: str) -> None:
+    """The JUnit XML and Markdown reports, where asked for (adapter/reports.py)."""
+    from vllm_output_rate.adapter import reports
+
+    if junit_path is not None:
+        reports.junit(junit_path, header, checks_json, mutant_rows)
+    if markdown_path is not None:
+        reports.markdown(markdown_path, header, checks_json, mutant_rows, _budget(profile))
+
+
+def _import_candidates(sync_cls: str, async_scheduler_cls: str | None) -> None:
+    """Import the classes under test; a click error naming the option if one cannot be loaded."""
+    from vllm_output_rate.adapter.harness import load_class
+
+    for path, hint in ((sync_cls, "--scheduler-cls"), (async_scheduler_cls, "--async-scheduler-cls")):
+        if path is None:
+            continue
+        try:
+            load_class(path)
+        except (ValueError, ImportError) as exc:
+            raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
+def _run_plan(plan: list[Any], options: Any) -> list[Any]:
+    """Run the planned checks in order with one progress bar each; their ``CheckResult``s."""
+    from vllm_output_rate.adapter import registry
+
+    results = []
+    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=False)
+    with progress:
+        for item in plan:
+            total = item.spec.total(options) if item.skip is None else 1
+            task = progress.add_task(item.spec.name, total=total)
+            result = registry.run_planned(item, options, functools.partial(progress.advance, task))
+            progress.update(task, completed=total)
+            results.append(result)
+    return results
+
+
+def _print_results(results: list[Any], header: str) -> None:
+    """The candidate and spec-health tables, the boundary scenarios run and the coverage table."""
+    for part, title in (("candidate", f"{header}\ncandidate checks (the verdict)"),
+                        ("spec health", "spec health (never the candidate's verdict)")):
+        rows = [r for r in results if r.part == part]
+        if rows:
+            console.print(_results_table(title, rows))
+    for r in results:  # issue 18: the boundary scenarios run, by name, and the coverage table
+        if r.scenarios:
+            console.print(f"{r.name} scenarios: {escape_markup(', '.join(r.scenarios))}", soft_wrap=True)
+    coverage_row = next((r for r in results if r.coverage), None)
+    if coverage_row is not None:
+        console.print(_coverage_table(coverage_row.coverage))
+
+
+def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str | None, replay_options: str) -> None:
+    """Each failed check: its failure, counterexample and the ``outrate replay`` command."""
+    for r in results:
+        if r.result != "fail":
+            continue
+        console.print(f"[bold red]{r.name} FAILED[/] ({r.part}): {escape_markup(r.failure)}")
+        console.print("  counterexample (" + ("shrunk, 1-minimal" if r.minimal else
+                                              "shrunk by Hypothesis, not proven 1-minimal") + "):")
+        for line in r.counterexample:
+            console.print(f"    {escape_markup(line)}")
+        if r.saved:
+            cls = async_scheduler_cls if r.name.endswith("/async") and async_scheduler_cls else sync_cls
+            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {cls} "
+                          f"{replay_options})", soft_wrap=True)
 
 
 def _budget(profile: str) -> dict:

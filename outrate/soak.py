@@ -21,7 +21,9 @@ import json
 import math
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -81,9 +83,7 @@ def _plot(report, path: Path, burst_ns: int) -> None:
 def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir) -> None:
     """Randomized live load with cancels and arriving users, checked online from the engine trace."""
     from rich.console import Console
-    from rich.table import Table
 
-    from vllm_output_rate.adapter.tinymodel import default_model_dir
     from vllm_output_rate.adapter.trace_check import TraceFollower
 
     console = Console()
@@ -94,103 +94,21 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     names = [f"user{i}" for i in range(users)]
     limits = {u: rnd.choice(RATES) for u in names}
     arrive_s = {u: (0.0 if i == 0 else rnd.uniform(0, minutes * 20)) for i, u in enumerate(names)}
-    from vllm import LLM, SamplingParams
-
-    cls = "RateLimitedAsyncScheduler" if async_mode else "RateLimitedScheduler"
-    llm = LLM(
-        model=model or str(default_model_dir()),
-        load_format="dummy" if model is None else "auto",
-        skip_tokenizer_init=model is None,
-        dtype="float32" if model is None else "auto",
-        max_model_len=512,
-        max_num_seqs=max(8, min(64, users * streams)),
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=0.2 if model is None else 0.8,
-        kv_cache_memory_bytes=(128 * 2**20) if model is None else None,
-        async_scheduling=async_mode,
-        scheduler_cls=f"vllm_output_rate.reference.scheduler.{cls}",
-        additional_config={"output_rate": {"default_tokens_per_s": 100, "user_tokens_per_s": limits,
-                                           "trace_path": str(trace)}},
-    )
+    llm = _soak_llm(model, users * streams, async_mode, limits, trace)
     engine = llm.llm_engine
     follower = TraceFollower(trace)
     rss_start = _rss_mb()
     started = time.monotonic()
-    deadline = started + minutes * 60
-    slots: dict[str, list[str | None]] = {u: [None] * streams for u in names}  # request id or None
-    next_start = {(u, k): started + arrive_s[u] + rnd.uniform(0, 1) for u in names for k in range(streams)}
-    cancel_at: dict[str, float] = {}
-    tokens: dict[str, int] = {}
-    completions: dict[str, int] = {}
-    cancelled: set[str] = set()
-    checks, rss_max, counter = [], dict(rss_start), 0
-    next_check = started + CHECK_EVERY_S
-    while True:
-        now = time.monotonic()
-        active = any(r is not None for s in slots.values() for r in s)
-        if now >= deadline and not active:
-            break
-        for u in names:
-            for k in range(streams):
-                rid = slots[u][k]
-                if rid is None and now < deadline and now >= next_start[(u, k)]:
-                    rid = f"{u}-s{k}-r{counter}"
-                    counter += 1
-                    prompt = [rnd.randint(10, 500) for _ in range(rnd.randint(4, 64))]
-                    params = SamplingParams(max_tokens=rnd.randint(8, 120), ignore_eos=rnd.random() < 0.7,
-                                            detokenize=False, extra_args={"output_rate_user": u})
-                    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-                    slots[u][k], tokens[rid] = rid, 0
-                    if rnd.random() < cancel_prob:
-                        cancel_at[rid] = now + rnd.uniform(0.2, 3.0)
-                elif rid is not None and rid in cancel_at and now >= cancel_at[rid]:
-                    engine.abort_request([rid])
-                    cancelled.add(rid)
-                    completions[rid] = tokens[rid]
-                    del cancel_at[rid]
-                    slots[u][k] = None
-                    next_start[(u, k)] = now + rnd.uniform(0, 2)
-        if engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id in cancelled:
-                    continue
-                tokens[out.request_id] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    completions[out.request_id] = tokens[out.request_id]
-                    cancel_at.pop(out.request_id, None)
-                    u, k = out.request_id.split("-s")[0], int(out.request_id.split("-s")[1].split("-")[0])
-                    slots[u][k] = None
-                    next_start[(u, k)] = time.monotonic() + rnd.uniform(0, 2)
-        else:
-            time.sleep(0.01)
-        if time.monotonic() >= next_check:
-            partial = follower.poll()
-            rss = _rss_mb()
-            rss_max = {k: max(v, rss_max.get(k, 0.0)) for k, v in rss.items()}
-            checks.append({"t_s": round(time.monotonic() - started, 1), "violations": len(partial.violations),
-                           "rss_mb": {k: round(v, 1) for k, v in rss.items()}})
-            console.print(f"[{checks[-1]['t_s']:>7.1f} s] check: {len(partial.violations)} violation(s); "
-                          f"{len(completions)} streams done; RSS "
-                          + ", ".join(f"{k} {v:.0f} MB" for k, v in rss.items()))
-            next_check = time.monotonic() + CHECK_EVERY_S
+    load = _Load(rnd, names, streams, cancel_prob, {u: [None] * streams for u in names},
+                 {(u, k): started + arrive_s[u] + rnd.uniform(0, 1) for u in names for k in range(streams)})
+    checks, rss_max = _drive(load, engine, follower, console, started, started + minutes * 60, dict(rss_start))
     wall_s = time.monotonic() - started
     rss_end = _rss_mb()
     del llm, engine
-    report = follower.finish(completions=completions, cancelled=cancelled)
+    report = follower.finish(completions=load.completions, cancelled=load.cancelled)
     run = report.runs[-1]
-    table = Table(title=f"outrate soak: {minutes:g} min, {users} users x {streams} streams, seed {seed}, "
-                        f"{'async' if async_mode else 'sync'}")
-    for col in ("user", "limit tok/s", "streams done", "cancelled", "dispatches", "engine tok/s", "busy share"):
-        table.add_column(col, justify="right")
-    for u in names:
-        s = run.users.get(u)
-        mine = [r for r in completions if r.startswith(u + "-")]
-        rate = s.engine_rate if s else None
-        table.add_row(u, str(limits[u]), str(len(mine)), str(sum(r in cancelled for r in mine)),
-                      str(s.dispatches if s else 0), "-" if rate is None else f"{rate:.2f}",
-                      "-" if rate is None else f"{rate / limits[u]:.2f}")
-    console.print(table)
+    console.print(_soak_table(f"outrate soak: {minutes:g} min, {users} users x {streams} streams, seed {seed}, "
+                              f"{'async' if async_mode else 'sync'}", run, names, limits, load))
     console.print(f"trace: {run.steps} steps, max limiter users {run.max_limiter_users}, "
                   f"max running {run.max_running}; wall {wall_s:.1f} s")
     console.print("RSS MB start/max/end: " + ", ".join(
@@ -201,7 +119,7 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     (out_dir / "soak.json").write_text(json.dumps({
         "minutes": minutes, "users": users, "streams": streams, "seed": seed, "async": async_mode,
         "limits": limits, "wall_s": wall_s, "steps": run.steps, "max_limiter_users": run.max_limiter_users,
-        "streams_done": len(completions), "cancelled": len(cancelled),
+        "streams_done": len(load.completions), "cancelled": len(load.cancelled),
         "violations": [str(v) for v in report.violations], "checks": checks,
         "rss_mb": {"start": rss_start, "max": rss_max, "end": rss_end},
         "per_user": {u: {"dispatches": s.dispatches, "engine_rate": s.engine_rate} for u, s in run.users.items()},
@@ -209,3 +127,135 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     console.print(f"wrote {png} and {out_dir / 'soak.json'}")
     if report.violations:
         raise SystemExit(1)
+
+
+def _soak_llm(model: str | None, seats: int, async_mode: bool, limits: dict[str, int], trace: Path) -> Any:
+    """The in-process ``vllm.LLM`` of the soak: the reference scheduler, the tiny model (dummy
+    weights) unless ``model``, up to ``seats`` (users x streams, 8..64) resident requests."""
+    from vllm import LLM
+
+    from vllm_output_rate.adapter.tinymodel import default_model_dir
+
+    cls = "RateLimitedAsyncScheduler" if async_mode else "RateLimitedScheduler"
+    return LLM(
+        model=model or str(default_model_dir()),
+        load_format="dummy" if model is None else "auto",
+        skip_tokenizer_init=model is None,
+        dtype="float32" if model is None else "auto",
+        max_model_len=512,
+        max_num_seqs=max(8, min(64, seats)),
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.2 if model is None else 0.8,
+        kv_cache_memory_bytes=(128 * 2**20) if model is None else None,
+        async_scheduling=async_mode,
+        scheduler_cls=f"vllm_output_rate.reference.scheduler.{cls}",
+        additional_config={"output_rate": {"default_tokens_per_s": 100, "user_tokens_per_s": limits,
+                                           "trace_path": str(trace)}},
+    )
+
+
+@dataclass
+class _Load:
+    """The soak's seeded load: per (user, stream) slot the request it runs (or None) and when
+    the next one starts; cancels due, tokens so far, finished or cancelled streams' tokens."""
+
+    rnd: random.Random
+    names: list[str]
+    streams: int
+    cancel_prob: float
+    slots: dict[str, list[str | None]]  # request id or None
+    next_start: dict[tuple[str, int], float]
+    cancel_at: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    completions: dict[str, int] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
+    counter: int = 0
+
+    def active(self) -> bool:
+        return any(r is not None for s in self.slots.values() for r in s)
+
+    def start_and_cancel(self, engine: Any, now: float, deadline: float) -> None:
+        """Start a request in every free slot whose start time has come (before ``deadline``),
+        with random prompt and output lengths; abort the requests whose cancel time has come."""
+        from vllm import SamplingParams
+
+        rnd = self.rnd
+        for u in self.names:
+            for k in range(self.streams):
+                rid = self.slots[u][k]
+                if rid is None and now < deadline and now >= self.next_start[(u, k)]:
+                    rid = f"{u}-s{k}-r{self.counter}"
+                    self.counter += 1
+                    prompt = [rnd.randint(10, 500) for _ in range(rnd.randint(4, 64))]
+                    params = SamplingParams(max_tokens=rnd.randint(8, 120), ignore_eos=rnd.random() < 0.7,
+                                            detokenize=False, extra_args={"output_rate_user": u})
+                    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+                    self.slots[u][k], self.tokens[rid] = rid, 0
+                    if rnd.random() < self.cancel_prob:
+                        self.cancel_at[rid] = now + rnd.uniform(0.2, 3.0)
+                elif rid is not None and rid in self.cancel_at and now >= self.cancel_at[rid]:
+                    engine.abort_request([rid])
+                    self.cancelled.add(rid)
+                    self.completions[rid] = self.tokens[rid]
+                    del self.cancel_at[rid]
+                    self.slots[u][k] = None
+                    self.next_start[(u, k)] = now + rnd.uniform(0, 2)
+
+    def collect(self, outputs: Any) -> None:
+        """Count the tokens of one ``engine.step()``'s outputs; free the slots of finished streams."""
+        for out in outputs:
+            if out.request_id in self.cancelled:
+                continue
+            self.tokens[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                self.completions[out.request_id] = self.tokens[out.request_id]
+                self.cancel_at.pop(out.request_id, None)
+                u, k = out.request_id.split("-s")[0], int(out.request_id.split("-s")[1].split("-")[0])
+                self.slots[u][k] = None
+                self.next_start[(u, k)] = time.monotonic() + self.rnd.uniform(0, 2)
+
+
+def _drive(load: _Load, engine: Any, follower: Any, console: Any, started: float, deadline: float,
+           rss_max: dict[str, float]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Run the load until ``deadline`` and every stream has ended, stepping the engine and
+    checking the trace every ``CHECK_EVERY_S`` s; returns the checks and the peak RSS (MB)."""
+    checks: list[dict[str, Any]] = []
+    next_check = started + CHECK_EVERY_S
+    while True:
+        now = time.monotonic()
+        if now >= deadline and not load.active():
+            break
+        load.start_and_cancel(engine, now, deadline)
+        if engine.has_unfinished_requests():
+            load.collect(engine.step())
+        else:
+            time.sleep(0.01)
+        if time.monotonic() >= next_check:
+            partial = follower.poll()
+            rss = _rss_mb()
+            rss_max = {k: max(v, rss_max.get(k, 0.0)) for k, v in rss.items()}
+            checks.append({"t_s": round(time.monotonic() - started, 1), "violations": len(partial.violations),
+                           "rss_mb": {k: round(v, 1) for k, v in rss.items()}})
+            console.print(f"[{checks[-1]['t_s']:>7.1f} s] check: {len(partial.violations)} violation(s); "
+                          f"{len(load.completions)} streams done; RSS "
+                          + ", ".join(f"{k} {v:.0f} MB" for k, v in rss.items()))
+            next_check = time.monotonic() + CHECK_EVERY_S
+    return checks, rss_max
+
+
+def _soak_table(title: str, run: Any, names: list[str], limits: dict[str, int], load: _Load) -> Any:
+    """Per user: limit, streams done and cancelled, dispatches, engine rate and its share of the limit."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("user", "limit tok/s", "streams done", "cancelled", "dispatches", "engine tok/s", "busy share"):
+        table.add_column(col, justify="right")
+    for u in names:
+        s = run.users.get(u)
+        mine = [r for r in load.completions if r.startswith(u + "-")]
+        rate = s.engine_rate if s else None
+        table.add_row(u, str(limits[u]), str(len(mine)), str(sum(r in load.cancelled for r in mine)),
+                      str(s.dispatches if s else 0), "-" if rate is None else f"{rate:.2f}",
+                      "-" if rate is None else f"{rate / limits[u]:.2f}")
+    return table

@@ -68,6 +68,39 @@ class OutputRateConfig:
         return self.default_rate is not None
 
 
+def _parse_rates(section: Mapping[str, Any]) -> tuple[Fraction, dict[str, Fraction]]:
+    """The default rate and the per-user overrides (tokens/s, exact) of an output_rate section.
+
+    Raises:
+        OutputRateConfigError: no default, overrides not an object, a bad user id or rate
+            (naming it).
+    """
+    overrides = section.get("user_tokens_per_s")
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, Mapping):
+        raise OutputRateConfigError(
+            f"user_tokens_per_s must be a JSON object of user -> tokens/s, got {overrides!r}"
+        )
+    default = section.get("default_tokens_per_s")
+    if default is None:
+        raise OutputRateConfigError(
+            "output_rate is configured without default_tokens_per_s "
+            "(--default-user-output-tokens-per-second): set a default rate to turn the feature on, "
+            "or remove the output_rate section"
+        )
+    try:
+        default_rate = parse_rate(default, "default_tokens_per_s")
+        user_rates: dict[str, Fraction] = {}
+        for user, rate in overrides.items():
+            if not isinstance(user, str) or not user:
+                raise ValueError(f"user ids in user_tokens_per_s must be non-empty strings, got {user!r}")
+            user_rates[user] = parse_rate(rate, f"user_tokens_per_s[{user!r}]")
+    except ValueError as exc:
+        raise OutputRateConfigError(str(exc)) from None
+    return default_rate, user_rates
+
+
 def parse_output_rate(section: Any) -> OutputRateConfig:
     """Parse and validate ``additional_config["output_rate"]``.
 
@@ -87,29 +120,7 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
             f'unknown key(s) in additional_config["output_rate"]: {_suggest_keys(unknown, KNOWN_KEYS)}; '
             f"known keys: {', '.join(KNOWN_KEYS)}"
         )
-    overrides = section.get("user_tokens_per_s")
-    if overrides is None:
-        overrides = {}
-    if not isinstance(overrides, Mapping):
-        raise OutputRateConfigError(
-            f"user_tokens_per_s must be a JSON object of user -> tokens/s, got {overrides!r}"
-        )
-    default = section.get("default_tokens_per_s")
-    if default is None:
-        raise OutputRateConfigError(
-            "output_rate is configured without default_tokens_per_s "
-            "(--default-user-output-tokens-per-second): set a default rate to turn the feature on, "
-            "or remove the output_rate section"
-        )
-    try:
-        default_rate = parse_rate(default, "default_tokens_per_s")
-        user_rates = {}
-        for user, rate in overrides.items():
-            if not isinstance(user, str) or not user:
-                raise ValueError(f"user ids in user_tokens_per_s must be non-empty strings, got {user!r}")
-            user_rates[user] = parse_rate(rate, f"user_tokens_per_s[{user!r}]")
-    except ValueError as exc:
-        raise OutputRateConfigError(str(exc)) from None
+    default_rate, user_rates = _parse_rates(section)
     active = section.get("max_num_active_seqs")
     if active is not None and (isinstance(active, bool) or not isinstance(active, int) or active < 1):
         raise OutputRateConfigError(f"max_num_active_seqs must be an integer >= 1, got {active!r}")
