@@ -31,6 +31,7 @@ tokens/s still have emission intervals that are not a whole number of ns).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from collections.abc import Callable
@@ -536,7 +537,7 @@ def check_boundaries(scheduler_cls: str, async_mode: bool, seed: int, tick: Call
     the failure names the boundary. ``result.scenarios`` lists the scenarios by name.
     """
     from vllm_output_rate.adapter.conform import CheckResult, _guarded, _record_failure, _save_counterexample
-    from vllm_output_rate.adapter.scenarios import minimize, run_scenario
+    from vllm_output_rate.adapter.scenarios import minimize, named_verdict, run_scenario
 
     tag = "async" if async_mode else "sync"
     rules = sorted({r for b in BOUNDARIES for r in b.rules})
@@ -551,11 +552,11 @@ def check_boundaries(scheduler_cls: str, async_mode: bool, seed: int, tick: Call
         result.steps += verdict.steps
         if verdict.failure is None:
             continue
-        try:
+        with contextlib.suppress(AssertionError):  # the failure did not reproduce: keep the scenario as it was
             scenario = minimize(scheduler_cls, scenario, run=run)
-            verdict = run(scenario)
-        except AssertionError:  # the failure did not reproduce: keep the scenario as it was
-            pass
+        named = _guarded(lambda s: named_verdict(scheduler_cls, s, level, style), scheduler_cls)
+        again = named(scenario)  # named by the rule it breaks (adapter/attribution.py)
+        verdict = again if again.failure is not None else verdict
         _record_failure(result, verdict, scenario)
         result.failure = f"{result.failure} (boundary scenario {name})"
         _save_counterexample(result, scenario, save_dir)

@@ -172,7 +172,7 @@ def check_scheduler(
     how the candidate is configured. A failure is shrunk by Hypothesis, then made
     1-minimal, and saved for replay.
     """
-    from vllm_output_rate.adapter.scenarios import minimize, pressured_scenarios, run_scenario, scenarios
+    from vllm_output_rate.adapter.scenarios import minimize, named_verdict, pressured_scenarios, run_scenario, scenarios
 
     tag = "async" if async_mode else "sync"
     kwargs: dict[str, Any] = {"async_scheduling": async_mode, "max_steps": max_steps,
@@ -190,7 +190,8 @@ def check_scheduler(
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:
         scenario = minimize(scheduler_cls, failed[0], run=run)
-        verdict = run(scenario)
+        verdict = _guarded(lambda s: named_verdict(scheduler_cls, s, level, style), scheduler_cls)(
+            scenario)  # named by the rule it breaks (adapter/attribution.py)
         _record_failure(result, verdict, scenario)
         _save_counterexample(result, scenario, save_dir)
     return result

@@ -213,7 +213,9 @@ class EngineWaitVerdict:
     never early); ``seconds``: real seconds of the run (a batch's time shared equally);
     ``engine_step``: the engine's step function (``step``, or ``step_with_batch_queue`` for
     async scheduling); ``over_grants``: sampling dispatches the spec limiter refuses (an R2
-    matter, reported, not judged here); ``stopped_by``: what ended the run.
+    matter, reported, not judged here); ``stopped_by``: what ended the run; ``rule``: the
+    rule the failure names (R16; R5 when the early wake is at ``floor(TAT - tau)``, 1 ns
+    before ``ready_at``: the rounding of R5 broken, ``early_rounded_down``).
     """
 
     scheduler_cls: str
@@ -232,6 +234,7 @@ class EngineWaitVerdict:
     lateness_detail: str = ""
     max_early_ns: int = 0
     early_detail: str = ""
+    early_rounded_down: bool = False  # the early wake is at floor(TAT - tau): R5's rounding, not R16's wait
     max_wait_ns: int = 0
     new_request_latency_ns: int | None = None
     abort_latency_ns: int | None = None
@@ -381,7 +384,7 @@ def check_engine_wait(scheduler_cls: str, seed: int, tick: Callable[[], None], s
     result.seconds = verdict.seconds
     if verdict.failure is not None:
         result.result = "fail"
-        result.failure = f"R16: {verdict.failure}"
+        result.failure = f"{verdict.rule}: {verdict.failure}"
         inputs = engine_wait_scenario(seed).inputs
         result.counterexample = [f"seed {seed}: {ev.kind} {ev.request_id} at {ev.at_ns / MS:.3f} ms" for ev in inputs]
         result.counterexample.append(_numbers(verdict))
@@ -564,6 +567,10 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
             verdict.max_early_ns = ready - end
             verdict.early_detail = (f"its wait on the input queue ended at {end} ns, {ready - end} ns before {user}'s "
                                     f"ready time {ready} ns, with every user with pending requests still refused")
+            # R5: a wake at floor(TAT - tau), 1 ns before ceil(TAT - tau), is ready_at rounded down
+            exact = at.tat_ns[user] - scenario.burst_ns if user in at.tat_ns else None
+            verdict.early_rounded_down = (exact is not None and exact.denominator != 1
+                                          and math.floor(exact) == end and ready - end == 1)
 
     # (3) new input wakes the engine.
     t_new = arrivals[scenario.new_request_id]
@@ -620,6 +627,13 @@ def _first_failure(v: EngineWaitVerdict, obs: dict) -> str | None:
         return (
             f"the engine overslept: one wait lasted {ms(v.max_wait_ns)} while requests were pending; the article's "
             f"engine re-checks at least every 50 ms"
+        )
+    if v.max_early_ns > 0 and v.early_rounded_down:
+        v.rule = "R5"
+        return (
+            f"R5 broken: the engine woke early, at ready_at rounded down: {v.early_detail}; that instant is "
+            f"floor(TAT - tau) of a TAT - tau that is not a whole ns, and R5's ready_at is ceil(TAT - tau) (a take "
+            f"there is still refused); the article's engine waits until the earliest ready time, at most 50 ms"
         )
     if v.max_early_ns > 0:
         return (

@@ -66,6 +66,8 @@ class ChargeOnModelOutput(RateLimitedScheduler):
         return []
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        if self.rate_limiter is None:  # the feature off: nothing to charge (R18 is not this slip)
+            return super().update_from_output(scheduler_output, model_runner_output)
         for req_id, tokens in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             if tokens and request is not None:
@@ -376,7 +378,7 @@ class CleanupActiveUsers(RateLimitedScheduler):
 
 
 class BudgetPerRequest(RateLimitedScheduler):
-    """R2 broken (P2, R1): one budget per request instead of one per user.
+    """R1 broken (P2): one budget (one TAT) per request instead of one per user.
 
     Slip: the bucket keyed by request id instead of user id.
     """
@@ -400,7 +402,8 @@ class IdentityFromOpenAIUserField(RateLimitedScheduler):
 
 
 class OverridesIgnored(RateLimitedScheduler):
-    """R3/config broken: per-user overrides ignored; everyone gets the default rate.
+    """R1 broken: per-user overrides ignored; everyone gets the default rate (R1: a user's
+    rate is its override or the default).
 
     Slip: the per-user override map parsed but never passed to the limiter.
     """
@@ -486,8 +489,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _entry(RollingWindow, "R2"),
     _entry(ReadyAtRoundedDown, "R5"),
     _entry(CleanupActiveUsers, "R6"),
-    _entry(BudgetPerRequest, "R2"),
+    _entry(BudgetPerRequest, "R1"),
     _entry(IdentityFromOpenAIUserField, "R17"),
-    _entry(OverridesIgnored, "R3"),
+    _entry(OverridesIgnored, "R1"),
     _entry(WaitHintFromLatestUser, "R16"),
 )

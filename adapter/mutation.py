@@ -154,7 +154,7 @@ def _boundary_check(async_mode: bool):
 
     def run(options, tick):
         from vllm_output_rate.adapter.conform import CheckResult, _guarded, _record_failure, _save_counterexample
-        from vllm_output_rate.adapter.scenarios import run_scenario
+        from vllm_output_rate.adapter.scenarios import named_verdict, run_scenario
 
         cls = options.async_scheduler_cls if async_mode else options.scheduler_cls
         result = CheckResult(f"boundaries/{tag}", list(rules), level="must")
@@ -166,6 +166,8 @@ def _boundary_check(async_mode: bool):
             verdict = judge(scenario)
             result.steps += verdict.steps
             if verdict.failure is not None:
+                named = _guarded(lambda s: named_verdict(cls, s, options.level, options.style), cls)
+                verdict = named(scenario)
                 _record_failure(result, verdict, scenario)
                 result.failure = f"{result.failure} (boundary {name})"
                 _save_counterexample(result, scenario, options.save_dir)

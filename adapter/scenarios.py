@@ -40,7 +40,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter import coverage
+from vllm_output_rate.adapter import attribution, coverage
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec import properties as spec_properties
 
@@ -92,6 +92,10 @@ class Scenario:
     # suffice (e.g. the pressure requests have finished): the judge's under-grant check
     # (P4) applies from it on although the scenario is not ``ample``. None: never.
     ample_from_step: int | None = None
+    # vLLM's prefix caching (its default: on). The black-box properties need no model of the
+    # cache (they judge what the candidate dispatches); the step spec has none, so the
+    # step-identity checks (adapter/fidelity.py, white box) always run with it off.
+    prefix_caching: bool = False
 
     def abort_schedule(self) -> list[tuple[int, RequestSpec]]:
         """The aborted requests as (step before which it is aborted, request), in abort
@@ -171,7 +175,8 @@ class Scenario:
         out.insert(0, f"config: {feature}; max_num_seqs={seqs}, max_num_active_seqs={self.max_num_active_seqs}, "
                       f"max_num_batched_tokens={self.max_num_batched_tokens or 2048}, "
                       f"num_blocks={self.num_blocks or 4096}x{self.block_size}, policy={self.policy}, "
-                      f"chunked_prefill={self.chunked_prefill}, async={self.async_scheduling}")
+                      f"chunked_prefill={self.chunked_prefill}, async={self.async_scheduling}"
+                      + (", prefix_caching=True" if self.prefix_caching else ""))
         return out
 
 
@@ -190,6 +195,8 @@ class Verdict:
     step: int | None = None
     sampled_per_user: dict[str, int] = field(default_factory=dict)
     level: str | None = None  # the level of the failed property (adapter/levels.py)
+    # run_scenario(attribute=True): (context, step records) of the whole run (adapter/attribution.py)
+    history: Any = None
 
 
 def spec_limiter_user(user: str | None) -> str:
@@ -228,7 +235,8 @@ def _request_id(user: str | None, k: int, index: int) -> str:
 def scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40, integer_rates: bool = False,
               burst_configurable: bool = False) -> Scenario:
     """Hypothesis strategy: 1-3 users (named, odd ids, anonymous), 1-4 streams each, ample
-    budget, KV and seats, sometimes an active cap (R12) below the number of streams.
+    budget, KV and seats, sometimes an active cap (R12) below the number of streams, prefix
+    caching on or off (the prompts share a prefix: cached-prompt admissions).
 
     ``integer_rates``: draw integer rates only (the article's flags take integers).
     ``burst_configurable``: sometimes configure a ``burst_ms`` other than 100.
@@ -260,6 +268,7 @@ def scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40, i
         async_scheduling=draw(st.booleans()) if async_scheduling is None else async_scheduling,
         max_num_active_seqs=cap,
         burst_ms=draw(st.sampled_from(BURSTS_MS)) if burst_configurable and draw(st.booleans()) else None,
+        prefix_caching=draw(st.booleans()),  # swarm: vLLM's default, a cached-prompt path (issue 18)
     )
 
 
@@ -307,6 +316,7 @@ def pressured_scenarios(draw, async_scheduling: bool | None = None, max_steps: i
         block_size=block_size,
         policy=policy,
         burst_ms=draw(st.sampled_from(BURSTS_MS)) if burst_configurable and draw(st.booleans()) else None,
+        prefix_caching=draw(st.booleans()),  # swarm: vLLM's default, a cached-prompt path (issue 18)
     )
 
 
@@ -337,6 +347,7 @@ def build_harness(scheduler_cls: str, scenario: Scenario, style=None, output_rat
         policy=scenario.policy,
         async_scheduling=scenario.async_scheduling,
         output_rate=scenario.output_rate_config(),
+        enable_prefix_caching=scenario.prefix_caching,
     )
     if output_rate_extra:
         if shape.output_rate is None:
@@ -345,8 +356,15 @@ def build_harness(scheduler_cls: str, scenario: Scenario, style=None, output_rat
     return Harness(scheduler_cls, shape, style=style)
 
 
-def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None) -> Verdict:
+def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None,
+                 attribute: bool = False) -> Verdict:
     """Run ``scenario`` on ``scheduler_cls``; stop at the first failing property.
+
+    ``attribute``: a failure of the dispatch replay (over-grant, window bound, under-grant)
+    is named by the rule it breaks (``adapter/attribution.py``): the run goes on to its end
+    recording what the candidate does (judging nothing more), and the one-rule change of
+    the spec limiter that explains the whole history names the rule; without it (the
+    cheap default, for hunting and shrinking) the property's own rule is named.
 
     ``level`` (``adapter/levels.py``) chooses which properties are judged, each tagged with
     its level in the verdict:
@@ -370,6 +388,7 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
     judge = _Judge(scenario, harness, level)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
     aborts = scenario.abort_schedule()
+    rate_failure: tuple[tuple[str, str, str], int] | None = None  # kept while the rest is recorded
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
         while pending and pending[0].at_step <= step:
             r = pending.pop(0)
@@ -381,11 +400,23 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
         unfinished = [rid for rid in harness.num_outputs if rid not in harness.finished]
         resident = {r.request_id for r in harness.scheduler.running}
         judge.before_step()
-        trace = harness.step()
-        failure = judge.after_step(step, trace, unfinished, resident)
-        if failure:
-            return Verdict(judge.steps, failure[2], failure[0], step, level=failure[1])
+        if rate_failure is not None:  # naming the rule: record the rest of the run, judge nothing
+            try:
+                trace = harness.step()
+            except Exception:  # a later crash of the candidate: name the rule from the record so far
+                break
+            judge.record_only(step, trace, unfinished, resident)
+        else:
+            trace = harness.step()
+            failure = judge.after_step(step, trace, unfinished, resident)
+            if failure:
+                if not (attribute and judge.nameable):
+                    return Verdict(judge.steps, failure[2], failure[0], step, level=failure[1])
+                rate_failure = failure, step
         harness.advance(_next_advance_ns(scenario, step, trace, judge.state, judge.by_id, harness))
+    if rate_failure is not None:
+        (rule, failed_level, text), step = rate_failure
+        return Verdict(judge.steps, text, rule, step, level=failed_level, history=judge.naming_history())
     harness.drain()
     for rid, r in judge.by_id.items():
         got = harness.finished.get(rid)
@@ -397,7 +428,73 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
                            "outputs: the article pauses a request, it never cuts or fails it", "R11", None,
                            level="must")
     assert includes(level, "must")
-    return Verdict(judge.steps, None, sampled_per_user={u: len(t) for u, t in judge.history.items()})
+    return Verdict(judge.steps, None, sampled_per_user={u: len(t) for u, t in judge.history.items()},
+                   history=judge.naming_history() if attribute else None)
+
+
+PROBE_TOKEN_FACTOR = 4  # a naming probe asks this many times each request's outputs (at most PROBE_MAX_TOKENS)
+PROBE_MAX_TOKENS = 64
+
+
+def naming_probes(scenario: Scenario) -> list[Scenario]:
+    """Scenarios derived from a counterexample that give the rule naming more of the
+    candidate's behaviour to explain (``named_verdict``): the same requests, arrivals and
+    clock with more outputs each (longer decoding, more pacing decisions), also without
+    EOS, and, for a scenario under pressure, also without it (ample seats, budget and KV,
+    no aborts: every pause is then the limiter's); and those requests again beside copies
+    for a twin of each named user at the same rate (one bucket or one per user?)."""
+    longer = tuple(replace(r, max_tokens=min(PROBE_MAX_TOKENS, max(r.max_tokens * PROBE_TOKEN_FACTOR,
+                                                                    r.max_tokens + 8)))
+                   for r in scenario.requests)
+    # (``ample_from_step`` is the author's guarantee for the original requests, not for longer ones.)
+    probes = [replace(scenario, requests=longer, ample_from_step=None)]
+    if any(r.eos_index is not None for r in longer):
+        probes.append(replace(scenario, requests=tuple(replace(r, eos_index=None) for r in longer),
+                              ample_from_step=None))
+    unpressured = tuple(replace(r, abort_at_step=None) for r in longer)
+    if not scenario.ample:  # the same without pressure: every pause is then the limiter's (evidence)
+        probes.append(replace(scenario, requests=unpressured, max_num_seqs=None, max_num_batched_tokens=None,
+                              num_blocks=None))
+    # The same requests again for a second user of the same rate (one bucket or two?).
+    twin = {u: f"{u}~2" for u in {r.user for r in scenario.requests if r.user is not None}}
+    if twin:
+        copies = tuple(replace(r, request_id=f"{r.request_id}~2", user=twin[r.user]) for r in unpressured
+                       if r.user is not None)
+        rates = dict(scenario.rates_tokens_per_s) | {twin[u]: r for u, r in scenario.rates_tokens_per_s.items()
+                                                     if u in twin}
+        probes.append(replace(scenario, requests=unpressured + copies, rates_tokens_per_s=rates, max_num_seqs=None,
+                              max_num_batched_tokens=None, num_blocks=None, max_num_active_seqs=None))
+    return probes
+
+
+NAMEABLE_RULES = ("R2", "R11")  # the dispatch replay's properties (over-grant, window bound, under-grant)
+
+
+def named_verdict(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None) -> Verdict:
+    """``run_scenario`` on a counterexample, with a failure of the dispatch replay named
+    by the rule it breaks (``adapter/attribution.py``): the one-rule change of the spec
+    limiter that explains the candidate's whole run on the counterexample and on its
+    ``naming_probes`` (each run to its end, recorded). Without one, or for any other
+    failure, the verdict is ``run_scenario``'s."""
+    verdict = run_scenario(scheduler_cls, scenario, level, style, attribute=True)
+    if verdict.failure is None or verdict.history is None or verdict.rule not in NAMEABLE_RULES:
+        return verdict
+    histories = [verdict.history]
+    for probe in naming_probes(scenario):
+        try:
+            probe_verdict = run_scenario(scheduler_cls, probe, level, style, attribute=True)
+        except Exception:  # a probe the candidate crashes on gives no evidence
+            continue
+        if probe_verdict.history is not None:
+            histories.append(probe_verdict.history)
+    found = attribution.attribute(histories)
+    if found is None:
+        return verdict
+    hyp, others = found
+    name = scheduler_cls.rpartition(".")[2]
+    text = f"{attribution.message(name, hyp, others, sum(len(h) for _, h in histories), len(histories))}. " \
+           f"Seen first: {verdict.failure}"
+    return replace(verdict, failure=text, rule=hyp.rule)
 
 
 R14_BYPASS_FACTOR = 2  # R14: a ready stream waits at most this x (the user's streams) grants
@@ -412,6 +509,9 @@ class _StepStart:
     running: list[str]
     decoding: set[str]
     demand: set[str]
+    fresh: set[str] = field(default_factory=set)  # no output and no step in flight yet
+    in_flight: set[str] = field(default_factory=set)  # a step still in flight (async placeholders)
+    untouched: set[str] = field(default_factory=set)  # no token computed yet
 
 
 class _Judge:
@@ -435,6 +535,8 @@ class _Judge:
         self.bypassed: dict[str, int] = {}  # R14: request id -> same-user grants since it last sampled
         self.steps = 0
         self.start: _StepStart | None = None  # what vLLM's requests looked like before this step
+        self.records: list[attribution.StepRecord] = []  # the black-box history, for naming a rule
+        self.nameable = False  # the failure is one of the dispatch replay (``_named``)
 
     def before_step(self) -> None:
         """Record, from vLLM's own ``Request`` fields, the state the next ``schedule()``
@@ -442,16 +544,23 @@ class _Judge:
         sampling position is left (decoding, R10) and whether it still has a token to
         dispatch (outputs plus in-flight placeholders below ``max_tokens``, V3)."""
         scheduler = self.harness.scheduler
-        decoding, demand = set(), set()
+        decoding, demand, fresh, in_flight, untouched = set(), set(), set(), set(), set()
         for rid, r in scheduler.requests.items():
             placeholders = getattr(r, "num_output_placeholders", 0)
+            if placeholders > 0:
+                in_flight.add(rid)
+            elif r.num_output_tokens == 0:
+                fresh.add(rid)
+            if r.num_computed_tokens == 0:
+                untouched.add(rid)
             if r.num_computed_tokens >= r.num_tokens + placeholders - 1:
                 decoding.add(rid)
             last_in_flight = placeholders > 0 and (
                 r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens)
             if r.num_output_tokens + placeholders < r.max_tokens and not last_in_flight:
                 demand.add(rid)
-        self.start = _StepStart([r.request_id for r in scheduler.running], decoding, demand)
+        self.start = _StepStart([r.request_id for r in scheduler.running], decoding, demand, fresh, in_flight,
+                                untouched)
 
     def user_of(self, rid: str) -> str:
         """The R17 bucket of request ``rid``."""
@@ -465,15 +574,16 @@ class _Judge:
         if not scenario.feature_on:
             return None
         state_before = self.state  # the replay at the step's start (before its dispatches)
+        self._record(trace)
         for rid in trace.sampled:
             user = self.user_of(rid)
             self.state, granted = spec_limiter.try_take(self.state, user, scenario.rate_of(user), now,
                                                         scenario.burst_ns)
             if not granted:
-                return "R2", "must", (
+                return self._named("R2", "must", (
                     f"{self.name} dispatched {rid} (user {user!r}) to sample at t={now} ns although the GCRA "
                     f"(rate {scenario.rate_of(user)} tokens/s, burst {scenario.burst_ns // 1_000_000} ms) "
-                    f"refuses it: over the user's rate")
+                    f"refuses it: over the user's rate"))
             self.history.setdefault(user, []).append(now)
         if self.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
             self.state = spec_limiter.cleanup_idle_users(self.state, now)  # R6, same cadence
@@ -489,11 +599,15 @@ class _Judge:
             failure = self._under_grant_check(trace, [r for r in unfinished if r in demand], resident)
             if failure:
                 return failure
+        elif not scenario.async_scheduling:
+            failure = self._pressured_under_grant_check(trace, unfinished)
+            if failure:
+                return failure
         for rid in trace.sampled:
             self.last_sample_step[rid] = step
         window_failure = _window_violation(self.history, scenario)
         if window_failure:
-            return "R2", "must", f"{self.name}: {window_failure}"
+            return self._named("R2", "must", f"{self.name}: {window_failure}")
         if self.should and scenario.max_num_active_seqs is not None:
             scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
             if len(scheduled_running) > scenario.max_num_active_seqs:
@@ -545,11 +659,105 @@ class _Judge:
                 continue  # admission under an active cap is the article's open choice
             if rid not in resident and blocked_behind:
                 continue
-            if rid not in sampled and not cap_full and spec_limiter.allows(self.state, user, now, burst):
-                return "R11", "must", (
+            if rid in sampled or cap_full:
+                continue
+            if self.records:
+                self.records[-1].pauses.append(rid)  # the judge holds this pause to be the limiter's
+            if spec_limiter.allows(self.state, user, now, burst):
+                return self._named("R11", "must", (
                     f"{self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
-                    f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant")
+                    f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant"))
         return None
+
+    def _record(self, trace) -> None:
+        """Append this step's black-box facts to ``records`` (``adapter/attribution.py``)."""
+        start = self.start
+        fresh = start.fresh if start is not None else set()
+        in_flight = start.in_flight if start is not None else set()
+        decoding = start.decoding if start is not None else set()
+        untouched = start.untouched if start is not None else set(self.by_id)
+        demand = start.demand if start is not None else set()
+        sampled = set(trace.sampled)
+        admitted = set(trace.admitted)
+        self.records.append(attribution.StepRecord(
+            self.steps, trace.now_ns,
+            [attribution.Dispatch(rid, rid in fresh, rid in in_flight, rid in admitted, rid in untouched)
+             for rid in trace.sampled if rid in self.by_id],
+            skipped=[rid for rid in self.by_id if rid in demand and rid not in sampled
+                     and (rid in decoding or rid in trace.preempted)],
+            chunks=[rid for rid in trace.scheduled if rid in self.by_id and rid not in sampled
+                    and rid not in decoding],
+            first_chunks=[rid for rid in trace.scheduled if rid in untouched and rid not in sampled],
+            finished_in_flight=[rid for rid in trace.finished if rid in in_flight and rid in self.by_id]))
+
+    def _named(self, rule: str, level: str, text: str) -> tuple[str, str, str]:
+        """A rate failure of the dispatch replay: ``run_scenario(attribute=True)`` names
+        its rule from the whole run (``name_rule``)."""
+        self.nameable = True
+        return rule, level, text
+
+    def record_only(self, step: int, trace, unfinished: list[str], resident: set[str]) -> None:
+        """After a rate failure: record the step's black-box facts and the pauses the judge
+        would hold to be the limiter's, judging nothing."""
+        self.steps += 1
+        scenario, now = self.scenario, trace.now_ns
+        self._record(trace)
+        for rid in trace.sampled:
+            user = self.user_of(rid)
+            self.state, _ = spec_limiter.try_take(self.state, user, scenario.rate_of(user), now, scenario.burst_ns)
+        if self.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
+            self.state = spec_limiter.cleanup_idle_users(self.state, now)
+        if scenario.ample and not scenario.async_scheduling:
+            self._under_grant_check(trace, unfinished, resident)
+        elif scenario.ample_at(step):
+            demand = self.start.demand if self.start is not None else set(unfinished)
+            self._under_grant_check(trace, [r for r in unfinished if r in demand], resident)
+        elif not scenario.async_scheduling:
+            self._pressured_under_grant_check(trace, unfinished)
+
+    def _pressured_under_grant_check(self, trace, unfinished: list[str]) -> tuple[str, str, str] | None:
+        """P4 under pressure (level must, sync), where the article fixes the outcome: a step
+        that left token budget, preempted nothing (so every KV allocation of vLLM's running
+        loop succeeded and the loop reached every running request) and did not fill the
+        active cap must serve every request that was running at its start with only its
+        sampling position left and a token to dispatch, whose user the GCRA still grants
+        after the step's dispatches (within ``schedule()`` a TAT only rises, so the user was
+        granted at that request's charge point too). Waiting requests are not judged here
+        (admission under pressure is vLLM's and the article's open choice)."""
+        start, scenario = self.start, self.scenario
+        if start is None or trace.preempted:
+            return None
+        budget = scenario.max_num_batched_tokens or 2048
+        if sum(trace.scheduled.values()) >= budget:
+            return None
+        cap = scenario.max_num_active_seqs
+        scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
+        if cap is not None and len(scheduled_running) >= cap:
+            return None
+        running_after = {r.request_id for r in self.harness.scheduler.running}
+        now, burst = trace.now_ns, scenario.burst_ns
+        for rid in start.running:
+            if (rid not in self.by_id or rid not in unfinished or rid in trace.scheduled or rid not in running_after
+                    or rid not in start.decoding or rid not in start.demand):
+                continue
+            user = self.user_of(rid)
+            if self.records:
+                self.records[-1].pauses.append(rid)  # the judge holds this pause to be the limiter's
+            if spec_limiter.allows(self.state, user, now, burst):
+                return self._named("R11", "must", (
+                    f"{self.name} paused running {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
+                    f"that user a token, the step left token budget ({sum(trace.scheduled.values())} of {budget} "
+                    "scheduled), preempted nothing and did not fill the active cap: under-grant under pressure"))
+        return None
+
+    def naming_history(self) -> tuple[attribution.Context, list[attribution.StepRecord]]:
+        """(the scenario's facts, the recorded steps) for ``adapter/attribution.py``."""
+        scenario = self.scenario
+        ctx = attribution.Context(
+            {rid: r.user for rid, r in self.by_id.items()},
+            {u: Fraction(r) for u, r in scenario.rates_tokens_per_s.items()},
+            Fraction(scenario.default_rate_tokens_per_s), scenario.burst_ns)
+        return ctx, self.records
 
     def _grants_at(self, state, user: str, now: int, at_most: int) -> int:
         """How many takes (up to ``at_most``) the replay ``state`` grants ``user`` at ``now``."""

@@ -160,7 +160,9 @@ def test_check_boundaries_row_lists_scenarios_and_names_the_failing_boundary(mon
     monkeypatch.syspath_prepend(str(FIXTURES))
     bad = boundaries.check_boundaries("gate_candidates.CleanupNowPlusOne", False, 0, _noop, tmp_path, level="must")
     assert bad.result == "fail" and bad.failed_level == "must"
-    assert "[must] R2:" in bad.failure and "(boundary scenario cleanup-tat-now+1ns@" in bad.failure
+    # The over-grant after the cleanup is named by the rule broken (adapter/attribution.py): R6.
+    assert "[must] R6:" in bad.failure and "R6 broken: " in bad.failure and "over the user's rate" in bad.failure
+    assert "(boundary scenario cleanup-tat-now+1ns@" in bad.failure
     assert bad.saved is not None and Path(bad.saved).exists()
 
 

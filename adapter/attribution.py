@@ -1,0 +1,315 @@
+"""Name the rule a black-box rate failure breaks (the candidate's sampling dispatches against
+the spec limiter replayed at ns resolution).
+
+``adapter/scenarios.py``'s judge replays every sampling dispatch of the candidate as a
+``try_take`` on the exact spec limiter and fails the run at the first dispatch the spec
+refuses (over-grant, named R2) or the first pause the spec does not explain (under-grant,
+named R11). Those names say which property failed, not which rule the candidate broke:
+an over-grant can come from a cleanup that deleted a user it should have kept (R6), a
+refund that was not due (R9), a free first token (R7), a burst past tau (R1, R2) ...
+
+This module turns such a failure into the rule broken, the way ``adapter/divergence.py``
+names V-rules in base fidelity: it replays the same recorded history (``StepRecord``: per
+step, the instant, the sampling dispatches in order, the requests that reached their
+sampling position without sampling, the intermediate prefill chunks, the pauses the
+judge holds to be the limiter's) on the spec limiter with *one* rule changed
+(``HYPOTHESES``, each a slip of that rule). A hypothesis explains the failure when its
+limiter grants every recorded dispatch up to the failing one and refuses every recorded
+pause, the failing one included: the candidate's whole observable behaviour up to the
+failure is that of the spec with exactly that rule broken. The first hypothesis in
+``HYPOTHESES`` order (the narrowest changes first: ns edges, then cleanup, charge point,
+refund point, pacing, then identity and rates) that explains it names the rule; every
+other one that explains it too is listed. None explains it: the property's own rule stays.
+
+Black-box only: no field of the candidate's observation interface is read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from vllm_output_rate.spec import limiter as spec_limiter
+
+ANONYMOUS = "__anonymous__"
+CLEANUP_INTERVAL_STEPS = spec_limiter.CLEANUP_INTERVAL_STEPS
+NS_PER_S = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One sampling dispatch: ``request_id``; ``first_token``: the request had no output
+    and no step in flight at the step start (its final prefill chunk samples);
+    ``in_flight``: a step of it was still in flight (async placeholders) at the step
+    start; ``admitted``: it was admitted from ``waiting`` in this step; ``whole_prompt``: no
+    token of it was computed at the step start."""
+
+    request_id: str
+    first_token: bool
+    in_flight: bool
+    admitted: bool
+    whole_prompt: bool = False  # no prompt token computed at the step start (one chunk does the prefill)
+
+
+@dataclass
+class StepRecord:
+    """What the judge saw of one step (all black-box).
+
+    ``count``: the number of ``schedule()`` calls so far, this one included (R6 cadence);
+    ``now_ns``: the step's instant; ``dispatches``: sampling dispatches in
+    ``SchedulerOutput`` order; ``skipped``: requests at their sampling position with a
+    token to dispatch at the step start that did not sample (a charge the spec would
+    refund, R9, or a refusal); ``chunks``: requests scheduled for a chunk that does not
+    sample, ``first_chunks`` those of them that start the prompt; ``finished_in_flight``: requests that finished in this step with a step still
+    in flight at its start; ``pauses``: requests whose pause the judge attributes to the
+    limiter (their user must be refused after the step's dispatches).
+    """
+
+    count: int
+    now_ns: int
+    dispatches: list[Dispatch]
+    skipped: list[str] = field(default_factory=list)
+    chunks: list[str] = field(default_factory=list)
+    first_chunks: list[str] = field(default_factory=list)
+    finished_in_flight: list[str] = field(default_factory=list)
+    pauses: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Context:
+    """The scenario's facts a replay needs: ``users`` request id -> ``output_rate_user``
+    (None: none given), ``rates`` bucket -> exact rate (tokens/s), ``default_rate``,
+    ``burst_ns`` (tau)."""
+
+    users: dict[str, str | None]
+    rates: dict[str, Fraction]
+    default_rate: Fraction
+    burst_ns: int
+
+    def rate_of(self, bucket: str) -> Fraction:
+        return self.rates.get(bucket, self.default_rate)
+
+
+def _spec_key(ctx: Context, rid: str) -> str:
+    user = ctx.users.get(rid)
+    return ANONYMOUS if user is None else user
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """The spec limiter with one rule changed (module docstring). ``rule``: the rule the
+    change breaks; ``slip``: what the changed limiter does, as the failure message says it.
+
+    The hooks default to the spec: ``key(ctx, rid)`` the bucket; ``rate(ctx, bucket)``;
+    ``interval(rate)`` T in ns; ``allows(tat, now, tau)``; ``start(tat, now)`` the TAT a
+    grant advances from; ``charges(dispatch)`` takes per dispatch; ``cleanup(tat, now,
+    tau)`` True: deleted at the cadence; ``decide_at_start``: every dispatch of a step
+    judged against the step's starting state, the takes made after; ``skipped_granted``
+    / ``skipped_refused``: what a skipped request's bucket undergoes ("take", "refund",
+    "forget") when the limiter would grant / refuse it; ``chunk_takes``: a non-sampling
+    chunk is charged (``first_chunk_charged``: only one that starts a prompt);
+    ``refund_finished_in_flight``: a refund when a request with a step
+    in flight finishes; ``refused_prefill_samples``: a refused final prefill chunk
+    samples anyway, uncharged (R10); ``free_first_per_step`` / ``free_running``: the first
+    dispatch of each step / every dispatch of an already running request ends uncharged;
+    ``burst_ns``: another tau."""
+
+    rule: str
+    slip: str
+    key: Callable[[Context, str], str] = _spec_key
+    rate: Callable[[Context, str], Fraction] = lambda ctx, bucket: ctx.rate_of(bucket)
+    interval: Callable[[Fraction], Fraction] = spec_limiter.emission_interval_ns
+    allows: Callable[[Fraction, int, int], bool] = lambda tat, now, tau: tat - now <= tau
+    start: Callable[[Fraction, int], Fraction] = lambda tat, now: max(tat, now)
+    charges: Callable[[Dispatch], int] = lambda d: 1
+    cleanup: Callable[[Fraction, int, int], bool] = lambda tat, now, tau: tat <= now
+    decide_at_start: bool = False
+    skipped_granted: str | None = None
+    skipped_refused: str | None = None
+    chunk_takes: bool = False
+    refund_finished_in_flight: bool = False
+    burst_ns: int | None = None
+    free_first_per_step: bool = False
+    free_running: bool = False
+    refused_prefill_samples: bool = False
+    first_chunk_charged: bool = False
+
+
+def _ceil_ready(tat: Fraction, now: int, tau: int) -> bool:
+    return now >= math.floor(tat - tau)  # R5 slip: ready_at rounded down, take iff now >= it
+
+
+def _lower(ctx: Context, rid: str) -> str:
+    user = ctx.users.get(rid)
+    return ANONYMOUS if user is None else user.lower()
+
+
+def _strip(ctx: Context, rid: str) -> str:
+    user = ctx.users.get(rid)
+    return ANONYMOUS if user is None else user.strip()
+
+
+def _anon_per_request(ctx: Context, rid: str) -> str:
+    user = ctx.users.get(rid)
+    return rid if user is None else user
+
+
+HYPOTHESES: tuple[Hypothesis, ...] = (
+    Hypothesis("R2", "refuses a take with TAT - now = tau exactly (R2 allows it: TAT - now <= tau)",
+               allows=lambda tat, now, tau: tat - now < tau),
+    Hypothesis("R2", "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
+               allows=lambda tat, now, tau: tat - now <= tau + 1),
+    Hypothesis("R5", "grants a take from ready_at rounded down (R5: ready_at = ceil(TAT - tau))",
+               allows=_ceil_ready),
+    Hypothesis("R3", "advances the TAT by the emission interval truncated to whole ns (R3: exact T)",
+               interval=lambda rate: Fraction(NS_PER_S // rate) if rate <= NS_PER_S else Fraction(1)),
+    Hypothesis("R6", "deletes at cleanup a user whose TAT is 1 ns ahead of now (R6 deletes only TAT <= now)",
+               cleanup=lambda tat, now, tau: tat <= now + 1),
+    Hypothesis("R6", "deletes at cleanup users whose TAT is ahead of now within tau (R6 deletes only TAT <= now)",
+               cleanup=lambda tat, now, tau: tat - now <= tau),
+    Hypothesis("R10", "lets a refused final prefill chunk reach the sampling position, uncharged (R10 holds it "
+               "at n - 1)", refused_prefill_samples=True),
+    Hypothesis("R9", "keeps the charge of a request that did not sample (R9 refunds it at the end of schedule())",
+               skipped_granted="take"),
+    Hypothesis("R9", "refunds an undispatched charge twice (R9: exactly once)", skipped_granted="refund"),
+    Hypothesis("R4", "forgets the user's TAT on a refund (R4: TAT := TAT - T)", skipped_granted="forget"),
+    Hypothesis("R7", "does not charge the final prefill chunk, which samples the first token (R7 charges it)",
+               charges=lambda d: 0 if d.first_token else 1),
+    Hypothesis("R7", "charges a prompt's first chunk instead of the chunk that samples (R7 charges the sampling "
+               "one)", first_chunk_charged=True, charges=lambda d: 1 if d.whole_prompt or not d.first_token else 0),
+    Hypothesis("R7", "does not charge a final prefill chunk that follows earlier chunks (R7 charges the chunk "
+               "that samples)", charges=lambda d: 1 if d.whole_prompt or not d.first_token else 0),
+    Hypothesis("R7", "charges intermediate prefill chunks, which do not sample (R7 charges sampling steps only)",
+               chunk_takes=True),
+    Hypothesis("R7", "charges a dispatch with a step in flight twice (R7: at most one charge per request per step)",
+               charges=lambda d: 2 if d.in_flight else 1),
+    Hypothesis("R7", "charges every sampling dispatch twice (R7: one charge per request per step)",
+               charges=lambda d: 2),
+    Hypothesis("R7", "judges every dispatch of a step against the TAT at the step's start and charges after "
+               "(R7 charges each dispatch when it is made)", decide_at_start=True),
+    Hypothesis("R8", "does not charge a dispatch made while the request's previous step is in flight "
+               "(R8: never under-charge)", charges=lambda d: 0 if d.in_flight else 1),
+    Hypothesis("R8", "refunds the post-stop token of a request that finishes with a step in flight "
+               "(R8: it stays charged)", refund_finished_in_flight=True),
+    Hypothesis("R9", "refunds the first dispatched charge of each step (R9: a dispatched charge is final)",
+               free_first_per_step=True),
+    Hypothesis("R9", "refunds the dispatched charges of running requests (R9: a dispatched charge is final)",
+               free_running=True),
+    Hypothesis("R2", "advances the TAT on a refused take (R2: a refusal changes nothing)", skipped_refused="take"),
+    Hypothesis("R2", "advances the TAT without clamping it up to now, banking idle time (R2: max(TAT, now) + T)",
+               start=lambda tat, now: tat),
+    Hypothesis("R17", "keys user ids lower-cased (R17: ids are kept exactly)", key=_lower),
+    Hypothesis("R17", "keys user ids stripped of surrounding spaces (R17: ids are kept exactly)", key=_strip),
+    Hypothesis("R17", "gives each request without output_rate_user its own bucket (R17: they share "
+               "__anonymous__)", key=_anon_per_request),
+    Hypothesis("R17", "puts every request in the __anonymous__ bucket, ignoring output_rate_user (R17)",
+               key=lambda ctx, rid: ANONYMOUS),
+    Hypothesis("R1", "keeps one bucket per request, not per user (R1: one TAT per user)",
+               key=lambda ctx, rid: rid, rate=lambda ctx, rid: ctx.rate_of(_spec_key(ctx, rid))),
+    Hypothesis("R1", "keeps one bucket for all users at the default rate (R1: one TAT per user)",
+               key=lambda ctx, rid: ANONYMOUS, rate=lambda ctx, bucket: ctx.default_rate),
+    Hypothesis("R1", "gives every user the default rate, ignoring its override (R1: the override, else the "
+               "default)", rate=lambda ctx, bucket: ctx.default_rate),
+    Hypothesis("R1", "uses a burst tolerance of 1 s (R1: tau is the configured burst)", burst_ns=NS_PER_S),
+)
+
+
+class _Replay:
+    """One hypothesis' limiter over a recorded history."""
+
+    def __init__(self, hyp: Hypothesis, ctx: Context) -> None:
+        self.hyp, self.ctx = hyp, ctx
+        self.tat: dict[str, Fraction] = {}
+        self.tau = hyp.burst_ns if hyp.burst_ns is not None else ctx.burst_ns
+
+    def _t(self, bucket: str) -> Fraction:
+        return self.hyp.interval(self.hyp.rate(self.ctx, bucket))
+
+    def allowed(self, bucket: str, now: int, tat: dict[str, Fraction] | None = None) -> bool:
+        current = (self.tat if tat is None else tat).get(bucket)
+        return current is None or self.hyp.allows(current, now, self.tau)
+
+    def take(self, bucket: str, now: int) -> None:
+        current = self.tat.get(bucket)
+        base = Fraction(now) if current is None else self.hyp.start(current, now)
+        self.tat[bucket] = base + self._t(bucket)
+
+    def apply(self, action: str, bucket: str, now: int) -> None:
+        if action == "take":
+            self.take(bucket, now)
+        elif action == "refund" and bucket in self.tat:
+            self.tat[bucket] -= self._t(bucket)
+        elif action == "forget":
+            self.tat.pop(bucket, None)
+
+    def step(self, rec: StepRecord) -> str | None:
+        """Replay one step; the first recorded fact the hypothesis contradicts, or None."""
+        hyp, now = self.hyp, rec.now_ns
+        at_start = dict(self.tat)
+        for i, d in enumerate(rec.dispatches):
+            bucket = hyp.key(self.ctx, d.request_id)
+            if not self.allowed(bucket, now, at_start if hyp.decide_at_start else None):
+                if hyp.refused_prefill_samples and d.first_token:
+                    continue  # the refused final chunk was not held at n - 1: it sampled, uncharged
+                return f"refuses {d.request_id} at t={now} ns"
+            free = (hyp.free_first_per_step and i == 0) or (hyp.free_running and not d.admitted)
+            for _ in range(0 if free else hyp.charges(d)):
+                self.take(bucket, now)
+        if hyp.chunk_takes or hyp.first_chunk_charged:
+            for rid in (rec.chunks if hyp.chunk_takes else rec.first_chunks):
+                bucket = hyp.key(self.ctx, rid)
+                if not self.allowed(bucket, now):
+                    return f"refuses the chunk of {rid} at t={now} ns"
+                self.take(bucket, now)
+        for rid in rec.skipped:
+            bucket = hyp.key(self.ctx, rid)
+            if self.allowed(bucket, now):  # a pause the judge holds to be a refusal was not granted
+                action = None if rid in rec.pauses else hyp.skipped_granted
+            else:
+                action = hyp.skipped_refused
+            if action is not None:
+                self.apply(action, bucket, now)
+        if hyp.refund_finished_in_flight:
+            for rid in rec.finished_in_flight:
+                self.apply("refund", hyp.key(self.ctx, rid), now)
+        for rid in rec.pauses:
+            if self.allowed(hyp.key(self.ctx, rid), now):
+                return f"grants {rid} at t={now} ns, which the candidate paused"
+        if rec.count % CLEANUP_INTERVAL_STEPS == 0:
+            self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
+        return None
+
+
+def explains(hyp: Hypothesis, histories: list[tuple[Context, list[StepRecord]]]) -> bool:
+    """True when ``hyp``'s limiter agrees with every recorded fact of every history (each
+    a run of the candidate from an empty limiter, with its scenario's ``Context``)."""
+    for ctx, history in histories:
+        replay = _Replay(hyp, ctx)
+        if any(replay.step(rec) is not None for rec in history):
+            return False
+    return True
+
+
+SPEC = Hypothesis("-", "the spec limiter")
+
+
+def attribute(histories: list[tuple[Context, list[StepRecord]]]) -> tuple[Hypothesis, list[Hypothesis]] | None:
+    """(the first hypothesis that explains every history, every other one that does) or
+    None (none does, or the unchanged spec does: then the failure is not the limiter's)."""
+    if not histories or explains(SPEC, histories):
+        return None
+    found = [h for h in HYPOTHESES if explains(h, histories)]
+    return (found[0], found[1:]) if found else None
+
+
+def message(name: str, hyp: Hypothesis, others: list[Hypothesis], steps: int, runs: int) -> str:
+    """The failure text naming ``hyp.rule`` as broken, with the evidence."""
+    also = ""
+    if others:
+        also = "; the same runs also fit a limiter that " + "; or that ".join(
+            f"{h.slip} [{h.rule}]" for h in others)
+    return (f"{hyp.rule} broken: {name}'s sampling dispatches and pauses over {steps} steps ({runs} runs: the "
+            f"counterexample and its longer probes) are exactly those of the spec limiter, replayed at ns "
+            f"resolution, changed in {hyp.rule} alone: one that {hyp.slip}; the spec's own refutes them{also}")
