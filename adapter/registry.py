@@ -31,6 +31,8 @@ class GateOptions:
     object (None: ``additional_config["output_rate"]``). ``integer_rates``: the candidate
     takes integer rates only (the article's flags). ``burst_configurable``: the candidate
     reads ``burst_ms`` (otherwise every scenario uses the article's fixed 100 ms).
+    ``rate_change``: the candidate reads ``output_rate.rates_file`` (R21); its
+    ``rate-change/*`` rows then judge at every level, not only at exact.
     """
 
     scheduler_cls: str
@@ -41,6 +43,7 @@ class GateOptions:
     style: Any = None
     integer_rates: bool = False
     burst_configurable: bool = False
+    rate_change: bool = False  # R21: the candidate declares the rates file (opt-in, like burst_configurable)
     sync_only: bool = False
     spec_health: bool = True
     save_dir: Path | None = None
@@ -61,6 +64,11 @@ class CheckSpec:
     async_mode: bool | None
     total: Callable[[GateOptions], int]
     run: Callable[[GateOptions, Tick], Any]
+    opt_in: str | None = None  # a GateOptions flag that makes the row judge at every level (R21: rate_change)
+
+    def level_for(self, options: GateOptions) -> str:
+        """The row's level in this run: ``must`` if the candidate opted in (``opt_in``), else ``level``."""
+        return "must" if self.opt_in is not None and getattr(options, self.opt_in) else self.level
 
 
 @dataclass(frozen=True)
@@ -226,6 +234,27 @@ def _lora_check(async_mode: bool) -> CheckSpec:
                      async_mode, total, run)
 
 
+def _rate_change_check(async_mode: bool) -> CheckSpec:
+    """R21: rates changed without a restart through the candidate's rates file
+    (``adapter/rate_change.py``). Level exact, as the article has no live rate change; a
+    candidate that declares it (``--rate-change``) is judged at every level."""
+
+    def run(options: GateOptions, tick: Tick):
+        from vllm_output_rate.adapter.rate_change import EXAMPLES, check_rate_change
+
+        return check_rate_change(_cls(options, async_mode), async_mode, EXAMPLES[options.profile], options.seed,
+                                 tick, options.save_dir, options.style, level=spec.level_for(options))
+
+    def total(options: GateOptions) -> int:
+        from vllm_output_rate.adapter.rate_change import EXAMPLES
+
+        return EXAMPLES[options.profile]
+
+    spec = CheckSpec(f"rate-change/{'async' if async_mode else 'sync'}", "candidate", "exact", ("R21",), async_mode,
+                     total, run, opt_in="rate_change")
+    return spec
+
+
 def _spec_health_checks() -> list[CheckSpec]:
     from vllm_output_rate.adapter import conform as gate
 
@@ -298,6 +327,7 @@ def registry(extra: Sequence[CheckSpec] = ()) -> list[CheckSpec]:
                    _feature_off_check(async_mode), _not_binding_check(async_mode), _boundaries_check(async_mode)]
     checks += [_engine_wait_check(False), _engine_wait_check(True)]
     checks += [_residency_check(False), _residency_check(True)]  # R20
+    checks += [_rate_change_check(False), _rate_change_check(True)]  # R21
     checks += [_lora_check(False), _lora_check(True)]  # R11, R13: LoRA slots
     checks += [_white_box_check(False), _white_box_check(True), _shadow_check(False), _shadow_check(True),
                _coverage_check()]
@@ -312,7 +342,7 @@ def plan(options: GateOptions, extra: Sequence[CheckSpec] = ()) -> list[PlannedC
     for spec in registry(extra):
         if spec.part == "spec health" and not options.spec_health:
             continue
-        if not includes(options.level, spec.level):
+        if not includes(options.level, spec.level_for(options)):  # R21: an opt-in row judges at every level
             continue
         if spec.async_mode and options.async_scheduler_cls is None:
             if options.sync_only:
@@ -344,7 +374,7 @@ def run_planned(item: PlannedCheck, options: GateOptions, tick: Tick):
     else:
         result = spec.run(options, tick)
     result.seconds = time.monotonic() - started
-    result.part, result.level = spec.part, spec.level
+    result.part, result.level = spec.part, spec.level_for(options)
     return result
 
 

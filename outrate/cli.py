@@ -65,6 +65,9 @@ def main() -> None:
               help="The candidate reads burst_ms; otherwise every scenario uses the article's fixed 100 ms.")
 @click.option("--integer-rates", is_flag=True,
               help="The candidate takes integer rates only (the article's flags); scenarios draw integers.")
+@click.option("--rate-change", "rate_change", is_flag=True,
+              help="R21: the candidate reloads output_rate.rates_file without a restart; its rate-change rows "
+                   "then judge at every level (otherwise at exact only).")
 @click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Directory to put on the import path first (the candidate's source tree); repeatable.")
 @click.option("--no-spec-health", is_flag=True, help="Skip the spec-health checks (they never judge the candidate).")
@@ -84,7 +87,7 @@ def main() -> None:
               show_default=True, help="Directory where failing scenarios are saved for replay.")
 def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, burst_configurable, integer_rates,
             paths, no_spec_health, profile, seed, mutants, json_path, junit_path, markdown_path,
-            counterexamples, no_white_box=False) -> None:
+            counterexamples, no_white_box=False, rate_change=False) -> None:
     """Run the conformance gate on a scheduler class at a level.
 
     Exit 0: every candidate check passed; 1: a candidate check failed (or a mutant
@@ -105,7 +108,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     options = registry.GateOptions(
         scheduler_cls=sync_cls, async_scheduler_cls=async_scheduler_cls, level=level, profile=profile, seed=seed,
         style=style, integer_rates=integer_rates, burst_configurable=burst_configurable, sync_only=sync_only,
-        spec_health=not no_spec_health, save_dir=counterexamples)
+        spec_health=not no_spec_health, save_dir=counterexamples, rate_change=rate_change)
     plan = gate_plan.plan(options)
 
     results = _run_plan(plan, options)
@@ -134,6 +137,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
             "level": level,
             "config_style": config_style,
             "burst_configurable": burst_configurable,
+            "rate_change": rate_change,
             "integer_rates": integer_rates,
             "profile": profile,
             "seed": seed,

@@ -3,7 +3,7 @@
     pytest --outrate-scheduler=my_pkg.sched.MyScheduler [--outrate-async-scheduler=...]
            [--outrate-level must|should|exact] [--outrate-sync-only]
            [--outrate-config-style additional-config|engine-args|hook:pkg.mod.fn]
-           [--outrate-burst-configurable] [--outrate-integer-rates]
+           [--outrate-burst-configurable] [--outrate-integer-rates] [--outrate-rate-change]
            [--outrate-profile quick|ci|release] [--outrate-seed N]
 
 adds one test item per check of the gate's plan (``vllm_output_rate.gate_plan``: the
@@ -36,6 +36,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="additional-config | engine-args | hook:pkg.module.function")
     group.addoption("--outrate-burst-configurable", action="store_true", help="the candidate reads burst_ms")
     group.addoption("--outrate-integer-rates", action="store_true", help="the candidate takes integer rates only")
+    group.addoption("--outrate-rate-change", action="store_true",
+                    help="R21: the candidate reloads output_rate.rates_file (rate-change rows at every level)")
     group.addoption("--outrate-spec-health", action="store_true", help="also run the spec-health checks")
 
 
@@ -91,6 +93,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         seed=config.getoption("--outrate-seed"), style=style,
         integer_rates=config.getoption("--outrate-integer-rates"),
         burst_configurable=config.getoption("--outrate-burst-configurable"), sync_only=sync_only,
+        rate_change=config.getoption("--outrate-rate-change"),
         spec_health=config.getoption("--outrate-spec-health"), save_dir=config.rootpath / "reports")
     for planned in gate_plan.plan(options):
         def check(planned=planned):

@@ -451,8 +451,11 @@ def test_r21_white_box_rejects_a_reset_on_change(monkeypatch) -> None:
     from vllm_output_rate.adapter.whitebox import run_white_box
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
-    verdict = run_white_box(_change_scenario(False), "r21_candidates.ResetOnChange")
-    assert verdict.failure is not None and "tat_ns" in verdict.failure, verdict
+    scenario = _change_scenario(False)
+    verdict = run_white_box(scenario, "r21_candidates.ResetOnChange")
+    # Found at the first step after the change: a dispatch the spec does not grant.
+    assert verdict.failure is not None and isinstance(scenario.events[verdict.event_index - 1], ChangeRates), verdict
+    assert verdict.failure.startswith("scheduled:"), verdict
 
 
 @pytest.mark.rules("R21")
