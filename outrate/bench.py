@@ -40,11 +40,17 @@ row says why it was skipped.
 
 Live (``--live``, default on except with ``--quick``; or ``--only live``): a real vLLM
 engine on this machine with the project's tiny model (dummy weights), in child processes
-(``livebench.py``): (a) engine tokens/s with the feature off (stock ``Scheduler``) and on
-but never binding (``RateLimitedScheduler``, 10**9 tokens/s), two engines side by side,
-the same batch through each in interleaved rounds; medians and the median per-round ratio
-on / off. (b) engine-core CPU use (percent of one core, psutil) while every user is
-throttled, with the engine-wait plugin (R16) and without it (``VLLM_PLUGINS=""``).
+(``livebench.py``): (a) engine tokens/s with the feature off (stock ``Scheduler``), on
+but never binding (``RateLimitedScheduler``, 10**9 tokens/s), and on with the worker idle
+fix off (``VLLM_OUTPUT_RATE_WORKER_PARK=0``), three engines side by side, the same batch
+through each in interleaved rounds; medians and the median per-round ratios on / off and
+fix on / off. (b) engine-core and worker CPU use (percent of one core, psutil, over the
+run's wall time) while every user is throttled, in three runs (``THROTTLED_RUNS``): the
+plugin (R16 engine wait + worker idle fix), the wait with the worker spinning, and no
+plugin (``VLLM_PLUGINS=""``); each with the stock idle baseline (no requests) and the
+worker's wake-ups. (c) vLLM's RPC queue between two processes, the reader parking after
+every read (lossless pings or vLLM's) or spinning: lost wake-up pings and round trips
+(``livebench.ping_round_trips``).
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ class Plan:
     live_throttled_users: int = 4
     live_throttled_tokens: int = 6
     live_throttled_rate: float = 2.0
+    live_ping_steps: int = 150
 
 
 FULL = Plan(sizes=(16, 64, 256, 1024), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=41,
@@ -111,9 +118,11 @@ FULL = Plan(sizes=(16, 64, 256, 1024), fractions=(0.0, 0.5, 0.9), modes=("sync",
 QUICK = Plan(sizes=(8, 16), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=3,
              steps_per_round=2, limiter_batches=3, gate_scenarios=3, gate_max_steps=10,
              live_rounds=2, live_streams=4, live_tokens=8, live_throttled_users=2, live_throttled_tokens=2,
-             live_throttled_rate=4.0)
+             live_throttled_rate=4.0, live_ping_steps=20)
 # Targets of the live section (reported, not asserted).
 LIVE_RATIO_TARGET = 0.98  # on-but-not-binding tokens/s within 2% of off
+# A read of vLLM's RPC queue that waits this long missed its wake-up ping (ping_round_trips).
+PING_TIMEOUT_S = 0.25
 LIVE_CPU_TARGET_PERCENT = 5.0  # engine core with every user throttled, with the wait plugin
 
 
@@ -501,36 +510,64 @@ def _explore_states(explore: Callable, budget: int) -> int:
 
 # -- live engine ------------------------------------------------------------------------
 def live_steps(plan: Plan) -> int:
-    """Progress ticks of ``measure_live`` (rounds, then the two throttled runs)."""
-    return plan.live_rounds + 2
+    """Progress ticks of ``measure_live`` (rounds, the three throttled runs, the ping run)."""
+    return plan.live_rounds + 4
+
+
+# The throttled runs side by side (R16; docs/PERFORMANCE.md "Idle cost"): name -> the
+# environment of the run. "wait": the plugin as shipped (engine wait + worker idle fix);
+# "wait, worker spins": the worker-idle fix off; "no plugin": vLLM's own idle loop.
+THROTTLED_RUNS = {
+    "with_wait": {},
+    "wait_worker_spins": {"VLLM_OUTPUT_RATE_WORKER_PARK": "0"},
+    "without_wait": {"VLLM_PLUGINS": ""},
+}
 
 
 def measure_live(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
-    """Live engine: tokens/s off vs on-not-binding, engine CPU while throttled (module docstring)."""
-    from vllm_output_rate.livebench import run_child
+    """Live engine: tokens/s off vs on-not-binding (and on with the worker-idle fix off),
+    engine-core and worker CPU while every user is throttled in three set-ups, and the
+    wake-up pings of vLLM's RPC queue (module docstring)."""
+    from vllm_output_rate.livebench import ping_round_trips, run_child
 
     throughput = run_child({"part": "throughput", "streams": plan.live_streams, "tokens": plan.live_tokens,
                             "rounds": plan.live_rounds}, tick=tick)
     throttled_cfg = {"part": "throttled", "users": plan.live_throttled_users, "streams_per_user": 2,
                      "tokens": plan.live_throttled_tokens, "rate": plan.live_throttled_rate}
-    with_wait = run_child(throttled_cfg)
+    runs: dict[str, dict[str, Any]] = {}
+    for name, env in THROTTLED_RUNS.items():
+        runs[name] = run_child(throttled_cfg, env)
+        tick()
+    steps = plan.live_ping_steps
+    pings = {
+        "lossless_park": ping_round_trips(lossless=True, park=True, steps=steps, timeout_s=PING_TIMEOUT_S),
+        "vllm_park": ping_round_trips(lossless=False, park=True, steps=steps, timeout_s=PING_TIMEOUT_S),
+        "vllm_spin": ping_round_trips(lossless=False, park=False, steps=steps, timeout_s=PING_TIMEOUT_S),
+    }
     tick()
-    without_wait = run_child(throttled_cfg, {"VLLM_PLUGINS": ""})
-    tick()
+
+    def total(run: dict[str, Any]) -> float:
+        return run["engine_and_workers_cpu_percent"]
     return {
         "tokens_per_s_off": throughput["tokens_per_s_off"],
         "tokens_per_s_on": throughput["tokens_per_s_on"],
         "ratio": throughput["ratio"],
-        "engine_cpu_throttled_with_wait": with_wait["engine_cpu_percent"],
-        "engine_cpu_throttled_without_wait": without_wait["engine_cpu_percent"],
-        "engine_worker_cpu_throttled_with_wait": with_wait.get("engine_and_workers_cpu_percent"),
-        "engine_worker_cpu_throttled_without_wait": without_wait.get("engine_and_workers_cpu_percent"),
+        "worker_fix_ratio": throughput["worker_fix_ratio"],
+        "engine_cpu_throttled_with_wait": runs["with_wait"]["engine_cpu_percent"],
+        "engine_cpu_throttled_without_wait": runs["without_wait"]["engine_cpu_percent"],
+        "engine_worker_cpu_throttled_with_wait": total(runs["with_wait"]),
+        "engine_worker_cpu_throttled_wait_worker_spins": total(runs["wait_worker_spins"]),
+        "engine_worker_cpu_throttled_without_wait": total(runs["without_wait"]),
+        "engine_worker_cpu_idle": sum(v for role, v in runs["with_wait"]["idle_cpu_percent"].items()
+                                      if role != "front_end"),
         "cpu_unit": "percent of one core",
         "ratio_target": LIVE_RATIO_TARGET,
         "engine_cpu_target": LIVE_CPU_TARGET_PERCENT,
         "throughput": throughput,
-        "throttled_with_wait": with_wait,
-        "throttled_without_wait": without_wait,
+        "throttled_with_wait": runs["with_wait"],
+        "throttled_wait_worker_spins": runs["wait_worker_spins"],
+        "throttled_without_wait": runs["without_wait"],
+        "pings": pings,
     }
 
 
@@ -640,6 +677,12 @@ def _live_table(live: dict[str, Any]) -> Table:
         q1, q3 = t["ratio_quartiles"]
         table.add_row("per-round ratio, quartiles", f"{q1:.3f}-{q3:.3f}", "", "")
     table.add_row("ratio of the median tokens/s", f"{live['tokens_per_s_on'] / live['tokens_per_s_off']:.3f}", "", "")
+    if "worker_fix_ratio" in t:
+        table.add_row("worker idle fix while decoding: tokens/s fix on / off (median of per-round ratios; "
+                      "min-max)", f"{t['worker_fix_ratio']:.3f} ({t['worker_fix_ratio_min']:.2f}-"
+                      f"{t['worker_fix_ratio_max']:.2f})", "~1", "")
+        table.add_row("worker idle fix while decoding: engine CPU per token, fix on / off",
+                      f"{t['worker_fix_cpu_ratio']:.3f}", "~1", "")
     cpu_ok = live["engine_cpu_throttled_with_wait"] < LIVE_CPU_TARGET_PERCENT
     table.add_row("engine CPU % throttled, wait plugin", f"{live['engine_cpu_throttled_with_wait']:.1f}",
                   f"< {LIVE_CPU_TARGET_PERCENT:g}", "[green]met[/]" if cpu_ok else "[red]missed[/]")
@@ -652,6 +695,37 @@ def _live_table(live: dict[str, Any]) -> Table:
                       "[green]met[/]" if both_ok else "[red]missed[/]")
         table.add_row('engine core + worker CPU % throttled, VLLM_PLUGINS=""',
                       f"{live['engine_worker_cpu_throttled_without_wait']:.1f}", "", "")
+    return table
+
+
+def _idle_table(live: dict[str, Any]) -> Table:
+    """Idle cost (R16; issue 15 item 6): the throttled runs and the ping run side by side."""
+    table = Table(title="every user throttled: CPU in percent of one core over the run's wall time "
+                        "(engine core / worker / both), and the R2 minimum wall time")
+    for col in ("set-up", "engine core", "worker", "both", "worker wake-ups/s", "wall s (min)", "stock idle (both)"):
+        table.add_column(col, justify="left" if col == "set-up" else "right")
+    names = {"with_wait": "plugin: R16 wait + worker idle fix",
+             "wait_worker_spins": "R16 wait, worker spins (VLLM_OUTPUT_RATE_WORKER_PARK=0)",
+             "without_wait": 'no plugin (VLLM_PLUGINS="")'}
+    for key, label in names.items():
+        run = live.get(f"throttled_{key}")
+        if run is None:
+            continue
+        cpu, idle = run["cpu_percent"], run["idle_cpu_percent"]
+        table.add_row(label, f"{cpu['engine_core']:.1f}", f"{cpu.get('worker', 0.0):.1f}",
+                      f"{run['engine_and_workers_cpu_percent']:.1f}",
+                      f"{run.get('wakeups_per_s', {}).get('worker', float('nan')):.0f}",
+                      f"{run['wall_s']:.2f} ({run['min_wall_s']:.2f})",
+                      f"{sum(v for role, v in idle.items() if role != 'front_end'):.1f}")
+    pings = live.get("pings")
+    if pings:
+        labels = {"lossless_park": "pings: worker parks, lossless pings (plugin)",
+                  "vllm_park": "pings: worker parks, vLLM's pings (SNDHWM 1)",
+                  "vllm_spin": "pings: vLLM's 1 s spin"}
+        for key, label in labels.items():
+            r = pings[key]
+            table.add_row(label, "", "", "", "", f"lost {r['lost']} of {r['messages']}",
+                          f"round trip p50 {r['round_trip_us_p50']:.0f} µs, p99 {r['round_trip_us_p99']:.0f} µs")
     return table
 
 
@@ -832,6 +906,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
             console.print(f"{name}: {why}")
     if live_result is not None:
         console.print(_live_table(live_result))
+        console.print(_idle_table(live_result))
     if plot_path is not None and scheduler_rows:
         write_plot(scheduler_rows, plot_path,
                    f"outrate bench, vLLM {vllm.__version__}, {env['cores']} cores {env['cpu']}, {when}")

@@ -7,26 +7,30 @@ without the engine-wait plugin). The model is the project's tiny decoder
 (``tinymodel.default_model_dir()``, dummy weights, no tokenizer), as in
 ``gpu_tests/test_live_engine.py``.
 
-- ``throughput``: two engines in one process, started side by side -- feature off (stock
-  vLLM ``Scheduler``) and feature on but never binding (``RateLimitedScheduler``,
-  ``default_tokens_per_s = 10**9``). After one warm-up batch each, ``rounds`` rounds: a
+- ``throughput``: three engines in one process, started side by side -- feature off
+  (stock vLLM ``Scheduler``), feature on but never binding (``RateLimitedScheduler``,
+  ``default_tokens_per_s = 10**9``), and the same with the worker idle fix off
+  (``VLLM_OUTPUT_RATE_WORKER_PARK=0``). After one warm-up batch each, ``rounds`` rounds: a
   round runs the same batch (``streams`` prompts x ``tokens`` output tokens, ``ignore_eos``)
-  through ``LLM.generate`` on one engine and then the other, the order alternating between
-  rounds. A batch's rate is its output tokens / the wall time of its ``generate`` call
-  (prefill, every decode step, the front end). While one engine runs its batch, the
-  other engine's processes are suspended (SIGSTOP, psutil): on vLLM's CPU backend an idle
-  engine's worker busy-polls a whole core, which on a 2-core machine would otherwise take
-  a share of the running engine's cores that varies from round to round. Reported: medians over rounds and the median of the
-  per-round ratios on / off.
+  through ``LLM.generate`` on each engine, the first engine rotating between rounds. A
+  batch's rate is its output tokens / the wall time of its ``generate`` call (prefill,
+  every decode step, the front end). While one engine runs its batch, the other engines'
+  processes are suspended (SIGSTOP, psutil): on vLLM's CPU backend an idle engine's worker
+  can busy-poll a core, which on a 2-core machine would otherwise take a share of the
+  running engine's cores that varies from round to round. Reported: medians over rounds
+  and the medians of the per-round ratios on / off and fix on / fix off.
 - ``throttled``: one engine, feature on, every user limited to ``rate`` tokens/s so that
   almost all of the run is spent with every request throttled; ``users`` x
-  ``streams_per_user`` streams of ``tokens`` tokens. Reported: the CPU time of the
-  engine-core process (psutil: user + system) over the wall time of the ``generate`` call,
-  in percent of one core, and of the engine core plus its worker (``engine_and_workers_cpu_percent``).
-  With the plugin, the engine core waits on its input queue until
-  the earliest user is ready (R16); without it (``VLLM_PLUGINS=""``), vLLM's own idle loop
-  polls every millisecond; and the worker's shared-memory queue reader spins at most 2 ms
-  after each RPC instead of 1 s (``plugin.READER_SPIN_ENV``; docs/PERFORMANCE.md "Idle cost").
+  ``streams_per_user`` streams of ``tokens`` tokens. Reported: the CPU time (psutil: user
+  + system) of the engine-core process, of its worker(s) and of both over the wall time
+  of the ``generate`` call, in percent of one core; the same over 2 s with no requests
+  (stock idle); voluntary context switches per second (wake-ups). ``outrate bench`` runs it
+  with the plugin as shipped (the engine core waits until the earliest user is ready, R16;
+  the worker parks after each empty step), with ``VLLM_OUTPUT_RATE_WORKER_PARK=0`` (the
+  worker keeps vLLM's 1 s spin) and with ``VLLM_PLUGINS=""`` (vLLM's own 1 ms idle loop).
+- ``ping_round_trips`` (in this process): vLLM's shm ``MessageQueue`` to a reader process
+  that parks after every read, with lossless or vLLM's pings, or spins: lost pings and
+  round trips (docs/PERFORMANCE.md "Idle cost").
 
 Source: docs/SPEC.md R16; docs/PERFORMANCE.md "Live engine (tiny model on CPU)".
 """
@@ -109,6 +113,10 @@ def _cpu_s(procs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _switches(procs: dict[str, Any]) -> dict[str, int]:
+    return {role: proc.num_ctx_switches().voluntary for role, proc in procs.items()}
+
+
 def _pause(procs: list[Any]) -> None:
     """Suspend (SIGSTOP) an idle engine's processes so they do not compete for the cores."""
     for proc in procs:
@@ -124,59 +132,81 @@ def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     streams, tokens, rounds = cfg["streams"], cfg["tokens"], cfg["rounds"]
     import psutil
 
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    off = _engine(None, max_num_seqs=streams)
-    off_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    before |= {p.pid for p in off_procs}
-    on = _engine({"default_tokens_per_s": FREE_RATE}, max_num_seqs=streams)
-    on_procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    engine_procs = {id(off): off_procs, id(on): on_procs}
+    from vllm_output_rate.reference.plugin import WORKER_PARK_ENV
 
-    def engine_cpu_s(llm) -> float:
-        return sum(t.user + t.system for t in (p.cpu_times() for p in engine_procs[id(llm)]))
+    def started(build):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        llm = build()
+        return llm, [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+    off, off_procs = started(lambda: _engine(None, max_num_seqs=streams))
+    on, on_procs = started(lambda: _engine({"default_tokens_per_s": FREE_RATE}, max_num_seqs=streams))
+    # R16, worker side: the same engine with the worker-idle fix off (its processes read the
+    # variable when they start), to show what the fix costs while decoding.
+    os.environ[WORKER_PARK_ENV] = "0"
+    try:
+        spin, spin_procs = started(lambda: _engine({"default_tokens_per_s": FREE_RATE}, max_num_seqs=streams))
+    finally:
+        del os.environ[WORKER_PARK_ENV]
+    engines = {"off": (off, off_procs), "on": (on, on_procs), "on_spin": (spin, spin_procs)}
+
+    def engine_cpu_s(procs) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
     prompts, params = _batch(streams, tokens, [f"u{i}" for i in range(max(1, streams // 4))])
     total = streams * tokens
-    for llm in (off, on):  # warm-up: first-call costs are not results
+    for llm, _procs in engines.values():  # warm-up: first-call costs are not results
         _generate(llm, prompts, params, total)
-    off_rates: list[float] = []
-    on_rates: list[float] = []
-    cpu_us: dict[str, list[float]] = {"off": [], "on": []}
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_us: dict[str, list[float]] = {name: [] for name in engines}
+    names = list(engines)
     for k in range(rounds):
-        order = ((off, off_rates), (on, on_rates)) if k % 2 == 0 else ((on, on_rates), (off, off_rates))
-        for llm, rates in order:
-            idle = engine_procs[id(on if llm is off else off)]
-            _pause(idle)  # the idle engine's worker busy-polls a core (vLLM CPU backend)
+        order = names[k % len(names):] + names[:k % len(names)]  # each engine first in turn
+        for name in order:
+            llm, procs = engines[name]
+            idle = [p for other, (_llm, ps) in engines.items() if other != name for p in ps]
+            _pause(idle)  # an idle engine's worker busy-polls a core (vLLM CPU backend)
             try:
-                cpu0 = engine_cpu_s(llm)
-                rates.append(total / _generate(llm, prompts, params, total))
-                cpu_us["off" if llm is off else "on"].append((engine_cpu_s(llm) - cpu0) / total * 1e6)
+                cpu0 = engine_cpu_s(procs)
+                rates[name].append(total / _generate(llm, prompts, params, total))
+                cpu_us[name].append((engine_cpu_s(procs) - cpu0) / total * 1e6)
             finally:
                 _resume(idle)
         _progress()
-    ratios = [a / b for a, b in zip(on_rates, off_rates)]
+    ratios = [a / b for a, b in zip(rates["on"], rates["off"])]
+    fix_ratios = [a / b for a, b in zip(rates["on"], rates["on_spin"])]
     return {
-        "tokens_per_s_off": statistics.median(off_rates),
-        "tokens_per_s_on": statistics.median(on_rates),
+        "tokens_per_s_off": statistics.median(rates["off"]),
+        "tokens_per_s_on": statistics.median(rates["on"]),
+        "tokens_per_s_on_worker_spin": statistics.median(rates["on_spin"]),
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         # The spread of single rounds, to judge what the median can resolve.
         "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2] if len(ratios) >= 2 else [ratios[0]] * 2,
+        # R16, worker side: feature on with the worker-idle fix / without it, per round.
+        "worker_fix_ratio": statistics.median(fix_ratios),
+        "worker_fix_ratio_min": min(fix_ratios),
+        "worker_fix_ratio_max": max(fix_ratios),
         # CPU time of the engine's processes (engine core + workers) per output token: less
         # sensitive than wall time to other jobs on a shared machine.
         "engine_cpu_us_per_token_off": statistics.median(cpu_us["off"]),
         "engine_cpu_us_per_token_on": statistics.median(cpu_us["on"]),
+        "engine_cpu_us_per_token_on_worker_spin": statistics.median(cpu_us["on_spin"]),
         "engine_cpu_ratio": statistics.median(b / a for a, b in zip(cpu_us["off"], cpu_us["on"])),
+        "worker_fix_cpu_ratio": statistics.median(a / b for a, b in zip(cpu_us["on"], cpu_us["on_spin"])),
         "rounds": rounds,
         "streams": streams,
         "tokens_per_stream": tokens,
-        "tokens_per_s_off_rounds": off_rates,
-        "tokens_per_s_on_rounds": on_rates,
+        "tokens_per_s_off_rounds": rates["off"],
+        "tokens_per_s_on_rounds": rates["on"],
+        "tokens_per_s_on_worker_spin_rounds": rates["on_spin"],
     }
 
 
 def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
     import psutil
+
+    from vllm_output_rate.reference.plugin import WORKER_PARK_ENV
 
     users = [f"slow{i}" for i in range(cfg["users"])]
     rate = cfg["rate"]
@@ -188,12 +218,17 @@ def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
     warm_prompts, warm_params = _batch(1, cfg["tokens"], ["warm-up"])  # its own bucket
     _generate(llm, warm_prompts, warm_params, cfg["tokens"])
     procs["front_end"] = psutil.Process()
-    idle_s = cfg.get("idle_s", 1.0)
+    # Stock idle baseline: no requests, after vLLM's 1 s reader spin window has run out
+    # (the engine core blocks on its input queue, the worker parks on its notify socket).
+    time.sleep(cfg.get("idle_settle_s", 1.5))
+    idle_s = cfg.get("idle_s", 2.0)
     idle0 = _cpu_s(procs)
-    time.sleep(idle_s)  # no requests: stock vLLM blocks on its input queue
+    time.sleep(idle_s)
     idle1 = _cpu_s(procs)
+    switches0 = _switches(procs)
     wall = _generate(llm, prompts, params, total)
     busy1 = _cpu_s(procs)
+    switches1 = _switches(procs)
     per_user = cfg["streams_per_user"] * cfg["tokens"]
     return {
         "engine_cpu_percent": 100 * (busy1["engine_core"] - idle1["engine_core"]) / wall,
@@ -209,6 +244,9 @@ def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_stream": cfg["tokens"],
         "rate": rate,
         "plugins": os.environ.get("VLLM_PLUGINS"),
+        "worker_park": os.environ.get(WORKER_PARK_ENV),
+        # Wake-ups: voluntary context switches per second of each process while throttled.
+        "wakeups_per_s": {role: (switches1[role] - switches0[role]) / wall for role in procs},
     }
 
 
