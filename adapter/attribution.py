@@ -122,7 +122,7 @@ class Hypothesis:
     rate: Callable[[Context, str], Fraction] = lambda ctx, bucket: ctx.rate_of(bucket)
     interval: Callable[[Fraction], Fraction] = spec_limiter.emission_interval_ns
     allows: Callable[[Fraction, int, int], bool] = lambda tat, now, tau: tat - now <= tau
-    start: Callable[[Fraction, int], Fraction] = lambda tat, now: max(tat, now)
+    start: Callable[[Fraction, int], Fraction] = lambda tat, now: max(tat, Fraction(now))
     charges: Callable[[Dispatch], int] = lambda d: 1
     cleanup: Callable[[Fraction, int, int], bool] = lambda tat, now, tau: tat <= now
     decide_at_start: bool = False

@@ -554,8 +554,8 @@ def check_boundaries(scheduler_cls: str, async_mode: bool, seed: int, tick: Call
             continue
         with contextlib.suppress(AssertionError):  # the failure did not reproduce: keep the scenario as it was
             scenario = minimize(scheduler_cls, scenario, run=run)
-        named = _guarded(lambda s: named_verdict(scheduler_cls, s, level, style), scheduler_cls)
-        again = named(scenario)  # named by the rule it breaks (adapter/attribution.py)
+        name_rule = _guarded(lambda s: named_verdict(scheduler_cls, s, level, style), scheduler_cls)
+        again = name_rule(scenario)  # named by the rule it breaks (adapter/attribution.py)
         verdict = again if again.failure is not None else verdict
         _record_failure(result, verdict, scenario)
         result.failure = f"{result.failure} (boundary scenario {name})"

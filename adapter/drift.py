@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
@@ -119,7 +120,7 @@ def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
 def _hunt_once(async_mode: bool, base: VllmVersionProfile, known: set[str], examples: int, seed: int,
                tick: Callable[[], None], counter: list[int]) -> tuple[StepScenario, StepVerdict] | None:
     """One Hypothesis hunt for a divergence of a rule not in ``known``, shrunk on that rule."""
-    target: dict[str, object] = {}
+    target: dict[str, Any] = {}  # the first rule found, and its scenario and verdict
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
               phases=[Phase.generate, Phase.shrink], print_blob=False)
@@ -139,7 +140,7 @@ def _hunt_once(async_mode: bool, base: VllmVersionProfile, known: set[str], exam
     try:
         prop()
     except _Found:
-        return target["scenario"], target["verdict"]  # type: ignore[return-value]
+        return target["scenario"], target["verdict"]
     return None
 
 

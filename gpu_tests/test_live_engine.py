@@ -46,6 +46,6 @@ def test_r7_r11_live_user_is_paced_and_every_stream_completes(llm, sampling):
 def test_r17_live_bad_identity_does_not_disturb_others(llm, sampling):
     # The bad request is refused with a message naming the value; a good one still completes.
     with pytest.raises(Exception, match="output_rate_user"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], sampling(12345, 4), use_tqdm=False)  # type: ignore[arg-type]
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], sampling(12345, 4), use_tqdm=False)  # 12345: not a str
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sampling("fast", 4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

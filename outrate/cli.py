@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import os
@@ -527,8 +528,8 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
 
     started = time.monotonic()
     with console.status("importing vLLM"):
-        import vllm.v1.core.sched.async_scheduler
-        import vllm.v1.core.sched.scheduler  # noqa: F401
+        for module in ("vllm.v1.core.sched.async_scheduler", "vllm.v1.core.sched.scheduler"):
+            importlib.import_module(module)
 
         logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
         version, warning = installed_version(), installed_warning()

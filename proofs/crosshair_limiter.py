@@ -90,6 +90,7 @@ imported by CrossHair)::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import queue
@@ -101,7 +102,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.spec import limiter as spec
@@ -114,6 +115,8 @@ RATES: tuple[Fraction, ...] = (Fraction(2), Fraction(3), Fraction(1, 2), Fractio
 N_RATES: int = len(RATES)
 # Rate of the second user "v" in the cleanup properties (a per-user override in the reference).
 V_RATE: Fraction = Fraction(1, 2)
+# The math.ceil models this module registered with CrossHair (so that a second install is a no-op).
+_OUR_CEIL_MODELS: set[Callable[..., Any]] = set()
 
 # CPU seconds per condition. The costliest correct property (the differential) needs about
 # 14 s of CPU to exhaust its paths, the others 0.2-4 s (CPU time: a loaded machine makes
@@ -538,14 +541,14 @@ def install_ceil_model() -> bool:
     import math
 
     try:
-        import crosshair.core_and_libs  # noqa: F401  (makes CrossHair's own registrations)
+        importlib.import_module("crosshair.core_and_libs")  # makes CrossHair's own registrations
         from crosshair.core import _PATCH_REGISTRATIONS
     except ImportError:
         return False
     current = _PATCH_REGISTRATIONS.get(math.ceil)
     if current is None:
         return False
-    if getattr(current, "_outrate_ceil_model", False):
+    if current in _OUR_CEIL_MODELS:
         return True
 
     def ceil_model(x, *rest):
@@ -553,7 +556,7 @@ def install_ceil_model() -> bool:
             return x.__ceil__()
         return current(x, *rest)
 
-    ceil_model._outrate_ceil_model = True  # type: ignore[attr-defined]
+    _OUR_CEIL_MODELS.add(ceil_model)
     _PATCH_REGISTRATIONS[math.ceil] = ceil_model
     return True
 

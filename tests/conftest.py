@@ -13,14 +13,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+import importlib
+
 import pytest
 
 # The expensive imports, paid once per session (the harness imports lazily).
-import vllm.config
-import vllm.v1.core.sched.async_scheduler
-import vllm.v1.core.sched.scheduler  # noqa: F401
-
-import vllm_output_rate.reference.scheduler  # noqa: F401
+for _module in ("vllm.config", "vllm.v1.core.sched.async_scheduler", "vllm.v1.core.sched.scheduler",
+                "vllm_output_rate.reference.scheduler"):
+    importlib.import_module(_module)
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

@@ -9,7 +9,9 @@ mutant tests check that the comparison catches a wrong implementation and names 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import KeysView
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from hypothesis import Phase, find, given, settings
@@ -80,8 +82,8 @@ class _CleanupStrict(OutputRateLimiter):
 class _FloatInterval(OutputRateLimiter):
     """R3 mutant: TAT in float ns, T = 1e9 / rate rounded."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._ftat: dict[str, float] = {}
 
     def try_take(self, user: str, now_ns: int) -> bool:
@@ -103,7 +105,7 @@ class _FloatInterval(OutputRateLimiter):
         t = self._ftat.get(user)
         return t is None or t - now_ns <= self.burst_ns
 
-    def users(self):  # type: ignore[no-untyped-def]
+    def users(self) -> KeysView[str]:
         return self._ftat.keys()
 
 

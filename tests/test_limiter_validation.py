@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 from fractions import Fraction
+from typing import Any
 
 import pytest
 
@@ -137,9 +138,9 @@ def test_accepted_rate_is_used_exactly() -> None:
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, 1e8, True, False, None, "100", Fraction(10**8), [1]], ids=_rid)
-def test_limiter_rejects_bad_burst(bad: object) -> None:
+def test_limiter_rejects_bad_burst(bad: Any) -> None:
     with pytest.raises(ValueError) as info:
-        OutputRateLimiter(10, burst_ns=bad)  # type: ignore[arg-type]
+        OutputRateLimiter(10, burst_ns=bad)
     msg = str(info.value)
     assert "burst_ns" in msg
     assert repr(bad) in msg
@@ -155,9 +156,9 @@ def test_limiter_accepts_positive_int_burst() -> None:
 
 
 @pytest.mark.parametrize("bad_user", [1, None, "", b"alice", ("alice",), 2.5], ids=_rid)
-def test_limiter_rejects_bad_user_ids_in_overrides(bad_user: object) -> None:
+def test_limiter_rejects_bad_user_ids_in_overrides(bad_user: Any) -> None:
     with pytest.raises(ValueError) as info:
-        OutputRateLimiter(10, {bad_user: 5})  # type: ignore[dict-item]
+        OutputRateLimiter(10, {bad_user: 5})
     assert repr(bad_user) in str(info.value)
 
 
