@@ -5,8 +5,8 @@ outputs and a fake clock."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
-import os
 import queue
 import random
 import subprocess
@@ -17,33 +17,33 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-_FIXTURES = str(Path(__file__).resolve().parent / "fixtures")
-if _FIXTURES not in sys.path:
-    sys.path.insert(0, _FIXTURES)
-
-import torch  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
 )
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import FinishReason, Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import FinishReason, Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
-from article_style import hook  # noqa: E402
-from article_style.limiter import _BURST_NS, OutputRateLimiter  # noqa: E402
+# The fixture is imported from tests/fixtures (put on the path here; the environment is
+# offline from tests/conftest.py on).
+_FIXTURES = str(Path(__file__).resolve().parent / "fixtures")
+if _FIXTURES not in sys.path:
+    sys.path.insert(0, _FIXTURES)
+hook = importlib.import_module("article_style.hook")
+_article_limiter = importlib.import_module("article_style.limiter")
+_BURST_NS, OutputRateLimiter = _article_limiter._BURST_NS, _article_limiter.OutputRateLimiter
 
 # Bound by the module fixture below: importing article_style.scheduler
 # installs the CLI flags into vLLM's EngineArgs, which is undone when this
