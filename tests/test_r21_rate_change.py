@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -477,3 +478,31 @@ def test_r21_gate_rows_at_exact_unless_the_candidate_opts_in() -> None:
     result = check_rate_change(REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None,
                                style=parse_config_style("engine-args"))
     assert result.result == "not tested" and "rates_file" in result.failure
+
+
+@pytest.mark.rules("R21")
+def test_r21_outrate_serve_rates_file_flag(tmp_path) -> None:
+    import click
+
+    from vllm_output_rate.serve import build_command, build_output_rate_section
+
+    section = build_output_rate_section("10", None, None, None, rates_file="rates.json")
+    assert section is not None and section["rates_file"] == str(Path.cwd() / "rates.json")  # absolute
+    command = build_command("MODEL", [], "10", rates_file=str(tmp_path / "r.json"))
+    assert f'"rates_file":"{tmp_path / "r.json"}"' in command[command.index("--additional-config") + 1]
+    with pytest.raises(click.UsageError, match="--rates-file needs --default-user-output-tokens-per-second"):
+        build_output_rate_section(None, None, None, None, rates_file="rates.json")
+    (tmp_path / "bad.json").write_text('{"default_tokens_per_s": 10, "max_num_active_seqs": 2}')
+    with pytest.raises(click.UsageError, match="'max_num_active_seqs' cannot be changed without a restart"):
+        build_output_rate_section("10", None, None, None, rates_file=str(tmp_path / "bad.json"))
+
+
+@pytest.mark.rules("R21")
+def test_r21_shadow_mode_follows_the_rates_file(tmp_path) -> None:
+    harness = _harness(tmp_path, shadow=True)
+    scheduler = harness.scheduler
+    assert scheduler.rate_limiter is None and scheduler._shadow.limiter.rate_of("a") == 5
+    (tmp_path / "rates.json").write_text('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 25}}')
+    harness.add_request("r0", "a", max_tokens=4)
+    harness.step()
+    assert scheduler._shadow.limiter.rate_of("a") == 25
