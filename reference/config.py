@@ -104,12 +104,22 @@ def _parse_rates(section: Mapping[str, Any]) -> tuple[Fraction, dict[str, Fracti
 def parse_output_rate(section: Any) -> OutputRateConfig:
     """Parse and validate ``additional_config["output_rate"]``.
 
+    ``None`` (no section) is the feature off (R18).
+
     Raises:
-        OutputRateConfigError: unknown keys, bad rates (naming the user and value),
-            overrides without a default, a bad active cap or burst.
+        OutputRateConfigError: an empty section, unknown keys, bad rates (naming the user and
+            value), overrides without a default, a bad active cap or burst.
     """
-    if section is None or section == {}:
+    if section is None:
         return OutputRateConfig()
+    if section == {}:
+        # An explicit, empty section given to a class that implements it: the operator meant
+        # to turn the feature on and gave no rate (R18: "off" is no section at all).
+        raise OutputRateConfigError(
+            'additional_config["output_rate"] is empty: set default_tokens_per_s '
+            "(--default-user-output-tokens-per-second) to turn the feature on, or remove the output_rate "
+            "section to turn it off"
+        )
     if not isinstance(section, Mapping):
         raise OutputRateConfigError(
             f'additional_config["output_rate"] must be a JSON object, got {section!r}'

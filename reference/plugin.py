@@ -259,7 +259,9 @@ def check_front_end(vllm_config) -> None:
             f"implement it and would not limit anything: add --scheduler-cls {REFERENCE_CLASSES[0]} "
             f"(--async-scheduling: {REFERENCE_CLASSES[1]}), or remove the {SECTION} section"
         )
-    config = parse_output_rate(section)
+    if section == {} and not implements_output_rate(scheduler_cls):
+        return  # an empty section on a class that does not read it changes nothing
+    config = parse_output_rate(section)  # an empty one on our class is refused (no rate given)
     if config.enabled:
         check_engine_supported(vllm_config)  # the same checks the scheduler makes
 

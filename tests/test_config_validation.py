@@ -377,8 +377,8 @@ def _stock_engine_args(model_dirs, scheduler_cls, **kw):
 
 
 def test_configuration_accepted_front_end_cases(model_dirs):
-    # A subclass of the reference implements the section; an empty section is "off" for any
-    # class; a section-less stock engine is untouched (R18).
+    # A subclass of the reference implements the section; an empty section on a class that
+    # does not read it changes nothing; a section-less stock engine is untouched (R18).
     from vllm_output_rate.reference import plugin
 
     plugin.register()
@@ -473,3 +473,20 @@ def test_local_prefill_cadence_refused_where_the_scheduler_applies_it(cls_path, 
 
 def test_default_prefill_cadence_is_accepted(model_dirs):
     assert unsupported_modes(_prefill_cadence(model_dirs, interval=1)) == []
+
+
+@pytest.mark.rules("R18")
+@pytest.mark.parametrize("cls_path", [SYNC, ASYNC], ids=["sync", "async"])
+def test_r18_empty_section_on_our_class_is_refused_not_off(cls_path, model_dirs):
+    # An operator who picks our class and writes {"output_rate": {}} meant the feature on:
+    # refused naming the missing default, in the scheduler and in the front end (it used to
+    # start with the feature off).
+    from vllm_output_rate.reference import plugin
+
+    config = vllm_config(model_dirs)
+    config.additional_config = {"output_rate": {}}
+    with pytest.raises(OutputRateConfigError, match="is empty: set default_tokens_per_s"):
+        build_scheduler(cls_path, config)
+    plugin.register()
+    with pytest.raises(OutputRateConfigError, match="remove the output_rate section"):
+        _engine_args(model_dirs, additional_config={"output_rate": {}}).create_engine_config()
