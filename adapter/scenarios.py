@@ -418,6 +418,17 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
         (rule, failed_level, text), step = rate_failure
         return Verdict(judge.steps, text, rule, step, level=failed_level, history=judge.naming_history())
     harness.drain()
+    cut = _cut_request(judge, harness)
+    if cut is not None:
+        return cut
+    assert includes(level, "must")
+    return Verdict(judge.steps, None, sampled_per_user={u: len(t) for u, t in judge.history.items()},
+                   history=judge.naming_history() if attribute else None)
+
+
+def _cut_request(judge: _Judge, harness: Any) -> Verdict | None:
+    """R11/P3 after the drain: the first request (not aborted) that did not end with exactly
+    its outputs (``max_tokens``, or up to its EOS), as a failed verdict; None if all did."""
     for rid, r in judge.by_id.items():
         got = harness.finished.get(rid)
         if got is not None and got[0] == "abort":
@@ -427,9 +438,7 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
             return Verdict(judge.steps, f"{judge.name}: {rid} ended with {got} but must end with {expected} "
                            "outputs: the article pauses a request, it never cuts or fails it", "R11", None,
                            level="must")
-    assert includes(level, "must")
-    return Verdict(judge.steps, None, sampled_per_user={u: len(t) for u, t in judge.history.items()},
-                   history=judge.naming_history() if attribute else None)
+    return None
 
 
 PROBE_TOKEN_FACTOR = 4  # a naming probe asks this many times each request's outputs (at most PROBE_MAX_TOKENS)
