@@ -21,11 +21,12 @@ wraps a vLLM function -- it calls the original, it never replaces vLLM logic:
   ``VllmWorker-*`` process's RPC reader parks on its notify socket right after an
   ``execute_model`` RPC that scheduled no token (the engine core is about to wait or to
   idle), instead of busy-polling vLLM's shared-memory queue for 1 s; the next RPC resets
-  vLLM's window, so a decoding engine keeps vLLM's spin. The engine core makes its RPC
-  queue's wake-up pings reliable (``zmq.XPUB_NODROP`` on the queue's notify socket: vLLM's
-  ``SNDHWM`` of 1 silently drops a ping sent within about 1 ms of the previous one, and a
-  parked reader then sleeps until vLLM's 5 s re-check). ``VLLM_OUTPUT_RATE_WORKER_PARK=0``
-  in the server's environment turns both off (vLLM's own spin; ``WORKER_PARK_ENV``).
+  vLLM's window, so a decoding engine keeps vLLM's spin. The engine core makes the ping of
+  the RPC that follows an empty step lossless (``zmq.XPUB_NODROP`` on the queue's notify
+  socket, only while the worker may be parked: vLLM's ``SNDHWM`` of 1 silently drops a ping
+  sent within about 1 ms of the previous one, and a parked reader then sleeps until
+  vLLM's 5 s re-check). ``VLLM_OUTPUT_RATE_WORKER_PARK=0`` in the server's environment
+  turns both off (vLLM's own spin; ``WORKER_PARK_ENV``).
 - Metrics (``reference/metrics.py``): with the feature on, the same wrapper puts a private
   snapshot directory into ``VLLM_OUTPUT_RATE_METRICS_DIR`` before the engine core is
   spawned, so the engine core writes its per-second snapshot there and the API server's
@@ -412,15 +413,15 @@ def worker_park_enabled(vllm_config) -> bool:
     return _feature_on(vllm_config) and os.environ.get(WORKER_PARK_ENV, "").strip() != "0"
 
 
-def make_pings_lossless(message_queue) -> bool:
-    """R16, worker side: the writer of vLLM's shm ``MessageQueue`` never drops a wake-up ping.
+def make_pings_lossless(message_queue, on: bool = True) -> bool:
+    """R16, worker side: the writer of vLLM's shm ``MessageQueue`` never drops a wake-up ping
+    (``on``), or drops as vLLM's does (``on=False``).
 
     vLLM's writer publishes one ping per ``enqueue`` on a zmq PUB socket with ``SNDHWM`` 1,
     and PUB drops a message when its pipe is at the high-water mark: a ping sent within
     about 1 ms of the previous one (before the socket has processed the credit its I/O
     thread returned) is lost, and a reader parked on it sleeps until vLLM's 5 s re-check.
-    ``zmq.XPUB_NODROP`` makes that send wait for the credit instead (microseconds; a
-    writer already waits on the ring buffer when a reader stalls). A socket option, set
+    ``zmq.XPUB_NODROP`` makes that send wait for the credit instead. A socket option, set
     through zmq on vLLM's socket; vLLM's queue is otherwise untouched. Returns True if set
     (False: the queue has no local readers, so no notify socket).
     """
@@ -430,7 +431,7 @@ def make_pings_lossless(message_queue) -> bool:
     socket = getattr(condition, "local_notify_socket", None)
     if condition is None or condition.is_reader or socket is None:
         return False
-    socket.setsockopt(zmq.XPUB_NODROP, 1)
+    socket.setsockopt(zmq.XPUB_NODROP, 1 if on else 0)
     return True
 
 
@@ -468,11 +469,14 @@ def is_empty_step_rpc(rpc_request) -> bool:
 def _install_worker_park() -> None:
     """Wrap the multiproc executor on both sides (R16, worker side; module docstring).
 
-    Engine core: ``MultiprocExecutor._init_executor`` -- after vLLM built the RPC queue and
-    its workers connected, its pings are made lossless (``make_pings_lossless``). Worker:
-    ``WorkerProc._init_message_queues`` records whether to park (``worker_park_enabled``);
-    ``WorkerProc._execute_worker_rpc`` runs the RPC as vLLM does, then after an empty
-    ``execute_model`` parks the RPC reader (``park_reader``).
+    Worker: ``WorkerProc._init_message_queues`` records whether to park
+    (``worker_park_enabled``); ``WorkerProc._execute_worker_rpc`` runs the RPC as vLLM
+    does, then after an empty ``execute_model`` parks the RPC reader (``park_reader``).
+    Engine core: ``MultiprocExecutor.collective_rpc`` (every RPC to the workers goes through
+    it) makes the RPC queue's pings lossless (``make_pings_lossless``) for the sends that
+    follow an empty ``execute_model`` -- the worker may be parked then -- and vLLM's again
+    once a non-empty RPC is sent (the worker is awake and spinning: a decoding engine's
+    sends stay exactly vLLM's, never waiting on the ping's credit).
     """
     try:
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
@@ -486,10 +490,22 @@ def _install_worker_park() -> None:
     @functools.wraps(init_executor)
     def _init_executor(self) -> None:
         init_executor(self)
-        if worker_park_enabled(getattr(self, "vllm_config", None)):
-            queue = getattr(self, "rpc_broadcast_mq", None)
-            if queue is not None:
-                make_pings_lossless(queue)
+        self._output_rate_park = worker_park_enabled(getattr(self, "vllm_config", None))
+
+    collective_rpc = MultiprocExecutor.collective_rpc
+
+    @functools.wraps(collective_rpc)
+    def _collective_rpc(self, method, *args: Any, **kwargs: Any):
+        if getattr(self, "_output_rate_park", False):
+            rpc_args = kwargs.get("args", args[1] if len(args) > 1 else ())
+            # The worker parks after an empty execute_model (below): the ping of the next
+            # message it reads must not be dropped; after any other RPC it spins (vLLM's).
+            lossless = getattr(self, "_output_rate_after_empty", False)
+            if lossless != getattr(self, "_output_rate_lossless", False):
+                make_pings_lossless(self.rpc_broadcast_mq, lossless)
+                self._output_rate_lossless = lossless
+            self._output_rate_after_empty = is_empty_step_rpc((method, rpc_args, {}, None))
+        return collective_rpc(self, method, *args, **kwargs)
 
     init_queues = WorkerProc._init_message_queues
 
@@ -508,5 +524,6 @@ def _install_worker_park() -> None:
 
     _OUR_WRAPPERS.add(_execute_worker_rpc)
     MultiprocExecutor._init_executor = _init_executor
+    MultiprocExecutor.collective_rpc = _collective_rpc
     WorkerProc._init_message_queues = _init_message_queues
     WorkerProc._execute_worker_rpc = _execute_worker_rpc

@@ -35,10 +35,12 @@ def originals(monkeypatch):
     """vLLM's executor functions, restored after the test (the install replaces them)."""
     saved = {
         "init_executor": MultiprocExecutor._init_executor,
+        "collective_rpc": MultiprocExecutor.collective_rpc,
         "init_queues": WorkerProc._init_message_queues,
         "execute_rpc": WorkerProc._execute_worker_rpc,
     }
     monkeypatch.setattr(MultiprocExecutor, "_init_executor", saved["init_executor"])
+    monkeypatch.setattr(MultiprocExecutor, "collective_rpc", saved["collective_rpc"])
     monkeypatch.setattr(WorkerProc, "_init_message_queues", saved["init_queues"])
     monkeypatch.setattr(WorkerProc, "_execute_worker_rpc", saved["execute_rpc"])
     return saved
@@ -115,6 +117,57 @@ def test_r16_worker_records_at_queue_setup_whether_to_park(originals, monkeypatc
     proc = WorkerProc.__new__(WorkerProc)
     proc._init_message_queues(None, config)
     assert proc._output_rate_park is expected
+
+
+class _Socket:
+    """Records the options set on a notify socket."""
+
+    def __init__(self) -> None:
+        self.options: list[tuple[int, int]] = []
+
+    def setsockopt(self, option: int, value: int) -> None:
+        self.options.append((option, value))
+
+
+def test_r16_engine_core_pings_lossless_only_while_the_worker_may_be_parked(originals, monkeypatch):
+    import zmq
+
+    monkeypatch.delenv(plugin.WORKER_PARK_ENV, raising=False)
+    sent: list[tuple[str, bool]] = []
+
+    def init_executor(self) -> None:  # vLLM's, reduced to the RPC queue it builds
+        self.rpc_broadcast_mq = SimpleNamespace(_spin_condition=SimpleNamespace(is_reader=False,
+                                                                                local_notify_socket=_Socket()))
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, unique_reply_rank=None):
+        sent.append((method, getattr(self, "_output_rate_lossless", False)))
+        return method
+
+    monkeypatch.setattr(MultiprocExecutor, "_init_executor", init_executor)
+    monkeypatch.setattr(MultiprocExecutor, "collective_rpc", collective_rpc)
+    plugin._install_worker_park()
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor.vllm_config = ON
+    executor._init_executor()
+    socket = executor.rpc_broadcast_mq._spin_condition.local_notify_socket
+    steps = [("execute_model", 5), ("sample_tokens", None), ("execute_model", 0), ("execute_model", 0),
+             ("execute_model", 2), ("sample_tokens", None), ("execute_model", 0), ("add_lora", None),
+             ("execute_model", 1)]
+    for method, tokens in steps:
+        args = (_step(tokens),) if tokens is not None else (None,)
+        assert executor.collective_rpc(method, args=args, unique_reply_rank=0) == method  # vLLM's call, its result
+    # Lossless exactly for the sends that follow an empty step (the worker parked after it).
+    assert [lossless for _method, lossless in sent] == [False, False, False, True, True, False, False, True, False]
+    assert socket.options == [(zmq.XPUB_NODROP, 1), (zmq.XPUB_NODROP, 0), (zmq.XPUB_NODROP, 1),
+                              (zmq.XPUB_NODROP, 0)]
+
+    executor_off = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor_off.vllm_config = OFF
+    executor_off._init_executor()
+    sent.clear()
+    executor_off.collective_rpc("execute_model", args=(_step(0),))
+    executor_off.collective_rpc("execute_model", args=(_step(1),))
+    assert executor_off.rpc_broadcast_mq._spin_condition.local_notify_socket.options == []  # feature off: vLLM's
 
 
 def test_r16_park_reader_marks_only_a_reader():
