@@ -17,8 +17,10 @@ judge holds to be the limiter's) on the spec limiter with *one* rule changed
 limiter grants every recorded dispatch up to the failing one and refuses every recorded
 pause, the failing one included: the candidate's whole observable behaviour up to the
 failure is that of the spec with exactly that rule broken. The first hypothesis in
-``HYPOTHESES`` order (the narrowest changes first: ns edges, then cleanup, charge point,
-refund point, pacing, then identity and rates) that explains it names the rule; every
+``HYPOTHESES`` order (the narrowest changes first: ns edges, where a slip that fits fewer
+histories comes first -- ready_at rounded down (an excess below 1 ns) and a truncated
+emission interval (a drift at rates whose T is not a whole ns) before a burst edge 1 ns
+late --, then cleanup, charge point, refund point, pacing, then identity and rates) that explains it names the rule; every
 other one that explains it too is listed. None explains it: the property's own rule stays.
 
 Black-box only: no field of the candidate's observation interface is read.
@@ -159,12 +161,12 @@ def _anon_per_request(ctx: Context, rid: str) -> str:
 HYPOTHESES: tuple[Hypothesis, ...] = (
     Hypothesis("R2", "refuses a take with TAT - now = tau exactly (R2 allows it: TAT - now <= tau)",
                allows=lambda tat, now, tau: tat - now < tau),
-    Hypothesis("R2", "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
-               allows=lambda tat, now, tau: tat - now <= tau + 1),
     Hypothesis("R5", "grants a take from ready_at rounded down (R5: ready_at = ceil(TAT - tau))",
                allows=_ceil_ready),
     Hypothesis("R3", "advances the TAT by the emission interval truncated to whole ns (R3: exact T)",
                interval=lambda rate: Fraction(NS_PER_S // rate) if rate <= NS_PER_S else Fraction(1)),
+    Hypothesis("R2", "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
+               allows=lambda tat, now, tau: tat - now <= tau + 1),
     Hypothesis("R6", "deletes at cleanup a user whose TAT is 1 ns ahead of now (R6 deletes only TAT <= now)",
                cleanup=lambda tat, now, tau: tat <= now + 1),
     Hypothesis("R6", "deletes at cleanup users whose TAT is ahead of now within tau (R6 deletes only TAT <= now)",
@@ -185,6 +187,8 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                chunk_takes=True),
     Hypothesis("R7", "charges a dispatch with a step in flight twice (R7: at most one charge per request per step)",
                charges=lambda d: 2 if d.in_flight else 1),
+    Hypothesis("R7", "charges a dispatch with a step in flight three times (R7: at most one charge per request "
+               "per step)", charges=lambda d: 3 if d.in_flight else 1),
     Hypothesis("R7", "charges every sampling dispatch twice (R7: one charge per request per step)",
                charges=lambda d: 2),
     Hypothesis("R7", "judges every dispatch of a step against the TAT at the step's start and charges after "

@@ -673,10 +673,30 @@ class _Judge:
             if self.records:
                 self.records[-1].pauses.append(rid)  # the judge holds this pause to be the limiter's
             if spec_limiter.allows(self.state, user, now, burst):
+                seated = self._throttled_seats(trace, resident) if cap is not None else []
+                if cap is not None and len(trace.scheduled) + len(seated) >= cap:
+                    # R12: the cap is full only if throttled running requests hold seats in it.
+                    return "R12", "must", (
+                        f"R12 broken: {self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA "
+                        f"still grants that user a token: {len(trace.scheduled)} requests scheduled, below "
+                        f"--max-num-active-seqs {cap}, which the throttled running requests {sorted(seated)} (users "
+                        f"the GCRA refuses) fill only if they are counted; R12: throttled requests give up their "
+                        f"place in the active cap. Seen: under-grant")
                 return self._named("R11", "must", (
                     f"{self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
                     f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant"))
         return None
+
+    def _throttled_seats(self, trace, resident: set[str]) -> list[str]:
+        """Running requests at the step start, not scheduled, with only their sampling
+        position left and a token to dispatch, whose user the GCRA refuses (after the
+        step's dispatches): the throttled requests R12 excludes from the active cap."""
+        start, now, burst = self.start, trace.now_ns, self.scenario.burst_ns
+        if start is None:
+            return []
+        return [rid for rid in start.running if rid in resident and rid in self.by_id and rid not in trace.scheduled
+                and rid in start.decoding and rid in start.demand
+                and not spec_limiter.allows(self.state, self.user_of(rid), now, burst)]
 
     def _record(self, trace) -> None:
         """Append this step's black-box facts to ``records`` (``adapter/attribution.py``)."""

@@ -455,7 +455,7 @@ def _replay_rate_limit(scenario: Scenario, scheduler_cls: str | None, level: str
     from rich.markup import escape
 
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
-    from vllm_output_rate.adapter.scenarios import run_scenario
+    from vllm_output_rate.adapter.scenarios import named_verdict
 
     cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER)
     console.print(f"rate-limit scenario on {cls}")
@@ -466,7 +466,7 @@ def _replay_rate_limit(scenario: Scenario, scheduler_cls: str | None, level: str
 
         verdict = run_feature_off(cls, scenario, style)
     else:
-        verdict = run_scenario(cls, scenario, level, style)
+        verdict = named_verdict(cls, scenario, level, style)  # named by the rule it breaks
     if verdict.failure:
         console.print(f"[bold red]FAIL[/] {escape(f'[{verdict.level}]')} {verdict.rule}: step {verdict.step}: "
                       f"{escape(verdict.failure)}")
