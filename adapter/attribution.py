@@ -20,7 +20,8 @@ failure is that of the spec with exactly that rule broken. The first hypothesis 
 ``HYPOTHESES`` order (the narrowest changes first: ns edges, where a slip that fits fewer
 histories comes first -- ready_at rounded down (an excess below 1 ns) and a truncated
 emission interval (a drift at rates whose T is not a whole ns) before a burst edge 1 ns
-late --, then cleanup, charge point, refund point, pacing, then identity and rates) that explains it names the rule; every
+late, a cleanup slip before that edge too (it acts at the cadence only) --, then the
+charge point, the refund point, the throttled prefill, pacing, then identity and rates) that explains it names the rule; every
 other one that explains it too is listed. None explains it: the property's own rule stays.
 
 Black-box only: no field of the candidate's observation interface is read.
@@ -83,12 +84,13 @@ class StepRecord:
 class Context:
     """The scenario's facts a replay needs: ``users`` request id -> ``output_rate_user``
     (None: none given), ``rates`` bucket -> exact rate (tokens/s), ``default_rate``,
-    ``burst_ns`` (tau)."""
+    ``burst_ns`` (tau), ``chunked_prefill``."""
 
     users: dict[str, str | None]
     rates: dict[str, Fraction]
     default_rate: Fraction
     burst_ns: int
+    chunked_prefill: bool = True  # R10's n - 1 advance exists only with chunked prefill
 
     def rate_of(self, bucket: str) -> Fraction:
         return self.rates.get(bucket, self.default_rate)
@@ -165,14 +167,12 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                allows=_ceil_ready),
     Hypothesis("R3", "advances the TAT by the emission interval truncated to whole ns (R3: exact T)",
                interval=lambda rate: Fraction(NS_PER_S // rate) if rate <= NS_PER_S else Fraction(1)),
-    Hypothesis("R2", "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
-               allows=lambda tat, now, tau: tat - now <= tau + 1),
     Hypothesis("R6", "deletes at cleanup a user whose TAT is 1 ns ahead of now (R6 deletes only TAT <= now)",
                cleanup=lambda tat, now, tau: tat <= now + 1),
     Hypothesis("R6", "deletes at cleanup users whose TAT is ahead of now within tau (R6 deletes only TAT <= now)",
                cleanup=lambda tat, now, tau: tat - now <= tau),
-    Hypothesis("R10", "lets a refused final prefill chunk reach the sampling position, uncharged (R10 holds it "
-               "at n - 1)", refused_prefill_samples=True),
+    Hypothesis("R2", "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
+               allows=lambda tat, now, tau: tat - now <= tau + 1),
     Hypothesis("R9", "keeps the charge of a request that did not sample (R9 refunds it at the end of schedule())",
                skipped_granted="take"),
     Hypothesis("R9", "refunds an undispatched charge twice (R9: exactly once)", skipped_granted="refund"),
@@ -201,6 +201,8 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                free_first_per_step=True),
     Hypothesis("R9", "refunds the dispatched charges of running requests (R9: a dispatched charge is final)",
                free_running=True),
+    Hypothesis("R10", "lets a refused final prefill chunk reach the sampling position, uncharged (R10 holds it "
+               "at n - 1)", refused_prefill_samples=True),
     Hypothesis("R2", "advances the TAT on a refused take (R2: a refusal changes nothing)", skipped_refused="take"),
     Hypothesis("R2", "advances the TAT without clamping it up to now, banking idle time (R2: max(TAT, now) + T)",
                start=lambda tat, now: tat),
@@ -255,7 +257,7 @@ class _Replay:
         for i, d in enumerate(rec.dispatches):
             bucket = hyp.key(self.ctx, d.request_id)
             if not self.allowed(bucket, now, at_start if hyp.decide_at_start else None):
-                if hyp.refused_prefill_samples and d.first_token:
+                if hyp.refused_prefill_samples and d.first_token and self.ctx.chunked_prefill:
                     continue  # the refused final chunk was not held at n - 1: it sampled, uncharged
                 return f"refuses {d.request_id} at t={now} ns"
             free = (hyp.free_first_per_step and i == 0) or (hyp.free_running and not d.admitted)

@@ -785,7 +785,7 @@ class _Judge:
         ctx = attribution.Context(
             {rid: r.user for rid, r in self.by_id.items()},
             {u: Fraction(r) for u, r in scenario.rates_tokens_per_s.items()},
-            Fraction(scenario.default_rate_tokens_per_s), scenario.burst_ns)
+            Fraction(scenario.default_rate_tokens_per_s), scenario.burst_ns, scenario.chunked_prefill)
         return ctx, self.records
 
     def _grants_at(self, state, user: str, now: int, at_most: int) -> int:
