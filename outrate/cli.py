@@ -330,10 +330,13 @@ def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) 
                      + (f" ({len(mutant_rows) - len(judged)} not a defect at this level)"
                         if len(judged) < len(mutant_rows) else ""))
     line = ", ".join(parts) + f" in {seconds:.0f} s"
+    survived = [m["mutant"] for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
     if failed:
         line += f" -- REJECTED: {', '.join(failed)} failed"
     elif health_failed:
         line += f" -- SPEC HEALTH FAILED ({', '.join(health_failed)}): no verdict on this vLLM"
+    elif survived:  # the candidate passed, but the gate missed a slip it must catch
+        line += f" -- GATE TOO WEAK: {len(survived)} mutant(s) survived: {', '.join(survived)}"
     elif untested:
         line += f" -- NOT TESTED: {', '.join(untested)} (give --async-scheduler-cls, or --sync-only)"
     else:

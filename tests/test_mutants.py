@@ -222,3 +222,19 @@ def test_r13_priority_variant_boundary_kills_a_throttled_victim_taken_across_lev
         assert run_scenario(base, scenario, "should", style).failure is None
         assert run_scenario(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, scenario,
                             "should").failure is None
+
+
+def test_verdict_line_says_gate_too_weak_when_a_judged_mutant_survives():
+    # `outrate conform --mutants` exits 1 when a mutant survives; its last line must say so,
+    # never "ACCEPTED" (a mutant not judged at the level is neither killed nor a survivor).
+    from types import SimpleNamespace
+
+    from vllm_output_rate.cli import _verdict_line
+
+    results = [SimpleNamespace(part="candidate", result="pass", name="rate-limit/sync")]
+    rows = [{"mutant": "A", "killed": True}, {"mutant": "B", "killed": False},
+            {"mutant": "C", "killed": False, "not_judged": "not a defect below should"}]
+    line = _verdict_line(results, "must", rows, 1.0)
+    assert line.endswith("-- GATE TOO WEAK: 1 mutant(s) survived: B"), line
+    assert "1/2 mutants killed (1 not a defect at this level)" in line
+    assert _verdict_line(results, "must", rows[::2], 1.0).endswith("-- ACCEPTED")
