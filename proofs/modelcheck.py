@@ -17,8 +17,8 @@ bookkeeping the checker needs for properties over whole runs (below): each user'
 dispatch ledger (I7, I13) and each resident stream's bypass count (F1). Enabled events:
 ``Step``; ``AdvanceClock(d)`` for each declared increment ``d``; ``Drain`` (async scopes
 that declare it, when output is in flight); ``AddRequest`` of any user's pending stream
-and ``Abort`` of any live request, while fewer than ``horizon`` events have happened
-(``horizon`` None: always). Every state keeps ``Step`` and ``AdvanceClock`` enabled, so
+and ``Abort`` of any live request, and (R21) ``ChangeRates`` of the scope's next rate
+table, while fewer than ``horizon`` events have happened (``horizon`` None: always). Every state keeps ``Step`` and ``AdvanceClock`` enabled, so
 liveness is decided exactly on the explored graph.
 
 Canonical states (what makes the state space finite and small)
@@ -116,7 +116,7 @@ from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec import rate as spec_rate
 from vllm_output_rate.spec import scheduler as spec
-from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
 from vllm_output_rate.spec.state import (
     EngineConfig,
     Observation,
@@ -178,6 +178,9 @@ class Scope:
     pinned: tuple[int, int] | None = None
     note: str = ""
     fair_admission: bool = False  # F2 (R20): checked; needs max_num_seqs_per_user C with users x C <= M
+    # R21: rate tables the operator may install, each once and in this order, at any point
+    # within the horizon (``ChangeRates``); the feature must be on.
+    rate_changes: tuple[ChangeRates, ...] = ()
 
     def __post_init__(self) -> None:
         c = self.config
@@ -192,6 +195,7 @@ class Scope:
         assert 1 <= self.max_states <= MAX_SCOPE_STATES, f"{self.name}: max_states {self.max_states}"
         assert all(d > 0 for d in self.clock_ns), f"{self.name}: clock increments must be > 0"
         assert c.rate_limited or not self.clock_ns, f"{self.name}: feature off, the clock changes nothing"
+        assert c.rate_limited or not self.rate_changes, f"{self.name}: R21 rate changes need the feature on"
         # vLLM refuses to start unless one max_model_len sequence fits in the KV cache, and
         # its front end rejects prompts of max_model_len tokens or more (fidelity EXCLUSIONS).
         assert blocks_for(c.max_model_len, c) <= c.num_usable_blocks, (
@@ -237,6 +241,8 @@ def scope_from_json(data: dict) -> Scope:
         pinned=None if pinned is None else (pinned["states"], pinned["transitions"]),
         note=data.get("note", ""),
         fair_admission=data.get("fair_admission", False),
+        rate_changes=tuple(ChangeRates(t["default"], tuple(sorted(t.get("users", {}).items())))
+                           for t in data.get("rate_changes", [])),
     )
 
 
@@ -280,7 +286,9 @@ class Compiled:
         by_rate: dict[Any, list[str]] = {}
         for u in self.users:
             by_rate.setdefault(config.rate_of(u) if self.rate_limited else None, []).append(u)
-        self.classes = [sorted(c) for c in by_rate.values() if len(c) > 1]
+        # R21: after a change users of one rate may differ, so no symmetry with rate changes.
+        self.classes = [sorted(c) for c in by_rate.values() if len(c) > 1] if not scope.rate_changes else []
+        self.rate_changes = scope.rate_changes
         # F1 bound, per priority: the most streams one user has at that priority, minus one
         # (the same for every user, so that renaming users keeps it).
         self.bypass_bound: dict[int, int] = {}
@@ -300,17 +308,19 @@ class World:
     ``ledger``: per user, the GCRA replay of its sampling dispatches (absolute ns) or None.
     ``bypass``: request id -> consecutive bypasses (F1), only non-zero entries.
     ``added``: per user, streams added so far (names concrete request ids; not in the key).
+    ``changes_done``: R21, how many of the scope's rate tables were installed (in the key).
     """
 
-    __slots__ = ("aborts_left", "added", "bypass", "ledger", "pending", "state")
+    __slots__ = ("aborts_left", "added", "bypass", "changes_done", "ledger", "pending", "state")
 
-    def __init__(self, state, pending, ledger, bypass, aborts_left, added) -> None:
+    def __init__(self, state, pending, ledger, bypass, aborts_left, added, changes_done: int = 0) -> None:
         self.state: SchedulerState = state
         self.pending: tuple[tuple[tuple, ...], ...] = pending
         self.ledger: tuple[Fraction | None, ...] = ledger
         self.bypass: dict[str, int] = bypass
         self.aborts_left: int = aborts_left
         self.added: tuple[int, ...] = added
+        self.changes_done = changes_done
 
 
 def initial_world(cs: Compiled) -> World:
@@ -387,6 +397,8 @@ def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
         pending,
         tuple(sorted((index[rid], n) for rid, n in world.bypass.items() if rid in index and n > 0)),
         world.aborts_left,
+        world.changes_done,  # R21: with pending_rates, the rate table in force and the one to come
+        st.pending_rates is not None,
     )
     # marshal version 2: no object sharing, so equal keys always give equal bytes.
     digest = hashlib.blake2b(marshal.dumps(key, 2), digest_size=16).digest()
@@ -424,8 +436,9 @@ def canonical_world(world: World, cs: Compiled, context: tuple) -> World:
     rep_state = SchedulerState(
         config=st.config, now_ns=0, requests=tuple(new_requests), running=tuple(ids[x] for x in st.running),
         waiting=tuple(ids[x] for x in st.waiting), num_free_blocks=st.num_free_blocks, in_flight=in_flight,
-        num_arrivals=len(new_requests), num_schedules=0, limiter=limiter, last_served=last_served, turns=turns)
-    return World(rep_state, pending, ledger, bypass, world.aborts_left, added)
+        num_arrivals=len(new_requests), num_schedules=0, limiter=limiter, last_served=last_served, turns=turns,
+        pending_rates=st.pending_rates)
+    return World(rep_state, pending, ledger, bypass, world.aborts_left, added, world.changes_done)
 
 
 def canonicalize(world: World, cs: Compiled) -> tuple[bytes, World]:
@@ -447,6 +460,8 @@ def enabled_events(world: World, cs: Compiled, depth: int, concrete: bool) -> li
     events.extend(cs.clock_events)
     if cs.scope.horizon is not None and depth >= cs.scope.horizon:
         return events
+    if world.changes_done < len(cs.rate_changes):  # R21: the next rate table
+        events.append(cs.rate_changes[world.changes_done])
     for ui, user in enumerate(cs.users):
         seen = set()
         for stream in world.pending[ui]:
@@ -486,7 +501,9 @@ def transition(world: World, event: Event, cs: Compiled) -> Outcome:
         return Outcome(None, None, [("assert", f"spec assertion: {error}")])
     violations: list[tuple[str, str]] = []
     pending, aborts_left, added = world.pending, world.aborts_left, world.added
-    ledger, bypass = world.ledger, world.bypass
+    ledger, bypass, changes_done = world.ledger, world.bypass, world.changes_done
+    if isinstance(event, ChangeRates):
+        changes_done += 1
     if isinstance(event, AddRequest):
         ui = cs.uidx[event.user]
         stream = (event.prompt_len, event.max_tokens, event.eos_index, event.priority)
@@ -500,7 +517,9 @@ def transition(world: World, event: Event, cs: Compiled) -> Outcome:
     if isinstance(event, Step):
         users_of = {r.request_id: r.user for r in before.requests}
         if cs.rate_limited:
-            ledger, found = _advance_ledger(ledger, users_of, obs, cs)
+            if before.pending_rates is not None:  # R21: the step installed a rate table first
+                ledger = _rerate_ledger(ledger, before, after, obs.now_ns, cs)
+            ledger, found = _advance_ledger(ledger, users_of, obs, cs, after if cs.rate_changes else None)
             violations.extend(found)
             history = invariants.DispatchHistory(ledger_tat_ns=tuple(
                 (u, t) for u, t in zip(cs.users, ledger) if t is not None))
@@ -515,10 +534,21 @@ def transition(world: World, event: Event, cs: Compiled) -> Outcome:
         message = f"spec assertion in an invariant: {error}"
     if message:
         violations.insert(0, (_check_id(message), message))
-    return Outcome(World(after, pending, ledger, bypass, aborts_left, added), obs, violations)
+    return Outcome(World(after, pending, ledger, bypass, aborts_left, added, changes_done), obs, violations)
 
 
-def _advance_ledger(ledger, users_of, obs, cs: Compiled):
+def _rerate_ledger(ledger, before: SchedulerState, after: SchedulerState, now: int, cs: Compiled):
+    """R21: the dispatch ledger keeps each changed user's lead in tokens, as the limiter must."""
+    out = []
+    for user, current in zip(cs.users, ledger):
+        old, new = before.config.rate_of(user), after.config.rate_of(user)
+        if current is not None and old != new:
+            current = spec_limiter.rescaled_tat_ns(current, old, new, now)
+        out.append(current)
+    return tuple(out)
+
+
+def _advance_ledger(ledger, users_of, obs, cs: Compiled, after: SchedulerState | None = None):
     """I7 in ledger form: each sampling dispatch at ``t`` needs ``L - t <= tau``; then
     ``L := max(L, t) + T`` (module docstring)."""
     found = []
@@ -532,7 +562,8 @@ def _advance_ledger(ledger, users_of, obs, cs: Compiled):
             found.append(("I7", f"I7 (R2): user {user}: a sampling dispatch at {now} ns with the dispatch ledger "
                                 f"{float(current - now) / MS:g} ms ahead (> tau {cs.burst / MS:g} ms): the window "
                                 f"bound floor((W + tau) x rate) + 1 is exceeded for some window ending now"))
-        ledger[ui] = max(current if current is not None else now, now) + cs.interval[user]
+        interval = cs.interval[user] if after is None else spec_limiter.emission_interval_ns(after.config.rate_of(user))
+        ledger[ui] = max(current if current is not None else now, now) + interval  # R21: the rate in force
     return tuple(ledger), found
 
 

@@ -506,3 +506,25 @@ def test_r21_shadow_mode_follows_the_rates_file(tmp_path) -> None:
     harness.add_request("r0", "a", max_tokens=4)
     harness.step()
     assert scheduler._shadow.limiter.rate_of("a") == 25
+
+
+# -- the model checker ------------------------------------------------------------------------
+@pytest.mark.rules("R21")
+def test_r21_model_checker_explores_rate_changes_and_catches_a_reset(monkeypatch) -> None:
+    from types import MappingProxyType
+
+    from vllm_output_rate.proofs import modelcheck as mc
+
+    scope = mc.scope_by_name("async-rate-change")
+    assert scope.rate_changes and scope.pinned is not None
+    result = mc.explore(scope)
+    assert result.as_json()["violations"] == 0 and (result.states, result.transitions) == scope.pinned
+
+    def reset(state, old_rate_of, new_rate_of, now_ns):  # the mutant: a changed user's TAT := now
+        return spec_limiter.LimiterState(MappingProxyType(
+            {u: t for u, t in state.tat_ns.items() if old_rate_of(u) == new_rate_of(u)}))
+
+    monkeypatch.setattr(spec_limiter, "change_rates", reset)
+    found = mc.explore(mc.scope_by_name("sync-rate-change"), stop_at_first=True).as_json()
+    assert found["violations"] >= 1 and found["details"][0]["check"] == "I13", found["details"][:1]
+    assert any(event.startswith("rates default=") for event in found["details"][0]["events"])
