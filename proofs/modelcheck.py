@@ -18,8 +18,9 @@ dispatch ledger (I7, I13) and each resident stream's bypass count (F1). Enabled 
 ``Step``; ``AdvanceClock(d)`` for each declared increment ``d``; ``Drain`` (async scopes
 that declare it, when output is in flight); ``AddRequest`` of any user's pending stream
 and ``Abort`` of any live request, and (R21) ``ChangeRates`` of the scope's next rate
-table, while fewer than ``horizon`` events have happened (``horizon`` None: always). Every state keeps ``Step`` and ``AdvanceClock`` enabled, so
-liveness is decided exactly on the explored graph.
+table, while fewer than ``horizon`` events have happened (``horizon`` None: always).
+Every state keeps ``Step`` and ``AdvanceClock`` enabled, so liveness is decided exactly
+on the explored graph.
 
 Canonical states (what makes the state space finite and small)
 --------------------------------------------------------------
