@@ -6,9 +6,10 @@ Sources (each declares the rule ids it covers; nothing here parses names):
 * tests: ``@pytest.mark.rules("R7", ...)`` on test functions in ``tests/`` and
   ``gpu_tests/`` (read from the AST, so collecting needs no vLLM and no GPU);
 * gate checks: ``CheckSpec.rules`` of ``vllm_output_rate.gate_plan.registry()``;
-* mutants: ``Mutant.rule`` of ``adapter.mutation.catalogue()``;
-* proofs: ``rules`` of ``proofs.z3_limiter.PROPERTIES`` and
-  ``proofs.crosshair_limiter.PROPERTIES``.
+* mutants: ``Mutant.rule`` of ``adapter.mutation.catalogue()`` and of
+  ``proofs.modelcheck_shared.MUTANTS`` (R23-R26, named ``shared/...``);
+* proofs: ``rules`` of ``proofs.z3_limiter.PROPERTIES``,
+  ``proofs.crosshair_limiter.PROPERTIES`` and ``proofs.z3_shared_budget.PROPERTIES``.
 
 ``python -m vllm_output_rate.traceability --write`` (``make traceability``) rewrites the
 block between the two ``traceability`` comment lines of docs/SPEC.md; ``--check`` exits 1
@@ -82,7 +83,7 @@ def gather(root: Path = ROOT) -> dict[str, Coverage]:
     """Rule id -> what declares it (unknown ids are kept under their own key)."""
     from vllm_output_rate import gate_plan
     from vllm_output_rate.adapter.mutation import catalogue
-    from vllm_output_rate.proofs import crosshair_limiter, z3_limiter
+    from vllm_output_rate.proofs import crosshair_limiter, modelcheck_shared, z3_limiter, z3_shared_budget
 
     cover: dict[str, Coverage] = {rule.rule_id: Coverage() for rule in RULES}
     for ref in declared_tests(root):
@@ -94,7 +95,9 @@ def gather(root: Path = ROOT) -> dict[str, Coverage]:
                 cover[rid].checks.append(spec.name)
     for mutant in catalogue():
         cover.setdefault(mutant.rule, Coverage()).mutants.append(mutant.name)
-    for prop in list(z3_limiter.PROPERTIES) + list(crosshair_limiter.PROPERTIES):
+    for shared in modelcheck_shared.MUTANTS:  # R23-R26: protocol mutants of the model checker
+        cover.setdefault(shared.rule, Coverage()).mutants.append(f"shared/{shared.name}")
+    for prop in list(z3_limiter.PROPERTIES) + list(crosshair_limiter.PROPERTIES) + list(z3_shared_budget.PROPERTIES):
         for rid in prop.rules:
             cover.setdefault(rid, Coverage()).proofs.append(prop.name)
     return cover

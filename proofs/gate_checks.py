@@ -1,4 +1,5 @@
-"""The gate's spec-health rows that come from proofs/: ``proofs/z3`` and ``model-check/quick``.
+"""The gate's spec-health rows that come from proofs/: ``proofs/z3``, ``model-check/quick``
+and ``proofs/shared-budget`` (R23-R26).
 
 They live here, not in ``adapter/``, because the layers go one way (spec <- reference <-
 adapter <- proofs <- outrate; ``tests/test_layers.py``): the proofs use the adapter's
@@ -15,6 +16,7 @@ from vllm_output_rate.adapter.registry import CheckSpec
 
 Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R21")
 MODEL_RULES = ("I1-I18", "F1", "R6", "R19", "liveness")
+SHARED_RULES = ("R23", "R24", "R25", "R26")
 
 
 def check_proofs(tick: Callable[[], None]) -> CheckResult:
@@ -51,6 +53,37 @@ def check_model(tick: Callable[[], None]) -> CheckResult:
     return result
 
 
+def check_shared_budget(tick: Callable[[], None]) -> CheckResult:
+    """R23-R26: the Z3 proofs of ``proofs/z3_shared_budget.py``, every state of the model
+    checker's 2-engine scope (``proofs/modelcheck_shared.py``), and each protocol mutant
+    caught."""
+    from vllm_output_rate.proofs import modelcheck_shared, z3_shared_budget
+
+    result = CheckResult("proofs/shared-budget", list(SHARED_RULES), part="spec health")
+    for record in z3_shared_budget.run_all():
+        tick()
+        result.examples += 1
+        if record["result"] != "proved" or not record["vacuity_ok"]:
+            result.result = "fail"
+            result.failure = f"{record['name']}: {record['result']}"
+            result.counterexample.append(str(record["counterexample"]))
+    for scope in modelcheck_shared.SCOPES:
+        tick()
+        outcome = modelcheck_shared.explore(scope)
+        result.examples += 1
+        result.steps += outcome.states
+        if outcome.violation is not None or not outcome.complete:
+            result.result = "fail"
+            result.failure = f"scope {scope.name}: {outcome.violation}"
+    for name, outcome in modelcheck_shared.run_mutants().items():
+        tick()
+        result.examples += 1
+        if outcome.violation is None:
+            result.result = "fail"
+            result.failure = f"mutant {name} survived the scopes"
+    return result
+
+
 def _quick_scopes() -> int:
     from vllm_output_rate.proofs.modelcheck import profile_scopes
 
@@ -58,10 +91,12 @@ def _quick_scopes() -> int:
 
 
 def spec_health_checks() -> list[CheckSpec]:
-    """The two spec-health rows of proofs/, in the gate's running order (last)."""
+    """The spec-health rows of proofs/, in the gate's running order (last)."""
     return [
         CheckSpec("proofs/z3", "spec health", "must", Z3_RULES, None, lambda o: 6,
                   lambda o, tick: check_proofs(tick)),
         CheckSpec("model-check/quick", "spec health", "must", MODEL_RULES, None,
                   lambda o: _quick_scopes(), lambda o, tick: check_model(tick)),
+        CheckSpec("proofs/shared-budget", "spec health", "must", SHARED_RULES, None, lambda o: 9,
+                  lambda o, tick: check_shared_budget(tick)),
     ]

@@ -122,3 +122,20 @@ def expand(rule_ids: tuple[str, ...] | list[str]) -> list[str]:
         else:
             out.append(rid)
     return out
+
+
+# R23-R26: the multi-engine shared budget (docs/SPEC.md, "Multi-engine shared budget"):
+# one budget per user across engines, leased from a shared GCRA in a store.
+SHARED_BUDGET_RULES: tuple[Rule, ...] = (
+    Rule("R23", "lease is an atomic advance of the shared TAT", ("shared_budget.lease", "shared_budget.return_unused",
+         "shared_budget.store_grants_at", "shared_budget.StoreState", "shared_budget.Lease"), ()),
+    Rule("R24", "cross-engine window bound", ("shared_budget.shared_window_bound_tokens",
+         "shared_budget.shared_ledger_burst_ns", "shared_budget.holding_cap", "shared_budget.lease_size",
+         "shared_budget.wants_lease", "shared_budget.spend", "shared_budget.work_conservation_floor"), ()),
+    Rule("R25", "store slow or down: fail closed", ("shared_budget.wants_lease", "shared_budget.Holding.spendable",
+         "shared_budget.STORE_TIMEOUT_NS"), ()),
+    Rule("R26", "engine crash: no double spend, bounded loss", ("shared_budget.crash", "shared_budget.expire",
+         "shared_budget.crash_delay_bound_ns", "shared_budget.Holding"), ()),
+)
+RULES = RULES + SHARED_BUDGET_RULES
+BY_ID = {rule.rule_id: rule for rule in RULES}
