@@ -449,8 +449,6 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
     ``waits`` (fake blocking waits: start, end, requests pending), ``aborts`` (instants of
     ``finish_requests`` calls and their ids), ``end_ns``, ``stopped_by``, ``error``.
     """
-    from vllm_output_rate.spec import limiter
-
     if obs.get("error") and "end_ns" not in obs:
         verdict.failure = f"the engine could not be built around the candidate: {obs['error'].strip().splitlines()[-1]}"
         verdict.error = obs["error"]
@@ -464,43 +462,81 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
     verdict.wakeups = len(wakeups)
     productive = [s for s in steps if s["tokens"] > 0]
     verdict.productive_steps = len(productive)
-    user_of = {i.request_id: i.user for i in scenario.inputs if i.kind == "add"}
-    max_tokens = {i.request_id: i.max_tokens for i in scenario.inputs if i.kind == "add"}
-    arrivals = {i.request_id: i.at_ns for i in scenario.inputs if i.kind == "add"}
-    t_abort = next(i.at_ns for i in scenario.inputs if i.kind == "abort")
+    run = _Replay(scenario, end_ns, wakeups)
+    run.replay(productive, verdict)
+    _judge_spin(run, productive, verdict)
+    _judge_oversleep(run, verdict)
+    _judge_longest_wait(run, obs, verdict)
+    _judge_early_wake(run, obs, verdict)
 
-    # Replay the sampling dispatches through the spec limiter (R1-R5) for the ready times.
-    state = limiter.EMPTY
-    sampled_by_user: dict[str, list[int]] = {}
-    dispatch_times: dict[str, list[int]] = {}  # request id -> instants of its sampling dispatches
-    expectations: list[tuple[str, int, int]] = []  # (user, dispatch instant, ready instant)
-    replay_at: list[tuple[int, Any]] = [(-1, state)]  # (instant of a step, replay state after it)
-    for s in productive:
-        users_now = []
-        for rid in s["sampled"]:
-            user = user_of.get(rid)
-            if user is None:
-                continue
-            state, granted = limiter.try_take(state, user, Fraction(scenario.rates[user]), s["t"], scenario.burst_ns)
-            verdict.over_grants += not granted
-            dispatch_times.setdefault(rid, []).append(s["t"])
-            sampled_by_user.setdefault(user, []).append(s["t"])
-            users_now.append(user)
-        replay_at.append((s["t"], state))
-        for user in set(users_now):
-            ready = limiter.ready_at_ns(state, user, scenario.burst_ns)
-            if ready is not None and ready > s["t"]:
-                expectations.append((user, s["t"], ready))
-    verdict.tokens = {u: len(ts) for u, ts in sampled_by_user.items()}
+    # (3) new input wakes the engine.
+    t_new = run.arrivals[scenario.new_request_id]
+    first = next((s["t"] for s in steps if scenario.new_request_id in s["scheduled"]), None)
+    verdict.new_request_latency_ns = None if first is None else first - t_new
+    handled = next((a[0] for a in obs["aborts"] if scenario.aborted_request_id in a[1] and a[0] >= run.t_abort), None)
+    verdict.abort_latency_ns = None if handled is None else handled - run.t_abort
 
-    # (1) spin: idle wake-ups (while some user still wants tokens) per interval between
-    # events (steps that ran the model, inputs).
+    verdict.failure = _first_failure(verdict, obs)
+    return verdict
+
+
+class _Replay:
+    """One run's facts for ``judge``: the scenario's requests (user, ``max_tokens``, arrival),
+    the sampling dispatches replayed through the spec limiter (R1-R5) and the ready times
+    they imply."""
+
+    def __init__(self, scenario: EngineWaitScenario, end_ns: int, wakeups: list[Any]) -> None:
+        self.scenario, self.end_ns, self.wakeups = scenario, end_ns, wakeups
+        self.user_of = {i.request_id: i.user for i in scenario.inputs if i.kind == "add"}
+        self.max_tokens = {i.request_id: i.max_tokens for i in scenario.inputs if i.kind == "add"}
+        self.arrivals = {i.request_id: i.at_ns for i in scenario.inputs if i.kind == "add"}
+        self.t_abort = next(i.at_ns for i in scenario.inputs if i.kind == "abort")
+        self.sampled_by_user: dict[str, list[int]] = {}
+        self.dispatch_times: dict[str, list[int]] = {}  # request id -> instants of its sampling dispatches
+        self.expectations: list[tuple[str, int, int]] = []  # (user, dispatch instant, ready instant)
+        self.replay_at: list[tuple[int, Any]] = []  # (instant of a step, replay state after it)
+
+    def demand(self, user: str, t: int) -> bool:
+        """``user`` still wants a token at ``t`` (``_has_demand``)."""
+        return _has_demand(user, t, self.dispatch_times, self.user_of, self.max_tokens, self.arrivals,
+                           self.scenario.aborted_request_id, self.t_abort)
+
+    def replay(self, productive: list[dict[str, Any]], verdict: EngineWaitVerdict) -> None:
+        """Replay the sampling dispatches through the spec limiter (R1-R5) for the ready times."""
+        from vllm_output_rate.spec import limiter
+
+        scenario, user_of = self.scenario, self.user_of
+        sampled_by_user, dispatch_times, expectations = self.sampled_by_user, self.dispatch_times, self.expectations
+        state = limiter.EMPTY
+        self.replay_at.append((-1, state))
+        for s in productive:
+            users_now = []
+            for rid in s["sampled"]:
+                user = user_of.get(rid)
+                if user is None:
+                    continue
+                state, granted = limiter.try_take(state, user, Fraction(scenario.rates[user]), s["t"], scenario.burst_ns)
+                verdict.over_grants += not granted
+                dispatch_times.setdefault(rid, []).append(s["t"])
+                sampled_by_user.setdefault(user, []).append(s["t"])
+                users_now.append(user)
+            self.replay_at.append((s["t"], state))
+            for user in set(users_now):
+                ready = limiter.ready_at_ns(state, user, scenario.burst_ns)
+                if ready is not None and ready > s["t"]:
+                    expectations.append((user, s["t"], ready))
+        verdict.tokens = {u: len(ts) for u, ts in sampled_by_user.items()}
+
+
+def _judge_spin(run: _Replay, productive: list[dict[str, Any]], verdict: EngineWaitVerdict) -> None:
+    """(1) Spin: idle wake-ups (while some user still wants tokens) per interval between events."""
+    scenario, end_ns, wakeups = run.scenario, run.end_ns, run.wakeups
+    # Events: steps that ran the model, inputs, the end of the run.
     events = sorted({s["t"] for s in productive} | {i.at_ns for i in scenario.inputs} | {end_ns})
     idle_in: dict[int, int] = {}
     idle_times = []
     for t, ran in wakeups:
-        if ran or not any(_has_demand(u, t, dispatch_times, user_of, max_tokens, arrivals,
-                                      scenario.aborted_request_id, t_abort) for u in scenario.rates):
+        if ran or not any(run.demand(u, t) for u in scenario.rates):
             continue  # a step that ran the model, or one with nobody left wanting a token
         idle_times.append(t)
         k = max(0, bisect.bisect_right(events, t) - 1)
@@ -513,10 +549,12 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
     gaps = sorted(b - a for a, b in itertools.pairwise(idle_times))
     verdict.median_idle_gap_ns = gaps[len(gaps) // 2] if gaps else None
 
-    # (2a) oversleep: a throttled user with demand gets its next token at its ready time.
+
+def _judge_oversleep(run: _Replay, verdict: EngineWaitVerdict) -> None:
+    """(2a) Oversleep: a throttled user with demand gets its next token at its ready time."""
+    end_ns, sampled_by_user, expectations = run.end_ns, run.sampled_by_user, run.expectations
     for user, at, ready in expectations:
-        if not _has_demand(user, ready, dispatch_times, user_of, max_tokens, arrivals, scenario.aborted_request_id,
-                           t_abort):
+        if not run.demand(user, ready):
             continue
         times = sampled_by_user[user]
         k = bisect.bisect_right(times, at)
@@ -534,6 +572,10 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
                 + (f"at {later[0] / MS:.3f} ms" if later else f"never (run ended at {end_ns / MS:.3f} ms)")
             )
 
+
+def _judge_longest_wait(run: _Replay, obs: dict[str, Any], verdict: EngineWaitVerdict) -> None:
+    """(2b) The longest wait while requests were pending."""
+    end_ns, wakeups = run.end_ns, run.wakeups
     # (2b) longest wait while requests were pending: gaps between wake-ups spanning a
     # pending fake wait (and the gap from the last wake-up to the end of the run).
     instants = [t for t, _ in wakeups] + [end_ns]
@@ -544,6 +586,12 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
         if k < len(starts) and starts[k] < b:
             verdict.max_wait_ns = max(verdict.max_wait_ns, b - a)
 
+
+def _judge_early_wake(run: _Replay, obs: dict[str, Any], verdict: EngineWaitVerdict) -> None:
+    """(2c) Early wake: a hinted wait on the input queue ends no earlier than the first ready time."""
+    from vllm_output_rate.spec import limiter
+
+    scenario, end_ns, replay_at = run.scenario, run.end_ns, run.replay_at
     # (2c) early wake: a wait on the input queue that timed out before R16_MAX_WAIT_NS
     # (so the wait hint, not the 50 ms cap, ended it) must not end before the earliest
     # ready time (R5: rounded up) of the users with pending requests, from the replay at
@@ -558,8 +606,7 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
         at = replay_at[bisect.bisect_right(replay_times, start) - 1][1]
         readies = []
         for user in scenario.rates:
-            if _has_demand(user, end, dispatch_times, user_of, max_tokens, arrivals, scenario.aborted_request_id,
-                           t_abort):
+            if run.demand(user, end):
                 ready = limiter.ready_at_ns(at, user, scenario.burst_ns)
                 readies.append((start if ready is None else ready, user))
         if readies and min(readies)[0] - end > verdict.max_early_ns:
@@ -571,16 +618,6 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
             exact = at.tat_ns[user] - scenario.burst_ns if user in at.tat_ns else None
             verdict.early_rounded_down = (exact is not None and exact.denominator != 1
                                           and math.floor(exact) == end and ready - end == 1)
-
-    # (3) new input wakes the engine.
-    t_new = arrivals[scenario.new_request_id]
-    first = next((s["t"] for s in steps if scenario.new_request_id in s["scheduled"]), None)
-    verdict.new_request_latency_ns = None if first is None else first - t_new
-    handled = next((a[0] for a in obs["aborts"] if scenario.aborted_request_id in a[1] and a[0] >= t_abort), None)
-    verdict.abort_latency_ns = None if handled is None else handled - t_abort
-
-    verdict.failure = _first_failure(verdict, obs)
-    return verdict
 
 
 def _has_demand(user: str, ready: int, dispatch_times: dict[str, list[int]], user_of: dict[str, str],

@@ -158,7 +158,7 @@ def store_grants_at(store: StoreState, now_ns: int | Fraction, rate_tokens_per_s
     """R23 (R2 at the store): how many grants the store could make at ``now_ns``:
     ``floor((tau - lead) / T) + 1`` with ``lead = max(TAT, now) - now``, 0 when the lead
     exceeds tau."""
-    lead = 0 if store.tat_ns is None else max(store.tat_ns - now_ns, 0)
+    lead = 0 if store.tat_ns is None else max(store.tat_ns - now_ns, Fraction(0))
     if lead > burst_ns:
         return 0
     return math.floor((burst_ns - lead) / emission_interval_ns(rate_tokens_per_s)) + 1

@@ -19,8 +19,6 @@ LIMIT = 70
 ALLOWED = {
     "adapter/coverage.py::observe": "one pass over a step's trace that sets every coverage obligation; "
                                     "its branches share the step's local state",
-    "adapter/engine_wait.py::judge": "the engine-wait verdict over one recorded run; every rule reads the "
-                                     "same wait records",
     "outrate/bench.py::bench": "the bench command; goes with the split of outrate/bench.py into a package",
     "proofs/modelcheck.py::_explore": "the model checker's BFS loop; modelcheck.py is not split while scopes "
                                       "are being added to it",
