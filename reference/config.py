@@ -19,6 +19,10 @@ Keys (all optional; an empty or missing section means the feature is off, R18):
                                 of each ``schedule()``; a change replaces the rate
                                 table without a restart (reference/ratesfile.py).
                                 Default: off
+``shared_budget_url``           R23-R26: ``redis://host:port/db`` (or ``rediss://``,
+                                ``unix://``, ``valkey://``): one budget per user
+                                across every engine using the same store
+                                (reference/shared_budget.py). Default: off
 ``shadow``                      ``true``: shadow mode (docs/SPEC.md, Decision
                                 "Shadow mode"): the limiter counts and reports what
                                 it would throttle, and throttles nothing; the
@@ -42,7 +46,7 @@ from vllm_output_rate.reference.limiter import parse_rate
 from vllm_output_rate.spec.limiter import BURST_NS
 
 KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path",
-              "shadow", "max_num_seqs_per_user", "rates_file")
+              "shadow", "max_num_seqs_per_user", "rates_file", "shared_budget_url")
 SECTION = "output_rate"  # the key of vLLM's additional_config that holds the section
 
 
@@ -62,6 +66,7 @@ class OutputRateConfig:
     max_num_seqs_per_user: int | None = None  # R20: resident requests per user; None: no cap
     shadow: bool = False  # count and report would-be throttles, throttle nothing (Decision "Shadow mode")
     rates_file: str | None = None  # R21: watched JSON rate table (reference/ratesfile.py); None: off
+    shared_budget_url: str | None = None  # R23-R26: the store shared by engines (Redis/Valkey); None: off
 
     @property
     def enabled(self) -> bool:
@@ -160,7 +165,30 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
     rates_file = section.get("rates_file")
     if rates_file is not None:
         config = _with_rates_file(config, rates_file)
+    url = section.get("shared_budget_url")
+    if url is not None:
+        config = replace(config, shared_budget_url=check_shared_budget_url(url))
     return config
+
+
+SHARED_BUDGET_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://")
+
+
+def check_shared_budget_url(url: Any) -> str:
+    """R23-R26: ``shared_budget_url``, the store all engines share each user's budget
+    through (docs/SPEC.md, "Multi-engine shared budget").
+
+    Raises:
+        OutputRateConfigError: not a string with one of ``SHARED_BUDGET_SCHEMES`` and a host
+            or socket path, naming the value.
+    """
+    if not isinstance(url, str) or not url.startswith(SHARED_BUDGET_SCHEMES) or len(url.split("://", 1)[1]) == 0:
+        raise OutputRateConfigError(
+            f"shared_budget_url must be the URL of the Redis or Valkey server the engines share budgets through, "
+            f"e.g. \"redis://127.0.0.1:6379/0\" (schemes: {', '.join(SHARED_BUDGET_SCHEMES)}), got {url!r}; "
+            "remove it for a budget per engine"
+        )
+    return url
 
 
 def _with_rates_file(config: OutputRateConfig, rates_file: Any) -> OutputRateConfig:

@@ -128,14 +128,18 @@ def expand(rule_ids: tuple[str, ...] | list[str]) -> list[str]:
 # one budget per user across engines, leased from a shared GCRA in a store.
 SHARED_BUDGET_RULES: tuple[Rule, ...] = (
     Rule("R23", "lease is an atomic advance of the shared TAT", ("shared_budget.lease", "shared_budget.return_unused",
-         "shared_budget.store_grants_at", "shared_budget.StoreState", "shared_budget.Lease"), ()),
+         "shared_budget.store_grants_at", "shared_budget.StoreState", "shared_budget.Lease"), ("shared_budget.LEASE_LUA", "shared_budget.RETURN_LUA", "shared_budget.user_key", "shared_budget.SharedBudgetLimiter.emission_ns")),
     Rule("R24", "cross-engine window bound", ("shared_budget.shared_window_bound_tokens",
          "shared_budget.shared_ledger_burst_ns", "shared_budget.holding_cap", "shared_budget.lease_size",
-         "shared_budget.wants_lease", "shared_budget.spend", "shared_budget.work_conservation_floor"), ()),
+         "shared_budget.wants_lease", "shared_budget.spend", "shared_budget.work_conservation_floor"), ("shared_budget.SharedBudgetLimiter.grants_at", "shared_budget.SharedBudgetLimiter.take_counts",
+          "shared_budget.SharedBudgetLimiter.refill_once", "shared_budget.SharedBudgetLimiter.lease_grants",
+          "config.check_shared_budget_url")),
     Rule("R25", "store slow or down: fail closed", ("shared_budget.wants_lease", "shared_budget.Holding.spendable",
-         "shared_budget.STORE_TIMEOUT_NS"), ()),
+         "shared_budget.STORE_TIMEOUT_NS"), ("shared_budget.SharedBudgetLimiter._do_lease", "shared_budget.SharedBudgetLimiter._store_state",
+          "shared_budget.SharedBudgetLimiter.ready_at_ns")),
     Rule("R26", "engine crash: no double spend, bounded loss", ("shared_budget.crash", "shared_budget.expire",
-         "shared_budget.crash_delay_bound_ns", "shared_budget.Holding"), ()),
+         "shared_budget.crash_delay_bound_ns", "shared_budget.Holding"), ("shared_budget.SharedBudgetLimiter._do_return", "shared_budget.SharedBudgetLimiter._expire_unconfirmed",
+          "shared_budget.SharedBudgetLimiter.refill_once")),
 )
 RULES = RULES + SHARED_BUDGET_RULES
 BY_ID = {rule.rule_id: rule for rule in RULES}
