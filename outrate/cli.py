@@ -408,7 +408,10 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
               help="How the class is configured (as for outrate conform).")
 @click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Directory to put on the import path first; repeatable.")
-def replay(scenario_file, scheduler_cls, level, config_style, paths) -> None:
+@click.option("--base-model", "base_version", default=None, metavar="VERSION",
+              help="Step scenarios: judge against the base-model rows of this vLLM release (spec/versions.py), "
+                   "as `outrate drift --base-model` did; default: the installed vLLM's own rows.")
+def replay(scenario_file, scheduler_cls, level, config_style, paths, base_version) -> None:
     """Re-run a saved counterexample of `outrate conform`; exit 1 if it fails.
 
     The format is read from the file's keys. ``rates_tokens_per_s`` + ``requests``: a
@@ -447,10 +450,21 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths) -> None:
             load_class(scheduler_cls)
         except (ValueError, ImportError) as exc:
             raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
+    base = None
+    if base_version is not None:
+        from vllm_output_rate.adapter.versions import profile_named
+
+        try:
+            base = profile_named(base_version)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--base-model") from None
     if isinstance(scenario, Scenario):
+        if base is not None:
+            raise click.BadParameter("only a step scenario (base fidelity, white box) follows a base model",
+                                     param_hint="--base-model")
         _replay_rate_limit(scenario, scheduler_cls, level, style)
     else:
-        _replay_step(scenario, scheduler_cls, style)
+        _replay_step(scenario, scheduler_cls, style, base)
 
 
 def _replay_rate_limit(scenario: Scenario, scheduler_cls: str | None, level: str, style: Any) -> None:
@@ -478,9 +492,10 @@ def _replay_rate_limit(scenario: Scenario, scheduler_cls: str | None, level: str
                   f"{verdict.sampled_per_user}")
 
 
-def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any) -> None:
+def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any, base: Any = None) -> None:
     """``outrate replay`` of a step scenario (adapter/fidelity.py): white box with the feature
-    on, base fidelity with it off; exit 1 if it fails."""
+    on, base fidelity with it off (V-rules of release ``base``, a ``VllmVersionProfile``;
+    None: the installed vLLM's); exit 1 if it fails."""
     from rich.markup import escape
 
     from vllm_output_rate.adapter import fidelity
@@ -495,12 +510,14 @@ def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any) 
     else:
         check = "base fidelity"
         cls = scheduler_cls or fidelity.base_scheduler_cls(async_mode)
-        verdict = fidelity.run_step_scenario(cls, scenario)
+        verdict = fidelity.run_step_scenario(cls, scenario, base=base)
     console.print(f"step scenario ({check}: spec vs {cls})")
     for line in fidelity.describe_failure(scenario, verdict):
         console.print(f"  {escape(line)}")
     if verdict.failure:
-        console.print(f"[bold red]FAIL[/] event {verdict.event_index}: {escape(verdict.failure)}")
+        rule = getattr(verdict, "rule", None) if check == "base fidelity" else None  # a V-rule
+        console.print(f"[bold red]FAIL[/] event {verdict.event_index}: {escape(verdict.failure)}"
+                      + (f" ({rule})" if rule else ""))
         sys.exit(1)
     console.print(f"[green]PASS[/] {verdict.events} events, {verdict.steps} steps: {cls} agrees with the spec")
 
@@ -555,7 +572,8 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
         counterexamples.mkdir(parents=True, exist_ok=True)
         path = counterexamples / f"drift-{entry.rule.replace('/', '-')}-{entry.mode}.json"
         path.write_text(entry.scenario.to_json())
-        console.print(f"  saved: {path}  (outrate replay {path})")
+        again = f"outrate replay {path}" + ("" if base_version is None else f" --base-model {base.version}")
+        console.print(f"  saved: {path}  ({again})")
 
     progress = Progress(TextColumn("{task.description:<20}"), TextColumn("{task.completed} runs"),
                         TimeElapsedColumn(), console=console, transient=True)

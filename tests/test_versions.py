@@ -218,3 +218,23 @@ def test_v6_drift_against_the_installed_releases_own_rows_reports_nothing() -> N
 
     report = drift(INSTALLED, vllm.__version__, None, examples=150, modes=(False, True))
     assert report.found == [] and all(report.complete.values())
+
+
+@pytest.mark.slow
+def test_drift_counterexample_replays_with_the_base_model_it_was_found_against(tmp_path: Path) -> None:
+    # `outrate drift --base-model X` prints `outrate replay FILE --base-model X`: that command
+    # reproduces the divergence; without --base-model (the installed rows) the file passes.
+    from click.testing import CliRunner
+
+    from vllm_output_rate.cli import main
+
+    runner = CliRunner()
+    found = runner.invoke(main, ["drift", "--base-model", OTHER.version, "--mode", "sync", "--examples", "600",
+                                 "--time-budget", "60", "--counterexamples", str(tmp_path)])
+    assert found.exit_code == 1, found.output
+    saved = tmp_path / "drift-V6-sync.json"
+    assert f"outrate replay {saved} --base-model {OTHER.version}" in found.output.replace("\n", "")
+    again = runner.invoke(main, ["replay", str(saved), "--base-model", OTHER.version])
+    assert again.exit_code == 1 and "V6" in again.output, again.output
+    own = runner.invoke(main, ["replay", str(saved)])
+    assert own.exit_code == 0 and "agrees with the spec" in own.output, own.output
