@@ -148,6 +148,8 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
             f"trace_path must be a non-empty string naming the file the engine-side event trace is "
             f"appended to, e.g. \"/tmp/outrate-trace.jsonl\", got {trace_path!r}; remove it to turn tracing off"
         )
+    if trace_path is not None:
+        _check_trace_path(trace_path)
     shadow = section.get("shadow", False)
     if not isinstance(shadow, bool):
         raise OutputRateConfigError(
@@ -189,6 +191,33 @@ def check_shared_budget_url(url: Any) -> str:
             "remove it for a budget per engine"
         )
     return url
+
+
+def _check_trace_path(trace_path: str) -> None:
+    """Refuse a ``trace_path`` the engine could not append to, before vLLM starts.
+
+    Missing parent directories are created when the trace opens (``reference/trace.py``);
+    refused here: the path is a directory, a parent component is an existing non-directory,
+    or the nearest existing parent is not writable.
+
+    Raises:
+        OutputRateConfigError: naming the path, the offending component and what to change.
+    """
+    import os
+
+    path = os.path.abspath(trace_path)
+    fix = "choose another --trace-path / output_rate.trace_path, or remove it to turn tracing off"
+    if os.path.isdir(path):
+        raise OutputRateConfigError(f"trace_path {trace_path!r} is a directory, not a file: {fix}")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise OutputRateConfigError(
+            f"trace_path {trace_path!r}: {parent!r} exists and is not a directory, so the trace file cannot be "
+            f"created below it; {fix}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputRateConfigError(f"trace_path {trace_path!r}: directory {parent!r} is not writable; {fix}")
 
 
 def _with_rates_file(config: OutputRateConfig, rates_file: Any) -> OutputRateConfig:

@@ -300,3 +300,17 @@ def test_outrate_check_trace_is_the_same_command(tmp_path):
                                                "c": ("u", 1, True, False)})), "bad.jsonl")
     result = CliRunner().invoke(main, ["check-trace", str(bad)])
     assert result.exit_code == 1 and "FAIL: 2 violation(s)" in result.output
+
+
+def test_trace_path_under_a_regular_file_is_refused_at_start_up(tmp_path):
+    # It used to pass validation and crash the engine core in os.makedirs (FileExistsError,
+    # buried in the engine-core log) after vLLM had started.
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    with pytest.raises(OutputRateConfigError, match="exists and is not a directory") as err:
+        parse_output_rate({"default_tokens_per_s": 10, "trace_path": str(blocker / "t.jsonl")})
+    assert "remove it to turn tracing off" in str(err.value)
+    with pytest.raises(OutputRateConfigError, match="is a directory, not a file"):
+        parse_output_rate({"default_tokens_per_s": 10, "trace_path": str(tmp_path)})
+    # Missing parents are still fine: the trace creates them when it opens.
+    assert parse_output_rate({"default_tokens_per_s": 10, "trace_path": str(tmp_path / "new" / "t.jsonl")}).trace_path
