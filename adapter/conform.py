@@ -15,6 +15,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
+from hypothesis import strategies as st
 
 PROFILES = {
     # examples per check: limiter differential, real scheduler sync / async (ample), each
@@ -311,13 +312,15 @@ def _check_step_scenarios(
 def check_base_fidelity(
     async_mode: bool, examples: int, seed: int, tick: Callable[[], None], save_dir: Path | None
 ) -> CheckResult:
-    """V1-V12, R18: the step spec predicts stock vLLM 0.32.0 exactly, step for step."""
-    from vllm_output_rate.adapter.fidelity import base_scenarios, run_base
+    """V1-V12, R18: the step spec predicts stock vLLM exactly, step for step (a quarter of
+    the scenarios with LoRA adapter slots, V8 ``max_loras``)."""
+    from vllm_output_rate.adapter.fidelity import base_scenarios, run_base, with_loras
 
     name = "base-fidelity/" + ("async" if async_mode else "sync")
     rules = [f"V{i}" for i in range(1, 12)] + (["V12"] if async_mode else []) + ["R18"]
-    result = _check_step_scenarios(name, rules, base_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS), run_base,
-                                   examples, seed, tick, save_dir)
+    base = base_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS)
+    strategy = st.one_of(base, base, base, with_loras(base))
+    result = _check_step_scenarios(name, rules, strategy, run_base, examples, seed, tick, save_dir)
     result.part = "spec health"
     return result
 
@@ -338,12 +341,14 @@ def check_white_box(
     """R1-R18 + V1-V12 (level exact): the step spec predicts the class under test exactly,
     including every field of its ``last_step_observation`` (charged, refunded, throttled,
     wait hint, TATs). ``burst_configurable`` False: only the article's 100 ms burst."""
+    from vllm_output_rate.adapter.fidelity import with_loras
     from vllm_output_rate.adapter.whitebox import run_white_box, white_box_scenarios
 
     name = "white-box/" + ("async" if async_mode else "sync")
     rules = ["R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16"]
     rules += ["R8", "V12"] if async_mode else []
-    strategy = white_box_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS)
+    scenarios = white_box_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS)
+    strategy = st.one_of(scenarios, scenarios, scenarios, with_loras(scenarios))  # a quarter with LoRA (R13)
     if not burst_configurable:
         strategy = strategy.filter(lambda scenario: scenario.config.burst_ns == 100_000_000)
     if style is not None:  # output_rate.max_num_active_seqs is this project's key, not the article's flag

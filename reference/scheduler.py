@@ -142,13 +142,7 @@ class _RateLimitMixin(_SchedulerHost):
             self._start_shadow()  # Decision "Shadow mode": every override defers as with R18
             return
         cfg = self.output_rate_config
-        if cfg.shared_budget_url is not None:  # R23-R26: one budget per user across engines
-            from vllm_output_rate.reference.shared_budget import SharedBudgetLimiter
-
-            self.rate_limiter = SharedBudgetLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns,
-                                                    url=cfg.shared_budget_url, clock_ns=lambda: self.clock_ns())
-        else:
-            self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+        self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
         # R12: with the feature on, max_num_active_seqs means "requests in a step's batch".
         self._active_cap = min(
             cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs or self.max_num_running_reqs,
@@ -780,20 +774,30 @@ class _RateLimitMixin(_SchedulerHost):
 
     def _counted_loras(self) -> set[int]:
         """V8 (+ R11): the adapters the waiting loop counts against ``max_loras`` (spec
-        ``scheduler.counted_loras``): those of the running requests scheduled or throttled
-        in this step and of those admitted so far.
+        ``scheduler.counted_loras``): on vLLM 0.33 those of every running request; on 0.32
+        those of the running requests scheduled or throttled in this step and of those
+        admitted so far.
 
-        That is every running request but one skipped by vLLM's async guard (V3: its
-        placeholders already carry it to ``max_tokens``; it finishes on the output in
-        flight and is never scheduled again). Throttled requests count (R11: resident,
+        That is every running request but one vLLM's running loop skips because it is done
+        once the output in flight arrives (async): its placeholders already carry it to
+        ``max_tokens`` (V3), or it has no room left below ``max_model_len`` (V4: given 0
+        tokens); it is never scheduled again. Throttled requests count (R11: resident,
         they keep their adapter's slot); vLLM 0.32 alone counts only the scheduled ones.
         """
         counted = set()
+        every = self.vllm_profile.loras_counted_over_all_running  # V8 (0.33): every running request counts
+        room_end = self.max_model_len - self.num_sampled_tokens_per_step
         for r in self.running:
             lora = self._lora_id(r)
-            if lora and not (r.num_output_placeholders > 0 and r.num_computed_tokens + 2 - r.num_output_placeholders
-                             >= r.num_prompt_tokens + r.max_tokens):
+            if every and lora:
                 counted.add(lora)
+                continue
+            if not lora or r.num_computed_tokens >= room_end:
+                continue  # V4: no room left, it finishes on its output in flight
+            if r.num_output_placeholders > 0 and (r.num_computed_tokens + 2 - r.num_output_placeholders
+                                                  >= r.num_prompt_tokens + r.max_tokens):
+                continue  # V3: its placeholders already reach max_tokens
+            counted.add(lora)
         return counted
 
     def _lora_would_exceed(self, request: Request) -> bool:

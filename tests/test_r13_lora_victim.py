@@ -131,3 +131,25 @@ def test_r13_lora_white_box_generated_scenarios(async_scheduling):
     from vllm_output_rate.adapter.whitebox import white_box_scenarios
 
     _hunt(with_loras(white_box_scenarios(async_scheduling)), run_white_box, 60)
+
+
+@pytest.mark.rules("R11")
+def test_r11_lora_a_request_done_at_max_model_len_does_not_hold_its_slot_async():
+    # Found by the gate (white-box/async with LoRA): max_model_len 8, async. r3 (adapter 1)
+    # has its last token in flight and no room below max_model_len: vLLM's running loop
+    # gives it 0 tokens (V4), so it is neither scheduled nor throttled and vLLM 0.32 does
+    # not count its adapter; r4 (adapter 2) is admitted beside it, as by stock vLLM. The
+    # reference once counted r3 (every running request but V3's) and kept r4 waiting.
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, chunked_prefill=False, block_size=4,
+                          num_blocks=5, async_scheduling=True, max_model_len=8, max_loras=1,
+                          default_rate_tokens_per_s=Fraction(1, 2),
+                          user_rates_tokens_per_s=(("u0", Fraction(1, 2)), ("u1", Fraction(50))))
+    events = [AddRequest("r0", "u0", 2, 1, 8, lora=1), AddRequest("r1", "u0", 1, 1, 8),
+              AddRequest("r2", "u0", 0, 1, 8), Step(), AdvanceClock(5 * MS), Step(), AdvanceClock(5 * MS),
+              AddRequest("r3", "u1", 0, 2, 8, lora=1), AddRequest("r4", "u1", 0, 1, 8, lora=2)]
+    events += [Step(), AdvanceClock(5 * MS)] * 8
+    scenario = StepScenario(config, tuple(events))
+    _, steps = _spec_steps(scenario)
+    assert any(o.admitted == ("r4",) and ("r3", "V2") in o.decided for o in steps)
+    verdict = run_white_box(scenario)
+    assert verdict.failure is None, verdict
