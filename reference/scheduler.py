@@ -142,7 +142,13 @@ class _RateLimitMixin(_SchedulerHost):
             self._start_shadow()  # Decision "Shadow mode": every override defers as with R18
             return
         cfg = self.output_rate_config
-        self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+        if cfg.shared_budget_url is not None:  # R23-R26: one budget per user across engines
+            from vllm_output_rate.reference.shared_budget import SharedBudgetLimiter
+
+            self.rate_limiter = SharedBudgetLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns,
+                                                    url=cfg.shared_budget_url, clock_ns=lambda: self.clock_ns())
+        else:
+            self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
         # R12: with the feature on, max_num_active_seqs means "requests in a step's batch".
         self._active_cap = min(
             cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs or self.max_num_running_reqs,
