@@ -24,6 +24,9 @@ Accepts the article's start-up flags (docs/SPEC.md "Configuration") and turns th
 ``--rates-file FILE``                         R21: a JSON rate table watched for changes
                                               (``output_rate.rates_file``): limits change
                                               without a restart; feature on only
+``--shared-budget-url URL``                   R23-R26: one budget per user across every
+                                              engine given the same Redis/Valkey URL
+                                              (``output_rate.shared_budget_url``)
 ``--shadow``                                  shadow mode (``output_rate.shadow``): count and
                                               report what would be throttled, throttle
                                               nothing (docs/SPEC.md, Decision "Shadow mode")
@@ -66,6 +69,7 @@ FLAG_BURST = "--burst-ms"
 FLAG_PER_USER = "--max-num-seqs-per-user"
 FLAG_SHADOW = "--shadow"
 FLAG_RATES_FILE = "--rates-file"
+FLAG_SHARED_BUDGET = "--shared-budget-url"
 # The flag of each output_rate key (the message when a key comes in --additional-config).
 FLAG_OF_KEY = {
     "default_tokens_per_s": FLAG_DEFAULT,
@@ -76,6 +80,7 @@ FLAG_OF_KEY = {
     "max_num_seqs_per_user": FLAG_PER_USER,
     "shadow": FLAG_SHADOW,
     "rates_file": FLAG_RATES_FILE,
+    "shared_budget_url": FLAG_SHARED_BUDGET,
 }
 # `outrate` quiets vLLM's logging for its own commands (cli._offline_env, run after this
 # module is imported); the server keeps vLLM's default INFO unless the user set a level.
@@ -161,7 +166,7 @@ def _once(values: tuple | list, flag: str) -> Any:
 def build_output_rate_section(
     default_rate: str | None, user_rates: str | None, max_num_seqs: int | None, max_num_active_seqs: int | None,
     trace_path: str | None = None, burst_ms: int | None = None, max_num_seqs_per_user: int | None = None,
-    shadow: bool = False, rates_file: str | None = None,
+    shadow: bool = False, rates_file: str | None = None, shared_budget_url: str | None = None,
 ) -> dict[str, Any] | None:
     """The ``output_rate`` section for these flags.
 
@@ -182,7 +187,7 @@ def build_output_rate_section(
     if default_rate is None:
         for flag, value in ((FLAG_USERS, user_rates), (FLAG_BURST, burst_ms), (FLAG_TRACE, trace_path),
                             (FLAG_PER_USER, max_num_seqs_per_user), (FLAG_SHADOW, True if shadow else None),
-                            (FLAG_RATES_FILE, rates_file)):
+                            (FLAG_RATES_FILE, rates_file), (FLAG_SHARED_BUDGET, shared_budget_url)):
             if value is not None:
                 raise click.UsageError(
                     f"{flag} needs {FLAG_DEFAULT}: the default rate turns the feature on "
@@ -211,6 +216,8 @@ def build_output_rate_section(
         section["trace_path"] = os.path.abspath(trace_path) if trace_path.strip() else trace_path
     if rates_file is not None:  # R21; absolute, like the trace: the engine-core process opens it
         section["rates_file"] = os.path.abspath(rates_file) if rates_file.strip() else rates_file
+    if shared_budget_url is not None:  # R23-R26
+        section["shared_budget_url"] = shared_budget_url
     try:
         parse_output_rate(section)  # the scheduler's own parser: what passes here starts
     except OutputRateConfigError as exc:
@@ -230,6 +237,7 @@ def build_command(
     max_num_seqs_per_user: int | None = None,
     shadow: bool = False,
     rates_file: str | None = None,
+    shared_budget_url: str | None = None,
 ) -> list[str]:
     """The full command line (argv) that starts vLLM's OpenAI server.
 
@@ -238,7 +246,8 @@ def build_command(
             ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
     """
     section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path,
-                                        burst_ms, max_num_seqs_per_user, shadow=shadow, rates_file=rates_file)
+                                        burst_ms, max_num_seqs_per_user, shadow=shadow, rates_file=rates_file,
+                                        shared_budget_url=shared_budget_url)
     args = list(vllm_args)
     args, scheduler_cls = _pop_option(args, "--scheduler-cls")
     if scheduler_cls is None:
@@ -315,13 +324,16 @@ def build_command(
               help="R21: a JSON file {\"default_tokens_per_s\": R, \"user_tokens_per_s\": {...}} read at start-up "
                    "if it exists and reloaded when it changes (write it atomically); limits change "
                    "without a restart, a bad file is logged and the limits in force are kept.")
+@click.option(FLAG_SHARED_BUDGET, "shared_budget_url", metavar="URL", multiple=True,
+              help="R23-R26: redis://host:port/db (or rediss://, unix://, valkey://) of the store every engine "
+                   "shares; each user then has one budget across all engines given the same URL.")
 @click.option(FLAG_SHADOW, "shadow", is_flag=True,
               help="Shadow mode: count and report (log, /metrics, trace) what would be throttled, and "
                    "throttle nothing; the schedule is stock vLLM's. For rolling the limits out.")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit without starting it.")
 @click.pass_context
 def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, burst_ms, max_num_seqs_per_user,
-          trace_path, rates_file, shadow, print_command) -> None:
+          trace_path, rates_file, shared_budget_url, shadow, print_command) -> None:
     """Start vLLM's OpenAI server on MODEL with per-user output-rate limiting.
 
     Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
@@ -332,6 +344,7 @@ def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seq
         _once(max_num_seqs, "--max-num-seqs"), _once(max_num_active_seqs, "--max-num-active-seqs"),
         _once(trace_path, FLAG_TRACE), _once(burst_ms, FLAG_BURST), _once(max_num_seqs_per_user, FLAG_PER_USER),
         shadow=shadow, rates_file=_once(rates_file, FLAG_RATES_FILE),
+        shared_budget_url=_once(shared_budget_url, FLAG_SHARED_BUDGET),
     )
     if print_command:
         click.echo(shlex.join(command))
