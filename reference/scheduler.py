@@ -159,6 +159,8 @@ class _RateLimitMixin(_SchedulerHost):
         log_limits(type(self).__name__, cfg, self._active_cap, self.max_num_running_reqs)  # operator log
         self._throttle_log = ThrottleLog(self.rate_limiter.rate_of)
         self._metrics = MetricsRecorder.from_env(cfg)  # None unless the front end set the directory
+        if self._metrics is not None:  # the limits and the shadow flag show before the first request
+            self._metrics.write(self.clock_ns())
         # The hook's short path: the active cap cannot bind, vLLM's hook only clamps at 0,
         # and ``_samples`` (R7) is ours, so it can be inlined.
         self._hook_fast = (not self._cap_binds and not self._base_lookahead
@@ -382,6 +384,8 @@ class _RateLimitMixin(_SchedulerHost):
         log_limits(type(self).__name__, cfg, would_cap, self.max_num_running_reqs)  # operator log
         self._throttle_log = ThrottleLog(self._shadow.limiter.rate_of, shadow=True)
         self._metrics = MetricsRecorder.from_env(cfg)  # None unless the front end set the directory
+        if self._metrics is not None:  # the limits and the shadow flag show before the first request
+            self._metrics.write(self.clock_ns())
         if cfg.trace_path is not None:
             self._trace = TraceWriter(cfg.trace_path, {
                 "scheduler": type(self).__name__,

@@ -179,3 +179,15 @@ def test_stat_logger_plugin_is_a_vllm_stat_logger_registered_by_entry_point():
     (ep,) = [e for e in entry_points(group="vllm.stat_logger_plugins") if e.name == "output_rate"]
     cls = ep.load()
     assert issubclass(cls, StatLoggerBase)
+
+
+@pytest.mark.parametrize("shadow", [False, True], ids=["enforcing", "shadow"])
+def test_snapshot_written_at_start_up_before_any_request(metrics_dir, shadow):
+    # Dashboards and alerts on the limit or on shadow=1 see the series from start-up, not
+    # only after the first request (it used to be empty until the first step).
+    Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=2, output_rate={
+        "default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "shadow": shadow}))
+    snap = _snapshot(metrics_dir)
+    assert snap["shadow"] is shadow
+    assert {k: v["limit_tokens_per_second"] for k, v in snap["labels"].items()} == {"slow": 10.0, "other": 100.0}
+    assert all(v["granted"] == 0 for v in snap["labels"].values())
