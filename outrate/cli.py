@@ -102,6 +102,7 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     with console.status("importing vLLM and the scheduler under test"):
         _import_candidates(sync_cls, async_scheduler_cls)
         style = _config_style(config_style)
+        _preflight_style(style)
         import vllm
 
         # The gate builds hundreds of schedulers; vLLM's per-construction warnings are noise here.
@@ -213,9 +214,31 @@ def _import_candidates(sync_cls: str, async_scheduler_cls: str | None) -> None:
         if path is None:
             continue
         try:
-            load_class(path)
+            cls = load_class(path)
         except (ValueError, ImportError) as exc:
-            raise click.BadParameter(str(exc), param_hint=hint) from None
+            hint_path = "" if "No module named" not in str(exc) else " (is its directory on the path? give --path DIR)"
+            raise click.BadParameter(f"{exc}{hint_path}", param_hint=hint) from None
+        from vllm.v1.core.sched.interface import SchedulerInterface
+
+        if not (isinstance(cls, type) and issubclass(cls, SchedulerInterface)):
+            raise click.BadParameter(
+                f"{path} is not a vLLM scheduler class (a subclass of vllm.v1.core.sched.interface."
+                f"SchedulerInterface, e.g. of vllm.v1.core.sched.scheduler.Scheduler)", param_hint=hint)
+
+
+def _preflight_style(style: Any) -> None:
+    """Configure a probe engine the way ``--config-style`` does, once, before any check: a gate
+    set up wrong (e.g. engine-args with a candidate that adds no rate flags) is a usage error
+    (exit 2), not a rejected candidate."""
+    if style is None:
+        return
+    from vllm_output_rate.adapter.harness import EngineShape
+
+    probe = EngineShape(output_rate={"default_tokens_per_s": 10, "user_tokens_per_s": {"u0": 5}})
+    try:
+        style.build_vllm_config(probe)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config-style") from None
 
 
 def _run_plan(plan: list[Any], options: Any) -> list[Any]:

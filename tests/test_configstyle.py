@@ -527,3 +527,29 @@ def test_article_flags_reject_fractional_rates_clearly(monkeypatch):
     monkeypatch.setattr(EngineArgs, "add_cli_args", staticmethod(int_rates))
     with pytest.raises(ValueError, match=r"reject .*invalid int value: '3\.5'"):
         EngineArgsStyle().build_vllm_config(EngineShape(output_rate={"default_tokens_per_s": "3.5"}))
+
+
+def test_conform_refuses_a_style_the_candidate_cannot_take_as_a_usage_error():
+    # A gate set up wrong is exit 2 (click usage error) naming --config-style, before any
+    # check runs; it used to end "REJECTED" (exit 1) with a "counterexample".
+    from click.testing import CliRunner
+
+    from vllm_output_rate.cli import main
+
+    result = CliRunner().invoke(main, ["conform", "--sync-only", "--level", "must", "--config-style", "engine-args",
+                                       "--scheduler-cls", REFERENCE_SCHEDULER])
+    assert result.exit_code == 2, result.output
+    assert "--config-style" in result.output and "does not add --default-user-output-tokens-per-second" \
+        in " ".join(result.output.split())
+    assert "REJECTED" not in result.output
+
+
+def test_conform_refuses_a_class_that_is_not_a_scheduler():
+    from click.testing import CliRunner
+
+    from vllm_output_rate.cli import main
+
+    result = CliRunner().invoke(main, ["conform", "--sync-only", "--scheduler-cls",
+                                       "vllm_output_rate.reference.limiter.OutputRateLimiter"])
+    assert result.exit_code == 2, result.output
+    assert "is not a vLLM scheduler class" in " ".join(result.output.split())
