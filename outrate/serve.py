@@ -296,6 +296,38 @@ def build_command(
     return command + args
 
 
+OUR_FLAGS = (FLAG_DEFAULT, FLAG_USERS, FLAG_TRACE, FLAG_BURST, FLAG_PER_USER, FLAG_SHADOW, FLAG_RATES_FILE,
+             FLAG_SHARED_BUDGET, "--max-num-active-seqs")
+
+
+def misspelt_flag(arg: str) -> str | None:
+    """The flag of ``outrate serve`` that ``arg`` (a passed-through argument) looks like a typo
+    of, or None. Only near misses (difflib ratio >= 0.9) of our own flags count, so no vLLM
+    flag is caught (tests/test_serve_cli.py checks every one of vLLM's)."""
+    import difflib
+
+    if not arg.startswith("--"):
+        return None
+    flag = arg.split("=", 1)[0]
+    if flag in OUR_FLAGS:
+        return None
+    near = difflib.get_close_matches(flag, OUR_FLAGS, n=1, cutoff=0.9)
+    return near[0] if near else None
+
+
+def _refuse_misspelt_flags(args: list[str]) -> None:
+    """A passed-through argument that is a near miss of one of our flags stops ``outrate serve``
+    before vLLM starts (vLLM would refuse it 20 s later without naming ours).
+
+    Raises:
+        click.UsageError: naming the argument and the flag it looks like.
+    """
+    for arg in args:
+        near = misspelt_flag(arg)
+        if near is not None:
+            raise click.UsageError(f"no such option {arg.split('=', 1)[0]}: did you mean {near}?")
+
+
 @click.command(
     "serve",
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
@@ -339,6 +371,7 @@ def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seq
     Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
     user with "vllm_xargs": {"output_rate_user": "..."} (a trusted gateway must set it).
     """
+    _refuse_misspelt_flags(list(ctx.args))
     command = build_command(
         model, list(ctx.args), _once(default_rate, FLAG_DEFAULT), _once(user_rates, FLAG_USERS),
         _once(max_num_seqs, "--max-num-seqs"), _once(max_num_active_seqs, "--max-num-active-seqs"),

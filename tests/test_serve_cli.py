@@ -154,3 +154,27 @@ def test_bad_flags_stop_start_up_saying_what_to_change(args, says):
     result = run("MODEL", *args)
     assert result.exit_code == 2, result.output
     assert says in result.output, result.output
+
+
+@pytest.mark.parametrize("typo, near", [
+    ("--user-output-token-per-second", "--user-output-tokens-per-second"),
+    ("--default-user-output-token-per-second=5", "--default-user-output-tokens-per-second"),
+    ("--max-num-seq-per-user", "--max-num-seqs-per-user"),
+    ("--rate-file", "--rates-file"),
+])
+def test_misspelt_flag_is_named_with_the_flag_it_looks_like(typo, near):
+    # It used to pass through to vLLM, which refused it 20 s later without naming ours.
+    result = run("MODEL", "--default-user-output-tokens-per-second", "10", typo, "x")
+    assert result.exit_code == 2, result.output
+    assert f"did you mean {near}?" in result.output
+
+
+def test_no_vllm_flag_is_taken_for_a_typo_of_ours():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_output_rate.serve import misspelt_flag
+
+    flags = [f for f in EngineArgs.add_cli_args(FlexibleArgumentParser())._option_string_actions if f.startswith("--")]
+    assert len(flags) > 100
+    assert [f for f in flags if misspelt_flag(f)] == []
