@@ -21,7 +21,8 @@ failure is that of the spec with exactly that rule broken. The first hypothesis 
 histories comes first -- ready_at rounded down (an excess below 1 ns) and a truncated
 emission interval (a drift at rates whose T is not a whole ns) before a burst edge 1 ns
 late, a cleanup slip before that edge too (it acts at the cadence only) --, then the
-charge point, the refund point, the throttled prefill, pacing, then identity and rates) that explains it names the rule; every
+charge point, the refund point, the throttled prefill, pacing, then identity and rates,
+and last every dispatch charged twice, which fits any rate halved) that explains it names the rule; every
 other one that explains it too is listed. None explains it: the property's own rule stays.
 
 Black-box only: no field of the candidate's observation interface is read.
@@ -189,8 +190,6 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                charges=lambda d: 2 if d.in_flight else 1),
     Hypothesis("R7", "charges a dispatch with a step in flight three times (R7: at most one charge per request "
                "per step)", charges=lambda d: 3 if d.in_flight else 1),
-    Hypothesis("R7", "charges every sampling dispatch twice (R7: one charge per request per step)",
-               charges=lambda d: 2),
     Hypothesis("R7", "judges every dispatch of a step against the TAT at the step's start and charges after "
                "(R7 charges each dispatch when it is made)", decide_at_start=True),
     Hypothesis("R8", "does not charge a dispatch made while the request's previous step is in flight "
@@ -219,6 +218,8 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
     Hypothesis("R1", "gives every user the default rate, ignoring its override (R1: the override, else the "
                "default)", rate=lambda ctx, bucket: ctx.default_rate),
     Hypothesis("R1", "uses a burst tolerance of 1 s (R1: tau is the configured burst)", burst_ns=NS_PER_S),
+    Hypothesis("R7", "charges every sampling dispatch twice (R7: one charge per request per step)",
+               charges=lambda d: 2),
 )
 
 

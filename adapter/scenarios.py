@@ -773,6 +773,14 @@ class _Judge:
             if self.records:
                 self.records[-1].pauses.append(rid)  # the judge holds this pause to be the limiter's
             if spec_limiter.allows(self.state, user, now, burst):
+                seated = self._throttled_seats(trace, set(start.running)) if cap is not None else []
+                if cap is not None and len(scheduled_running) + len(seated) >= cap:
+                    return "R12", "must", (
+                        f"R12 broken: {self.name} paused running {rid} (user {user!r}) at t={now} ns although the "
+                        f"GCRA still grants that user a token and the step left budget and preempted nothing: "
+                        f"{len(scheduled_running)} running requests scheduled, below --max-num-active-seqs {cap}, "
+                        f"which the throttled running requests {sorted(seated)} (users the GCRA refuses) fill only "
+                        f"if they are counted; R12: throttled requests give up their place. Seen: under-grant")
                 return self._named("R11", "must", (
                     f"{self.name} paused running {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
                     f"that user a token, the step left token budget ({sum(trace.scheduled.values())} of {budget} "

@@ -155,7 +155,8 @@ def test_step_identity_checks_never_turn_prefix_caching_on():
 
 
 @pytest.mark.rules("R12")
-def test_r12_a_pause_explained_only_by_throttled_requests_holding_active_seats_names_r12(monkeypatch):
+@pytest.mark.parametrize("num_blocks", [None, 4096], ids=["ample", "pressured-check"])
+def test_r12_a_pause_explained_only_by_throttled_requests_holding_active_seats_names_r12(monkeypatch, num_blocks):
     # Active cap 1: u0's request is throttled (1 tok/s, its second token refused), u1's is
     # granted (1000 tok/s) and was paused with nothing scheduled: only a cap that counts the
     # throttled u0-r0 is full. The article-style base serves u1-r0.
@@ -167,7 +168,9 @@ def test_r12_a_pause_explained_only_by_throttled_requests_holding_active_seats_n
     style = parse_config_style("engine-args")
     scenario = Scenario({"u0": "1", "u1": "1000"},
                         (RequestSpec("u0-r0", "u0", 4, 4), RequestSpec("u1-r0", "u1", 4, 8, at_step=1)),
-                        10 * MS, 20, max_num_active_seqs=1)
+                        10 * MS, 20, max_num_active_seqs=1, num_blocks=num_blocks)
+    # num_blocks set: not ``ample``, so the under-grant is judged by the check under pressure.
+    assert scenario.ample == (num_blocks is None)
     verdict = run_scenario("article_mutants.ArticleThrottledTakeActiveSeats", scenario, "should", style)
     assert (verdict.rule, verdict.level) == ("R12", "must"), verdict
     assert verdict.failure.startswith("R12 broken: ") and "['u0-r0']" in verdict.failure
