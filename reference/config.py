@@ -141,7 +141,8 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
         raise OutputRateConfigError(f"max_num_active_seqs must be an integer >= 1, got {active!r}")
     burst_ms = section.get("burst_ms", BURST_NS // 1_000_000)
     if isinstance(burst_ms, bool) or not isinstance(burst_ms, int) or burst_ms < 1:
-        raise OutputRateConfigError(f"burst_ms must be an integer number of milliseconds >= 1, got {burst_ms!r}")
+        raise OutputRateConfigError(f"burst_ms must be an integer number of milliseconds >= 1, got {burst_ms!r}; "
+                                     "set --burst-ms / output_rate.burst_ms to e.g. 100 (the default), or remove it")
     trace_path = section.get("trace_path")
     if trace_path is not None and (not isinstance(trace_path, str) or not trace_path.strip()):
         raise OutputRateConfigError(

@@ -45,7 +45,7 @@ def parse_rate(value: object, name: str = "rate") -> Fraction:
     if isinstance(value, bool) or not isinstance(value, (int, float, Rational, Decimal)):
         raise ValueError(
             f"{name} must be a number of tokens per second (int or float), got "
-            f"{value!r} of type {type(value).__name__}"
+            f"{value!r} of type {type(value).__name__}; write it as a JSON number, e.g. 100 or 2.5, not a string"
         )
     if isinstance(value, float):
         if not math.isfinite(value):

@@ -166,8 +166,14 @@ def test_limiter_rejects_bad_user_ids_in_overrides(bad_user: Any) -> None:
 # parse_output_rate (additional_config["output_rate"])
 
 
-@pytest.mark.parametrize("off", [None, {}])
-def test_config_empty_means_feature_off(off: object) -> None:
+def test_config_empty_section_is_refused_not_off() -> None:
+    # R18: "off" is no section at all; an empty one names the missing default.
+    with pytest.raises(OutputRateConfigError, match="is empty: set default_tokens_per_s"):
+        parse_output_rate({})
+
+
+@pytest.mark.parametrize("off", [None])
+def test_config_no_section_means_feature_off(off: object) -> None:
     cfg = parse_output_rate(off)
     assert cfg == OutputRateConfig()
     assert not cfg.enabled
