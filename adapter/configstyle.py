@@ -36,8 +36,11 @@ from vllm_output_rate.adapter.harness import EngineShape
 DEFAULT_RATE_FLAG = "--default-user-output-tokens-per-second"
 USER_RATES_FLAG = "--user-output-tokens-per-second"
 ACTIVE_SEQS_FLAG = "--max-num-active-seqs"
+# R23-R26: the store of the shared budget, the one engine flag a fork adds for it (the
+# article has none; a fork that shares budgets names it like the rate flags).
+SHARED_BUDGET_FLAG = "--shared-budget-url"
 STYLE_FORMS = ("additional-config", "engine-args", "hook:pkg.module.function")
-_ENGINE_ARGS_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs")
+_ENGINE_ARGS_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "shared_budget_url")
 _CONFIG_CACHE_SIZE = 64
 # (argv, engine fingerprint) -> pristine VllmConfig; shared by every EngineArgsStyle.
 _CONFIG_CACHE: OrderedDict[tuple, Any] = OrderedDict()
@@ -122,7 +125,8 @@ def engine_argv(shape: EngineShape) -> list[str]:
     size, prefix caching, async scheduling, ``--max-num-active-seqs`` (when set) and, when
     the feature is on, the rate flags: ``--default-user-output-tokens-per-second R`` (when
     the section has a default) and ``--user-output-tokens-per-second JSON`` (when it has
-    per-user rates).
+    per-user rates), and ``--shared-budget-url URL`` (R23-R26, when it has
+    ``shared_budget_url``).
 
     Raises:
         ValueError: the section has ``burst_ms`` or another key the article has no flag for,
@@ -156,6 +160,8 @@ def engine_argv(shape: EngineShape) -> list[str]:
             rate_flags += [DEFAULT_RATE_FLAG, str(rates["default_tokens_per_s"])]
         if rates["user_tokens_per_s"]:
             rate_flags += [USER_RATES_FLAG, json.dumps(rates["user_tokens_per_s"], sort_keys=True)]
+        if section.get("shared_budget_url") is not None:  # R23-R26
+            rate_flags += [SHARED_BUDGET_FLAG, str(section["shared_budget_url"])]
     argv = [
         "--model", str(_harness.default_model_dir()),
         "--skip-tokenizer-init",
@@ -244,7 +250,7 @@ class EngineArgsStyle(ConfigStyle):
 
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         known = parser._option_string_actions  # exact option strings (no abbreviation)
-        for flag in (DEFAULT_RATE_FLAG, USER_RATES_FLAG):
+        for flag in (DEFAULT_RATE_FLAG, USER_RATES_FLAG, SHARED_BUDGET_FLAG):
             if flag in argv and flag not in known:
                 raise ValueError(
                     f"the candidate does not add {flag} to vLLM's engine arguments (EngineArgs.add_cli_args), "

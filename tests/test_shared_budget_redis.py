@@ -219,3 +219,17 @@ def test_r24_outrate_serve_flag_puts_the_url_in_the_section() -> None:
     assert bad.exit_code != 0 and "shared_budget_url" in bad.output and "http://x" in bad.output
     alone = CliRunner().invoke(main, ["serve", "MODEL", "--shared-budget-url", url, "--print-command"])
     assert alone.exit_code != 0 and "--shared-budget-url needs --default-user-output-tokens-per-second" in alone.output
+
+
+@pytest.mark.rules("R24")
+def test_r24_engine_args_style_carries_the_store_url() -> None:
+    from vllm_output_rate.adapter.configstyle import SHARED_BUDGET_FLAG, EngineArgsStyle, engine_argv
+    from vllm_output_rate.adapter.harness import EngineShape
+
+    url = "redis://127.0.0.1:6379/0"
+    argv = engine_argv(EngineShape(output_rate={"default_tokens_per_s": 5, "shared_budget_url": url}))
+    assert argv[argv.index(SHARED_BUDGET_FLAG) + 1] == url
+    # Stock vLLM's engine arguments have no such flag: the style says so instead of dropping it.
+    with pytest.raises(ValueError, match="the candidate does not add --"):
+        EngineArgsStyle().build_vllm_config(EngineShape(output_rate={"default_tokens_per_s": 5,
+                                                                     "shared_budget_url": url}))
