@@ -19,7 +19,6 @@ LIMIT = 70
 ALLOWED = {
     "adapter/coverage.py::observe": "one pass over a step's trace that sets every coverage obligation; "
                                     "its branches share the step's local state",
-    "outrate/bench.py::bench": "the bench command; goes with the split of outrate/bench.py into a package",
     "proofs/modelcheck.py::_explore": "the model checker's BFS loop; modelcheck.py is not split while scopes "
                                       "are being added to it",
     "proofs/modelcheck.py::mutations_markdown": "as _explore: modelcheck.py is not split while scopes are being "

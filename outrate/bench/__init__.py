@@ -1,0 +1,100 @@
+"""``outrate bench``: what the rate limit costs, measured side by side in one process.
+
+Scheduler step cost. For each number of running requests N, each mode (sync: vLLM's
+``Scheduler``; async: ``AsyncScheduler``) and each throttled fraction, two harnesses are
+built on the same engine shape with the same N requests: stock vLLM (feature off, nothing
+throttled) and the reference ``RateLimitedScheduler`` / ``RateLimitedAsyncScheduler``.
+Both are run to a decode steady state (every request past its prefill, or throttled), then
+timed in interleaved rounds: a round is ``steps_per_round`` steps of one class then the same
+number of the other, the order alternating between rounds, so a load change on the shared
+machine hits both alike. Only ``schedule()`` + ``update_from_output()`` are timed (the
+fabricated model output is built outside the timed region; async mode times a step's
+``schedule()`` with the delivery of the step in flight, as the engine core does), by
+default on this thread's CPU clock so that time spent descheduled while other jobs hold
+the cores is left out (``--clock wall`` for perf_counter). A
+round's value is its mean per step; the table reports the medians over rounds and
+``ratio`` = median of the per-round ratios reference / stock (robust to load drift;
+close to ``reference_us / stock_us``). A third class, "article-style" (the independent
+implementation of the article kept as the gate's acceptance corpus,
+``tests/fixtures/article_style``, configured through its hook), is timed in the same
+rounds when the checkout has it; ``article_ratio`` is its median per-round ratio to stock.
+
+- throttled fraction 0: the limit is on with a rate of 10**9 tokens/s, never binding;
+- 0.5 / 0.9: that share of the requests, spread evenly over the running order, belongs to
+  users with 0.001 tokens/s who have spent their burst before the timed rounds (their
+  streams stay resident and are skipped, R11); the others decode freely.
+
+Requests: prompts of 4-19 tokens (block boundaries spread over steps), 4 streams per
+user, ``max_tokens`` large enough that nothing finishes; max_num_seqs = N,
+max_num_batched_tokens >= 4N, KV blocks for every token the run can produce.
+
+Limiter: ``OutputRateLimiter.try_take`` (granted and refused) and ``refund`` operations
+per second, in batches over 4096 users, median over repetitions.
+
+Gate: differential steps/s of ``adapter.scenarios.run_scenario`` on the reference (real
+vLLM scheduler + spec limiter after every step) on fixed-seed Hypothesis scenarios;
+spec-only scenarios/s when ``vllm_output_rate.spec`` has a step model (a module ``step``
+or ``scheduler`` with ``run_scenario(scenario)``), and model-checker states/s when
+``vllm_output_rate.proofs.modelcheck`` has ``explore(max_states) -> int``; otherwise the
+row says why it was skipped.
+
+Live (``--live``, default on except with ``--quick``; or ``--only live``): a real vLLM
+engine on this machine with the project's tiny model (dummy weights), in child processes
+(``livebench.py``): (a) engine tokens/s with the feature off (stock ``Scheduler``), on
+but never binding (``RateLimitedScheduler``, 10**9 tokens/s), and on with the worker idle
+fix off (``VLLM_OUTPUT_RATE_WORKER_PARK=0``), three engines side by side, the same batch
+through each in interleaved rounds; medians and the median per-round ratios on / off and
+fix on / off. (b) engine-core and worker CPU use (percent of one core, psutil, over the
+run's wall time) while every user is throttled, in three runs (``THROTTLED_RUNS``): the
+plugin (R16 engine wait + worker idle fix), the wait with the worker spinning, and no
+plugin (``VLLM_PLUGINS=""``); each with the stock idle baseline (no requests) and the
+worker's wake-ups. (c) vLLM's RPC queue between two processes, the reader parking after
+every read (lossless pings or vLLM's) or spinning: lost wake-up pings and round trips
+(``livebench.ping_round_trips``).
+
+Layout: ``common`` (the plan, clock, targets), one module per benchmark (``scheduler``,
+``limiter``, ``gate``, ``live``, and ``profiling`` for ``--profile``), ``render`` (tables and
+the plot) and ``command`` (the ``outrate bench`` command).
+"""
+
+from vllm_output_rate.bench.command import bench
+from vllm_output_rate.bench.common import (
+    CLOCKS,
+    FREE_RATE,
+    FULL,
+    LIMITER_USERS,
+    LIVE_CPU_TARGET_PERCENT,
+    LIVE_RATIO_TARGET,
+    MAX_WARMUP_STEPS,
+    MIN_STEADY_STEPS,
+    PING_TIMEOUT_S,
+    QUICK,
+    STEP_NS,
+    STREAMS_PER_USER,
+    TINY_RATE,
+    TINY_RATE_INTEGER,
+    Plan,
+    console,
+)
+from vllm_output_rate.bench.gate import measure_gate, seeded_draws
+from vllm_output_rate.bench.limiter import measure_limiter
+from vllm_output_rate.bench.live import THROTTLED_RUNS, live_steps, measure_live
+from vllm_output_rate.bench.profiling import profile_schedule
+from vllm_output_rate.bench.render import machine, write_plot
+from vllm_output_rate.bench.scheduler import (
+    ARTICLE_ASYNC_SCHEDULER,
+    ARTICLE_HOOK,
+    ARTICLE_SCHEDULER,
+    SchedulerRow,
+    article_style,
+    measure_scheduler,
+    throttled_indices,
+)
+
+__all__ = [
+    "ARTICLE_ASYNC_SCHEDULER", "ARTICLE_HOOK", "ARTICLE_SCHEDULER", "CLOCKS", "FREE_RATE", "FULL", "LIMITER_USERS",
+    "LIVE_CPU_TARGET_PERCENT", "LIVE_RATIO_TARGET", "MAX_WARMUP_STEPS", "MIN_STEADY_STEPS", "PING_TIMEOUT_S",
+    "QUICK", "STEP_NS", "STREAMS_PER_USER", "THROTTLED_RUNS", "TINY_RATE", "TINY_RATE_INTEGER", "Plan",
+    "SchedulerRow", "article_style", "bench", "console", "live_steps", "machine", "measure_gate", "measure_limiter",
+    "measure_live", "measure_scheduler", "profile_schedule", "seeded_draws", "throttled_indices", "write_plot",
+]

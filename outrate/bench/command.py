@@ -1,0 +1,213 @@
+"""The ``outrate bench`` command: runs the parts asked for, prints the tables, writes JSON and the plot.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from vllm_output_rate.bench.common import (
+    CLOCKS,
+    FULL,
+    QUICK,
+    Plan,
+    console,
+)
+from vllm_output_rate.bench.gate import measure_gate
+from vllm_output_rate.bench.limiter import measure_limiter
+from vllm_output_rate.bench.live import live_steps, measure_live
+from vllm_output_rate.bench.profiling import profile_schedule
+from vllm_output_rate.bench.render import (
+    _gate_table,
+    _idle_table,
+    _limiter_table,
+    _live_table,
+    _scheduler_table,
+    machine,
+    profile_tables,
+    write_plot,
+)
+from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler
+
+
+def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
+    if not value:
+        return None
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"a comma-separated list of integers, got {value!r}") from None
+    if any(s < 1 for s in sizes):
+        raise click.BadParameter(f"sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+@click.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the results as JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG plot of per-step cost against running requests here.")
+@click.option("--quick", is_flag=True, help="Tiny sizes and few repetitions (for tests); numbers are rough.")
+@click.option("--sizes", default=None, metavar="N,N,...", help="Numbers of running requests to time.")
+@click.option("--rounds", type=click.IntRange(1, 200), default=None,
+              help="Interleaved rounds per configuration (default 41; --quick 3).")
+@click.option("--clock", type=click.Choice(sorted(CLOCKS)), default="cpu", show_default=True,
+              help="Step clock: this thread's CPU time (robust on a shared machine) or wall time.")
+@click.option("--only", type=click.Choice(["scheduler", "limiter", "gate", "live"]), multiple=True,
+              help="Run only these parts (repeatable); default: all.")
+@click.option("--live/--no-live", default=None,
+              help="Also start a real vLLM engine (tiny model) for the live section; default: on, off with --quick.")
+@click.option("--profile", "profile_n", type=click.IntRange(1), default=None, metavar="N",
+              help="Instead of the benchmark: cProfile the reference's schedule() at N running requests.")
+def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile_n) -> None:
+    """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    plan = _plan(quick, sizes, rounds)
+    parts = set(only) or {"scheduler", "limiter", "gate"}
+    if live or (live is None and not only and not quick):
+        parts.add("live")
+    elif live is False:
+        parts.discard("live")
+    command = _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live)
+    started = time.monotonic()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    with console.status("importing vLLM"):
+        import vllm
+
+        importlib.import_module("vllm_output_rate.reference.scheduler")  # the class under test, imported once
+    # vLLM's config warnings (e.g. about the gate's small engine shapes) are not results.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+    if profile_n is not None:
+        _profile(profile_n, 20 if quick else 100, json_path, command)
+        return
+    scheduler_rows, limiter, gate, live_result = _measure(parts, plan, clock)
+
+    env = machine()
+    env["load_average_at_start"] = load_at_start
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    console.print(f"{when}; {env['cores']} cores, {env['cpu']}; vLLM {vllm.__version__}; Python {env['python']}; "
+                  f"load average at the end {env['load_average']}; command: {command}")
+    _print_tables(scheduler_rows, limiter, gate, live_result, clock)
+    if plot_path is not None and scheduler_rows:
+        write_plot(scheduler_rows, plot_path,
+                   f"outrate bench, vLLM {vllm.__version__}, {env['cores']} cores {env['cpu']}, {when}")
+        console.print(f"wrote {plot_path}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "date": when,
+            "command": command,
+            "vllm_version": vllm.__version__,
+            "machine": env,
+            "quick": quick,
+            "clock": clock,
+            "plan": asdict(plan),
+            "seconds": round(time.monotonic() - started, 1),
+            "scheduler": [asdict(r) for r in scheduler_rows],
+            "limiter": limiter,
+            "gate": gate,
+            "live": live_result,
+        }
+        json_path.write_text(json.dumps(report, indent=2, default=_json_default))
+        console.print(f"wrote {json_path}")
+
+
+def _plan(quick: bool, sizes: str | None, rounds: int | None) -> Plan:
+    """``QUICK`` or ``FULL``, with ``--sizes`` and ``--rounds`` applied."""
+    plan = QUICK if quick else FULL
+    overrides: dict[str, Any] = {}
+    if (parsed := _parse_sizes(sizes)) is not None:
+        overrides["sizes"] = parsed
+    if rounds is not None:
+        overrides["rounds"] = rounds
+    return Plan(**{**asdict(plan), **overrides}) if overrides else plan
+
+
+def _profile(profile_n: int, steps: int, json_path: Path | None, command: str) -> None:
+    """``--profile N``: the cProfile tables of the reference's ``schedule()`` (and the JSON)."""
+    with console.status(f"profiling the reference's schedule() at {profile_n} running requests"):
+        prof = profile_schedule(profile_n, steps, top=25)
+    for table in profile_tables(prof, profile_n, steps):
+        console.print(table)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"profile": prof, "running": profile_n, "steps": steps,
+                                         "command": command}, indent=2))
+
+
+def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow], dict[str, Any] | None,
+                                                               dict[str, Any] | None, dict[str, Any] | None]:
+    """Run the parts asked for, each with its progress bar: scheduler rows, limiter, gate, live."""
+    configs = [(n, f, m) for n in plan.sizes for m in plan.modes for f in plan.fractions]
+    scheduler_rows: list[SchedulerRow] = []
+    limiter: dict[str, Any] | None = None
+    gate: dict[str, Any] | None = None
+    live_result: dict[str, Any] | None = None
+    progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=False)
+    with progress:
+        if "scheduler" in parts:
+            task = progress.add_task("scheduler", total=len(configs) * plan.rounds)
+            for n, fraction, mode in configs:
+                progress.update(task, description=f"scheduler {mode} N={n} throttled {fraction:.0%}")
+                scheduler_rows.append(measure_scheduler(n, fraction, mode, plan,
+                                                        functools.partial(progress.advance, task), clock))
+            progress.update(task, description="scheduler")
+        if "limiter" in parts:
+            task = progress.add_task("limiter", total=plan.limiter_batches)
+            limiter = measure_limiter(plan, functools.partial(progress.advance, task))
+        if "gate" in parts:
+            task = progress.add_task("gate (differential)", total=2 * plan.gate_scenarios)
+            gate = measure_gate(plan, functools.partial(progress.advance, task))
+        if "live" in parts:
+            task = progress.add_task("live engine (tiny model)", total=live_steps(plan))
+            live_result = measure_live(plan, functools.partial(progress.advance, task))
+    return scheduler_rows, limiter, gate, live_result
+
+
+def _print_tables(scheduler_rows: list[SchedulerRow], limiter: dict[str, Any] | None, gate: dict[str, Any] | None,
+                  live_result: dict[str, Any] | None, clock: str) -> None:
+    """The table of each part that ran (gate: and why a row was skipped)."""
+    if scheduler_rows:
+        console.print(_scheduler_table(scheduler_rows, clock))
+    if limiter is not None:
+        console.print(_limiter_table(limiter))
+    if gate is not None:
+        console.print(_gate_table(gate))
+        for name, why in gate["skipped"].items():
+            console.print(f"{name}: {why}")
+    if live_result is not None:
+        console.print(_live_table(live_result))
+        console.print(_idle_table(live_result))
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
+
+
+def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live=None) -> str:
+    """The command that reproduces this run (for the report)."""
+    words = ["outrate", "bench"]
+    words += ["--quick"] if quick else []
+    words += ["--sizes", sizes] if sizes else []
+    words += ["--rounds", str(rounds)] if rounds is not None else []
+    words += ["--clock", clock] if clock != "cpu" else []
+    for part in only:
+        words += ["--only", part]
+    words += [] if live is None else ["--live" if live else "--no-live"]
+    words += ["--profile", str(profile_n)] if profile_n is not None else []
+    words += ["--json", str(json_path)] if json_path is not None else []
+    words += ["--plot", str(plot_path)] if plot_path is not None else []
+    return " ".join(words)

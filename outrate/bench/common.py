@@ -1,0 +1,62 @@
+"""What every benchmark of ``outrate bench`` shares: the plan (how much to measure), the
+step clock, the targets reported beside the numbers, and the console.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console
+
+console = Console(width=None if sys.stdout.isatty() else 130)
+
+STEP_NS = 10_000_000  # fake clock advance per step: 10 ms
+STREAMS_PER_USER = 4
+FREE_RATE = 10**9  # tokens/s: the limit is on but never binds
+TINY_RATE = 0.001  # tokens/s: one grant, then refused for 1000 s (the run lasts seconds)
+# The article-style peer takes integer rates only: 1 token/s, one grant per throttled user per
+# 100 steps of 10 ms, so its throttled share stays within a few requests of the plan.
+TINY_RATE_INTEGER = 1
+MAX_WARMUP_STEPS = 200
+LIMITER_USERS = 4096
+# The step clock. "cpu": this thread's CPU time (CLOCK_THREAD_CPUTIME_ID), which leaves out
+# the time the thread waits while other jobs hold the (shared) cores; "wall": perf_counter.
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    sizes: tuple[int, ...]
+    fractions: tuple[float, ...]
+    modes: tuple[str, ...]
+    rounds: int
+    steps_per_round: int
+    limiter_batches: int
+    gate_scenarios: int
+    gate_max_steps: int
+    live_rounds: int = 15
+    live_streams: int = 64
+    live_tokens: int = 256
+    live_throttled_users: int = 4
+    live_throttled_tokens: int = 6
+    live_throttled_rate: float = 2.0
+    live_ping_steps: int = 150
+
+
+FULL = Plan(sizes=(16, 64, 256, 1024), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=41,
+            steps_per_round=16, limiter_batches=15, gate_scenarios=40, gate_max_steps=40)
+QUICK = Plan(sizes=(8, 16), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=3,
+             steps_per_round=2, limiter_batches=3, gate_scenarios=3, gate_max_steps=10,
+             live_rounds=2, live_streams=4, live_tokens=8, live_throttled_users=2, live_throttled_tokens=2,
+             live_throttled_rate=4.0, live_ping_steps=20)
+# Targets of the live section (reported, not asserted).
+LIVE_RATIO_TARGET = 0.98  # on-but-not-binding tokens/s within 2% of off
+# A read of vLLM's RPC queue that waits this long missed its wake-up ping (ping_round_trips).
+PING_TIMEOUT_S = 0.25
+LIVE_CPU_TARGET_PERCENT = 5.0  # engine core with every user throttled, with the wait plugin
+MIN_STEADY_STEPS = 8  # warm-up steps a class without an observation gets before timing

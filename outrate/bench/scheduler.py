@@ -1,0 +1,231 @@
+"""Scheduler step cost: stock vLLM, the reference and the article-style implementation timed
+in interleaved rounds at N running requests (``vllm_output_rate.bench``, "Scheduler step cost").
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_output_rate.bench.common import (
+    CLOCKS,
+    FREE_RATE,
+    MAX_WARMUP_STEPS,
+    MIN_STEADY_STEPS,
+    STEP_NS,
+    STREAMS_PER_USER,
+    TINY_RATE,
+    TINY_RATE_INTEGER,
+    Plan,
+)
+
+
+# -- scheduler step cost ----------------------------------------------------------------
+def throttled_indices(n: int, fraction: float) -> set[int]:
+    """``round(n * fraction)`` request indices spread evenly over ``range(n)``."""
+    k = round(n * fraction)
+    return {(i * n) // k for i in range(k)} if k else set()
+
+
+class _Driver:
+    """One scheduler on a ``Harness``; ``step()`` returns the seconds spent in vLLM's calls."""
+
+    def __init__(self, cls_path: str, n: int, fraction: float, async_mode: bool, total_steps: int,
+                 limited: bool, clock: Callable[[], float] = time.thread_time, style: Any = None,
+                 tiny_rate: float = TINY_RATE) -> None:
+        from vllm_output_rate.adapter.harness import EngineShape, Harness
+
+        self.max_tokens = total_steps + 64
+        prompt_max = 4 + 15
+        max_model_len = prompt_max + self.max_tokens + 16
+        blocks_per_request = -(-max_model_len // 16) + 1
+        throttled = throttled_indices(n, fraction)
+        users = []
+        free_count = throttled_count = 0
+        for i in range(n):
+            if i in throttled:
+                users.append(f"t{throttled_count // STREAMS_PER_USER}")
+                throttled_count += 1
+            else:
+                users.append(f"u{free_count // STREAMS_PER_USER}")
+                free_count += 1
+        output_rate = None
+        if limited:
+            output_rate = {
+                "default_tokens_per_s": FREE_RATE,
+                "user_tokens_per_s": {u: tiny_rate for u in set(users) if u.startswith("t")},
+            }
+        shape = EngineShape(
+            max_num_seqs=n,
+            max_num_batched_tokens=max(2048, 4 * n),
+            chunked_prefill=True,
+            block_size=16,
+            num_blocks=n * blocks_per_request + 64,
+            async_scheduling=async_mode,
+            max_model_len=max_model_len,
+            output_rate=output_rate,
+        )
+        self.harness = Harness(cls_path, shape, style=style)
+        for i, user in enumerate(users):
+            self.harness.add_request(f"r{i}", user, prompt_len=4 + (i % 16), max_tokens=self.max_tokens)
+        self.n = n
+        self.expected_throttled = len(throttled) if limited else 0
+        self.async_mode = async_mode
+        self.scheduler = self.harness.scheduler
+        self._in_flight: tuple[Any, Any] | None = None  # async: (SchedulerOutput, ModelRunnerOutput) in flight
+        self.steps = 0
+        self.clock = clock
+
+    def _model_output(self, so):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
+
+        requests = self.scheduler.requests
+        ids = list(so.num_scheduled_tokens)
+        tokens = [[] if requests[r].is_prefill_chunk else [NON_EOS_TOKEN_ID] for r in ids]
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=tokens)
+
+    def step(self) -> float:
+        clock = self.clock
+        scheduler = self.scheduler
+        t0 = clock()
+        so = scheduler.schedule()
+        t1 = clock()
+        mro = self._model_output(so)
+        if self.async_mode:
+            deliver, self._in_flight = self._in_flight, (so, mro)
+        else:
+            deliver = (so, mro)
+        t2 = t3 = 0.0
+        if deliver is not None:
+            t2 = clock()
+            scheduler.update_from_output(*deliver)
+            t3 = clock()
+        self.harness.clock.advance(STEP_NS)
+        self.steps += 1
+        return (t1 - t0) + (t3 - t2)
+
+    def throttled_now(self) -> int:
+        observation = getattr(self.scheduler, "last_step_observation", None)
+        return len(observation["throttled"]) if observation else 0
+
+    def steady(self) -> bool:
+        """Every request running; each one decoding, or throttled as planned."""
+        scheduler = self.scheduler
+        if len(scheduler.running) != self.n or scheduler.waiting:
+            return False
+        decoding = sum(1 for r in scheduler.running if r.num_output_tokens > 1)
+        if getattr(scheduler, "last_step_observation", None) is None:  # no observation interface
+            return decoding >= self.n - self.expected_throttled and self.steps >= 2 * MIN_STEADY_STEPS
+        throttled = self.throttled_now()
+        return throttled == self.expected_throttled and decoding >= self.n - self.expected_throttled
+
+    def warm_up(self) -> None:
+        while not self.steady():
+            if self.steps >= MAX_WARMUP_STEPS:
+                raise RuntimeError(
+                    f"{self.harness.cls_path} with {self.n} requests: no decode steady state after "
+                    f"{self.steps} steps (running {len(self.scheduler.running)}, throttled "
+                    f"{self.throttled_now()} of {self.expected_throttled})")
+            self.step()
+        for _ in range(4):
+            self.step()
+
+
+@dataclass
+class SchedulerRow:
+    running: int
+    throttled_fraction: float
+    mode: str
+    stock_us: float
+    reference_us: float
+    ratio: float
+    throttled_requests: int = 0
+    rounds: int = 0
+    steps_per_round: int = 0
+    ratio_min: float = 0.0
+    ratio_max: float = 0.0
+    article_us: float | None = None
+    article_ratio: float | None = None
+
+
+ARTICLE_SCHEDULER = "article_style.scheduler.ArticleScheduler"
+ARTICLE_ASYNC_SCHEDULER = "article_style.scheduler.ArticleAsyncScheduler"
+ARTICLE_HOOK = "hook:article_style.hook.configure"
+
+
+def article_style(async_mode: bool) -> tuple[str, Any] | None:
+    """(class path, config style) of the article-style implementation, or None when this
+    checkout has no ``tests/fixtures/article_style`` (an installed wheel)."""
+    import sys
+
+    fixtures = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+    if not (fixtures / "article_style").is_dir():
+        return None
+    if str(fixtures) not in sys.path:
+        sys.path.insert(0, str(fixtures))
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+
+    return (ARTICLE_ASYNC_SCHEDULER if async_mode else ARTICLE_SCHEDULER), parse_config_style(ARTICLE_HOOK)
+
+
+def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None],
+                      clock: str = "cpu") -> SchedulerRow:
+    """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
+    from vllm_output_rate.adapter.harness import (
+        REFERENCE_ASYNC_SCHEDULER,
+        REFERENCE_SCHEDULER,
+        STOCK_ASYNC_SCHEDULER,
+        STOCK_SCHEDULER,
+    )
+
+    async_mode = mode == "async"
+    total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_per_round + 8
+    stock = _Driver(STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER, n, fraction, async_mode, total,
+                    limited=False, clock=CLOCKS[clock])
+    reference = _Driver(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, n, fraction,
+                        async_mode, total, limited=True, clock=CLOCKS[clock])
+    peer = article_style(async_mode)
+    article = (_Driver(peer[0], n, fraction, async_mode, total, limited=True, clock=CLOCKS[clock], style=peer[1],
+                       tiny_rate=TINY_RATE_INTEGER) if peer is not None else None)
+    drivers = [d for d in (stock, reference, article) if d is not None]
+    for driver in drivers:
+        driver.warm_up()
+    gc.collect()
+    means: dict[int, list[float]] = {id(d): [] for d in drivers}
+    throttled_seen: set[int] = set()
+    for k in range(plan.rounds):
+        order = drivers[k % len(drivers):] + drivers[:k % len(drivers)]  # rotate who goes first
+        for driver in order:
+            spent = sum(driver.step() for _ in range(plan.steps_per_round))
+            means[id(driver)].append(spent / plan.steps_per_round)
+        throttled_seen.add(reference.throttled_now())
+        tick()
+    stock_means, ref_means = means[id(stock)], means[id(reference)]
+    if throttled_seen != {reference.expected_throttled}:
+        raise RuntimeError(f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, "
+                           f"planned {reference.expected_throttled}")
+    ratios = [r / s for r, s in zip(ref_means, stock_means)]
+    return SchedulerRow(
+        running=n,
+        throttled_fraction=fraction,
+        mode=mode,
+        stock_us=statistics.median(stock_means) * 1e6,
+        reference_us=statistics.median(ref_means) * 1e6,
+        ratio=statistics.median(ratios),
+        throttled_requests=reference.expected_throttled,
+        rounds=plan.rounds,
+        steps_per_round=plan.steps_per_round,
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        article_us=statistics.median(means[id(article)]) * 1e6 if article is not None else None,
+        article_ratio=(statistics.median([a / s for a, s in zip(means[id(article)], stock_means)])
+                       if article is not None else None),
+    )
