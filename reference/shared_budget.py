@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from fractions import Fraction
+from typing import Any
 
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.spec.limiter import BURST_NS, NS_PER_S
@@ -144,17 +145,17 @@ class SharedBudgetLimiter(OutputRateLimiter):
     """
 
     def __init__(self, default_rate_tokens_per_s: object, user_rates_tokens_per_s: Mapping[str, object] | None = None,
-                 burst_ns: int = BURST_NS, *, url: str, client: object | None = None,
+                 burst_ns: int = BURST_NS, *, url: str, client: Any = None,
                  clock_ns: Callable[[], int] = time.monotonic_ns, start_thread: bool = True) -> None:
         super().__init__(default_rate_tokens_per_s, user_rates_tokens_per_s, burst_ns)
         import redis  # the store client; only needed with the feature configured
 
         url = "redis://" + url[len("valkey://"):] if url.startswith("valkey://") else url
         timeout_s = STORE_TIMEOUT_NS / NS_PER_S
-        self._client = client if client is not None else redis.Redis.from_url(
+        self._client: Any = client if client is not None else redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False)
-        self._lease = self._client.register_script(LEASE_LUA)  # type: ignore[attr-defined]
-        self._return = self._client.register_script(RETURN_LUA)  # type: ignore[attr-defined]
+        self._lease = self._client.register_script(LEASE_LUA)
+        self._return = self._client.register_script(RETURN_LUA)
         self.url = url
         self.engine_id = uuid.uuid4().hex  # R26: a new incarnation per process
         self._clock = clock_ns
