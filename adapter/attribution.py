@@ -196,6 +196,10 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                "(R8: never under-charge)", charges=lambda d: 0 if d.in_flight else 1),
     Hypothesis("R8", "refunds the post-stop token of a request that finishes with a step in flight "
                "(R8: it stays charged)", refund_finished_in_flight=True),
+    # Before the refund slips that can also reproduce "never paused anything": a candidate
+    # with no limit at all (stock vLLM) is named R2, not R9.
+    Hypothesis("R2", "never refuses a take: no GCRA is applied at all (R2: a take is granted only while "
+               "TAT - now <= tau)", allows=lambda tat, now, tau: True),
     Hypothesis("R9", "refunds the first dispatched charge of each step (R9: a dispatched charge is final)",
                free_first_per_step=True),
     Hypothesis("R9", "refunds the dispatched charges of running requests (R9: a dispatched charge is final)",

@@ -201,7 +201,22 @@ def test_mutants_that_are_correct_below_exact_are_not_hunted_there():
             assert not row.killed and not row.survived and row.checks_run == 0
             assert row.not_judged == "not a defect below exact"
             assert row.as_json()["not_judged"] == "not a defect below exact"
-    assert all(m.level == "must" for m in CATALOGUE if m.name not in EXACT_ONLY)
+    assert all(m.level == "must" for m in CATALOGUE if m.name not in EXACT_ONLY | SHOULD_ONLY)
+
+
+# Slips that break only a design rule (R5 through the engine wait, R10-R16) and none of the
+# article's promises: defects from level should, not hunted at must.
+SHOULD_ONLY = {"NoPrefillAdvance", "NoActiveCapInRunningLoop", "ThrottledNotPreferredVictims", "ReadyAtRoundedDown",
+               "WaitHintFromLatestUser", "ArticleRunningLoopIgnoresCap", "ArticleNoEngineWait", "ArticleOversleep",
+               "ArticleSleepsForBudget", "ArticleVictimAcrossPriorities", "ArticleNoRotation", "ArticleLastServedLost"}
+
+
+def test_design_rule_only_mutants_are_should_level_and_not_hunted_at_must():
+    assert {m.name for m in CATALOGUE if m.level == "should"} == SHOULD_ONLY
+    for name in ("NoActiveCapInRunningLoop", "ArticleNoRotation"):
+        row = kill(BY_NAME[name], "must", "ci", seed=0)
+        assert not row.killed and not row.survived and row.checks_run == 0
+        assert row.not_judged == "not a defect below should"
 
 
 @pytest.mark.rules("R13")
