@@ -275,10 +275,16 @@ def _print_results(results: list[Any], header: str) -> None:
 
 def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str | None, replay_options: str) -> None:
     """Each failed check: its failure, counterexample and the ``outrate replay`` command."""
+    others_failed = any(r.result == "fail" and r.part == "candidate" and not r.coverage for r in results)
     for r in results:
         if r.result != "fail":
             continue
         console.print(f"[bold red]{r.name} FAILED[/] ({r.part}): {escape_markup(r.failure)}")
+        if r.coverage:  # obligations, not a scenario: the coverage table above has the counts
+            if others_failed:
+                console.print("  (a failing check stops at its counterexample, so its scenarios reach fewer "
+                              "obligations: fix the failures above first)")
+            continue
         console.print("  counterexample (" + ("shrunk, 1-minimal" if r.minimal else
                                               "shrunk by Hypothesis, not proven 1-minimal") + "):")
         for line in r.counterexample:

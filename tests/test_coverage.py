@@ -114,3 +114,22 @@ def test_cli_conform_lists_boundary_scenarios_and_prints_the_coverage_table(tmp_
     assert [s.split("@")[0] for s in rows["boundaries/async"]["scenarios"]] == list(boundaries.BOUNDARY_NAMES)
     assert rows["coverage"]["coverage"]["k"] == 1
     assert {r["status"] for r in rows["coverage"]["coverage"]["rows"]} == {"ok"}
+
+
+def test_a_coverage_failure_is_not_printed_as_a_counterexample():
+    # `not reached` lists obligations, not a scenario to replay; after another check failed
+    # the run says why coverage is short instead of calling it a 1-minimal counterexample.
+    from types import SimpleNamespace
+
+    from vllm_output_rate import cli
+
+    def row(name, coverage):
+        return SimpleNamespace(name=name, part="candidate", result="fail", failure=f"{name} broke",
+                               coverage=coverage, counterexample=["0 add r0"], minimal=True, saved=None)
+
+    results = [row("rate-limit/sync", None), row("coverage", {"k": 3, "rows": []})]
+    with cli.console.capture() as captured:
+        cli._print_failures(results, "pkg.Sched", None, "")
+    out = captured.get()
+    assert out.count("counterexample (") == 1  # the rate-limit row's only
+    assert "fix the failures above first" in out
