@@ -14,6 +14,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +28,23 @@ for _module in ("vllm.config", "vllm.v1.core.sched.async_scheduler", "vllm.v1.co
 def async_scheduling(request) -> bool:
     """P5: run a test on both RateLimitedScheduler and RateLimitedAsyncScheduler."""
     return request.param
+
+
+@pytest.fixture
+def article_flags(monkeypatch):
+    """``article_style.flags.install()`` on vLLM's EngineArgs, undone after the test
+    (install() patches the class for good, and importing the scheduler module runs it)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
+    before = dict(vars(EngineArgs))
+    import article_style.flags
+
+    article_style.flags.install()
+    yield article_style.flags
+    for name in set(vars(EngineArgs)) - set(before):
+        delattr(EngineArgs, name)
+    for name, value in before.items():
+        if vars(EngineArgs).get(name) is not value:
+            setattr(EngineArgs, name, value)
+    assert dict(vars(EngineArgs)) == before

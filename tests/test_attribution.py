@@ -156,16 +156,13 @@ def test_step_identity_checks_never_turn_prefix_caching_on():
 
 @pytest.mark.rules("R12")
 @pytest.mark.parametrize("num_blocks", [None, 4096], ids=["ample", "pressured-check"])
-def test_r12_a_pause_explained_only_by_throttled_requests_holding_active_seats_names_r12(monkeypatch, num_blocks):
+def test_r12_a_pause_explained_only_by_throttled_requests_holding_active_seats_names_r12(article_flags, num_blocks):
     # Active cap 1: u0's request is throttled (1 tok/s, its second token refused), u1's is
     # granted (1000 tok/s) and was paused with nothing scheduled: only a cap that counts the
     # throttled u0-r0 is full. The article-style base serves u1-r0.
-    from pathlib import Path
-
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
-    style = parse_config_style("engine-args")
+    style = parse_config_style("engine-args")  # article_flags: the article's flags on EngineArgs
     scenario = Scenario({"u0": "1", "u1": "1000"},
                         (RequestSpec("u0-r0", "u0", 4, 4), RequestSpec("u1-r0", "u1", 4, 8, at_step=1)),
                         10 * MS, 20, max_num_active_seqs=1, num_blocks=num_blocks)

@@ -448,26 +448,6 @@ needs_article = pytest.mark.skipif(not (FIXTURES / "article_style" / "flags.py")
                                    reason="tests/fixtures/article_style absent")
 
 
-@pytest.fixture
-def article_flags(monkeypatch):
-    """``article_style.flags.install()`` on vLLM's EngineArgs, undone after the test
-    (install() patches the class for good, and importing the scheduler module runs it)."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    monkeypatch.syspath_prepend(str(FIXTURES))
-    before = dict(vars(EngineArgs))
-    import article_style.flags
-
-    article_style.flags.install()
-    yield article_style.flags
-    for name in set(vars(EngineArgs)) - set(before):
-        delattr(EngineArgs, name)
-    for name, value in before.items():
-        if vars(EngineArgs).get(name) is not value:
-            setattr(EngineArgs, name, value)
-    assert dict(vars(EngineArgs)) == before
-
-
 def run_article(shape: EngineShape, style) -> tuple[Harness, list[str]]:
     cls = "article_style.scheduler.ArticleAsyncScheduler" if shape.async_scheduling else \
         "article_style.scheduler.ArticleScheduler"
