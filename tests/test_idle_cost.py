@@ -8,8 +8,8 @@ busy_loop_s`` (1 s) and only then parks on the queue's zmq notify socket; an all
 engine core sends an (empty) RPC at least every 50 ms (R16), so the worker never parked
 (100% of a core). Parking alone is not enough: vLLM's PUB notify socket has ``SNDHWM`` 1 and
 drops a ping sent within about 1 ms of the previous one, so a parked reader missed it and
-slept until vLLM's 5 s re-check (``test_vllms_pings_drop_when_sent_close_together``; ``make
-bench`` counts lost pings and the round trip side by side).
+slept until vLLM's 5 s re-check (how many depends on timing, so it is measured, not asserted:
+``make bench`` counts lost pings and the round trip side by side).
 CPU percentages are measured by ``make bench`` (side by side), not asserted here.
 """
 
@@ -182,10 +182,3 @@ def test_r16_park_reader_marks_only_a_reader():
 def test_r16_lossless_pings_wake_a_parked_reader_every_time():
     result = ping_round_trips(lossless=True, park=True, steps=300, timeout_s=1.0)
     assert result["messages"] == 600 and result["lost"] == 0
-
-
-
-def test_vllms_pings_drop_when_sent_close_together():
-    """The cause (no fix applied): on vLLM's own queue a reader that parks misses pings."""
-    result = ping_round_trips(lossless=False, park=True, steps=150, timeout_s=0.25)
-    assert result["lost"] >= 1
