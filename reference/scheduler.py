@@ -365,8 +365,11 @@ class _RateLimitMixin(_SchedulerHost):
         self.output_rate_config = replace(self.output_rate_config, default_rate=table.default_rate,
                                           user_rates=dict(table.user_rates))
         if self._metrics is not None:  # the limit gauges; labels stay the start-up ones (bounded)
-            self._metrics.rates = {**{u: float(r) for u, r in table.user_rates.items() if u in self._metrics.named},
-                                   OTHER_LABEL: float(table.default_rate)}
+            # Every start-up label keeps its series: a named user moved to the default gets the
+            # default's rate (it used to lose its entry, and the next snapshot raised KeyError).
+            default = float(table.default_rate)
+            self._metrics.rates = {**{u: float(table.user_rates.get(u, table.default_rate)) for u in self._metrics.named},
+                                   OTHER_LABEL: default}
         if self._trace is not None:
             self._trace.rates_changed(now_ns, table.default_rate, table.user_rates)
         oplog_logger.info("output-rate limits changed without a restart (R21): %s; %d user(s) rescaled, "

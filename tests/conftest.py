@@ -48,3 +48,19 @@ def article_flags(monkeypatch):
         if vars(EngineArgs).get(name) is not value:
             setattr(EngineArgs, name, value)
     assert dict(vars(EngineArgs)) == before
+
+
+@pytest.fixture(autouse=True)
+def _metrics_env_kept():
+    """The metrics directory variables as they were before the test: the plugin's front end
+    sets them in ``os.environ`` for the engine cores it spawns, and a later test's subprocess
+    (``outrate conform``) would otherwise inherit another test's directory."""
+    from vllm_output_rate.reference.metrics import ENV_DIR, ENV_OWNER
+
+    before = {name: os.environ.get(name) for name in (ENV_DIR, ENV_OWNER)}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -32,12 +32,19 @@ OFF = SimpleNamespace(additional_config={})
 
 @pytest.fixture
 def originals(monkeypatch):
-    """vLLM's executor functions, restored after the test (the install replaces them)."""
+    """vLLM's executor functions, restored after the test (the install replaces them). If an
+    earlier test of the session installed the plugin already, its wrappers are taken off
+    first, so every test starts from vLLM's own functions."""
+    installed = WorkerProc._execute_worker_rpc in plugin._OUR_WRAPPERS
+
+    def vllms(function):
+        return function.__wrapped__ if installed else function  # one layer: the four are ours together
+
     saved = {
-        "init_executor": MultiprocExecutor._init_executor,
-        "collective_rpc": MultiprocExecutor.collective_rpc,
-        "init_queues": WorkerProc._init_message_queues,
-        "execute_rpc": WorkerProc._execute_worker_rpc,
+        "init_executor": vllms(MultiprocExecutor._init_executor),
+        "collective_rpc": vllms(MultiprocExecutor.collective_rpc),
+        "init_queues": vllms(WorkerProc._init_message_queues),
+        "execute_rpc": vllms(WorkerProc._execute_worker_rpc),
     }
     monkeypatch.setattr(MultiprocExecutor, "_init_executor", saved["init_executor"])
     monkeypatch.setattr(MultiprocExecutor, "collective_rpc", saved["collective_rpc"])

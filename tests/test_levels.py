@@ -89,7 +89,7 @@ def _plugin_verdicts(tmp_path, *args) -> dict[str, str]:
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
                           str(tmp_path / "test_patch.py"), *args], capture_output=True, text=True, cwd=tmp_path,
                          env=ENV)
-    found = {name: verdict for verdict, name in re.findall(r"^(PASSED|FAILED) (?:::)?outrate::(\S+)", run.stdout, re.M)}
+    found = {name: verdict for verdict, name in re.findall(r"^(PASSED|FAILED) (?:\S*::)?outrate::(\S+)", run.stdout, re.M)}
     assert found, run.stdout[-3000:]
     return found
 

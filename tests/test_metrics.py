@@ -191,3 +191,25 @@ def test_snapshot_written_at_start_up_before_any_request(metrics_dir, shadow):
     assert snap["shadow"] is shadow
     assert {k: v["limit_tokens_per_second"] for k, v in snap["labels"].items()} == {"slow": 10.0, "other": 100.0}
     assert all(v["granted"] == 0 for v in snap["labels"].values())
+
+
+@pytest.mark.rules("R21")
+def test_r21_a_named_user_moved_to_the_default_keeps_its_series_at_the_default_rate(metrics_dir, tmp_path):
+    # A rates file that drops a start-up override: the user's label keeps its series with the
+    # default's limit (the snapshot used to raise KeyError for the dropped user).
+    from fractions import Fraction
+
+    rates = tmp_path / "rates.json"
+    h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=3, output_rate={
+        "default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "rates_file": str(rates)}))
+    h.add_request("r0", "slow", prompt_len=4, max_tokens=20)
+    h.step()
+    h.advance(10 * MS)
+    h.change_rates(Fraction(50), [])
+    for _ in range(3):
+        h.step()
+        h.advance(10 * MS)
+    h.scheduler._metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
+    snap = _snapshot(metrics_dir)
+    assert {k: v["limit_tokens_per_second"] for k, v in snap["labels"].items()} == {"slow": 50.0, "other": 50.0}
+    assert snap["labels"]["slow"]["granted"] >= 2
