@@ -11,6 +11,8 @@ most of it the two workers' start-up.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_output_rate.adapter.trace_check import check_trace
@@ -22,7 +24,12 @@ TOKENS = 30
 
 
 @pytest.mark.rules("R2", "R11")
-def test_modes_live_tensor_parallel_2_limits_one_user_and_serves_the_other(tiny_llm, sampling, tmp_path):
+def test_modes_live_tensor_parallel_2_limits_one_user_and_serves_the_other(tiny_llm, sampling, tmp_path, monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.fail(f"tensor parallel 2 needs two CPUs, this process may use {cpus}")
+    # vLLM's CPU workers bind their OpenMP threads per NUMA node; with one node, one CPU each.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
     trace = tmp_path / "trace.jsonl"
     llm = tiny_llm({"default_tokens_per_s": 100_000, "user_tokens_per_s": {"slow": SLOW_RATE},
                     "trace_path": str(trace)}, tensor_parallel_size=2, distributed_executor_backend="mp")
