@@ -504,8 +504,11 @@ PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 10}  # scenarios per boundary an
 
 @functools.cache
 def _solved(name: str, rate: str, async_mode: bool, seed: int) -> Scenario | None:
+    from vllm_output_rate.adapter.z3guard import z3_alone
+
     boundary = next(b for b in BOUNDARIES if b.name == name)
-    scenario = boundary.build(rate, async_mode, seed)
+    with z3_alone():  # Z3 in one thread, its objects freed here (adapter/z3guard.py)
+        scenario = boundary.build(rate, async_mode, seed)
     return None if scenario is None else replace(scenario, async_scheduling=async_mode)
 
 

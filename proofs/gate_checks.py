@@ -22,10 +22,13 @@ SHARED_RULES = ("R23", "R24", "R25", "R26")
 def check_proofs(tick: Callable[[], None]) -> CheckResult:
     """R1-R6 and R21 for all inputs: the Z3 proofs of ``proofs/z3_limiter.py`` (``outrate prove``
     adds the CrossHair contracts, which take about a minute)."""
+    from vllm_output_rate.adapter.z3guard import z3_alone
     from vllm_output_rate.proofs.z3_limiter import run_all
 
     result = CheckResult("proofs/z3", list(Z3_RULES), part="spec health")
-    for record in run_all():
+    with z3_alone():  # Z3 in one thread, its objects freed here (adapter/z3guard.py)
+        records = list(run_all())
+    for record in records:
         tick()
         result.examples += 1
         if record["result"] != "proved" or not record.get("vacuity_ok", True):
@@ -57,10 +60,13 @@ def check_shared_budget(tick: Callable[[], None]) -> CheckResult:
     """R23-R26: the Z3 proofs of ``proofs/z3_shared_budget.py``, every state of the model
     checker's 2-engine scope (``proofs/modelcheck_shared.py``), and each protocol mutant
     caught."""
+    from vllm_output_rate.adapter.z3guard import z3_alone
     from vllm_output_rate.proofs import modelcheck_shared, z3_shared_budget
 
     result = CheckResult("proofs/shared-budget", list(SHARED_RULES), part="spec health")
-    for record in z3_shared_budget.run_all():
+    with z3_alone():  # Z3 in one thread, its objects freed here (adapter/z3guard.py)
+        records = list(z3_shared_budget.run_all())
+    for record in records:
         tick()
         result.examples += 1
         if record["result"] != "proved" or not record["vacuity_ok"]:
