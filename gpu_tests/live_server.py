@@ -48,11 +48,8 @@ def shutdown(proc: subprocess.Popen) -> None:
         pass
 
 
-@contextlib.contextmanager
-def serving(work: Path, flags: list[str], env_extra: dict[str, str] | None = None) -> Iterator[str]:
-    """Run ``outrate serve MODEL <flags>`` (plus the tiny-model engine flags); yield its URL."""
-    import httpx
-
+def _start(work: Path, flags: list[str], env_extra: dict[str, str] | None) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``outrate serve`` (tiny model in ``work``, log ``work/serve.log``) without waiting."""
     from vllm_output_rate.adapter.tinymodel import write_config
 
     model = write_config(work / "model", tokenizer=True)
@@ -69,23 +66,49 @@ def serving(work: Path, flags: list[str], env_extra: dict[str, str] | None = Non
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"outrate serve exited with {proc.returncode}:\n{log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{log_tail(log_path)}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    return proc, f"http://127.0.0.1:{port}", log_path
+
+
+def wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path) -> None:
+    """Poll ``/health`` until 200; fail the test with the log's tail if the server exits or times out."""
+    import httpx
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"outrate serve exited with {proc.returncode}:\n{log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{log_tail(log_path)}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
+@contextlib.contextmanager
+def serving(work: Path, flags: list[str], env_extra: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``outrate serve MODEL <flags>`` (plus the tiny-model engine flags); yield its URL."""
+    with serving_all([(work, flags)], env_extra) as (base_url,):
         yield base_url
+
+
+@contextlib.contextmanager
+def serving_all(servers: list[tuple[Path, list[str]]], env_extra: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """Several ``outrate serve`` replicas, one per ``(work directory, flags)``, started at
+    once (their start-ups overlap) on their own free ports; yield their URLs in order once
+    every one is ready; always stop every process group."""
+    started: list[tuple[subprocess.Popen, str, Path]] = []
+    try:
+        for work, flags in servers:
+            started.append(_start(work, flags, env_extra))
+        for proc, base_url, log_path in started:
+            wait_ready(proc, base_url, log_path)
+        yield [base_url for _, base_url, _ in started]
     finally:
-        shutdown(proc)
+        for proc, _, _ in started:
+            shutdown(proc)
 
 
 def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -25,11 +25,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from live_server import free_port, log_tail, shutdown
+from live_server import free_port, shutdown, wait_ready
 
 from vllm_output_rate.adapter.tinymodel import write_config
 from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
@@ -40,7 +39,6 @@ SLOW_RATE = 20  # tokens/s of user "slow"
 DEFAULT_RATE = 100  # tokens/s of every other user ("fast")
 STREAMS = 2
 TOKENS = 40
-READY_TIMEOUT_S = 120
 # Client-side timestamps are taken when a token's chunk arrives, after the step that
 # sampled it; the first token's step (a prefill of every new stream) can take longer than
 # the last one's (one decode) and its chunk waits behind request intake in the API server,
@@ -57,8 +55,6 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(work):
-    import httpx
-
     model = write_config(work / "model", tokenizer=True)
     port = free_port()
     log_path = work / "serve.log"
@@ -80,18 +76,7 @@ def server(work):
                                 start_new_session=True)  # own process group: shut down as one
     try:
         base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"outrate serve exited with {proc.returncode}:\n{log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{log_tail(log_path)}")
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_ready(proc, base_url, log_path)
         yield base_url
     finally:
         shutdown(proc)

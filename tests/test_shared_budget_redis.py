@@ -1,16 +1,12 @@
 """R23-R26 against a real Redis: two reference schedulers (in-process, real clock) share
 one user's budget through one redis-server started on a free loopback port by the
-fixture; judged by the spec's cross-engine bound (spec/shared_budget.py). Marker
+fixture (the root conftest); judged by the spec's cross-engine bound (spec/shared_budget.py). Marker
 ``multi_engine``. ``redis-server`` comes from Debian's package (``.ci/run`` installs it)."""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Iterator
 from fractions import Fraction
 
 import pytest
@@ -21,53 +17,6 @@ from vllm_output_rate.spec import shared_budget as sb
 
 SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 RATE = 20  # tokens/s for the user "big": T = 50 ms, L = 1, H = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server on a loopback port, started and stopped by the tests."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary, "redis-server is missing: `apt-get install -y redis-server` (.ci/run installs it)"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis.from_url(self.url, socket_timeout=0.2)
-        for _ in range(200):
-            try:
-                if client.ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.02)
-        raise AssertionError(f"redis-server did not answer on port {self.port}")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-            self.proc = None
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def _harness(url: str, streams: int, max_tokens: int, prefix: str):
