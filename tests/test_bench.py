@@ -43,6 +43,15 @@ def test_bench_quick_json_structure(tmp_path):
             assert _positive_finite(r[key]), (key, r)
         assert r["throttled_requests"] == round(r["running"] * r["throttled_fraction"])
 
+    shared = data["shared"]  # R23-R26: a redis-server is started for the run (.ci/run installs it)
+    assert shared["skipped"] is None, shared["skipped"]
+    assert {(r["running"], r["rate_tokens_per_s"]) for r in shared["rows"]} == {
+        (n, rate) for n in QUICK.sizes[:2] for rate in (10**9, 200)}
+    for r in shared["rows"]:
+        for key in ("single_us", "shared_us", "ratio", "round_trips_per_s", "round_trips_per_token", "tokens_per_s"):
+            assert _positive_finite(r[key]), (key, r)
+        assert r["round_trips_per_token"] < 1  # a lease covers several grants (L >= 10 at these rates)
+
     limiter = data["limiter"]
     for key in ("try_take_per_s", "try_take_refused_per_s", "refund_per_s"):
         assert _positive_finite(limiter[key]), key

@@ -28,6 +28,13 @@ Requests: prompts of 4-19 tokens (block boundaries spread over steps), 4 streams
 user, ``max_tokens`` large enough that nothing finishes; max_num_seqs = N,
 max_num_batched_tokens >= 4N, KV blocks for every token the run can produce.
 
+Shared budget (R23-R26, ``shared``): the reference with ``output_rate.shared_budget_url``
+against the single-engine reference at 64 and 256 running requests, both on the real clock,
+in interleaved rounds, with a redis-server on a loopback port started for the run (the part
+says why it was skipped without one): the per-step ratio shared / single, store round trips
+per second and per generated token, at a rate that never binds and at 200 tokens/s per user
+(module ``shared``).
+
 Limiter: ``OutputRateLimiter.try_take`` (granted and refused) and ``refund`` operations
 per second, in batches over 4096 users, median over repetitions.
 
@@ -52,7 +59,7 @@ worker's wake-ups. (c) vLLM's RPC queue between two processes, the reader parkin
 every read (lossless pings or vLLM's) or spinning: lost wake-up pings and round trips
 (``livebench.ping_round_trips``).
 
-Layout: ``common`` (the plan, clock, targets), one module per benchmark (``scheduler``,
+Layout: ``common`` (the plan, clock, targets), one module per benchmark (``scheduler``, ``shared``,
 ``limiter``, ``gate``, ``live``, and ``profiling`` for ``--profile``), ``render`` (tables and
 the plot) and ``command`` (the ``outrate bench`` command).
 """

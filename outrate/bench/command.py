@@ -34,11 +34,13 @@ from vllm_output_rate.bench.render import (
     _limiter_table,
     _live_table,
     _scheduler_table,
+    _shared_table,
     machine,
     profile_tables,
     write_plot,
 )
 from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler
+from vllm_output_rate.bench.shared import measure_all_shared, shared_configs
 
 
 def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
@@ -64,7 +66,7 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
               help="Interleaved rounds per configuration (default 41; --quick 3).")
 @click.option("--clock", type=click.Choice(sorted(CLOCKS)), default="cpu", show_default=True,
               help="Step clock: this thread's CPU time (robust on a shared machine) or wall time.")
-@click.option("--only", type=click.Choice(["scheduler", "limiter", "gate", "live"]), multiple=True,
+@click.option("--only", type=click.Choice(["scheduler", "shared", "limiter", "gate", "live"]), multiple=True,
               help="Run only these parts (repeatable); default: all.")
 @click.option("--live/--no-live", default=None,
               help="Also start a real vLLM engine (tiny model) for the live section; default: on, off with --quick.")
@@ -74,7 +76,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
     """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     plan = _plan(quick, sizes, rounds)
-    parts = set(only) or {"scheduler", "limiter", "gate"}
+    parts = set(only) or {"scheduler", "shared", "limiter", "gate"}
     if live or (live is None and not only and not quick):
         parts.add("live")
     elif live is False:
@@ -92,14 +94,14 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
     if profile_n is not None:
         _profile(profile_n, 20 if quick else 100, json_path, command)
         return
-    scheduler_rows, limiter, gate, live_result = _measure(parts, plan, clock)
+    scheduler_rows, shared, limiter, gate, live_result = _measure(parts, plan, clock)
 
     env = machine()
     env["load_average_at_start"] = load_at_start
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     console.print(f"{when}; {env['cores']} cores, {env['cpu']}; vLLM {vllm.__version__}; Python {env['python']}; "
                   f"load average at the end {env['load_average']}; command: {command}")
-    _print_tables(scheduler_rows, limiter, gate, live_result, clock)
+    _print_tables(scheduler_rows, shared, limiter, gate, live_result, clock)
     if plot_path is not None and scheduler_rows:
         write_plot(scheduler_rows, plot_path,
                    f"outrate bench, vLLM {vllm.__version__}, {env['cores']} cores {env['cpu']}, {when}")
@@ -116,6 +118,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
             "plan": asdict(plan),
             "seconds": round(time.monotonic() - started, 1),
             "scheduler": [asdict(r) for r in scheduler_rows],
+            "shared": shared,
             "limiter": limiter,
             "gate": gate,
             "live": live_result,
@@ -148,10 +151,13 @@ def _profile(profile_n: int, steps: int, json_path: Path | None, command: str) -
 
 
 def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow], dict[str, Any] | None,
-                                                               dict[str, Any] | None, dict[str, Any] | None]:
-    """Run the parts asked for, each with its progress bar: scheduler rows, limiter, gate, live."""
+                                                               dict[str, Any] | None, dict[str, Any] | None,
+                                                               dict[str, Any] | None]:
+    """Run the parts asked for, each with its progress bar: scheduler rows, shared budget,
+    limiter, gate, live."""
     configs = [(n, f, m) for n in plan.sizes for m in plan.modes for f in plan.fractions]
     scheduler_rows: list[SchedulerRow] = []
+    shared: dict[str, Any] | None = None
     limiter: dict[str, Any] | None = None
     gate: dict[str, Any] | None = None
     live_result: dict[str, Any] | None = None
@@ -165,6 +171,9 @@ def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow
                 scheduler_rows.append(measure_scheduler(n, fraction, mode, plan,
                                                         functools.partial(progress.advance, task), clock))
             progress.update(task, description="scheduler")
+        if "shared" in parts:
+            task = progress.add_task("shared budget (Redis)", total=len(shared_configs(plan)) * plan.rounds)
+            shared = measure_all_shared(plan, functools.partial(progress.advance, task), clock)
         if "limiter" in parts:
             task = progress.add_task("limiter", total=plan.limiter_batches)
             limiter = measure_limiter(plan, functools.partial(progress.advance, task))
@@ -174,14 +183,19 @@ def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow
         if "live" in parts:
             task = progress.add_task("live engine (tiny model)", total=live_steps(plan))
             live_result = measure_live(plan, functools.partial(progress.advance, task))
-    return scheduler_rows, limiter, gate, live_result
+    return scheduler_rows, shared, limiter, gate, live_result
 
 
-def _print_tables(scheduler_rows: list[SchedulerRow], limiter: dict[str, Any] | None, gate: dict[str, Any] | None,
-                  live_result: dict[str, Any] | None, clock: str) -> None:
-    """The table of each part that ran (gate: and why a row was skipped)."""
+def _print_tables(scheduler_rows: list[SchedulerRow], shared: dict[str, Any] | None, limiter: dict[str, Any] | None,
+                  gate: dict[str, Any] | None, live_result: dict[str, Any] | None, clock: str) -> None:
+    """The table of each part that ran (shared budget and gate: why a part or row was skipped)."""
     if scheduler_rows:
         console.print(_scheduler_table(scheduler_rows, clock))
+    if shared is not None:
+        if shared["skipped"]:
+            console.print(f"shared budget: skipped: {shared['skipped']}")
+        else:
+            console.print(_shared_table(shared, clock))
     if limiter is not None:
         console.print(_limiter_table(limiter))
     if gate is not None:

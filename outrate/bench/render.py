@@ -47,6 +47,23 @@ def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
     return table
 
 
+def _shared_table(shared: dict[str, Any], clock: str) -> Table:
+    """R23-R26: the shared-budget reference against the single-engine reference, per row."""
+    table = Table(title=f"shared budget (Redis, R23-R26) vs single-engine reference: schedule() + "
+                        f"update_from_output(), {clock} µs per step (median of rounds); store round trips")
+    for col in ("running", "users x rate", "single µs", "shared µs", "ratio", "ratio range", "round trips/s",
+                "round trips/token", "tokens/s single", "tokens/s shared"):
+        table.add_column(col, justify="right")
+    for r in shared["rows"]:
+        rate = "not binding" if r["rate_tokens_per_s"] >= 10**9 else f"{r['rate_tokens_per_s']:g} tok/s"
+        style = "green" if r["ratio"] <= 1.05 else ("yellow" if r["ratio"] <= 1.15 else "red")
+        table.add_row(str(r["running"]), f"{r['users']} x {rate}", f"{r['single_us']:,.0f}", f"{r['shared_us']:,.0f}",
+                      f"[{style}]{r['ratio']:.3f}[/]", f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                      f"{r['round_trips_per_s']:,.0f}", f"{r['round_trips_per_token']:.4f}",
+                      f"{r['single_tokens_per_s']:,.0f}", f"{r['tokens_per_s']:,.0f}")
+    return table
+
+
 def _limiter_table(lim: dict[str, Any]) -> Table:
     table = Table(title=f"OutputRateLimiter, {lim['users']} users, median of {lim['batches']} batches")
     table.add_column("operation")
