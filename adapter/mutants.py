@@ -75,10 +75,17 @@ class ChargeOnModelOutput(RateLimitedScheduler):
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _force_take(self, user: str) -> None:
-        limiter = self.rate_limiter
-        assert limiter is not None, "a mutant of the feature on"
-        if not limiter.try_take(user, self._now_ns):
-            limiter._tat[user] += (limiter._scales.get(user) or limiter._default).inc
+        _take_regardless(self, user)
+
+
+def _take_regardless(scheduler: RateLimitedScheduler, user: str) -> None:
+    """One token taken from ``user``'s GCRA at the scheduler's last clock reading, granted
+    or not (a refused take still advances the TAT by one emission interval)."""
+    limiter = scheduler.rate_limiter
+    assert limiter is not None, "a mutant of the feature on"
+    if not limiter.try_take(user, scheduler._now_ns):
+        limiter._tat[user] += (limiter._scales.get(user) or limiter._default).inc
+    scheduler._spare, scheduler._spare_taken = {}, {}  # the last step's spare grants no longer hold
 
 
 class TwoChargesInAsync(RateLimitedAsyncScheduler):
@@ -94,6 +101,25 @@ class TwoChargesInAsync(RateLimitedAsyncScheduler):
                 and self.rate_limiter.try_take(self._user(request), self._now_ns)):
             self._charged.append(request)
         return n
+
+
+class ChargeAbortInFlight(RateLimitedAsyncScheduler):
+    """R7 broken (async): a request aborted while its step is in flight is charged once more.
+
+    Slip: in async mode the abort path "settles" the step still in flight by taking a token
+    for it, although that step was charged when it was dispatched (R7: one charge per
+    dispatch; R8: a cancelled step stays charged, once). The user pays twice, so its other
+    streams pause while the GCRA still grants them: an under-grant. Sync mode has no step in
+    flight at an abort, and only the scenarios under pressure abort.
+    """
+
+    def finish_requests(self, request_ids, finished_status):
+        if self.rate_limiter is not None and finished_status == RequestStatus.FINISHED_ABORTED:
+            for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+                request = self.requests.get(rid)
+                if request is not None and request.num_output_placeholders > 0:
+                    _take_regardless(self, self._user(request))
+        return super().finish_requests(request_ids, finished_status)
 
 
 # -- R9: the single refund point ----------------------------------------------------------
@@ -475,6 +501,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _entry(ChargeFirstChunkInstead, "R7"),
     _entry(ChargeOnModelOutput, "R7"),
     _entry(TwoChargesInAsync, "R7", async_only=True),
+    _entry(ChargeAbortInFlight, "R7", async_only=True),
     _entry(NoRefund, "R9"),
     _entry(DoubleRefund, "R9"),
     _entry(RefundDispatched, "R9"),

@@ -19,10 +19,13 @@ Ample sync scenarios also check R11 "kept resident" (no preemption) and R14 rota
 Ample async scenarios check the under-grant (P4) for the requests with a token left to
 dispatch (outputs plus in-flight placeholders below ``max_tokens``); a pressured scenario
 with ``ample_from_step`` (its author guarantees seats, budget and KV from that step on)
-checks it from that step. At should, R13 is judged black-box: under PRIORITY no victim
-above vLLM's victim level, under FCFS no victim granted for all its user's running
-requests while a throttled request the running loop already passed keeps its KV
-(``_Judge._fcfs_victim_check``: both timings of "throttled", the article's and ours).
+checks it from that step; before it (and in every pressured scenario), sync and async, the
+running requests are judged in each step that left token budget, preempted nothing and did
+not fill the active cap (``_Judge._pressured_under_grant_check``). At should, R13 is
+judged black-box: under PRIORITY no victim above vLLM's victim level, under FCFS no victim
+granted for all its user's running requests while a throttled request the running loop
+already passed keeps its KV (``_Judge._fcfs_victim_check``: both timings of "throttled",
+the article's and ours).
 Scenarios with resource pressure (``pressured_scenarios``) are judged by the black-box
 checks that still hold under pressure plus the white-box invariants on the scheduler's
 observation (docs/OBSERVATION.md): charges minus refunds equal sampling dispatches (R7,
@@ -608,7 +611,7 @@ class _Judge:
             failure = self._under_grant_check(trace, [r for r in unfinished if r in demand], resident)
             if failure:
                 return failure
-        elif not scenario.async_scheduling:
+        else:  # under pressure, sync and async: where the article fixes the outcome
             failure = self._pressured_under_grant_check(trace, unfinished)
             if failure:
                 return failure
@@ -741,18 +744,29 @@ class _Judge:
         elif scenario.ample_at(step):
             demand = self.start.demand if self.start is not None else set(unfinished)
             self._under_grant_check(trace, [r for r in unfinished if r in demand], resident)
-        elif not scenario.async_scheduling:
+        else:
             self._pressured_under_grant_check(trace, unfinished)
 
     def _pressured_under_grant_check(self, trace, unfinished: list[str]) -> tuple[str, str, str] | None:
-        """P4 under pressure (level must, sync), where the article fixes the outcome: a step
-        that left token budget, preempted nothing (so every KV allocation of vLLM's running
-        loop succeeded and the loop reached every running request) and did not fill the
-        active cap must serve every request that was running at its start with only its
-        sampling position left and a token to dispatch, whose user the GCRA still grants
-        after the step's dispatches (within ``schedule()`` a TAT only rises, so the user was
-        granted at that request's charge point too). Waiting requests are not judged here
-        (admission under pressure is vLLM's and the article's open choice)."""
+        """P4 under pressure (level must, sync and async), where the article fixes the
+        outcome: a step that left token budget, preempted nothing (so every KV allocation of
+        vLLM's running loop succeeded and the loop reached every running request) and did
+        not fill the active cap must serve every request that was running at its start with
+        only its sampling position left and a token to dispatch, whose user the GCRA still
+        grants after the step's dispatches (within ``schedule()`` a TAT only rises, so the
+        user was granted at that request's charge point too). Waiting requests are not
+        judged here (admission under pressure is vLLM's and the article's open choice).
+
+        Async (one step in flight): the same outcome is fixed. The charge condition counts
+        the in-flight placeholders (R7; the article: "判断条件不变"), so a request with a
+        step in flight is decoding (``_StepStart.decoding``); one whose placeholders already
+        carry it to ``max_tokens`` has no token to dispatch (V3, R11: not ``demand``); the
+        step after an unseen EOS is dispatched and charged like any other (R8), and nothing
+        waits for model output (R8), so a granted request is not held for its in-flight
+        output. A request the delivered output finished (its final token was in flight) is
+        not judged: dispatching it again would give its user nothing. Refunds (R9) happen
+        only at the end of ``schedule()``, after the running loop, and this check judges no
+        step that preempted."""
         start, scenario = self.start, self.scenario
         if start is None or trace.preempted:
             return None

@@ -94,6 +94,40 @@ def test_async_under_grant_is_judged_for_requests_with_a_token_to_dispatch():
     assert ok.failure is None and ok.sampled_per_user == {"a": 8}
 
 
+def _abort_in_flight_scenario() -> Scenario:
+    # Async, under pressure (one seat, few blocks): u0-r0 samples its only token at step 0
+    # and is aborted before step 1 with that step still in flight; u0-r1 (same user, 2 tok/s,
+    # tau 100 ms) waits for the seat. The GCRA grants u0-r1 its second token at t = 1.3 s,
+    # a step that leaves budget, preempts nothing and fills no active cap.
+    return Scenario({}, (RequestSpec("u0-r0", "u0", 1, 1, abort_at_step=1), RequestSpec("u0-r1", "u0", 1, 2)),
+                    100_000_000, 20, chunked_prefill=False, async_scheduling=True, default_rate_tokens_per_s="2",
+                    max_num_seqs=1, max_num_active_seqs=1, num_blocks=15, block_size=4)
+
+
+@pytest.mark.rules("R7", "R8", "R11")
+def test_r8_async_under_grant_is_judged_under_pressure():
+    # P4 in async mode, under pressure, where the article fixes the outcome: an abort's step
+    # in flight stays charged once (R8); ChargeAbortInFlight charges it again, so u0-r1 is
+    # paused while the GCRA grants it. Before the judge covered async under pressure this
+    # passed (no check judged the pause); the reference and the article-style
+    # implementation are not flagged.
+    scenario = _abort_in_flight_scenario()
+    assert not scenario.ample and scenario.ample_from_step is None
+    verdict = run_scenario("vllm_output_rate.adapter.mutants.ChargeAbortInFlight", scenario, "must")
+    assert verdict.level == "must" and "under-grant under pressure" in verdict.failure, verdict
+    assert "paused running u0-r1" in verdict.failure
+    ok = run_scenario(REFERENCE_ASYNC_SCHEDULER, scenario, "exact")
+    assert ok.failure is None and ok.sampled_per_user == {"u0": 3}
+
+
+def test_async_under_grant_under_pressure_passes_the_article_style_implementation(article_flags):
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+
+    verdict = run_scenario("article_style.scheduler.ArticleAsyncScheduler", _abort_in_flight_scenario(), "should",
+                           parse_config_style("engine-args"))
+    assert verdict.failure is None and verdict.sampled_per_user == {"u0": 3}
+
+
 def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     out = tmp_path / "conform.json"
