@@ -24,6 +24,12 @@ handler and INFO would be dropped):
   ... by WOULD BE throttled request-steps``: sampling dispatches that an enforcing
   scheduler would have refused (tokens above the limit).
 
+  The line is due when its interval ends, also when no ``schedule()`` runs then: while the
+  engine waits for budget (R16) or has no requests left, the engine loop (the plugin's
+  engine wait, ``reference/plugin.py``) wakes at ``due_ns()`` and calls ``tick``, so the
+  last interval before a pause or an idle gap is logged on time, not when the next
+  request arrives.
+
 Cost on the scheduler's hot path: one method call per ``schedule()``; with requests
 throttled, one C-level ``Counter.update`` over their ids. Formatting happens only when a
 line is written. Memory: one counter per user throttled in the current interval.
@@ -122,6 +128,20 @@ class ThrottleLog:
             self.counts.update(map(user_of.get, throttled))
         if now_ns >= self.next_ns:
             self.flush(now_ns)
+
+    def due_ns(self) -> int | None:
+        """When the pending line is due (ns, the scheduler's clock): the end of the current
+        interval if anyone was counted in it, else None (nothing to write)."""
+        return self.next_ns if self.counts and self.since_ns is not None else None
+
+    def tick(self, now_ns: int) -> bool:
+        """Between ``schedule()`` calls (the engine waiting or idle) at ``now_ns``: write the
+        pending line if it is due (``due_ns() <= now_ns``). Returns True if a line was written."""
+        due = self.due_ns()
+        if due is None or now_ns < due:
+            return False
+        self.flush(now_ns)
+        return True
 
     def flush(self, now_ns: int) -> None:
         """Log the interval ending at ``now_ns`` (if anyone was throttled) and start the next.

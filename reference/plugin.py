@@ -38,8 +38,11 @@ wraps a vLLM function -- it calls the original, it never replaces vLLM logic:
   expansion is a series of 1-token requests with many logprobs, not the one-sampled-token-
   per-step path the accounting charges.
 - Engine wait (R16): when a step ran no model, the engine core waits on its input queue
-  until the earliest ready time among users refused in that step (at most 50 ms) instead of
-  spinning in 1 ms sleeps; a new request or abort wakes it at once.
+  until the earliest ready time among users refused in that step instead of spinning in
+  1 ms sleeps; a new request or abort wakes it at once. Only while a waiting request is
+  blocked on work done in the background (its structured-output grammar being compiled,
+  its KV cache being received) is the wait capped at 50 ms (``BACKGROUND_RECHECK_NS``), so
+  that such a request is seen soon after it becomes schedulable.
 
 Correctness never depends on this plugin: the scheduler never raises on a bad identity
 (``RateLimitedScheduler.add_request``), validates the engine configuration itself, and
@@ -70,14 +73,18 @@ from vllm_output_rate.reference.config import (
     section_duplicates_error,
 )
 
-# R16: the engine core re-checks at least this often even when no user becomes ready sooner
-# (bounds the delay of anything the wait cannot see, e.g. a grammar compiled in the background).
-MAX_ENGINE_WAIT_NS = 50_000_000
+# R16: while a waiting request is blocked on work done in the background (a structured-output
+# grammar being compiled, KV blocks being received), nothing wakes the engine's wait when that
+# work ends; the engine core then re-checks at least this often. Otherwise it waits until the
+# earliest ready time (or new input), however far away.
+BACKGROUND_RECHECK_NS = 50_000_000
+# vLLM's request states whose end the wait cannot see (``vllm.v1.request.RequestStatus`` names).
+BACKGROUND_BLOCKED_STATES = ("WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING_FOR_FSM", "WAITING_FOR_REMOTE_KVS")
 # R16, worker side (docs/PERFORMANCE.md "Idle cost"): vLLM 0.32's multiproc executor worker
 # reads its RPCs from a shared-memory queue whose reader (``SpinCondition.wait``) busy-polls
 # with sched_yield for 1 s after each message before it parks on the queue's zmq notify
-# socket. An all-throttled engine core sends an empty ``execute_model`` RPC at least every
-# 50 ms (R16's cap), so the worker never parks: 100% of a core. With the feature on, the
+# socket. An all-throttled engine core sends an empty ``execute_model`` RPC at every wake-up
+# (each ready time), more often than once a second, so the worker never parks: 100% of a core. With the feature on, the
 # worker parks right after an empty ``execute_model`` and the engine core's pings are made
 # lossless; this variable set to "0" turns both off (vLLM's own behaviour).
 WORKER_PARK_ENV = "VLLM_OUTPUT_RATE_WORKER_PARK"
@@ -342,10 +349,13 @@ def _install_beam_search_refusal() -> None:
 def engine_wait_timeout_ns(core) -> int:
     """R16: how long the engine core may wait after a step that ran no model (0: don't).
 
-    min(50 ms, the scheduler's ``next_ready_ns()`` - now), and 0 unless: the scheduler
-    offers ``next_ready_ns`` and some user was refused in the step, the feature is on, the
-    engine is a single (non data-parallel) engine, and no batch that ran the model is
-    still in flight (async scheduling / pipeline batch queue).
+    The scheduler's ``next_ready_ns()`` - now (the earliest ready time of a user refused in
+    the step), capped at ``BACKGROUND_RECHECK_NS`` (50 ms) only while a waiting request is
+    blocked on background work (``background_blocked``); and 0 unless: the scheduler offers
+    ``next_ready_ns`` and some user was refused in the step, the feature is on, the engine
+    is a single (non data-parallel) engine, and no batch that ran the model is still in
+    flight (async scheduling / pipeline batch queue). A new request or abort ends the wait
+    at once (``wait_for_input``).
     """
     scheduler = getattr(core, "scheduler", None)
     next_ready_ns = getattr(scheduler, "next_ready_ns", None)
@@ -359,7 +369,57 @@ def engine_wait_timeout_ns(core) -> int:
     if not _nothing_in_flight(core):
         return 0
     clock_ns = getattr(scheduler, "clock_ns", time.monotonic_ns)
-    return max(0, min(MAX_ENGINE_WAIT_NS, ready_ns - clock_ns()))
+    now_ns = clock_ns()
+    timeout_ns = max(0, ready_ns - now_ns)
+    if background_blocked(scheduler):
+        timeout_ns = min(BACKGROUND_RECHECK_NS, timeout_ns)
+    log_due_ns = _operator_log_due_ns(scheduler)
+    if log_due_ns is not None:  # the throttled-users line is written on time (log_on_time)
+        timeout_ns = min(timeout_ns, max(0, log_due_ns - now_ns))
+    return timeout_ns
+
+
+def _operator_log_due_ns(scheduler) -> int | None:
+    due = getattr(scheduler, "operator_log_due_ns", None)
+    return None if due is None else due()
+
+
+def log_on_time(core) -> bool:
+    """Operator log: write the scheduler's throttled-users line when its interval ends, also
+    when no ``schedule()`` runs then (``oplog.ThrottleLog``). Called after each engine step.
+
+    With requests left, the R16 wait already ends at the line's due time
+    (``engine_wait_timeout_ns``). With none left (the engine goes idle, vLLM's loop would
+    block on its input queue), this waits on the input queue until the line is due (new
+    input ends the wait at once; not while vLLM has idle callbacks to run, e.g. a pause
+    waiting for the engine to drain). Then the line is written if due. Returns True if
+    a line was written.
+    """
+    scheduler = getattr(core, "scheduler", None)
+    flush = getattr(scheduler, "flush_operator_log", None)
+    due_ns = _operator_log_due_ns(scheduler)
+    if flush is None or due_ns is None:
+        return False
+    clock_ns = getattr(scheduler, "clock_ns", time.monotonic_ns)
+    if not scheduler.has_requests() and not getattr(core, "_idle_state_callbacks", None):
+        timeout_ns = due_ns - clock_ns()
+        if timeout_ns > 0:
+            wait_for_input(core.input_queue, timeout_ns / 1e9)
+    return flush(clock_ns())
+
+
+def background_blocked(scheduler) -> bool:
+    """R16: True if one of ``scheduler.requests`` (vLLM's dict of unfinished requests) is in a
+    state that background work ends (``BACKGROUND_BLOCKED_STATES``: a grammar being
+    compiled, KV blocks being received), which no input wakes the engine for; also True
+    if the requests cannot be read (an unknown layout: keep re-checking)."""
+    from vllm.v1.request import RequestStatus
+
+    blocked = {getattr(RequestStatus, name) for name in BACKGROUND_BLOCKED_STATES if hasattr(RequestStatus, name)}
+    try:
+        return any(request.status in blocked for request in scheduler.requests.values())
+    except (AttributeError, TypeError):
+        return True
 
 
 def _nothing_in_flight(core) -> bool:
@@ -398,6 +458,7 @@ def _install_engine_wait() -> None:
             timeout_ns = engine_wait_timeout_ns(self)
             if timeout_ns > 0:
                 wait_for_input(self.input_queue, timeout_ns / 1e9)
+        log_on_time(self)
         return model_executed
 
     EngineCoreProc._process_engine_step = _process_engine_step

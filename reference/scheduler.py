@@ -1016,6 +1016,21 @@ class _RateLimitMixin(_SchedulerHost):
         """R16: earliest ready time among users refused in the last step (None: none)."""
         return getattr(self, "_wait_hint_ns", None)
 
+    def operator_log_due_ns(self) -> int | None:
+        """Operator log (``oplog.py``): when the throttled-users line counted so far is due,
+        in ns of ``clock_ns`` (None: nothing pending, or the feature off). The engine loop
+        wakes for it while it waits for budget or idles (``reference/plugin.py``)."""
+        log = getattr(self, "_throttle_log", None)
+        return None if log is None else log.due_ns()
+
+    def flush_operator_log(self, now_ns: int | None = None) -> bool:
+        """Operator log: write the throttled-users line if it is due at ``now_ns`` (ns of
+        ``clock_ns``; default: now), between ``schedule()`` calls. True if a line was written."""
+        log = getattr(self, "_throttle_log", None)
+        if log is None:
+            return False
+        return log.tick(self.clock_ns() if now_ns is None else now_ns)
+
 
 class RateLimitedScheduler(_RateLimitMixin, Scheduler):
     """vLLM (0.32.0, 0.33.0) ``Scheduler`` with per-user output-rate limiting (R6-R18)."""

@@ -89,7 +89,7 @@ RULES: tuple[Rule, ...] = (
          _mixin("_settle", "_record_last_served", "schedule")),
     Rule("R16", "waiting for budget never blocks the engine", ("rate.begin_cycle", "rate.end_cycle"),
          ("plugin.engine_wait_timeout_ns", "plugin.wait_for_input",
-              "plugin.MAX_ENGINE_WAIT_NS") + _mixin("schedule", "_observe", "next_ready_ns")),
+              "plugin.BACKGROUND_RECHECK_NS", "plugin.background_blocked") + _mixin("schedule", "_observe", "next_ready_ns")),
     Rule("R17", "identity", ("events.AddRequest", "events.ANONYMOUS_USER"),
          ("identity.validate_extra_args", "scheduler.user_of",
               "plugin._install_identity_check") + _mixin("_resolve_user", "add_request")),

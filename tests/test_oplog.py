@@ -109,3 +109,91 @@ def test_no_summary_while_nobody_is_throttled(lines):
         h.step()
         h.advance(SUMMARY_INTERVAL_NS // 4)
     assert lines == []
+
+
+# -- the line is written on time, also while no schedule() runs -------------------------
+def _engine_core(h: Harness, section: dict, model_executed: bool):
+    """Stand-in ``EngineCoreProc`` around the harness's scheduler for vLLM's real
+    ``_process_engine_step`` (wrapped by the plugin): one step that did (not) run the model."""
+    import queue
+    from types import SimpleNamespace
+
+    core = SimpleNamespace(
+        scheduler=h.scheduler, input_queue=queue.Queue(), output_queue=queue.Queue(), batch_queue=None,
+        vllm_config=SimpleNamespace(additional_config={"output_rate": section},
+                                    parallel_config=SimpleNamespace(data_parallel_size=1)),
+        _idle_state_callbacks=[], post_step=lambda executed: None)
+    core.step_fn = lambda: ({}, model_executed)
+    return core
+
+
+@pytest.fixture()
+def fake_waits(monkeypatch):
+    """The plugin's waits on the input queue advance the harness's fake clock (no sleeping)."""
+    from vllm_output_rate.reference import plugin
+
+    plugin.register()
+    waits: list[int] = []
+
+    def install(h: Harness):
+        def wait_for_input(input_queue, timeout_s: float) -> bool:
+            waits.append(round(timeout_s * 1e9))
+            h.advance(round(timeout_s * 1e9))
+            return False
+
+        monkeypatch.setattr(plugin, "wait_for_input", wait_for_input)
+        return waits
+    return install
+
+
+def _run_throttled(h: Harness, rate_user: str, streams: int, max_tokens: int, until_ns: int | None = None) -> None:
+    for i in range(streams):
+        h.add_request(f"{rate_user}{i}", rate_user, max_tokens=max_tokens)
+    while h.scheduler.has_requests() and (until_ns is None or h.clock.now_ns() < until_ns):
+        h.step()
+        h.advance(10 * MS)
+
+
+def _throttled_then_engine_step(section: dict, fake_waits, model_executed: bool, **run) -> tuple[Harness, list]:
+    """Run user "slow" throttled on the harness (``_run_throttled``), then one engine step
+    through vLLM's wrapped ``_process_engine_step``; returns the harness and the waits."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=8, output_rate=section))
+    waits = fake_waits(h)
+    _run_throttled(h, "slow", streams=2, max_tokens=4, **run)
+    assert h.clock.now_ns() < SUMMARY_INTERVAL_NS and h.scheduler._throttle_log.lines == 0
+    EngineCoreProc._process_engine_step(_engine_core(h, section, model_executed))
+    return h, waits
+
+
+@pytest.mark.rules("R16")
+def test_last_interval_before_the_engine_goes_idle_is_logged_when_it_ends(lines, fake_waits):
+    # "slow" at 2 tok/s, 2 streams x 4 tokens: throttled, all done after ~2 s; then the
+    # engine has no requests (an idle gap). The interval that started at 0 ends at 10 s:
+    # its line is written then, not when the next request arrives.
+    from vllm.v1.engine.core import EngineCoreProc
+
+    section = {"default_tokens_per_s": 2}
+    h, waits = _throttled_then_engine_step(section, fake_waits, model_executed=True)
+    assert not h.scheduler.has_requests()
+    lines[:] = [x for x in lines if x.startswith("output-rate: ")]  # not the start-up line
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("output-rate: 1 user(s) throttled in the last 10.0 s, by throttled request-steps: "
+                               "'slow' "), lines
+    assert h.clock.now_ns() == SUMMARY_INTERVAL_NS and len(waits) == 1
+    # Nothing counted since: the next idle step neither waits nor logs.
+    EngineCoreProc._process_engine_step(_engine_core(h, section, model_executed=True))
+    assert len(lines) == 1 and len(waits) == 1
+
+
+@pytest.mark.rules("R16")
+def test_line_is_logged_on_time_during_a_long_wait_for_budget(lines, fake_waits):
+    # "slow" at 0.05 tok/s: after its burst its next token is 20 s away; the engine waits
+    # for budget (R16) and wakes at 10 s for the line, not at the ready time.
+    h, waits = _throttled_then_engine_step({"default_tokens_per_s": 0.05}, fake_waits, model_executed=False,
+                                           until_ns=100 * MS)
+    assert h.scheduler.next_ready_ns() > SUMMARY_INTERVAL_NS
+    lines[:] = [x for x in lines if x.startswith("output-rate: ")]  # not the start-up line
+    assert len(lines) == 1 and "'slow' " in lines[0], lines
+    assert len(waits) == 1 and SUMMARY_INTERVAL_NS <= h.clock.now_ns() < SUMMARY_INTERVAL_NS + 10 * MS

@@ -4,10 +4,11 @@
   ``BeamSearchOnlineMixin.beam_search`` and ``LLM.beam_search``), and passes through to
   vLLM when it is off (R18).
 - R16 engine wait: after a step that ran no model, vLLM's real
-  ``EngineCoreProc._process_engine_step`` (wrapped) waits on the input queue for
-  min(50 ms, next ready time - now); a request put on the queue wakes it at once; nothing
-  is consumed from the queue; no wait when the feature is off, when no user was refused,
-  when a batch that computes tokens is in flight, or for a data-parallel engine.
+  ``EngineCoreProc._process_engine_step`` (wrapped) waits on the input queue until the
+  next ready time, however far (capped at 50 ms only while a waiting request's grammar is
+  being compiled or its KV blocks received); a request put on the queue wakes it at once;
+  nothing is consumed from the queue; no wait when the feature is off, when no user was
+  refused, when a batch that computes tokens is in flight, or for a data-parallel engine.
 
 The engine-core object is a stand-in (``SimpleNamespace``) carrying exactly the attributes
 vLLM's ``_process_engine_step`` and the wrapper read; building a real ``EngineCoreProc``
@@ -85,6 +86,7 @@ class _Scheduler:
     def __init__(self, ready_in_ns: int | None):
         self.clock_ns = time.monotonic_ns
         self._ready_ns = None if ready_in_ns is None else self.clock_ns() + ready_in_ns
+        self.requests: dict[str, SimpleNamespace] = {}  # vLLM's unfinished requests (their status)
 
     def next_ready_ns(self):
         return self._ready_ns
@@ -131,11 +133,27 @@ def test_r16_waits_until_next_ready_time():
 
 
 @pytest.mark.rules("R16")
-def test_r16_wait_is_capped_at_50_ms():
-    core = _core(ready_in_ns=10_000 * MS)  # a user at 0.1 tok/s: ready in 10 s
-    assert plugin.engine_wait_timeout_ns(core) == plugin.MAX_ENGINE_WAIT_NS
+def test_r16_wait_lasts_until_a_far_ready_time_in_one_wake_up():
+    # No re-check cap: a user at 0.1 tok/s ready in 10 s is waited for in one wait.
+    core = _core(ready_in_ns=10_000 * MS)
+    assert plugin.engine_wait_timeout_ns(core) > 9_900 * MS
+    core = _core(ready_in_ns=120 * MS)
     elapsed = _timed_step(core)
-    assert 0.045 <= elapsed < 0.5, elapsed
+    assert 0.115 <= elapsed < 0.6, elapsed
+    assert core.steps == 1
+
+
+@pytest.mark.rules("R16")
+@pytest.mark.parametrize("status", ["WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING_FOR_REMOTE_KVS"])
+def test_r16_wait_rechecks_every_50_ms_while_background_work_can_unblock_a_request(status):
+    from vllm.v1.request import RequestStatus
+
+    core = _core(ready_in_ns=10_000 * MS)
+    core.scheduler.requests = {"r1": SimpleNamespace(status=RequestStatus.RUNNING),
+                               "g1": SimpleNamespace(status=getattr(RequestStatus, status))}
+    assert plugin.engine_wait_timeout_ns(core) == plugin.BACKGROUND_RECHECK_NS
+    core.scheduler.requests["g1"].status = RequestStatus.WAITING  # its grammar is ready
+    assert plugin.engine_wait_timeout_ns(core) > 9_900 * MS
 
 
 @pytest.mark.rules("R16")
@@ -144,7 +162,7 @@ def test_r16_new_request_wakes_the_wait_at_once():
     item = ("ADD", "request")
     threading.Timer(0.005, core.input_queue.put_nowait, args=(item,)).start()
     elapsed = _timed_step(core)
-    assert elapsed < 0.040, f"woke after {elapsed * 1000:.1f} ms, the cap is 50 ms"
+    assert elapsed < 0.040, f"woke after {elapsed * 1000:.1f} ms; the next ready time is in 10 s"
     assert core.input_queue.get_nowait() == item  # not consumed: vLLM's loop handles it
 
 
