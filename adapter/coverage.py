@@ -12,7 +12,10 @@ Counts go to every active collector (``collecting()``). A gate run
 (``adapter/registry.run_planned``) collects over all of its candidate checks
 (``run_counts(options)``); its final ``coverage`` row fails with
 ``not reached: <name>, ...`` when an obligation that applies to the run was reached fewer
-than ``K_PER_PROFILE[profile]`` times, and carries the table (``table``).
+than ``K_PER_PROFILE[profile]`` times, and carries the table (``table``). A failure has no
+counterexample (it names obligations, not a scenario). When another candidate check of the
+run failed, coverage is not judged (result ``not judged``: "run stopped by <check>"): a
+failing check stops at its counterexample, so its scenarios reach fewer obligations.
 
 The obligations are proxies built from the outside: e.g. "charged then preempted" is a
 preemption of a decoding request whose user the spec still granted, while every other
@@ -35,6 +38,7 @@ from vllm_output_rate.spec import limiter as spec_limiter
 
 K_PER_PROFILE = {"quick": 1, "ci": 3, "release": 10}  # scenario runs per obligation
 MAX_RUNS_KEPT = 16  # gate runs whose counts are kept (``run_counts``)
+NOT_JUDGED = "not judged"  # the coverage row's result when another candidate check failed
 
 # (name, rule(s), applies to: "any" | "async")
 RULE_OBLIGATIONS: tuple[tuple[str, str, str], ...] = (
@@ -74,7 +78,7 @@ def obligations() -> list[tuple[str, str, str]]:
 
 # -- collectors -------------------------------------------------------------------------------
 _ACTIVE: list[Counter] = []
-_RUNS: dict[int, tuple[Any, Counter]] = {}
+_RUNS: dict[int, tuple[Any, Counter, list[str]]] = {}  # id(options) -> (options, counts, failed checks)
 
 
 @contextlib.contextmanager
@@ -88,21 +92,33 @@ def collecting() -> Iterator[Counter]:
         del _ACTIVE[next(i for i, c in enumerate(_ACTIVE) if c is counts)]
 
 
-def run_counts(options) -> Counter:
-    """The counts of one gate run (keyed by its ``GateOptions`` object)."""
+def _run(options) -> tuple[Any, Counter, list[str]]:
     entry = _RUNS.get(id(options))
     if entry is None or entry[0] is not options:
         while len(_RUNS) >= MAX_RUNS_KEPT:  # one process may run many gates (tests)
             del _RUNS[next(iter(_RUNS))]
-        entry = _RUNS[id(options)] = (options, Counter())
-    return entry[1]
+        entry = _RUNS[id(options)] = (options, Counter(), [])
+    return entry
+
+
+def run_counts(options) -> Counter:
+    """The counts of one gate run (keyed by its ``GateOptions`` object)."""
+    return _run(options)[1]
+
+
+def stopped_by(options) -> list[str]:
+    """The candidate checks of one gate run that failed so far, in running order."""
+    return _run(options)[2]
 
 
 def record_check(options, check: str, result, reached: Counter) -> None:
-    """Add one candidate check's counts to its gate run; a feature-off row's scenarios
-    (``adapter/feature_off.py``, no judge) count for R18."""
-    counts = run_counts(options)
+    """Add one candidate check's counts to its gate run (and its name to the run's failed
+    checks if it failed); a feature-off row's scenarios (``adapter/feature_off.py``, no
+    judge) count for R18."""
+    _, counts, failed = _run(options)
     counts.update(reached)
+    if result.result == "fail":
+        failed.append(check)
     if check.startswith("feature-off/"):
         counts["R18 feature off"] += result.examples
 
@@ -330,7 +346,9 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
 # -- the gate's coverage row ---------------------------------------------------------------------
 def table(counts: Counter, k: int, async_tested: bool) -> list[dict]:
     """One row per obligation: name, rules, count, k, status (``ok``, ``NOT REACHED``, or
-    ``not applicable`` for an async obligation of a run without an async class)."""
+    ``not applicable`` for an async obligation of a run without an async class;
+    ``check_coverage`` turns ``NOT REACHED`` into ``not judged`` in a run another check
+    stopped)."""
     rows = []
     for name, rules, applies in obligations():
         count = counts.get(name, 0)
@@ -341,7 +359,9 @@ def table(counts: Counter, k: int, async_tested: bool) -> list[dict]:
 
 def check_coverage(options, counts: Counter | None = None):
     """The ``coverage`` row of a gate run: pass iff every applicable obligation was reached
-    at least ``K_PER_PROFILE[options.profile]`` times by the run's candidate checks."""
+    at least ``K_PER_PROFILE[options.profile]`` times by the run's candidate checks; not
+    judged (``NOT_JUDGED``, "run stopped by <check>") when one of them failed. A failure
+    carries no counterexample: the unreached obligations are in ``coverage["not_reached"]``."""
     from vllm_output_rate.adapter.conform import CheckResult
 
     counts = run_counts(options) if counts is None else counts
@@ -350,12 +370,19 @@ def check_coverage(options, counts: Counter | None = None):
     result = CheckResult("coverage", sorted({r for _, rules, _ in obligations() for r in rules.split()}),
                          examples=len(rows))
     result.coverage = {"k": k, "profile": options.profile, "rows": rows}
-    missing = [r["obligation"] for r in rows if r["status"] == "NOT REACHED"]
-    if missing:
+    missing = [r for r in rows if r["status"] == "NOT REACHED"]
+    result.coverage["not_reached"] = [f"{r['obligation']} ({r['count']}/{k})" for r in missing]
+    stopped = stopped_by(options)
+    if stopped:
+        result.result = NOT_JUDGED
+        for row in missing:
+            row["status"] = NOT_JUDGED
+        result.failure = (f"not judged: run stopped by {', '.join(stopped)} (a failing check stops at its "
+                          "counterexample, so its scenarios reach fewer obligations: fix it first)")
+    elif missing:
         result.result = "fail"
         result.failed_level = "must"
-        result.failure = (f"[must] coverage: not reached: {', '.join(missing)} (each needs >= {k} scenario runs "
-                          f"in profile {options.profile}; a rule or boundary never reached was not checked)")
-        result.counterexample = [f"not reached: {name} ({r['count']}/{k})" for name, r in
-                                 ((r["obligation"], r) for r in rows) if r["status"] == "NOT REACHED"]
+        result.failure = (f"[must] coverage: not reached: {', '.join(r['obligation'] for r in missing)} (each needs "
+                          f">= {k} scenario runs in profile {options.profile}; a rule or boundary never reached was "
+                          "not checked)")
     return result

@@ -15,7 +15,10 @@ left out, so every kill comes from what vLLM exposes. A kill row records the che
 level of the property that failed, the rule the failure names, whether the killing check
 is black-box, the seconds, and the 1-minimal counterexample; and the counterexample is
 re-run on the mutant's unmutated base class, which must pass it (``base_passes``): a kill
-the base would suffer too is not the mutant's slip.
+the base would suffer too is not the mutant's slip. A ``coverage`` failure is never a kill
+(it names obligations the hunt's checks did not reach, not a behaviour of the mutant): the
+hunt goes on, and a mutant no other check rejects is a survivor whose row carries the
+shortfall (``coverage_shortfall``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class MutantResult:
     of checks that the base class fails on the same counterexample too (not counted as
     kills: a defect of the base or of the gate, reported); ``not_judged``: why the mutant
     was not hunted at this level (its slip is a defect only from ``Mutant.level`` on, e.g.
-    "not a defect below exact"): neither killed nor a survivor.
+    "not a defect below exact"): neither killed nor a survivor; ``coverage_shortfall``: the
+    ``coverage`` row's failure in the hunt (obligations not reached), never a kill.
     """
 
     mutant: str
@@ -78,6 +82,7 @@ class MutantResult:
     checks_run: int = 0
     spurious: list[str] = field(default_factory=list)
     not_judged: str | None = None
+    coverage_shortfall: str | None = None
 
     @property
     def survived(self) -> bool:
@@ -100,6 +105,7 @@ class MutantResult:
             "checks_run": self.checks_run,
             "spurious": self.spurious,
             "not_judged": self.not_judged,
+            "coverage_shortfall": self.coverage_shortfall,
             "failure": self.failure,
             "counterexample": self.counterexample,
         }
@@ -271,11 +277,15 @@ def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int =
         return MutantResult(mutant.name, mutant.rule, False, 0.0, based_on=based_on,
                             not_judged=f"not a defect below {mutant.level}")
     spurious: list[str] = []  # failures the base class shares (a gate or base defect, reported)
+    shortfall: str | None = None  # the coverage row's failure: obligations not reached, not a kill
     with tempfile.TemporaryDirectory(prefix=f"outrate-mutant-{mutant.name}-") as tmp:
         options, planned = hunt_plan(mutant, level, profile, seed, white_box, Path(tmp))
         for n, item in enumerate(planned, 1):
             result = registry.run_planned(item, options, lambda: None)
             if result.result != "fail":
+                continue
+            if result.coverage is not None:  # obligations not reached: nothing the mutant did wrong
+                shortfall = result.failure
                 continue
             events = sum(1 for line in result.counterexample if not line.startswith("config:"))
             row = MutantResult(mutant.name, mutant.rule, True, 0.0, events, _named_rule(result.failure), result.name,
@@ -290,7 +300,7 @@ def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int =
             row.spurious = spurious
             return row
     return MutantResult(mutant.name, mutant.rule, False, time.monotonic() - started, based_on=based_on,
-                        checks_run=len(planned), spurious=spurious)
+                        checks_run=len(planned), spurious=spurious, coverage_shortfall=shortfall)
 
 
 def kill_all(level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,

@@ -42,7 +42,9 @@ def junit(path: Path, header: str, checks: list[dict], mutants: list[dict]) -> N
     cases = []
     for c in checks:
         case = TestCase(c["name"], classname="outrate.conform", elapsed_sec=c["seconds"])
-        if c["result"] != "pass":
+        if c["result"] == "not judged":  # coverage after another check failed: no verdict of its own
+            case.add_skipped_info(c.get("failure") or "not judged")
+        elif c["result"] != "pass":
             case.add_failure_info(c.get("failure") or "failed", "\n".join(c.get("counterexample") or []))
         cases.append(case)
     for m in mutants:
@@ -50,7 +52,9 @@ def junit(path: Path, header: str, checks: list[dict], mutants: list[dict]) -> N
         if m.get("not_judged"):
             case.add_skipped_info(m["not_judged"])
         elif not m["killed"]:
-            case.add_failure_info(f"mutant breaking {m['rule']} survived the gate")
+            short = m.get("coverage_shortfall")
+            case.add_failure_info(f"mutant breaking {m['rule']} survived the gate"
+                                  + (f" (its checks passed; coverage short: {short})" if short else ""))
         cases.append(case)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_xml_report_string([TestSuite(header, cases)]))

@@ -274,16 +274,19 @@ def _print_results(results: list[Any], header: str) -> None:
 
 
 def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str | None, replay_options: str) -> None:
-    """Each failed check: its failure, counterexample and the ``outrate replay`` command."""
-    others_failed = any(r.result == "fail" and r.part == "candidate" and not r.coverage for r in results)
+    """Each failed check: its failure, counterexample and the ``outrate replay`` command; a
+    coverage failure lists its unreached obligations (it has no counterexample), a coverage
+    row not judged (another check failed) says which check stopped the run."""
     for r in results:
+        if r.result == "not judged":
+            console.print(f"[yellow]{r.name} NOT JUDGED[/] ({r.part}): {escape_markup(r.failure)}")
+            continue
         if r.result != "fail":
             continue
         console.print(f"[bold red]{r.name} FAILED[/] ({r.part}): {escape_markup(r.failure)}")
         if r.coverage:  # obligations, not a scenario: the coverage table above has the counts
-            if others_failed:
-                console.print("  (a failing check stops at its counterexample, so its scenarios reach fewer "
-                              "obligations: fix the failures above first)")
+            for line in r.coverage.get("not_reached", []):
+                console.print(f"    not reached: {escape_markup(line)}")
             continue
         console.print("  counterexample (" + ("shrunk, 1-minimal" if r.minimal else
                                               "shrunk by Hypothesis, not proven 1-minimal") + "):")
@@ -325,7 +328,7 @@ def _coverage_table(coverage: dict) -> Table:
     table = Table(title=f"coverage obligations (k = {coverage['k']} per run, profile {coverage['profile']})")
     for col in ("obligation", "rules", "reached", "status"):
         table.add_column(col, justify="right" if col == "reached" else "left")
-    styles = {"ok": "green", "NOT REACHED": "bold red", "not applicable": "yellow"}
+    styles = {"ok": "green", "NOT REACHED": "bold red", "not applicable": "yellow", "not judged": "yellow"}
     for row in coverage["rows"]:
         table.add_row(row["obligation"], row["rules"], str(row["count"]),
                       f"[{styles[row['status']]}]{row['status']}[/]")
@@ -337,7 +340,7 @@ def _results_table(title: str, rows: list) -> Table:
     table = Table(title=title)
     for col in ("check", "level", "rules", "examples", "steps", "steps/s", "result", "seconds"):
         table.add_column(col, justify="right" if col in ("examples", "steps", "steps/s", "seconds") else "left")
-    styles = {"pass": "green", "fail": "bold red", "not tested": "bold yellow"}
+    styles = {"pass": "green", "fail": "bold red", "not tested": "bold yellow", "not judged": "yellow"}
     for r in rows:
         table.add_row(r.name, r.level, " ".join(r.rules), str(r.examples), str(r.steps),
                       f"{r.steps / r.seconds:.0f}" if r.seconds else "-",
@@ -422,7 +425,10 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
             console.print(f"[yellow]mutant {m['mutant']}: not counted, the unmutated base fails it too:[/] "
                           f"{escape_markup(line)}", soft_wrap=True)
         if not m["killed"] and not m.get("not_judged"):
-            console.print(f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]")
+            short = m.get("coverage_shortfall")  # a coverage shortfall is no kill (adapter/mutation.py)
+            console.print(f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]"
+                          + (f" (its checks passed; coverage: {escape_markup(short)})" if short else ""),
+                          soft_wrap=True)
     return rows
 
 

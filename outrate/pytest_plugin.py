@@ -51,6 +51,8 @@ class GateCheckItem(pytest.Item):
     def runtest(self) -> None:
         result = self.check()
         self.user_properties.append(("outrate_result", result.result))
+        if result.result == "not judged":  # coverage after another check failed
+            pytest.skip(result.failure)
         if result.result != "pass":
             raise GateCheckFailed(result)
 
@@ -58,6 +60,9 @@ class GateCheckItem(pytest.Item):
         if isinstance(excinfo.value, GateCheckFailed):
             r = excinfo.value.result
             verdict = "NOT TESTED" if r.result == "not tested" else "FAILED"
+            if r.coverage is not None:  # obligations, not a scenario: no counterexample
+                return "\n".join([f"{r.name} {verdict}: {r.failure}"]
+                                  + [f"  not reached: {line}" for line in r.coverage.get("not_reached", [])])
             return "\n".join([f"{r.name} {verdict}: {r.failure}", "counterexample:"]
                              + [f"  {line}" for line in r.counterexample]
                              + ([f"saved: {r.saved}"] if r.saved else []))

@@ -88,7 +88,8 @@ def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
     assert row.failure.startswith("[must] coverage: not reached: ")
     for name in ("boundary: cleanup-tat-now+1ns", "boundary: charged-then-preempted", "boundary: rotation-wrap"):
         assert name in row.failure
-    assert "not reached: boundary: cleanup-tat-now+1ns (0/1)" in row.counterexample
+    assert "boundary: cleanup-tat-now+1ns (0/1)" in row.coverage["not_reached"]
+    assert row.counterexample == []  # obligations, not a scenario: no counterexample
     assert registry.exit_code(results) == 1
 
 
@@ -116,20 +117,35 @@ def test_cli_conform_lists_boundary_scenarios_and_prints_the_coverage_table(tmp_
     assert {r["status"] for r in rows["coverage"]["coverage"]["rows"]} == {"ok"}
 
 
-def test_a_coverage_failure_is_not_printed_as_a_counterexample():
-    # `not reached` lists obligations, not a scenario to replay; after another check failed
-    # the run says why coverage is short instead of calling it a 1-minimal counterexample.
-    from types import SimpleNamespace
+def test_coverage_is_not_judged_after_another_check_failed_and_never_prints_a_counterexample():
+    # A failing check stops at its counterexample, so the run reaches fewer obligations:
+    # coverage is then "not judged: run stopped by <check>", not a second failure. Judged,
+    # its failure lists the unreached obligations, never a counterexample.
+    from vllm_output_rate.adapter.conform import CheckResult
 
+    options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
+    coverage.record_check(options, "rate-limit/sync", CheckResult("rate-limit/sync", ["R2"], result="fail",
+                                                                  failure="[must] R2: over", counterexample=["e"]),
+                          Counter())
+    row = coverage.check_coverage(options)
+    assert row.result == "not judged" and row.failure.startswith("not judged: run stopped by rate-limit/sync")
+    assert {r["status"] for r in row.coverage["rows"]} == {"not judged"}  # nothing reached, nothing judged
+    assert registry.exit_code([row]) == 0 and row.counterexample == []
+    judged = coverage.check_coverage(registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER,
+                                                          profile="quick"))
+    assert judged.result == "fail" and judged.counterexample == []
+    failed = CheckResult("rate-limit/sync", ["R2"], result="fail", failure="[must] R2: over",
+                         counterexample=["0 add r0"])
+    after_failure, alone = _printed([failed, row]), _printed([judged])
+    assert after_failure.count("counterexample (") == 1  # the rate-limit row's only
+    assert "coverage NOT JUDGED (candidate): not judged: run stopped by rate-limit/sync" in " ".join(
+        after_failure.split())
+    assert "counterexample" not in alone and "not reached: boundary: burst-edge (0/1)" in alone
+
+
+def _printed(results) -> str:
     from vllm_output_rate import cli
 
-    def row(name, coverage):
-        return SimpleNamespace(name=name, part="candidate", result="fail", failure=f"{name} broke",
-                               coverage=coverage, counterexample=["0 add r0"], minimal=True, saved=None)
-
-    results = [row("rate-limit/sync", None), row("coverage", {"k": 3, "rows": []})]
     with cli.console.capture() as captured:
         cli._print_failures(results, "pkg.Sched", None, "")
-    out = captured.get()
-    assert out.count("counterexample (") == 1  # the rate-limit row's only
-    assert "fix the failures above first" in out
+    return captured.get()

@@ -253,3 +253,25 @@ def test_verdict_line_says_gate_too_weak_when_a_judged_mutant_survives():
     assert line.endswith("-- GATE TOO WEAK: 1 mutant(s) survived: B"), line
     assert "1/2 mutants killed (1 not a defect at this level)" in line
     assert _verdict_line(results, "must", rows[::2], 1.0).endswith("-- ACCEPTED")
+
+
+def test_a_mutant_rejected_only_by_coverage_is_a_survivor_with_the_shortfall(monkeypatch):
+    # `coverage` names obligations the hunt's checks did not reach, not something the mutant
+    # did wrong: a mutant that passes every other check survives (GATE TOO WEAK), and its
+    # row says what coverage was short of.
+    from vllm_output_rate.adapter import mutation, registry
+    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.cli import _verdict_line
+
+    passing = registry.CheckSpec("rate-limit/sync", "candidate", "must", ("R2",), False, lambda o: 1,
+                                 lambda o, tick: CheckResult("rate-limit/sync", ["R2"]))
+    planned = [registry.PlannedCheck(passing), registry.PlannedCheck(registry._coverage_check())]
+    options = registry.GateOptions("pkg.Mutant", sync_only=True, profile="quick", spec_health=False)
+    monkeypatch.setattr(mutation, "hunt_plan", lambda *args, **kwargs: (options, planned))
+    row = kill(BY_NAME["NoRefund"], "should", "quick", seed=0)
+    assert not row.killed and row.survived and row.checks_run == 2
+    assert row.coverage_shortfall and row.coverage_shortfall.startswith("[must] coverage: not reached: ")
+    assert row.as_json()["coverage_shortfall"] == row.coverage_shortfall
+    results = [CheckResult("rate-limit/sync", ["R2"])]
+    assert _verdict_line(results, "should", [row.as_json()], 1.0).endswith("GATE TOO WEAK: 1 mutant(s) survived: "
+                                                                           "NoRefund")
