@@ -334,7 +334,8 @@ def _check_pairs(value: Any, what: str) -> None:
 # and in the front end before the engine starts (``plugin.py``, fails faster).
 UNSUPPORTED_WHY = {
     "speculative decoding": "a step can emit several tokens per request but is charged once",
-    "data parallel > 1": "every data-parallel rank has its own scheduler and would grant its own budget",
+    "data parallel > 1": ("every data-parallel rank has its own scheduler and would grant its own budget "
+                          "unless the ranks share it through a store (R23-R26)"),
     "pipeline parallel > 1": "several batches are in flight per scheduler; not covered by the accounting",
     "multimodal model": "encoder inputs and their scheduling are not covered by the accounting",
     "encoder-decoder model": "encoder inputs and their scheduling are not covered by the accounting",
@@ -346,7 +347,7 @@ UNSUPPORTED_WHY = {
     "KV connector": "remote KV loads and deferred frees change when a request can run",
     "EC connector": "encoder-cache transfers are not covered by the accounting",
     "aux output connector": "auxiliary outputs are delivered per step, not per charged token",
-    "local prefill cadence": ("vLLM 0.33 holds prefill until prefill_schedule_interval executed steps have passed "
+    "local prefill cadence": ("vLLM 0.33 (and 0.32's data-parallel engine core) holds prefill until prefill_schedule_interval executed steps have passed "
                               "while any decode is resident; a throttled user's paused decodes leave steps empty, "
                               "so every other user's prefill waits for the throttled user's next grant "
                               "(docs/MODES.md)"),
@@ -371,8 +372,13 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
         found.append(("speculative decoding", "remove --speculative-config"))
     parallel = getattr(vllm_config, "parallel_config", None)
     dp = getattr(parallel, "data_parallel_size", 1)
-    if dp > 1:
-        found.append(("data parallel > 1", f"set --data-parallel-size 1 (got {dp}); run one engine per budget"))
+    additional = getattr(vllm_config, "additional_config", None)
+    section = additional.get(SECTION) if isinstance(additional, Mapping) else None
+    shared = isinstance(section, Mapping) and section.get("shared_budget_url") is not None
+    if dp > 1 and not shared:  # R23-R26: with a shared store every rank leases from one budget per user
+        found.append(("data parallel > 1",
+                      f"give --shared-budget-url (output_rate.shared_budget_url, a Redis or Valkey URL) so "
+                      f"the ranks share each user's budget, or set --data-parallel-size 1 (got {dp})"))
     pp = getattr(parallel, "pipeline_parallel_size", 1)
     if pp > 1:
         found.append(("pipeline parallel > 1",
@@ -407,9 +413,10 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
     if getattr(model, "enable_sleep_mode", False):
         found.append(("sleep mode", "remove --enable-sleep-mode"))
     interval = getattr(getattr(vllm_config, "scheduler_config", None), "prefill_schedule_interval", 1)
-    if interval > 1 and dp == 1 and _installed_profile().local_prefill_cadence:
+    if interval > 1 and (dp > 1 or _installed_profile().local_prefill_cadence):
         # P4 (other users proceed): measured on 0.33, interval 4, one user at 1 tok/s resident:
-        # another user's first prefill waited 2.9 s, against 1 ms on stock vLLM.
+        # another user's first prefill waited 2.9 s, against 1 ms on stock vLLM. On 0.32 the
+        # data-parallel engine core applies the same cadence (accepted with a shared budget).
         found.append(("local prefill cadence", f"set --prefill-schedule-interval 1 (got {interval})"))
     return found
 

@@ -62,7 +62,7 @@ from vllm_output_rate.reference.oplog import logger as oplog_logger
 from vllm_output_rate.reference.ratesfile import RatesFileWatcher, RateTable
 from vllm_output_rate.reference.ratesfile import describe as describe_rates
 from vllm_output_rate.reference.shadow import ShadowAccounting
-from vllm_output_rate.reference.trace import TraceWriter
+from vllm_output_rate.reference.trace import TraceWriter, rank_trace_path
 from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
 
 CLEANUP_INTERVAL_STEPS = 256  # R6
@@ -181,7 +181,7 @@ class _RateLimitMixin(_SchedulerHost):
         self._steps = 0
         self._reset_step_state(0)
         if cfg.trace_path is not None:
-            self._trace = TraceWriter(cfg.trace_path, {
+            self._trace = TraceWriter(rank_trace_path(cfg.trace_path, self.vllm_config), {
                 "scheduler": type(self).__name__,
                 "async_scheduling": isinstance(self, AsyncScheduler),
                 "default_tokens_per_s": str(cfg.default_rate),
@@ -390,7 +390,7 @@ class _RateLimitMixin(_SchedulerHost):
         if self._metrics is not None:  # the limits and the shadow flag show before the first request
             self._metrics.write(self.clock_ns())
         if cfg.trace_path is not None:
-            self._trace = TraceWriter(cfg.trace_path, {
+            self._trace = TraceWriter(rank_trace_path(cfg.trace_path, self.vllm_config), {
                 "scheduler": type(self).__name__,
                 "async_scheduling": isinstance(self, AsyncScheduler),
                 "default_tokens_per_s": str(cfg.default_rate),

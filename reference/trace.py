@@ -51,6 +51,21 @@ def _close_ref(ref: weakref.ref[TraceWriter]) -> None:
         writer.close()
 
 
+def rank_trace_path(path: str, vllm_config: Any) -> str:
+    """The trace file of this engine: ``path`` for data-parallel rank 0 (and any engine
+    without data parallelism), ``path.dp<k>`` for rank k > 0, so that each rank's scheduler
+    writes its own file (R23-R26 share the budget between them).
+
+    The rank is ``parallel_config.data_parallel_index``: vLLM runs the ranks of a dense
+    model as independent engines with ``data_parallel_size`` reset to 1 and keeps the
+    original rank only there (``data_parallel_rank`` for MoE ranks, which keep the size)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    rank = getattr(parallel, "data_parallel_index", None)
+    if not isinstance(rank, int):
+        rank = getattr(parallel, "data_parallel_rank", 0)
+    return f"{path}.dp{rank}" if isinstance(rank, int) and rank > 0 else path
+
+
 class TraceWriter:
     """Appends the trace of one scheduler to ``path`` (see module docstring)."""
 

@@ -455,7 +455,7 @@ def test_local_prefill_cadence_refused_where_the_scheduler_applies_it(cls_path, 
     # vLLM 0.33 holds prefill inside the scheduler until prefill_schedule_interval executed
     # steps have passed while a decode is resident: a throttled user's paused decodes leave
     # the steps empty and hold every other user's prefill (P4). 0.32 applies the interval
-    # only in the data-parallel engine core (refused anyway): there it is a no-op.
+    # only in the data-parallel engine core: without data parallelism it is a no-op.
     import vllm
 
     from vllm_output_rate.spec.versions import select_profile
@@ -490,3 +490,53 @@ def test_r18_empty_section_on_our_class_is_refused_not_off(cls_path, model_dirs)
     plugin.register()
     with pytest.raises(OutputRateConfigError, match="remove the output_rate section"):
         _engine_args(model_dirs, additional_config={"output_rate": {}}).create_engine_config()
+
+
+SHARED_URL = "redis://127.0.0.1:1/0"  # never reached: the refill thread absorbs the refusal (R25)
+
+
+def _dp2_shared(d, **scheduler_kw):
+    from vllm.config import ParallelConfig, SchedulerConfig
+
+    kw = {"scheduler_config": SchedulerConfig(max_model_len=2048, is_encoder_decoder=False, **scheduler_kw)} \
+        if scheduler_kw else {}
+    config = vllm_config(d, parallel_config=ParallelConfig(data_parallel_size=2), **kw)
+    config.additional_config["output_rate"]["shared_budget_url"] = SHARED_URL
+    return config
+
+
+@pytest.mark.rules("R24")
+def test_r24_data_parallel_accepted_only_with_a_shared_budget_url(model_dirs):
+    # Without a store every rank would grant its own budget: refused, naming the flag to give.
+    (fix,) = [fix for mode, fix in unsupported_modes(_dp2(model_dirs)) if mode == "data parallel > 1"]
+    assert "give --shared-budget-url" in fix and "--data-parallel-size 1 (got 2)" in fix
+    # With one, every rank's scheduler leases from the user's one budget (R23-R26): accepted.
+    config = _dp2_shared(model_dirs)
+    assert unsupported_modes(config) == []
+    scheduler = build_scheduler(SYNC, config)
+    try:
+        from vllm_output_rate.reference.shared_budget import SharedBudgetLimiter
+
+        assert isinstance(scheduler.rate_limiter, SharedBudgetLimiter)
+        assert scheduler.rate_limiter.url == SHARED_URL
+    finally:
+        scheduler.rate_limiter.close()
+
+
+def test_data_parallel_with_a_prefill_cadence_is_refused_on_every_release(model_dirs):
+    # 0.32's data-parallel engine core and 0.33's scheduler both hold prefill to the cadence.
+    found = unsupported_modes(_dp2_shared(model_dirs, prefill_schedule_interval=4))
+    assert [mode for mode, _ in found] == ["local prefill cadence"]
+
+
+def test_data_parallel_ranks_write_their_own_trace(model_dirs, tmp_path):
+    from vllm_output_rate.reference.trace import rank_trace_path
+
+    path = str(tmp_path / "t.jsonl")
+    config = _dp2_shared(model_dirs)
+    assert rank_trace_path(path, config) == path  # rank 0
+    config.parallel_config.reconfigure_for_independent_dp_rank()  # what vLLM does in a dense model's rank
+    config.parallel_config.data_parallel_index = 1
+    assert config.parallel_config.data_parallel_size == 1
+    assert rank_trace_path(path, config) == path + ".dp1"
+    assert rank_trace_path(path, vllm_config(model_dirs)) == path
