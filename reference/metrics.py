@@ -19,8 +19,9 @@ server, so the series travel another way:
    once on prometheus_client's default registry, which vLLM's ``/metrics`` serves with one
    API server. On each scrape the collector reads the snapshot(s) and yields the families.
 
-Series (``user`` label: each user named in ``user_tokens_per_s`` by its id, every other
-user -- the default rate's users, ``__anonymous__`` included -- summed as ``other``):
+Series (``user`` label: each user named in ``user_tokens_per_s`` by its id -- at start-up,
+or first in a rates-file change (R21, ``output_rate.rates_file``) -- every other user -- the
+default rate's users, ``__anonymous__`` included -- summed as ``other``):
 
 =================================================== ======= =========================================
 ``vllm:output_rate_granted_tokens_total{user}``     counter sampling dispatches granted and not refunded
@@ -42,10 +43,14 @@ user -- the default rate's users, ``__anonymous__`` included -- summed as ``othe
                                                             snapshot (at most ~1 s while it steps)
 =================================================== ======= =========================================
 
-**Bounded cardinality and memory.** Labels are the configured names plus ``other``, so the
-series count is ``6 x (overrides + 1) + 3`` whatever the number of users seen; the engine
-core keeps one counter set per label (never per user id), the snapshot holds one entry per
-label, and the collector keeps nothing between scrapes.
+**Bounded cardinality and memory.** Labels are the configured names plus ``other``: the
+start-up overrides, and each user a rates-file change names (R21) gets its own label from
+that change on, at most ``MAX_ADDED_LABELS`` (1024) such names per engine run (a user
+named later is counted in ``other``). A label is kept when its user leaves the table (its
+counters never vanish; its limit gauge shows the default then). So the series count is
+``6 x (N + 1) + 3``, N = start-up overrides + names added (<= 1024), whatever the number of
+users seen; the engine core keeps one counter set per label (never per user id), the
+snapshot holds one entry per label, and the collector keeps nothing between scrapes.
 
 **Cost in the engine core.** Per ``schedule()``: one loop over the users charged in the step
 (a set lookup and a counter add each), and, only when requests are throttled or refunded,
@@ -78,6 +83,8 @@ ENV_DIR = "VLLM_OUTPUT_RATE_METRICS_DIR"
 ENV_OWNER = "VLLM_OUTPUT_RATE_METRICS_OWNER"
 SNAPSHOT_INTERVAL_NS = 1_000_000_000  # at most one snapshot per second of scheduler time
 OTHER = "other"  # the label of every user not named in user_tokens_per_s
+# R21: labels added by rates-file changes over an engine run, beyond the start-up overrides.
+MAX_ADDED_LABELS = 1024
 PREFIX = "vllm:output_rate_"
 SNAPSHOT_VERSION = 1
 
@@ -114,6 +121,7 @@ class MetricsRecorder:
                  shadow: bool = False) -> None:
         self.path = os.path.join(directory, f"engine-{os.getpid()}.json")
         self.named = frozenset(user_rates)
+        self.added_labels = 0  # labels named by rates-file changes (R21), <= MAX_ADDED_LABELS
         self.rates = {**{u: float(r) for u, r in user_rates.items()}, OTHER: float(default_rate)}
         self.shadow = shadow
         self.granted: Counter[str] = Counter()
@@ -136,7 +144,19 @@ class MetricsRecorder:
         return cls(directory, config.user_rates, config.default_rate, bool(getattr(config, "shadow", False)))
 
     def label(self, user: str | None) -> str:
+        """The ``user`` label of ``user``: its id if named, else ``OTHER``."""
         return user if user in self.named else OTHER
+
+    def rates_changed(self, user_rates: Mapping[str, Fraction], default_rate: Fraction) -> None:
+        """R21: a new rate table is in force. Each user it names gets its own label from now
+        on (at most ``MAX_ADDED_LABELS`` added per run; later ones stay in ``OTHER``); every
+        label keeps its series, and its limit gauge shows the new table's rate (the default
+        for a label whose user left the table)."""
+        added = [u for u in user_rates if u not in self.named][:max(0, MAX_ADDED_LABELS - self.added_labels)]
+        self.added_labels += len(added)
+        self.named = self.named | frozenset(added)
+        names = [u for u in self.rates if u != OTHER] + added
+        self.rates = {**{u: float(user_rates.get(u, default_rate)) for u in names}, OTHER: float(default_rate)}
 
     def step(self, now_ns: int, granted: Mapping[str, int], throttled: Collection[str],
              user_of: Callable[[str], str | None], refunded_users: Iterable[str | None] = (), limiter: Any = None) -> None:

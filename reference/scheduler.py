@@ -55,7 +55,6 @@ from vllm_output_rate.reference.config import (
 )
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
-from vllm_output_rate.reference.metrics import OTHER as OTHER_LABEL
 from vllm_output_rate.reference.metrics import MetricsRecorder
 from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_limits
 from vllm_output_rate.reference.oplog import logger as oplog_logger
@@ -364,12 +363,8 @@ class _RateLimitMixin(_SchedulerHost):
             self._spare, self._spare_taken = {}, {}  # lower bounds at the old rates
         self.output_rate_config = replace(self.output_rate_config, default_rate=table.default_rate,
                                           user_rates=dict(table.user_rates))
-        if self._metrics is not None:  # the limit gauges; labels stay the start-up ones (bounded)
-            # Every start-up label keeps its series: a named user moved to the default gets the
-            # default's rate (it used to lose its entry, and the next snapshot raised KeyError).
-            default = float(table.default_rate)
-            self._metrics.rates = {**{u: float(table.user_rates.get(u, table.default_rate)) for u in self._metrics.named},
-                                   OTHER_LABEL: default}
+        if self._metrics is not None:  # users the table names get their own series (bounded)
+            self._metrics.rates_changed(table.user_rates, table.default_rate)
         if self._trace is not None:
             self._trace.rates_changed(now_ns, table.default_rate, table.user_rates)
         oplog_logger.info("output-rate limits changed without a restart (R21): %s; %d user(s) rescaled, "

@@ -213,3 +213,44 @@ def test_r21_a_named_user_moved_to_the_default_keeps_its_series_at_the_default_r
     snap = _snapshot(metrics_dir)
     assert {k: v["limit_tokens_per_second"] for k, v in snap["labels"].items()} == {"slow": 50.0, "other": 50.0}
     assert snap["labels"]["slow"]["granted"] >= 2
+
+
+def _rates_file_run(metrics_dir, tmp_path, new_users: list[str]) -> dict:
+    """Start with the override "slow" 10 tok/s; a rates-file change names ``new_users`` at
+    2 tok/s (their requests arrive after it); step 1 s; return the snapshot."""
+    from fractions import Fraction
+
+    rates = tmp_path / "rates.json"
+    h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=len(new_users) + 2, output_rate={
+        "default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "rates_file": str(rates)}))
+    h.add_request("s0", "slow", prompt_len=4, max_tokens=200)
+    h.step()
+    h.advance(10 * MS)
+    h.change_rates(Fraction(100), [("slow", Fraction(10))] + [(u, Fraction(2)) for u in new_users])
+    for i, user in enumerate(new_users):
+        h.add_request(f"n{i}", user, prompt_len=4, max_tokens=200)
+    for _ in range(100):
+        h.step()
+        h.advance(10 * MS)
+    h.scheduler._metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
+    return _snapshot(metrics_dir)
+
+
+@pytest.mark.rules("R21")
+def test_r21_a_user_first_named_in_the_rates_file_gets_its_own_series(metrics_dir, tmp_path):
+    snap = _rates_file_run(metrics_dir, tmp_path, ["tier-b"])
+    labels = snap["labels"]
+    assert set(labels) == {"slow", "tier-b", "other"}
+    assert labels["tier-b"]["limit_tokens_per_second"] == 2.0
+    # 2 tok/s over ~1 s: the burst (1) and about 2 more; throttled in the other steps.
+    assert 2 <= labels["tier-b"]["granted"] <= 4 and labels["tier-b"]["throttled_request_steps"] > 50
+    assert labels["other"]["granted"] == 0 and labels["other"]["throttled_request_steps"] == 0
+
+
+@pytest.mark.rules("R21")
+def test_r21_labels_named_by_rates_file_changes_stay_bounded(metrics_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "MAX_ADDED_LABELS", 2)
+    snap = _rates_file_run(metrics_dir, tmp_path, ["b1", "b2", "b3"])
+    labels = snap["labels"]
+    assert set(labels) == {"slow", "b1", "b2", "other"}  # the start-up name, 2 added (in table order), other
+    assert labels["other"]["granted"] >= 1  # b3, past the bound, is counted in other
