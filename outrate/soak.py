@@ -107,26 +107,45 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     del llm, engine
     report = follower.finish(completions=load.completions, cancelled=load.cancelled)
     run = report.runs[-1]
-    console.print(_soak_table(f"outrate soak: {minutes:g} min, {users} users x {streams} streams, seed {seed}, "
-                              f"{'async' if async_mode else 'sync'}", run, names, limits, load))
-    console.print(f"trace: {run.steps} steps, max limiter users {run.max_limiter_users}, "
-                  f"max running {run.max_running}; wall {wall_s:.1f} s")
-    console.print("RSS MB start/max/end: " + ", ".join(
-        f"{k} {rss_start.get(k, 0):.0f}/{rss_max.get(k, 0):.0f}/{rss_end.get(k, 0):.0f}" for k in rss_start))
-    console.print(report.summary() if report.violations else "online checker: 0 violations")
+    rss = {"start": rss_start, "max": rss_max, "end": rss_end}
+    _print_soak(console, report, f"outrate soak: {minutes:g} min, {users} users x {streams} streams, seed {seed}, "
+                f"{'async' if async_mode else 'sync'}", names, limits, load, wall_s, rss)
     png = out_dir / "soak.png"
     _plot(report, png, int(run.header.get("burst_ns", 100_000_000)))
-    (out_dir / "soak.json").write_text(json.dumps({
-        "minutes": minutes, "users": users, "streams": streams, "seed": seed, "async": async_mode,
-        "limits": limits, "wall_s": wall_s, "steps": run.steps, "max_limiter_users": run.max_limiter_users,
-        "streams_done": len(load.completions), "cancelled": len(load.cancelled),
-        "violations": [str(v) for v in report.violations], "checks": checks,
-        "rss_mb": {"start": rss_start, "max": rss_max, "end": rss_end},
-        "per_user": {u: {"dispatches": s.dispatches, "engine_rate": s.engine_rate} for u, s in run.users.items()},
-    }, indent=2))
+    settings = {"minutes": minutes, "users": users, "streams": streams, "seed": seed, "async": async_mode,
+                "limits": limits}
+    (out_dir / "soak.json").write_text(json.dumps(_soak_document(settings, report, load, wall_s, checks, rss),
+                                                  indent=2))
     console.print(f"wrote {png} and {out_dir / 'soak.json'}")
     if report.violations:
         raise SystemExit(1)
+
+
+def _print_soak(console: Any, report: Any, title: str, names: list[str], limits: dict[str, int], load: _Load,
+                wall_s: float, rss: dict[str, dict[str, float]]) -> None:
+    """The soak's table (``title``; one row per user), its trace totals, the RSS per process
+    (MB at start/max/end) and the online checker's verdict."""
+    run = report.runs[-1]
+    console.print(_soak_table(title, run, names, limits, load))
+    console.print(f"trace: {run.steps} steps, max limiter users {run.max_limiter_users}, "
+                  f"max running {run.max_running}; wall {wall_s:.1f} s")
+    console.print("RSS MB start/max/end: " + ", ".join(
+        f"{k} {rss['start'].get(k, 0):.0f}/{rss['max'].get(k, 0):.0f}/{rss['end'].get(k, 0):.0f}"
+        for k in rss["start"]))
+    console.print(report.summary() if report.violations else "online checker: 0 violations")
+
+
+def _soak_document(settings: dict[str, Any], report: Any, load: _Load, wall_s: float, checks: Any,
+                   rss: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """soak.json: the run's ``settings``, wall seconds, trace totals, streams done and
+    cancelled, the checker's violations, RSS (MB) and each user's dispatches and rate."""
+    run = report.runs[-1]
+    return {
+        **settings, "wall_s": wall_s, "steps": run.steps, "max_limiter_users": run.max_limiter_users,
+        "streams_done": len(load.completions), "cancelled": len(load.cancelled),
+        "violations": [str(v) for v in report.violations], "checks": checks, "rss_mb": rss,
+        "per_user": {u: {"dispatches": s.dispatches, "engine_rate": s.engine_rate} for u, s in run.users.items()},
+    }
 
 
 def _soak_llm(model: str | None, seats: int, async_mode: bool, limits: dict[str, int], trace: Path) -> Any:

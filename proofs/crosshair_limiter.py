@@ -645,37 +645,12 @@ def run_all(
         props = list(PROPERTIES) + (list(BROKEN) if include_broken else [])
     else:
         props = [BY_NAME[n] for n in names]
-    records: dict[str, dict] = {}
     lines: queue.Queue = queue.Queue()
     start = time.monotonic()
-    children = []
-    for share in _share_out(props, max(1, jobs)):
-        cmd = [sys.executable, "-m", "vllm_output_rate.proofs.crosshair_limiter",
-               "--per-condition-timeout", str(per_condition_timeout), "--only", *[p.name for p in share]]
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        children.append(child)
-        threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()
+    children = [_start_child(share, per_condition_timeout, lines) for share in _share_out(props, max(1, jobs))]
+    deadline = None if wall_timeout is None else start + wall_timeout
+    records, timed_out = _collect_records(lines, len(children), deadline, on_record)
     errors: list[str] = []
-    open_streams = len(children)
-    while open_streams:
-        remaining = None if wall_timeout is None else wall_timeout - (time.monotonic() - start)
-        if remaining is not None and remaining <= 0:
-            break
-        try:
-            line = lines.get(timeout=remaining)
-        except queue.Empty:
-            break
-        if line is None:
-            open_streams -= 1
-            continue
-        if not line.startswith("{"):
-            continue
-        record = json.loads(line)
-        records[record["name"]] = record
-        if on_record is not None:
-            on_record(record)
-    timed_out = open_streams > 0
     for child in children:
         if child.poll() is None:
             child.kill()  # only the children started above, through their own handles
@@ -695,6 +670,43 @@ def run_all(
                 on_record(record)
         out.append(record)
     return out
+
+
+def _start_child(share: list, per_condition_timeout: float, lines: queue.Queue) -> subprocess.Popen:
+    """One checker process for the properties ``share``; a thread pumps its stdout lines
+    into ``lines`` (then None when the stream closes)."""
+    cmd = [sys.executable, "-m", "vllm_output_rate.proofs.crosshair_limiter",
+           "--per-condition-timeout", str(per_condition_timeout), "--only", *[p.name for p in share]]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()
+    return child
+
+
+def _collect_records(lines: queue.Queue, open_streams: int, deadline: float | None,
+                     on_record: Callable[[dict], None] | None) -> tuple[dict[str, dict], bool]:
+    """Read the JSON records of ``open_streams`` checker processes from ``lines`` until every
+    stream closed or ``deadline`` (``time.monotonic()`` seconds; None: no limit) passed:
+    ``(records by property name, True if the deadline cut it short)``."""
+    records: dict[str, dict] = {}
+    while open_streams:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            break
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if line is None:
+            open_streams -= 1
+            continue
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        records[record["name"]] = record
+        if on_record is not None:
+            on_record(record)
+    return records, open_streams > 0
 
 
 def _pump(stream, lines: queue.Queue) -> None:

@@ -346,20 +346,15 @@ def _pending_sig(pending: tuple) -> tuple:
     return tuple((p, m, -1 if e is None else e, q) for p, m, e, q in pending)
 
 
-def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
-    """The fingerprint of ``world``'s canonical form (module docstring), and what
-    ``canonical_world`` needs to build that form."""
-    st = world.state
-    now = st.now_ns
-    leads = {u: t - now for u, t in st.limiter.tat_ns.items() if t > now}
-    ledger_leads = {cs.users[i]: t - now for i, t in enumerate(world.ledger) if t is not None and t > now}
-    requests = st.requests
-
+def _user_mapping(world: World, cs: Compiled, leads: dict[str, Any], ledger_leads: dict[str, Any]) -> dict[str, str]:
+    """Old user name -> canonical name: within each class of interchangeable users
+    (``cs.classes``), users that hold requests in order of their first request, then the
+    others by pending arrivals, limiter lead and ledger lead (``leads``: ns ahead of now)."""
     mapping = cs.identity
     if cs.classes:
         mapping = dict(mapping)
         first: dict[str, int] = {}
-        for i, r in enumerate(requests):
+        for i, r in enumerate(world.state.requests):
             if r.user not in first:
                 first[r.user] = i
         for cls in cs.classes:
@@ -369,7 +364,18 @@ def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
                 return (1, _pending_sig(world.pending[cs.uidx[u]]), _frac(leads.get(u)), _frac(ledger_leads.get(u)))
             for new, old in zip(cls, sorted(cls, key=order)):
                 mapping[old] = new
+    return mapping
 
+
+def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
+    """The fingerprint of ``world``'s canonical form (module docstring), and what
+    ``canonical_world`` needs to build that form."""
+    st = world.state
+    now = st.now_ns
+    leads = {u: t - now for u, t in st.limiter.tat_ns.items() if t > now}
+    ledger_leads = {cs.users[i]: t - now for i, t in enumerate(world.ledger) if t is not None and t > now}
+    requests = st.requests
+    mapping = _user_mapping(world, cs, leads, ledger_leads)
     index = {r.request_id: i for i, r in enumerate(requests)}
     running = set(st.running)
     # Limiter keys are users; a mutated spec may key by request id (then renamed like the

@@ -75,44 +75,16 @@ def measure_gate(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     """Gate rates: rate-limit differential (real scheduler + spec limiter), spec-only step
     model and spec-vs-vLLM fidelity on the same seeded scenarios, model checker."""
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
-    from vllm_output_rate.adapter.scenarios import run_scenario, scenarios
 
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     model, model_why = _step_model()
     for mode, cls in (("sync", REFERENCE_SCHEDULER), ("async", REFERENCE_ASYNC_SCHEDULER)):
-        async_mode = mode == "async"
-        drawn = seeded_draws(scenarios(async_scheduling=async_mode, max_steps=plan.gate_max_steps),
-                             plan.gate_scenarios)
-        run_scenario(cls, drawn[0])  # warm-up, untimed: first harness of this class
-        steps = 0
-        started = time.perf_counter()
-        for scenario in drawn:
-            steps += run_scenario(cls, scenario).steps
-            tick()
-        rows.append(_rate_row(f"differential/{mode}", f"adapter.scenarios.run_scenario on {cls.rsplit('.', 1)[1]}",
-                              len(drawn), steps, time.perf_counter() - started))
+        rows.append(_differential_row(plan, mode, cls, tick))
         if model is None:
             continue
         try:
-            step_scenarios = seeded_draws(model["scenarios"](async_scheduling=async_mode,
-                                                             max_steps=plan.gate_max_steps), plan.gate_scenarios)
-            steps = sum(sum(isinstance(e, model["Step"]) for e in sc.events) for sc in step_scenarios)
-            model["run"](model["initial_state"](step_scenarios[0].config), step_scenarios[0].events)  # warm-up
-            started = time.perf_counter()
-            for sc in step_scenarios:
-                model["run"](model["initial_state"](sc.config), sc.events)
-            rows.append(_rate_row(f"spec-only/{mode}", "spec.scheduler.run on adapter.fidelity.base_scenarios",
-                                  len(step_scenarios), steps, time.perf_counter() - started))
-            stock_cls = model["stock_cls"](async_mode)
-            model["run_step_scenario"](stock_cls, step_scenarios[0])  # warm-up, untimed
-            steps = 0
-            started = time.perf_counter()
-            for sc in step_scenarios:
-                steps += model["run_step_scenario"](stock_cls, sc).steps
-            rows.append(_rate_row(f"fidelity/{mode}", f"adapter.fidelity.run_step_scenario, spec vs "
-                                  f"{stock_cls.rsplit('.', 1)[1]}", len(step_scenarios), steps,
-                                  time.perf_counter() - started))
+            rows += _step_model_rows(plan, mode, model)
         except Exception as exc:  # the step model is young: report, do not fail the benchmark
             skipped[f"spec-only/{mode}"] = f"not measured: the step model raised {type(exc).__name__}: {exc}"
     if model is None:
@@ -132,6 +104,50 @@ def measure_gate(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     else:
         skipped["model-checker"] = mc_where
     return {"rows": rows, "skipped": skipped}
+
+
+def _differential_row(plan: Plan, mode: str, cls: str, tick: Callable[[], None]) -> dict[str, Any]:
+    """The ``differential/<mode>`` row: ``plan.gate_scenarios`` seeded rate-limit scenarios
+    run on the reference class ``cls`` (dotted path) after one untimed warm-up; ``tick``
+    after each."""
+    from vllm_output_rate.adapter.scenarios import run_scenario, scenarios
+
+    drawn = seeded_draws(scenarios(async_scheduling=mode == "async", max_steps=plan.gate_max_steps),
+                         plan.gate_scenarios)
+    run_scenario(cls, drawn[0])  # warm-up, untimed: first harness of this class
+    steps = 0
+    started = time.perf_counter()
+    for scenario in drawn:
+        steps += run_scenario(cls, scenario).steps
+        tick()
+    return _rate_row(f"differential/{mode}", f"adapter.scenarios.run_scenario on {cls.rsplit('.', 1)[1]}",
+                     len(drawn), steps, time.perf_counter() - started)
+
+
+def _step_model_rows(plan: Plan, mode: str, model: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``spec-only/<mode>`` and ``fidelity/<mode>`` rows on the same seeded step
+    scenarios (``model``: the step model's entry points, ``_step_model``), each after one
+    untimed warm-up."""
+    async_mode = mode == "async"
+    step_scenarios = seeded_draws(model["scenarios"](async_scheduling=async_mode,
+                                                     max_steps=plan.gate_max_steps), plan.gate_scenarios)
+    steps = sum(sum(isinstance(e, model["Step"]) for e in sc.events) for sc in step_scenarios)
+    model["run"](model["initial_state"](step_scenarios[0].config), step_scenarios[0].events)  # warm-up
+    started = time.perf_counter()
+    for sc in step_scenarios:
+        model["run"](model["initial_state"](sc.config), sc.events)
+    rows = [_rate_row(f"spec-only/{mode}", "spec.scheduler.run on adapter.fidelity.base_scenarios",
+                      len(step_scenarios), steps, time.perf_counter() - started)]
+    stock_cls = model["stock_cls"](async_mode)
+    model["run_step_scenario"](stock_cls, step_scenarios[0])  # warm-up, untimed
+    steps = 0
+    started = time.perf_counter()
+    for sc in step_scenarios:
+        steps += model["run_step_scenario"](stock_cls, sc).steps
+    rows.append(_rate_row(f"fidelity/{mode}", f"adapter.fidelity.run_step_scenario, spec vs "
+                          f"{stock_cls.rsplit('.', 1)[1]}", len(step_scenarios), steps,
+                          time.perf_counter() - started))
+    return rows
 
 
 def _explore_states(explore: Callable, budget: int) -> int:

@@ -176,9 +176,11 @@ def article_style(async_mode: bool) -> tuple[str, Any] | None:
     return (ARTICLE_ASYNC_SCHEDULER if async_mode else ARTICLE_SCHEDULER), parse_config_style(ARTICLE_HOOK)
 
 
-def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None],
-                      clock: str = "cpu") -> SchedulerRow:
-    """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
+def _drivers(n: int, fraction: float, async_mode: bool, plan: Plan,
+             clock: str) -> tuple[_Driver, _Driver, _Driver | None]:
+    """The stock, reference and (where its fixture is importable) article-style drivers at
+    ``n`` running requests, ``fraction`` of them throttled, each sized for the plan's
+    warm-up and timed rounds, all on the clock named ``clock``."""
     from vllm_output_rate.adapter.harness import (
         REFERENCE_ASYNC_SCHEDULER,
         REFERENCE_SCHEDULER,
@@ -186,7 +188,6 @@ def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Call
         STOCK_SCHEDULER,
     )
 
-    async_mode = mode == "async"
     total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_per_round + 8
     stock = _Driver(STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER, n, fraction, async_mode, total,
                     limited=False, clock=CLOCKS[clock])
@@ -195,6 +196,13 @@ def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Call
     peer = article_style(async_mode)
     article = (_Driver(peer[0], n, fraction, async_mode, total, limited=True, clock=CLOCKS[clock], style=peer[1],
                        tiny_rate=TINY_RATE_INTEGER) if peer is not None else None)
+    return stock, reference, article
+
+
+def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None],
+                      clock: str = "cpu") -> SchedulerRow:
+    """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
+    stock, reference, article = _drivers(n, fraction, mode == "async", plan, clock)
     drivers = [d for d in (stock, reference, article) if d is not None]
     for driver in drivers:
         driver.warm_up()
