@@ -22,7 +22,8 @@ histories comes first -- ready_at rounded down (an excess below 1 ns) and a trun
 emission interval (a drift at rates whose T is not a whole ns) before a burst edge 1 ns
 late, a cleanup slip before that edge too (it acts at the cadence only) --, then the
 charge point, the refund point, the throttled prefill, pacing, then identity and rates,
-and last every dispatch charged twice, which fits any rate halved) that explains it names the rule; every
+then every dispatch charged twice, which fits any rate halved, and last a refusal ignored with chunked prefill, which
+fits any over-grant the spec would pause alike) that explains it names the rule; every
 other one that explains it too is listed. None explains it: the property's own rule stays.
 
 Black-box only: no field of the candidate's observation interface is read.
@@ -47,14 +48,15 @@ class Dispatch:
     """One sampling dispatch: ``request_id``; ``first_token``: the request had no output
     and no step in flight at the step start (its final prefill chunk samples);
     ``in_flight``: a step of it was still in flight (async placeholders) at the step
-    start; ``admitted``: it was admitted from ``waiting`` in this step; ``whole_prompt``: no
-    token of it was computed at the step start."""
+    start; ``admitted``: it was admitted from ``waiting`` in this step; ``whole_prompt``: its
+    chunk starts at token 0 (``SchedulerOutput``'s ``num_computed_tokens``; a prefix-cache
+    hit starts it above 0)."""
 
     request_id: str
     first_token: bool
     in_flight: bool
     admitted: bool
-    whole_prompt: bool = False  # no prompt token computed at the step start (one chunk does the prefill)
+    whole_prompt: bool = False  # the chunk starts at token 0 (no computed or cached token before it)
 
 
 @dataclass
@@ -66,8 +68,9 @@ class StepRecord:
     ``SchedulerOutput`` order; ``skipped``: requests at their sampling position with a
     token to dispatch at the step start that did not sample (a charge the spec would
     refund, R9, or a refusal); ``chunks``: requests scheduled for a chunk that does not
-    sample, ``first_chunks`` those of them that start the prompt; ``finished_in_flight``: requests that finished in this step with a step still
-    in flight at its start; ``pauses``: requests whose pause the judge attributes to the
+    sample, ``first_chunks`` those of them that start the prompt; ``finished_in_flight``:
+    requests that the delivered output finished in this step although this step dispatched
+    them again (async: the post-stop token of a stop not yet seen, R8); ``pauses``: requests whose pause the judge attributes to the
     limiter (their user must be refused after the step's dispatches).
     """
 
@@ -117,7 +120,9 @@ class Hypothesis:
     chunk is charged (``first_chunk_charged``: only one that starts a prompt);
     ``refund_finished_in_flight``: a refund when a request with a step
     in flight finishes; ``refused_prefill_samples``: a refused final prefill chunk
-    samples anyway, uncharged (R10); ``free_first_per_step`` / ``free_running``: the first
+    samples anyway, uncharged (R10), and ``refused_samples``: with chunked prefill any refused
+    request does (the n - 1 cap off by one); ``unasked_in_flight``: a dispatch with a step in
+    flight is neither asked nor charged (taken as charged already); ``free_first_per_step`` / ``free_running``: the first
     dispatch of each step / every dispatch of an already running request ends uncharged;
     ``burst_ns``: another tau."""
 
@@ -139,6 +144,8 @@ class Hypothesis:
     free_first_per_step: bool = False
     free_running: bool = False
     refused_prefill_samples: bool = False
+    refused_samples: bool = False
+    unasked_in_flight: bool = False
     first_chunk_charged: bool = False
 
 
@@ -194,6 +201,8 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                "(R7 charges each dispatch when it is made)", decide_at_start=True),
     Hypothesis("R8", "does not charge a dispatch made while the request's previous step is in flight "
                "(R8: never under-charge)", charges=lambda d: 0 if d.in_flight else 1),
+    Hypothesis("R8", "neither asks nor charges for a dispatch made while the request's previous step is in "
+               "flight, as if it were charged already (R8: never under-charge)", unasked_in_flight=True),
     Hypothesis("R8", "refunds the post-stop token of a request that finishes with a step in flight "
                "(R8: it stays charged)", refund_finished_in_flight=True),
     # Before the refund slips that can also reproduce "never paused anything": a candidate
@@ -213,17 +222,23 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
     Hypothesis("R17", "keys user ids stripped of surrounding spaces (R17: ids are kept exactly)", key=_strip),
     Hypothesis("R17", "gives each request without output_rate_user its own bucket (R17: they share "
                "__anonymous__)", key=_anon_per_request),
-    Hypothesis("R17", "puts every request in the __anonymous__ bucket, ignoring output_rate_user (R17)",
-               key=lambda ctx, rid: ANONYMOUS),
     Hypothesis("R1", "keeps one bucket per request, not per user (R1: one TAT per user)",
                key=lambda ctx, rid: rid, rate=lambda ctx, rid: ctx.rate_of(_spec_key(ctx, rid))),
-    Hypothesis("R1", "keeps one bucket for all users at the default rate (R1: one TAT per user)",
+    # One bucket for every request: a slip of R1 (one TAT for all users) and of R17 (every
+    # request keyed __anonymous__, output_rate_user ignored) alike; nothing black-box tells
+    # them apart, so both are named.
+    Hypothesis("R1/R17", "keeps one bucket for every request at the default rate: one TAT for all users (R1: "
+               "one TAT per user), or output_rate_user ignored so that every request is __anonymous__ (R17)",
                key=lambda ctx, rid: ANONYMOUS, rate=lambda ctx, bucket: ctx.default_rate),
     Hypothesis("R1", "gives every user the default rate, ignoring its override (R1: the override, else the "
                "default)", rate=lambda ctx, bucket: ctx.default_rate),
     Hypothesis("R1", "uses a burst tolerance of 1 s (R1: tau is the configured burst)", burst_ns=NS_PER_S),
     Hypothesis("R7", "charges every sampling dispatch twice (R7: one charge per request per step)",
                charges=lambda d: 2),
+    # Last: with chunked prefill on in every run, it fits any over-grant whose pauses the
+    # spec refuses too; a probe without chunked prefill (``naming_probes``) tells it apart.
+    Hypothesis("R10", "lets any refused request, with chunked prefill, run up to and including its sampling "
+               "position, uncharged: the n - 1 cap off by one (R10 holds it at n - 1)", refused_samples=True),
 )
 
 
@@ -261,9 +276,12 @@ class _Replay:
         at_start = dict(self.tat)
         for i, d in enumerate(rec.dispatches):
             bucket = hyp.key(self.ctx, d.request_id)
+            if hyp.unasked_in_flight and d.in_flight:
+                continue  # taken as charged already: not asked, not charged
             if not self.allowed(bucket, now, at_start if hyp.decide_at_start else None):
-                if hyp.refused_prefill_samples and d.first_token and self.ctx.chunked_prefill:
-                    continue  # the refused final chunk was not held at n - 1: it sampled, uncharged
+                if self.ctx.chunked_prefill and (hyp.refused_samples or (hyp.refused_prefill_samples
+                                                                         and d.first_token)):
+                    continue  # the refused chunk was not held at n - 1: it sampled, uncharged
                 return f"refuses {d.request_id} at t={now} ns"
             free = (hyp.free_first_per_step and i == 0) or (hyp.free_running and not d.admitted)
             for _ in range(0 if free else hyp.charges(d)):

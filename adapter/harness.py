@@ -101,6 +101,9 @@ class StepTrace:
     ``sampled``: ids dispatched in a step in which they sample (R7 "sampling dispatch").
     ``finished``: request id -> (finish reason, number of output tokens) for requests whose
     final output arrived in this step's ``update_from_output``.
+    ``chunk_start``: request id -> ``num_computed_tokens`` where its scheduled chunk starts,
+    as ``SchedulerOutput`` gives it (``NewRequestData`` / ``CachedRequestData``): a prefix-cache
+    hit shows as a first chunk starting above 0.
     ``white``: the scheduler's own observation of the step, if it exposes one.
     """
 
@@ -112,7 +115,16 @@ class StepTrace:
     finished: dict[str, tuple[str, int]] = field(default_factory=dict)
     admitted: list[str] = field(default_factory=list)  # new or resumed from waiting this step
     num_running: int = 0  # len(scheduler.running) after schedule()
+    chunk_start: dict[str, int] = field(default_factory=dict)
     white: dict[str, Any] | None = None
+
+
+def _chunk_starts(so: Any) -> dict[str, int]:
+    """Request id -> ``num_computed_tokens`` at the start of its chunk in ``so``."""
+    starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    return starts
 
 
 def load_class(dotted: str) -> type:
@@ -385,6 +397,7 @@ class Harness:
             preempted=sorted(so.preempted_req_ids),
             admitted=[r.req_id for r in so.scheduled_new_reqs] + sorted(so.scheduled_cached_reqs.resumed_req_ids),
             num_running=len(self.scheduler.running),
+            chunk_start=_chunk_starts(so),
         )
         observe = getattr(self.scheduler, "last_step_observation", None)
         if observe is not None:

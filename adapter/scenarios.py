@@ -384,8 +384,6 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
     ``style``: how the candidate is configured (``adapter/configstyle.py``; None: through
     ``additional_config["output_rate"]``).
     """
-    from vllm_output_rate.adapter.levels import includes
-
     harness = build_harness(scheduler_cls, scenario, style) if style is not None else build_harness(
         scheduler_cls, scenario)
     judge = _Judge(scenario, harness, level)
@@ -393,11 +391,7 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
     aborts = scenario.abort_schedule()
     rate_failure: tuple[tuple[str, str, str], int] | None = None  # kept while the rest is recorded
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
-        while pending and pending[0].at_step <= step:
-            r = pending.pop(0)
-            harness.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
-        while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
-            harness.abort(aborts.pop(0)[1].request_id)
+        _arrivals_and_aborts(harness, pending, aborts, step)
         if step >= scenario.num_steps and not pending and not aborts and len(harness.finished) == len(judge.by_id):
             break
         unfinished = [rid for rid in harness.num_outputs if rid not in harness.finished]
@@ -417,6 +411,27 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
                     return Verdict(judge.steps, failure[2], failure[0], step, level=failure[1])
                 rate_failure = failure, step
         harness.advance(_next_advance_ns(scenario, step, trace, judge.state, judge.by_id, harness))
+    return _final_verdict(judge, harness, level, attribute, rate_failure)
+
+
+def _arrivals_and_aborts(harness: Any, pending: list[RequestSpec], aborts: list[tuple[int, RequestSpec]],
+                         step: int) -> None:
+    """Before ``step``: add the requests that arrive by then and abort the ones due (a
+    request is never aborted in the step it arrives); both lists are consumed in order."""
+    while pending and pending[0].at_step <= step:
+        r = pending.pop(0)
+        harness.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
+    while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
+        harness.abort(aborts.pop(0)[1].request_id)
+
+
+def _final_verdict(judge: _Judge, harness: Any, level: str, attribute: bool,
+                   rate_failure: tuple[tuple[str, str, str], int] | None) -> Verdict:
+    """The verdict after the stepping loop: the rate failure kept for naming (with the
+    run's history), else a request cut short after the drain, else a pass with each
+    user's sampled tokens."""
+    from vllm_output_rate.adapter.levels import includes
+
     if rate_failure is not None:
         (rule, failed_level, text), step = rate_failure
         return Verdict(judge.steps, text, rule, step, level=failed_level, history=judge.naming_history())
@@ -453,8 +468,12 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     candidate's behaviour to explain (``named_verdict``): the same requests, arrivals and
     clock with more outputs each (longer decoding, more pacing decisions), also without
     EOS, and, for a scenario under pressure, also without it (ample seats, budget and KV,
-    no aborts: every pause is then the limiter's); and those requests again beside copies
-    for a twin of each named user at the same rate (one bucket or one per user?)."""
+    no aborts: every pause is then the limiter's); in async mode, also in sync mode (a slip
+    of the step in flight, R8, acts only in async); with chunked prefill, also without it
+    (a slip of the n - 1 advance, R10, acts only with it); and those requests again beside copies
+    for a twin of each named user at the same rate (one bucket or one per user?), and, with
+    per-user overrides, that again with the slowest override as every user's rate (a limiter
+    at the default rate, or none at all, then shows)."""
     longer = tuple(replace(r, max_tokens=min(PROBE_MAX_TOKENS, max(r.max_tokens * PROBE_TOKEN_FACTOR,
                                                                     r.max_tokens + 8)))
                    for r in scenario.requests)
@@ -467,6 +486,12 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     if not scenario.ample:  # the same without pressure: every pause is then the limiter's (evidence)
         probes.append(replace(scenario, requests=unpressured, max_num_seqs=None, max_num_batched_tokens=None,
                               num_blocks=None))
+    if scenario.async_scheduling:  # the same in sync mode: a slip of the in-flight step (R8) or not?
+        probes.append(replace(scenario, requests=unpressured, async_scheduling=False, max_num_seqs=None,
+                              max_num_batched_tokens=None, num_blocks=None))
+    if scenario.chunked_prefill:  # the same without chunked prefill: R10's n - 1 advance or not?
+        probes.append(replace(scenario, requests=unpressured, chunked_prefill=False, max_num_seqs=None,
+                              max_num_batched_tokens=None, num_blocks=None))
     # The same requests again for a second user of the same rate (one bucket or two?).
     twin = {u: f"{u}~2" for u in {r.user for r in scenario.requests if r.user is not None}}
     if twin:
@@ -474,12 +499,20 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
                        if r.user is not None)
         rates = dict(scenario.rates_tokens_per_s) | {twin[u]: r for u, r in scenario.rates_tokens_per_s.items()
                                                      if u in twin}
-        probes.append(replace(scenario, requests=unpressured + copies, rates_tokens_per_s=rates, max_num_seqs=None,
-                              max_num_batched_tokens=None, num_blocks=None, max_num_active_seqs=None))
+        twins = replace(scenario, requests=unpressured + copies, rates_tokens_per_s=rates, max_num_seqs=None,
+                        max_num_batched_tokens=None, num_blocks=None, max_num_active_seqs=None)
+        probes.append(twins)
+        if scenario.rates_tokens_per_s:  # and with the slowest override as the default (does the default bind?)
+            slowest = min(scenario.rates_tokens_per_s.values(), key=Fraction)
+            probes.append(replace(twins, rates_tokens_per_s={}, default_rate_tokens_per_s=slowest))
     return probes
 
 
-NAMEABLE_RULES = ("R2", "R11")  # the dispatch replay's properties (over-grant, window bound, under-grant)
+# The dispatch replay's properties (over-grant, window bound, under-grant), and the rate
+# layer's should-level ones (R12 active cap, R13 victims, R14/R15 turns): a slip of the
+# limiter underneath shows in them too, and is named when the dispatches contradict the spec
+# limiter (``attribution.attribute``); when they do not, the property's own rule stands.
+NAMEABLE_RULES = ("R2", "R10", "R11", "R12", "R13", "R14/R15")
 
 
 def named_verdict(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None) -> Verdict:
@@ -524,6 +557,8 @@ class _StepStart:
     fresh: set[str] = field(default_factory=set)  # no output and no step in flight yet
     in_flight: set[str] = field(default_factory=set)  # a step still in flight (async placeholders)
     untouched: set[str] = field(default_factory=set)  # no token computed yet
+    # FCFS: the first request of vLLM's ``waiting`` and the tokens its whole prompt still needs
+    waiting_head: tuple[str, int] | None = None
 
 
 class _Judge:
@@ -571,8 +606,12 @@ class _Judge:
                 r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens)
             if r.num_output_tokens + placeholders < r.max_tokens and not last_in_flight:
                 demand.add(rid)
+        head = None
+        if self.scenario.policy == "fcfs" and scheduler.waiting:
+            first = next(iter(scheduler.waiting))
+            head = (first.request_id, first.num_tokens - first.num_computed_tokens)
         self.start = _StepStart([r.request_id for r in scheduler.running], decoding, demand, fresh, in_flight,
-                                untouched)
+                                untouched, head)
 
     def user_of(self, rid: str) -> str:
         """The R17 bucket of request ``rid``."""
@@ -600,7 +639,7 @@ class _Judge:
         if self.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
             self.state = spec_limiter.cleanup_idle_users(self.state, now)  # R6, same cadence
         if scenario.ample and not scenario.async_scheduling:
-            failure = self._ample_sync_checks(step, trace, unfinished, resident)
+            failure = self._ample_sync_checks(step, trace, unfinished, resident, state_before)
             if failure:
                 return failure
         elif scenario.ample_at(step):
@@ -623,9 +662,9 @@ class _Judge:
         if self.should and scenario.max_num_active_seqs is not None:
             scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
             if len(scheduled_running) > scenario.max_num_active_seqs:
-                return "R12", "should", (
+                return self._named("R12", "should", (
                     f"{self.name} scheduled {len(scheduled_running)} running requests in one step, more than "
-                    f"--max-num-active-seqs {scenario.max_num_active_seqs}")
+                    f"--max-num-active-seqs {scenario.max_num_active_seqs}"))
         if self.should and scenario.policy == "priority" and trace.preempted:
             failure = self._priority_victim_check(trace, resident)
             if failure:
@@ -639,15 +678,44 @@ class _Judge:
             return (failure2[0], "exact", failure2[1]) if failure2 else None
         return None
 
-    def _ample_sync_checks(self, step: int, trace, unfinished: list[str],
-                           resident: set[str]) -> tuple[str, str, str] | None:
+    def _ample_sync_checks(self, step: int, trace, unfinished: list[str], resident: set[str],
+                           state_before=None) -> tuple[str, str, str] | None:
         failure = self._under_grant_check(trace, unfinished, resident)
         if failure or not self.should:
             return failure
         if trace.preempted:
             return "R11", "should", (f"{self.name} preempted {trace.preempted} although KV and seats are ample: "
                                      "the article keeps throttled requests resident")
-        return self._bypass_check(step, trace, unfinished)
+        failure = self._prefill_advance_check(trace, unfinished, state_before)
+        return failure or self._bypass_check(step, trace, unfinished)
+
+    def _prefill_advance_check(self, trace, unfinished: list[str], state_before) -> tuple[str, str, str] | None:
+        """R10 (level should), ample sync scenarios with chunked prefill, without prefix
+        caching (a cache hit may already reach n - 1) or an active cap (admission under it is
+        the article's open choice): a waiting request with no token computed and a prompt of
+        2 or more tokens, whose user the GCRA refuses at the step's start (so at its charge
+        point too: within ``schedule()`` a TAT only rises), still advances its prefill short
+        of sampling in that step ("开启 chunked prefill 时，prefill 可以先推进到倒数第二个位置"),
+        unless a waiting request before it was not admitted either (vLLM 0.32 stops admitting
+        behind a request given 0 tokens: the open choice ``_under_grant_check`` excuses too)."""
+        scenario, start = self.scenario, self.start
+        if (start is None or not scenario.chunked_prefill or scenario.prefix_caching
+                or scenario.max_num_active_seqs is not None):
+            return None
+        now, burst = trace.now_ns, scenario.burst_ns
+        for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
+            r = self.by_id.get(rid)
+            if r is None or rid in trace.scheduled or rid in start.running:
+                continue
+            if (rid not in start.untouched or r.prompt_len < 2 or scenario.policy != "fcfs"
+                    or spec_limiter.allows(state_before, self.user_of(rid), now, burst)):
+                return None  # the first waiting request left out is not judged here: all behind it are excused
+            return self._named("R10", "should", (
+                f"{self.name} left {rid} (user {self.user_of(rid)!r}, prompt {r.prompt_len} tokens) waiting at "
+                f"t={now} ns with nothing computed: its user is refused, and with chunked prefill the article "
+                f"still advances a refused prefill to n - 1 = {r.prompt_len - 1} (R10), seats and budget being "
+                "ample"))
+        return None
 
     def _under_grant_check(self, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
         """P4 (level must): a request of a user the GCRA still grants after this step's
@@ -711,16 +779,37 @@ class _Judge:
         demand = start.demand if start is not None else set()
         sampled = set(trace.sampled)
         admitted = set(trace.admitted)
+        # A chunk starts the prompt where SchedulerOutput says it starts at token 0 (a
+        # prefix-cache hit starts it above 0); without that field, where nothing was computed.
+        starts = trace.chunk_start
+        untouched = {rid for rid in trace.scheduled if starts.get(rid, 0 if rid in untouched else 1) == 0}
         self.records.append(attribution.StepRecord(
             self.steps, trace.now_ns,
             [attribution.Dispatch(rid, rid in fresh, rid in in_flight, rid in admitted, rid in untouched)
              for rid in trace.sampled if rid in self.by_id],
             skipped=[rid for rid in self.by_id if rid in demand and rid not in sampled
-                     and (rid in decoding or rid in trace.preempted)],
+                     and (rid in decoding or rid in trace.preempted)] + self._blocked_head(trace),
             chunks=[rid for rid in trace.scheduled if rid in self.by_id and rid not in sampled
                     and rid not in decoding],
             first_chunks=[rid for rid in trace.scheduled if rid in untouched and rid not in sampled],
-            finished_in_flight=[rid for rid in trace.finished if rid in in_flight and rid in self.by_id]))
+            finished_in_flight=[rid for rid in trace.finished if rid in in_flight and rid in sampled
+                                and rid in self.by_id]))
+
+    def _blocked_head(self, trace) -> list[str]:
+        """The waiting request vLLM's waiting loop reached and could not admit, as a list
+        (empty if none): FCFS, the first of ``waiting`` at the step start, not admitted, in a
+        step that preempted nothing (vLLM then runs the waiting loop), left a seat free
+        (``max_num_seqs``) and left token budget for its whole remaining prompt, so that its
+        chunk would sample: its charge point (R7) came before the KV allocation that failed,
+        and R9 refunds that charge."""
+        head = self.start.waiting_head if self.start is not None else None
+        if head is None or trace.preempted or head[0] not in self.by_id or head[0] in trace.scheduled:
+            return []
+        scenario = self.scenario
+        if scenario.max_num_seqs is not None and trace.num_running >= scenario.max_num_seqs:
+            return []
+        budget = scenario.max_num_batched_tokens or 2048
+        return [head[0]] if budget - sum(trace.scheduled.values()) >= head[1] else []
 
     def _named(self, rule: str, level: str, text: str) -> tuple[str, str, str]:
         """A rate failure of the dispatch replay: ``run_scenario(attribute=True)`` names
@@ -894,10 +983,10 @@ class _Judge:
             level = self.by_id[rid].priority
             above = sorted(s for s in survivors if self.by_id[s].priority > level)
             if above:
-                return "R13", "should", (
+                return self._named("R13", "should", (
                     f"{self.name} preempted {rid} (priority {level}) while {above[0]} (priority "
                     f"{self.by_id[above[0]].priority}, a lower priority) kept its KV: under PRIORITY the victim is "
-                    "taken at the lowest priority level, and the article's throttled victims only within it")
+                    "taken at the lowest priority level, and the article's throttled victims only within it"))
         return None
 
     def _bypass_check(self, step: int, trace, unfinished: list[str]) -> tuple[str, str, str] | None:
@@ -917,10 +1006,12 @@ class _Judge:
                 elif rid in self.last_sample_step:
                     self.bypassed[rid] = self.bypassed.get(rid, 0) + len(grants)
                     if self.bypassed[rid] > bound:
-                        return "R14", "should", (
+                        # Turns (R14) start after the last-served stream (R15): a slip of either
+                        # shows as the same bypass, so both are named.
+                        return self._named("R14/R15", "should", (
                             f"{self.name}: {rid} of user {user!r} waited while {self.bypassed[rid]} of that "
                             f"user's tokens went to its other streams (bound {bound}): the article's streams "
-                            "of one user take turns")
+                            "of one user take turns (R14), each turn starting after the stream served last (R15)"))
         return None
 
     def _white_box_checks(self, trace) -> tuple[str, str] | None:
