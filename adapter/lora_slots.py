@@ -27,7 +27,6 @@ victim and vLLM 0.32's own count: crashes on 0.32).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,9 @@ from typing import Any
 from hypothesis import strategies as st
 
 from vllm_output_rate.adapter.residency import ResidencyScenario, hunt_row
+from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.properties import first_cut
 from vllm_output_rate.spec.state import EngineConfig
 
 SLOW_USER = "slow"
@@ -92,17 +93,7 @@ def lora_scenarios(draw, async_scheduling: bool) -> LoraScenario:
     return LoraScenario(config, tuple(events))
 
 
-@dataclass
-class LoraVerdict:
-    """Outcome of one scenario (``failure`` None: every property held); ``level`` of the failure."""
-
-    steps: int
-    failure: str | None = None
-    step: int | None = None
-    level: str | None = None
-
-
-def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> LoraVerdict:
+def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> Verdict:
     """The LoRA-slot properties (module docstring) on one scenario. A crash of the
     candidate (or of vLLM inside its ``schedule()``) propagates to the caller."""
     from vllm_output_rate.adapter.fidelity import engine_shape
@@ -140,7 +131,7 @@ def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> L
             steps += 1
             failure = judge(trace)
             if failure is not None:
-                return LoraVerdict(steps, failure, steps - 1, "should")
+                return Verdict(steps, failure, step=steps - 1, level="should")
     for _ in range(DRAIN_STEPS):
         if len(harness.finished) == len(max_tokens):
             break
@@ -149,12 +140,12 @@ def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> L
         harness.advance(DRAIN_INTERVAL_NS)
     if scenario.config.async_scheduling:
         harness.drain()
-    for rid, want in max_tokens.items():
-        got = harness.finished.get(rid)
-        if got is None or got[1] != want:
-            return LoraVerdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {want}) within "
-                                      f"{DRAIN_STEPS} steps after the scenario", None, "must")
-    return LoraVerdict(steps)
+    cut = first_cut(harness.finished, max_tokens)
+    if cut is not None:
+        rid, got = cut
+        return Verdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
+                              f"{DRAIN_STEPS} steps after the scenario", level="must")
+    return Verdict(steps)
 
 
 def check_lora(scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],

@@ -42,8 +42,10 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
+from vllm_output_rate.spec.properties import first_cut
 from vllm_output_rate.spec.state import EngineConfig
 
 RATES = ("0.5", "2", "5", "10", "20", "50", "200")
@@ -111,16 +113,6 @@ def rate_change_scenarios(draw, async_scheduling: bool) -> RateChangeScenario:
             events.append(ChangeRates(default, overrides))
         events += [Step(), AdvanceClock(intervals[step] * 1_000_000)]
     return RateChangeScenario(config, tuple(events))
-
-
-@dataclass
-class RateChangeVerdict:
-    """Outcome of one scenario (``failure`` None: every property held)."""
-
-    steps: int
-    failure: str | None = None
-    rule: str | None = None
-    step: int | None = None
 
 
 class _Judge:
@@ -191,7 +183,7 @@ class _Judge:
         return None
 
 
-def run_rate_change(scheduler_cls: str, scenario: RateChangeScenario, style: Any = None) -> RateChangeVerdict:
+def run_rate_change(scheduler_cls: str, scenario: RateChangeScenario, style: Any = None) -> Verdict:
     """R21 on one scenario (module docstring)."""
     from vllm_output_rate.adapter.fidelity import engine_shape
     from vllm_output_rate.adapter.harness import Harness
@@ -202,7 +194,7 @@ def run_rate_change(scheduler_cls: str, scenario: RateChangeScenario, style: Any
         return _run(harness, scenario)
 
 
-def _run(harness, scenario: RateChangeScenario) -> RateChangeVerdict:
+def _run(harness, scenario: RateChangeScenario) -> Verdict:
     config = scenario.config
     judge = _Judge(config)
     max_tokens: dict[str, int] = {}
@@ -230,23 +222,22 @@ def _run(harness, scenario: RateChangeScenario) -> RateChangeVerdict:
         elif isinstance(event, Step):
             broken = one_step()
             if broken is not None:
-                return RateChangeVerdict(steps, broken[1], broken[0], steps - 1)
+                return Verdict(steps, broken[1], broken[0], steps - 1)
     for _ in range(DRAIN_STEPS):
         if len(harness.finished) == len(max_tokens):
             break
         broken = one_step()
         if broken is not None:
-            return RateChangeVerdict(steps, broken[1], broken[0], steps - 1)
+            return Verdict(steps, broken[1], broken[0], steps - 1)
         harness.advance(DRAIN_INTERVAL_NS)
     if config.async_scheduling:
         harness.drain()
-    for rid, want in max_tokens.items():
-        got = harness.finished.get(rid)
-        if got is None or got[1] != want:
-            return RateChangeVerdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {want}) within "
-                                            f"{DRAIN_STEPS} steps after the scenario (a rate change pauses, never cuts)",
-                                     "P3")
-    return RateChangeVerdict(steps)
+    cut = first_cut(harness.finished, max_tokens)
+    if cut is not None:
+        rid, got = cut
+        return Verdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
+                              f"{DRAIN_STEPS} steps after the scenario (a rate change pauses, never cuts)", "P3")
+    return Verdict(steps)
 
 
 def style_has_rates_file(style: Any) -> bool:
@@ -262,8 +253,8 @@ def check_rate_change(scheduler_cls: str, async_mode: bool, examples: int, seed:
     """R21: ``run_rate_change`` on ``examples`` seeded scenarios; a failure is shrunk by
     Hypothesis and saved. ``level``: the level the row judges at (exact, or must when the
     candidate declares the rates file). Returns the ``CheckResult`` row ``rate-change/{sync,async}``."""
-    from vllm_output_rate.adapter.conform import CheckResult, _hunt, _reraise_gate_error, _save_counterexample
-    from vllm_output_rate.adapter.scenarios import Verdict
+    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.residency import hunt_row
 
     name = "rate-change/" + ("async" if async_mode else "sync")
     result = CheckResult(name, ["R21"], level=level)
@@ -273,24 +264,6 @@ def check_rate_change(scheduler_cls: str, async_mode: bool, examples: int, seed:
                           "article's flags cannot change a rate without a restart")
         return result
 
-    def run(scenario: RateChangeScenario):
-        try:
-            verdict = run_rate_change(scheduler_cls, scenario, style)
-        except Exception as exc:  # the candidate's own error is a finding
-            _reraise_gate_error(exc)
-            return Verdict(0, f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash",
-                           None, level="must")
-        return Verdict(verdict.steps, verdict.failure, verdict.rule, verdict.step,
-                       level=level if verdict.failure else None)
-
-    failed = _hunt(result, rate_change_scenarios(async_mode), run, examples, seed, tick)
-    if failed is not None:
-        scenario, verdict = failed
-        result.result = "fail"
-        result.failed_level = verdict.level
-        where = f"step {verdict.step}: " if verdict.step is not None else ""
-        result.failure = f"[{verdict.level}] {verdict.rule}: {where}{verdict.failure}"
-        result.counterexample = scenario.lines()
-        result.minimal = False  # Hypothesis-shrunk only
-        _save_counterexample(result, scenario, save_dir)
-    return result
+    return hunt_row(result, rate_change_scenarios(async_mode),
+                    lambda scenario: run_rate_change(scheduler_cls, scenario, style), scheduler_cls, examples, seed,
+                    tick, save_dir, rule=None, level=level)

@@ -35,7 +35,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
+from vllm_output_rate.spec.properties import first_cut
 from vllm_output_rate.spec.state import EngineConfig
 
 FLOOD_USER = "flood"
@@ -101,15 +103,6 @@ def flood_scenarios(draw, async_scheduling: bool) -> ResidencyScenario:
     return ResidencyScenario(config, tuple(events))
 
 
-@dataclass
-class ResidencyVerdict:
-    """Outcome of one scenario (``failure`` None: every property held)."""
-
-    steps: int
-    failure: str | None = None
-    step: int | None = None
-
-
 class _Books:
     """What the gate knows from outside: resident and waiting requests, by user."""
 
@@ -125,7 +118,7 @@ class _Books:
             self.waiting.discard(rid)
 
 
-def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = None) -> ResidencyVerdict:
+def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = None) -> Verdict:
     """R20 (level exact) on one flood scenario (module docstring)."""
     from vllm_output_rate.adapter.fidelity import engine_shape
     from vllm_output_rate.adapter.harness import Harness
@@ -153,26 +146,25 @@ def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = 
             failure = _judge_step(harness, books, cap, seats, config.max_num_batched_tokens)
             steps += 1
             if failure is not None:
-                return ResidencyVerdict(steps, failure, steps - 1)
+                return Verdict(steps, failure, step=steps - 1)
     for _ in range(DRAIN_STEPS):
         if len(harness.finished) == len(books.user):
             break
         failure = _judge_step(harness, books, cap, seats, config.max_num_batched_tokens)
         steps += 1
         if failure is not None:
-            return ResidencyVerdict(steps, failure, steps - 1)
+            return Verdict(steps, failure, step=steps - 1)
         harness.advance(DRAIN_INTERVAL_NS)
     if config.async_scheduling:
         trace = harness.drain()
         if trace is not None:
             books.finish(trace)
-    for rid, max_tokens in books.max_tokens.items():
-        got = harness.finished.get(rid)
-        if got is None or got[1] != max_tokens:
-            return ResidencyVerdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens}) "
-                                           f"within {DRAIN_STEPS} steps after the scenario (the cap delays, it never "
-                                           "cuts)")
-    return ResidencyVerdict(steps)
+    cut = first_cut(harness.finished, books.max_tokens)
+    if cut is not None:
+        rid, got = cut
+        return Verdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {books.max_tokens[rid]}) "
+                              f"within {DRAIN_STEPS} steps after the scenario (the cap delays, it never cuts)")
+    return Verdict(steps)
 
 
 def _judge_step(harness, books: _Books, cap: int, seats: int, budget: int) -> str | None:
@@ -233,16 +225,16 @@ def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: i
                     scheduler_cls, examples, seed, tick, save_dir, rule="R20", level="exact")
 
 
-def hunt_row(result, strategy, run_one: Callable[[Any], Any], scheduler_cls: str, examples: int, seed: int,
-             tick: Callable[[], None], save_dir: Path | None, rule: str, level: str, crash_note: str = ""):
+def hunt_row(result, strategy, run_one: Callable[[Any], Verdict], scheduler_cls: str, examples: int, seed: int,
+             tick: Callable[[], None], save_dir: Path | None, rule: str | None, level: str, crash_note: str = ""):
     """Fill the gate row ``result`` (``conform.CheckResult``) from ``examples`` seeded
-    scenarios of ``strategy``, each judged by ``run_one(scenario)`` (a verdict with
-    ``steps``, ``failure``, ``step`` and, optionally, its own ``level``). An exception of
+    scenarios of ``strategy``, each judged by ``run_one(scenario)`` (a ``Verdict``; its
+    failure is named ``rule``, or its own rule if ``rule`` is None, at its own level or
+    else ``level``). An exception of
     the candidate (or of vLLM inside it) is a ``crash`` at level must (``crash_note`` is
     appended to its message); a gate error is re-raised. A failure is shrunk by
     Hypothesis, printed as ``[level] rule: step N: ...`` and saved. Returns ``result``."""
     from vllm_output_rate.adapter.conform import _hunt, _reraise_gate_error, _save_counterexample
-    from vllm_output_rate.adapter.scenarios import Verdict
 
     def run(scenario):
         try:
@@ -251,9 +243,9 @@ def hunt_row(result, strategy, run_one: Callable[[Any], Any], scheduler_cls: str
             _reraise_gate_error(exc)
             return Verdict(0, f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}{crash_note}",
                            "crash", None, level="must")
-        failed_level = (getattr(verdict, "level", None) or level) if verdict.failure else None
-        return Verdict(verdict.steps, verdict.failure, rule if verdict.failure else None, verdict.step,
-                       level=failed_level)
+        failed_level = (verdict.level or level) if verdict.failure else None
+        return Verdict(verdict.steps, verdict.failure, (rule or verdict.rule) if verdict.failure else None,
+                       verdict.step, level=failed_level)
 
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:

@@ -11,12 +11,14 @@ its own message.
 * R7/R9 accounting: each request is charged at most once a step, a refund undoes one of
   the same step's charges once, never of a request that then sampled, and charges minus
   refunds are exactly the step's sampling dispatches (``accounting_error``).
+* R11/P3 paused, never cut: every request ends with exactly the output tokens it asked
+  for (``first_cut``; the gate's rate-change, residency and LoRA checks).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -115,3 +117,16 @@ def charge_refund_error(charged: Sequence[str], refunded: Sequence[str], sampled
 def net_charges(charged: Sequence[str], refunded: Sequence[str]) -> Counter[str]:
     """Charges minus refunds, as a multiset of request ids (R7, R9)."""
     return Counter(charged) - Counter(refunded)
+
+
+def first_cut(finished: Mapping[str, tuple[str, int]],
+              expected: Mapping[str, int]) -> tuple[str, tuple[str, int] | None] | None:
+    """R11/P3: the first request of ``expected`` (request id -> the output tokens it must
+    end with) that did not end with exactly that many, as ``(id, (finish status, output
+    tokens) or None if it never finished)``; None when every one did. ``finished``: id ->
+    (finish status, output tokens)."""
+    for rid, want in expected.items():
+        got = finished.get(rid)
+        if got is None or got[1] != want:
+            return rid, got
+    return None

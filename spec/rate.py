@@ -187,6 +187,15 @@ def try_charge(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
     return replace(cycle, state=state, charged=cycle.charged + (request.request_id,)), True
 
 
+def charge_if_sampling(cycle: Cycle, request: RequestState, num_new_tokens: int) -> tuple[Cycle, bool]:
+    """R7: a chunk of ``num_new_tokens`` that samples is charged now; one that does not
+    sample passes uncharged. ``(cycle, True)``: the chunk may go at its size; ``(cycle,
+    False)``: it samples and its user is refused (the caller applies R10 or R11)."""
+    if not samples(request, num_new_tokens):
+        return cycle, True
+    return try_charge(cycle, request)
+
+
 def prefill_room(request: RequestState) -> int:
     """R10: tokens a refused request may still compute without sampling (up to n-1)."""
     return request.sampling_position - 1 - request.num_computed_tokens
@@ -206,9 +215,7 @@ def decide_running(cycle: Cycle, request: RequestState, num_new_tokens: int) -> 
         return replace(cycle, active_cap_reached=True), 0  # R12: every scheduled entry so far is running
     if request.request_id in cycle.throttled_at_start:
         return cycle, 0  # R11, R14: refused, or not its turn among its user's streams
-    if not samples(request, num_new_tokens):
-        return cycle, num_new_tokens
-    cycle, granted = try_charge(cycle, request)
+    cycle, granted = charge_if_sampling(cycle, request, num_new_tokens)
     if granted:
         return cycle, num_new_tokens
     room = prefill_room(request)
@@ -260,9 +267,7 @@ def decide_waiting(cycle: Cycle, request: RequestState, num_new_tokens: int) -> 
     charge succeeds: same instant, same TAT), or, with chunked prefill, it can stop short
     of sampling. A refused request therefore never stops admission (R10 decision).
     """
-    if not samples(request, num_new_tokens):
-        return cycle, num_new_tokens
-    cycle, granted = try_charge(cycle, request)
+    cycle, granted = charge_if_sampling(cycle, request, num_new_tokens)
     if granted:
         return cycle, num_new_tokens
     room = prefill_room(request)

@@ -1,18 +1,20 @@
-"""spec/properties.py: the R2 window bound and the R7/R9 accounting, implemented once.
+"""spec/properties.py: the R2 window bound, the R7/R9 accounting and R11/P3, implemented once.
 
 The streaming ``R2Window`` is checked against the definition (every pair of grants, by
-``spec.limiter.window_bound_tokens``); ``accounting_error`` against hand-made steps.
+``spec.limiter.window_bound_tokens``); ``accounting_error`` and ``first_cut`` against
+hand-made cases.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_output_rate.spec.limiter import BURST_NS, window_bound_tokens
-from vllm_output_rate.spec.properties import R2Window, accounting_error, net_charges, window_excess
+from vllm_output_rate.spec.properties import R2Window, accounting_error, first_cut, net_charges, window_excess
 
 MS = 1_000_000
 
@@ -57,3 +59,13 @@ def test_accounting_error_names_the_first_broken_part() -> None:
     assert "!= sampling dispatches" in accounting_error(["a"], [], [])[1]
     assert "!= sampling dispatches" in accounting_error([], [], ["a"])[1]
     assert net_charges(["a", "b"], ["b"]) == {"a": 1}
+
+
+@pytest.mark.rules("R11")
+def test_r11_first_cut_names_the_first_request_not_ending_with_its_tokens() -> None:
+    expected = {"a": 3, "b": 2, "c": 4}
+    assert first_cut({"a": ("length", 3), "b": ("length", 2), "c": ("length", 4)}, expected) is None
+    assert first_cut({"a": ("length", 3), "b": ("stop", 1), "c": ("length", 4)}, expected) == ("b", ("stop", 1))
+    assert first_cut({"a": ("length", 3), "b": ("length", 2)}, expected) == ("c", None)  # never finished
+    assert first_cut({"a": ("length", 3), "b": ("length", 2), "c": ("length", 4), "d": ("length", 0)},
+                     expected) is None  # only the expected requests are judged
