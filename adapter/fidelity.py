@@ -27,7 +27,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from typing import Any
 
@@ -134,20 +134,13 @@ def engine_shape(config: EngineConfig, rates_file: str | None = None) -> EngineS
             output_rate["max_num_seqs_per_user"] = config.max_num_seqs_per_user
         if rates_file is not None:  # R21
             output_rate["rates_file"] = rates_file
-    return EngineShape(
-        max_num_seqs=config.max_num_seqs,
-        max_num_active_seqs=config.max_num_active_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        chunked_prefill=config.chunked_prefill,
-        block_size=config.block_size,
-        num_blocks=config.num_blocks,
-        policy=config.policy,
-        async_scheduling=config.async_scheduling,
-        max_model_len=config.max_model_len,
-        output_rate=output_rate,
-        max_loras=config.max_loras,
-        enable_prefix_caching=False,  # the step spec models no prefix cache: step identity needs it off
-    )
+    return EngineShape(**{name: getattr(config, name) for name in _SHARED_FIELDS}, output_rate=output_rate,
+                       enable_prefix_caching=False)  # the step spec models no prefix cache: step identity needs it off
+
+
+# The engine fields a spec configuration and a harness shape share (same names, same
+# meaning): copied as they are by engine_shape.
+_SHARED_FIELDS = tuple(f.name for f in fields(EngineShape) if f.name in {g.name for g in fields(EngineConfig)})
 
 
 def _as_number(rate: Fraction) -> int | float:
@@ -344,17 +337,26 @@ def base_configs(draw, async_scheduling: bool, pressure: bool) -> EngineConfig:
         block_size, num_blocks = draw(st.sampled_from([4, 4, 8])), draw(st.integers(4, 14))
     else:
         block_size, num_blocks = draw(st.sampled_from([4, 8, 16])), draw(st.integers(4, 40))
-    return EngineConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_active_seqs=draw(st.one_of(st.none(), st.none(), st.integers(1, max_num_seqs))),
-        max_num_batched_tokens=budget,
-        chunked_prefill=chunked,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
-        async_scheduling=async_scheduling,
-        max_model_len=max_model_len,
-    )
+    return EngineConfig(**drawn_engine_fields(draw, max_num_seqs, budget, chunked, block_size, num_blocks,
+                                              async_scheduling, max_model_len))
+
+
+def drawn_engine_fields(draw, max_num_seqs: int, budget: int, chunked: bool, block_size: int, num_blocks: int,
+                        async_scheduling: bool, max_model_len: int) -> dict[str, Any]:
+    """The engine part of a drawn ``EngineConfig`` (keyword arguments) from the drawn sizes;
+    draws the active cap (None two times in three) and the policy (FCFS or PRIORITY), in
+    that order. ``draw``: a Hypothesis ``draw`` (``st.composite``)."""
+    return {
+        "max_num_seqs": max_num_seqs,
+        "max_num_active_seqs": draw(st.one_of(st.none(), st.none(), st.integers(1, max_num_seqs))),
+        "max_num_batched_tokens": budget,
+        "chunked_prefill": chunked,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "policy": draw(st.sampled_from(["fcfs", "priority"])),
+        "async_scheduling": async_scheduling,
+        "max_model_len": max_model_len,
+    }
 
 
 @st.composite

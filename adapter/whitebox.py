@@ -30,6 +30,7 @@ from vllm_output_rate.adapter.fidelity import (
     StepScenario,
     StepVerdict,
     build_events,
+    drawn_engine_fields,
     request_plans,
     run_step_scenario,
 )
@@ -86,15 +87,8 @@ def rate_configs(draw, async_scheduling: bool, contention: bool) -> EngineConfig
         block_size = draw(st.sampled_from([4, 4, 8, 16]))
         num_blocks = draw(st.one_of(st.integers(4, 12), st.integers(4, 12), st.integers(4, 60)))
     return EngineConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_active_seqs=draw(st.one_of(st.none(), st.none(), st.integers(1, max_num_seqs))),
-        max_num_batched_tokens=budget,
-        chunked_prefill=chunked,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
-        async_scheduling=async_scheduling,
-        max_model_len=max_model_len,
+        **drawn_engine_fields(draw, max_num_seqs, budget, chunked, block_size, num_blocks, async_scheduling,
+                              max_model_len),
         default_rate_tokens_per_s=Fraction(draw(st.sampled_from(RATES))),
         user_rates_tokens_per_s=overrides,
         output_rate_max_num_active_seqs=draw(st.one_of(st.none(), st.integers(1, max_num_seqs))),

@@ -180,18 +180,26 @@ class _RateLimitMixin(_SchedulerHost):
         self._steps = 0
         self._reset_step_state(0)
         if cfg.trace_path is not None:
-            self._trace = TraceWriter(rank_trace_path(cfg.trace_path, self.vllm_config), {
-                "scheduler": type(self).__name__,
-                "async_scheduling": isinstance(self, AsyncScheduler),
-                "default_tokens_per_s": str(cfg.default_rate),
-                "user_tokens_per_s": {u: str(r) for u, r in cfg.user_rates.items()},
-                "burst_ns": cfg.burst_ns,
-            })
+            self._open_trace(cfg.trace_path)
         if self.policy == SchedulingPolicy.PRIORITY:
             # R13: vLLM picks a PRIORITY victim inside schedule() right after a failed
             # allocate_slots; wrapping it lets a throttled request of that level go first.
             self._base_allocate_slots = self.kv_cache_manager.allocate_slots
             self.kv_cache_manager.allocate_slots = self._allocate_slots_throttled_victims_first
+
+    def _open_trace(self, trace_path: str, **header: Any) -> None:
+        """Open this engine's event trace (``reference/trace.py``; per data-parallel rank):
+        its header names the class, the scheduling mode, the rates and tau (``header``:
+        more keys, e.g. ``shadow``)."""
+        cfg = self.output_rate_config
+        self._trace = TraceWriter(rank_trace_path(trace_path, self.vllm_config), {
+            "scheduler": type(self).__name__,
+            "async_scheduling": isinstance(self, AsyncScheduler),
+            "default_tokens_per_s": str(cfg.default_rate),
+            "user_tokens_per_s": {u: str(r) for u, r in cfg.user_rates.items()},
+            "burst_ns": cfg.burst_ns,
+            **header,
+        })
 
     def _reset_step_state(self, now_ns: int) -> None:
         self._now_ns = now_ns
@@ -385,14 +393,7 @@ class _RateLimitMixin(_SchedulerHost):
         if self._metrics is not None:  # the limits and the shadow flag show before the first request
             self._metrics.write(self.clock_ns())
         if cfg.trace_path is not None:
-            self._trace = TraceWriter(rank_trace_path(cfg.trace_path, self.vllm_config), {
-                "scheduler": type(self).__name__,
-                "async_scheduling": isinstance(self, AsyncScheduler),
-                "default_tokens_per_s": str(cfg.default_rate),
-                "user_tokens_per_s": {u: str(r) for u, r in cfg.user_rates.items()},
-                "burst_ns": cfg.burst_ns,
-                "shadow": True,
-            })
+            self._open_trace(cfg.trace_path, shadow=True)
 
     def _shadow_schedule(self, *args: Any, **kwargs: Any):
         """Shadow mode: vLLM's ``schedule()``, then count what would have been throttled.
