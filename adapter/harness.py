@@ -28,6 +28,7 @@ from fractions import Fraction
 from typing import Any
 
 from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID, default_model_dir
+from vllm_output_rate.spec.state import EngineConfig
 
 REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 REFERENCE_ASYNC_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
@@ -67,6 +68,11 @@ def patched_time(clock: FakeClock) -> Iterator[None]:
         time.monotonic_ns, time.monotonic, time.perf_counter, time.time = saved
 
 
+# A shape's defaults are the spec's (spec/state.py): a default harness shape is the engine of
+# a default spec configuration.
+_SPEC_DEFAULTS = EngineConfig()
+
+
 @dataclass(frozen=True)
 class EngineShape:
     """The engine configuration of one scenario (vLLM's names).
@@ -79,18 +85,18 @@ class EngineShape:
     in-process (the scheduler only counts adapter ids).
     """
 
-    max_num_seqs: int = 8
-    max_num_active_seqs: int | None = None
-    max_num_batched_tokens: int = 2048
-    chunked_prefill: bool = True
-    block_size: int = 16
-    num_blocks: int = 1024
-    policy: str = "fcfs"
-    async_scheduling: bool = False
-    max_model_len: int = 2048
+    max_num_seqs: int = _SPEC_DEFAULTS.max_num_seqs
+    max_num_active_seqs: int | None = _SPEC_DEFAULTS.max_num_active_seqs
+    max_num_batched_tokens: int = _SPEC_DEFAULTS.max_num_batched_tokens
+    chunked_prefill: bool = _SPEC_DEFAULTS.chunked_prefill
+    block_size: int = _SPEC_DEFAULTS.block_size
+    num_blocks: int = _SPEC_DEFAULTS.num_blocks
+    policy: str = _SPEC_DEFAULTS.policy
+    async_scheduling: bool = _SPEC_DEFAULTS.async_scheduling
+    max_model_len: int = _SPEC_DEFAULTS.max_model_len
     output_rate: dict[str, Any] | None = None
     enable_prefix_caching: bool = False
-    max_loras: int | None = None
+    max_loras: int | None = _SPEC_DEFAULTS.max_loras
 
 
 @dataclass
