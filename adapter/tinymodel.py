@@ -206,17 +206,19 @@ def write_lora(directory: Path, seed: int) -> Path:
 
 def default_model_dir() -> Path:
     """A per-user cache directory holding the config-only tiny model (created on demand)."""
-    base = Path(os.environ.get("OUTRATE_CACHE_DIR") or Path(tempfile.gettempdir()) / f"outrate-{os.getuid()}")
-    path = base / "tiny-llama-config"
-    if not (path / "config.json").exists():
-        write_config(path, tokenizer=False)
-    return path
+    return _cached_model_dir("tiny-llama-config", "config.json", tokenizer=False)
 
 
 def servable_model_dir() -> Path:
     """A per-user cache directory holding the servable tiny model (config + tokenizer)."""
+    return _cached_model_dir("tiny-llama-servable", "tokenizer_config.json", tokenizer=True)
+
+
+def _cached_model_dir(name: str, marker: str, tokenizer: bool) -> Path:
+    """``name`` under the per-user cache (``OUTRATE_CACHE_DIR``, else the temp folder),
+    written by ``write_config`` unless its file ``marker`` is already there."""
     base = Path(os.environ.get("OUTRATE_CACHE_DIR") or Path(tempfile.gettempdir()) / f"outrate-{os.getuid()}")
-    path = base / "tiny-llama-servable"
-    if not (path / "tokenizer_config.json").exists():
-        write_config(path, tokenizer=True)
+    path = base / name
+    if not (path / marker).exists():
+        write_config(path, tokenizer=tokenizer)
     return path
