@@ -29,9 +29,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from vllm_output_rate.proofs import crosshair_limiter
+from vllm_output_rate.proofs.records import RECORD_KEYS
 
 RESULT_STYLE = {"proved": "green", "unknown": "yellow", "refuted": "bold red"}
-RECORD_KEYS = ("name", "rules", "tool", "result", "seconds")
 
 
 def _note(record: dict) -> str | None:

@@ -104,6 +104,7 @@ from fractions import Fraction
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from vllm_output_rate.proofs.records import proof_record
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.spec import limiter as spec
 
@@ -604,14 +605,8 @@ def check_property(prop: CrossHairProperty, per_condition_timeout: float = DEFAU
         result = "proved"
     else:
         result = "unknown"
-    return {
-        "name": prop.name,
-        "rules": list(prop.rules),
-        "tool": "crosshair",
-        "result": result,
-        "seconds": round(time.perf_counter() - start, 3),
-        "conditions": conditions,
-    }
+    return proof_record(prop.name, prop.rules, "crosshair", result, round(time.perf_counter() - start, 3),
+                        conditions=conditions)
 
 
 def _share_out(props: list[CrossHairProperty], jobs: int) -> list[list[CrossHairProperty]]:
@@ -664,8 +659,8 @@ def run_all(
     for prop in props:
         record = records.get(prop.name)
         if record is None:
-            record = {"name": prop.name, "rules": list(prop.rules), "tool": "crosshair", "result": "unknown",
-                      "seconds": round(elapsed, 3), "conditions": [{"line": 0, "status": "unknown", "message": why}]}
+            record = proof_record(prop.name, prop.rules, "crosshair", "unknown", round(elapsed, 3),
+                                  conditions=[{"line": 0, "status": "unknown", "message": why}])
             if on_record is not None:
                 on_record(record)
         out.append(record)

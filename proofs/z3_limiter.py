@@ -56,6 +56,7 @@ from fractions import Fraction
 
 import z3
 
+from vllm_output_rate.proofs.records import proof_record
 from vllm_output_rate.spec import limiter as spec_limiter
 
 NS_PER_S: int = spec_limiter.NS_PER_S
@@ -362,15 +363,8 @@ class Property:
             # A failed inductive step may be unreachable: refute only with a concrete trace.
             counterexample = self.search(sem, timeout_ms)
             result = "refuted" if counterexample is not None else "unknown"
-        return {
-            "name": self.name,
-            "rules": list(self.rules),
-            "tool": "z3",
-            "result": result,
-            "seconds": round(time.perf_counter() - start, 4),
-            "vacuity_ok": vacuity_ok,
-            "counterexample": counterexample,
-        }
+        return proof_record(self.name, self.rules, "z3", result, round(time.perf_counter() - start, 4),
+                            vacuity_ok=vacuity_ok, counterexample=counterexample)
 
     # `fn` is the spelling the project's manifest uses for "the function returning the result".
     @property

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import z3
 
+from vllm_output_rate.proofs.records import proof_record
 from vllm_output_rate.proofs.z3_limiter import NS_PER_S, Obligation, _check
 
 
@@ -238,9 +239,8 @@ class SharedProperty:
                 failures.append(detail)
         result = "proved" if all(s == "proved" for s in statuses) else (
             "refuted" if "refuted" in statuses else "unknown")
-        return {"name": self.name, "rules": list(self.rules), "tool": "z3", "result": result,
-                "seconds": round(time.perf_counter() - start, 4), "vacuity_ok": vacuity_ok,
-                "counterexample": failures[0] if failures else None}
+        return proof_record(self.name, self.rules, "z3", result, round(time.perf_counter() - start, 4),
+                            vacuity_ok=vacuity_ok, counterexample=failures[0] if failures else None)
 
     @property
     def fn(self) -> Callable[..., dict]:

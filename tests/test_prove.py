@@ -150,3 +150,13 @@ def test_bare_json_flag_writes_json_to_stdout(monkeypatch):
     assert [(p["name"], p["tool"], p["result"]) for p in doc["properties"]] == [
         ("z3_fake", "z3", "proved"), ("ch_fake", "crosshair", "proved")]
     assert "outrate prove" in result.stderr  # the table went to stderr
+
+
+def test_proof_record_has_the_shared_keys_and_refuses_an_unknown_result():
+    from vllm_output_rate.proofs.records import RECORD_KEYS, proof_record
+
+    record = proof_record("p", ("R2", "R3"), "z3", "proved", 0.5, vacuity_ok=True)
+    assert tuple(record)[: len(RECORD_KEYS)] == RECORD_KEYS
+    assert record["rules"] == ["R2", "R3"] and record["vacuity_ok"] is True
+    with pytest.raises(ValueError, match="'maybe' of p"):
+        proof_record("p", (), "z3", "maybe", 0.0)
