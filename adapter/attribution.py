@@ -113,7 +113,8 @@ class Hypothesis:
     The hooks default to the spec: ``key(ctx, rid)`` the bucket; ``rate(ctx, bucket)``;
     ``interval(rate)`` T in ns; ``allows(tat, now, tau)``; ``start(tat, now)`` the TAT a
     grant advances from; ``charges(dispatch)`` takes per dispatch; ``cleanup(tat, now,
-    tau)`` True: deleted at the cadence; ``decide_at_start``: every dispatch of a step
+    tau)`` True: deleted at the cadence (``cleanup_at_start``: at the start of the step
+    that reaches it, else at its end); ``decide_at_start``: every dispatch of a step
     judged against the step's starting state, the takes made after; ``skipped_granted``
     / ``skipped_refused``: what a skipped request's bucket undergoes ("take", "refund",
     "forget") when the limiter would grant / refuse it; ``chunk_takes``: a non-sampling
@@ -145,6 +146,7 @@ class Hypothesis:
     free_running: bool = False
     refused_prefill_samples: bool = False
     refused_samples: bool = False
+    cleanup_at_start: bool = False
     unasked_in_flight: bool = False
     first_chunk_charged: bool = False
 
@@ -179,6 +181,13 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                cleanup=lambda tat, now, tau: tat <= now + 1),
     Hypothesis("R6", "deletes at cleanup users whose TAT is ahead of now within tau (R6 deletes only TAT <= now)",
                cleanup=lambda tat, now, tau: tat - now <= tau),
+    # The same two slips with the cleanup run at the start of the 256th schedule(), before
+    # its dispatches (where a cleanup of TAT <= now may as well run: nothing tells them apart).
+    Hypothesis("R6", "deletes, at a cleanup at the start of schedule(), a user whose TAT is 1 ns ahead of now (R6 "
+               "deletes only TAT <= now)", cleanup=lambda tat, now, tau: tat <= now + 1, cleanup_at_start=True),
+    Hypothesis("R6", "deletes, at a cleanup at the start of schedule(), users whose TAT is ahead of now within "
+               "tau (R6 deletes only TAT <= now)", cleanup=lambda tat, now, tau: tat - now <= tau,
+               cleanup_at_start=True),
     Hypothesis("R2", "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
                allows=lambda tat, now, tau: tat - now <= tau + 1),
     Hypothesis("R9", "keeps the charge of a request that did not sample (R9 refunds it at the end of schedule())",
@@ -273,7 +282,10 @@ class _Replay:
     def step(self, rec: StepRecord) -> str | None:
         """Replay one step; the first recorded fact the hypothesis contradicts, or None."""
         hyp, now = self.hyp, rec.now_ns
+        if hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
+            self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
         at_start = dict(self.tat)
+        refunds: list[str] = []
         for i, d in enumerate(rec.dispatches):
             bucket = hyp.key(self.ctx, d.request_id)
             if hyp.unasked_in_flight and d.in_flight:
@@ -283,9 +295,10 @@ class _Replay:
                                                                          and d.first_token)):
                     continue  # the refused chunk was not held at n - 1: it sampled, uncharged
                 return f"refuses {d.request_id} at t={now} ns"
-            free = (hyp.free_first_per_step and i == 0) or (hyp.free_running and not d.admitted)
-            for _ in range(0 if free else hyp.charges(d)):
+            for _ in range(hyp.charges(d)):
                 self.take(bucket, now)
+            if (hyp.free_first_per_step and i == 0) or (hyp.free_running and not d.admitted):
+                refunds.append(bucket)  # given back at the end of schedule(), after every decision
         if hyp.chunk_takes or hyp.first_chunk_charged:
             for rid in (rec.chunks if hyp.chunk_takes else rec.first_chunks):
                 bucket = hyp.key(self.ctx, rid)
@@ -306,7 +319,9 @@ class _Replay:
         for rid in rec.pauses:
             if self.allowed(hyp.key(self.ctx, rid), now):
                 return f"grants {rid} at t={now} ns, which the candidate paused"
-        if rec.count % CLEANUP_INTERVAL_STEPS == 0:
+        for bucket in refunds:
+            self.apply("refund", bucket, now)
+        if not hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
             self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
         return None
 

@@ -259,11 +259,17 @@ def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
         return run_engine_wait(base, style=options.style, seed=options.seed).failure is None
     if result.saved is None:
         return None
+    family = result.name.split("/")[0]
+    if family == "lora-slots":  # a StepScenario of the LoRA-slot check (adapter/lora_slots.py)
+        from vllm_output_rate.adapter.fidelity import StepScenario
+        from vllm_output_rate.adapter.lora_slots import LoraScenario, run_lora
+
+        step = StepScenario.from_json(Path(result.saved).read_text())
+        return run_lora(base, LoraScenario(step.config, step.events), options.style).failure is None
     try:
         scenario = Scenario.from_json(Path(result.saved).read_text())
     except (TypeError, KeyError, ValueError):
         return None  # not a rate-limit scenario (a step scenario of another check)
-    family = result.name.split("/")[0]
     if family == "feature-off":
         from vllm_output_rate.adapter.feature_off import run_feature_off
 

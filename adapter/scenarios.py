@@ -460,7 +460,9 @@ def _cut_request(judge: _Judge, harness: Any) -> Verdict | None:
 
 
 PROBE_TOKEN_FACTOR = 4  # a naming probe asks this many times each request's outputs (at most PROBE_MAX_TOKENS)
+PROBE_MIN_TOKENS = 32  # and at least this many: past a 1 s burst at 20 tok/s (R1's slip of tau shows)
 PROBE_MAX_TOKENS = 64
+PROBE_CROWD = 6  # the crowd probe runs each named user's requests this many times over
 
 
 def naming_probes(scenario: Scenario) -> list[Scenario]:
@@ -468,14 +470,15 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     candidate's behaviour to explain (``named_verdict``): the same requests, arrivals and
     clock with more outputs each (longer decoding, more pacing decisions), also without
     EOS, and, for a scenario under pressure, also without it (ample seats, budget and KV,
-    no aborts: every pause is then the limiter's); in async mode, also in sync mode (a slip
+    no aborts: every pause is then the limiter's); the named users' requests six times over
+    (a crowd of first tokens); in async mode, also in sync mode (a slip
     of the step in flight, R8, acts only in async); with chunked prefill, also without it
     (a slip of the n - 1 advance, R10, acts only with it); and those requests again beside copies
     for a twin of each named user at the same rate (one bucket or one per user?), and, with
     per-user overrides, that again with the slowest override as every user's rate (a limiter
     at the default rate, or none at all, then shows)."""
     longer = tuple(replace(r, max_tokens=min(PROBE_MAX_TOKENS, max(r.max_tokens * PROBE_TOKEN_FACTOR,
-                                                                    r.max_tokens + 8)))
+                                                                    r.max_tokens + 8, PROBE_MIN_TOKENS)))
                    for r in scenario.requests)
     # (``ample_from_step`` is the author's guarantee for the original requests, not for longer ones.)
     probes = [replace(scenario, requests=longer, ample_from_step=None)]
@@ -486,6 +489,13 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     if not scenario.ample:  # the same without pressure: every pause is then the limiter's (evidence)
         probes.append(replace(scenario, requests=unpressured, max_num_seqs=None, max_num_batched_tokens=None,
                               num_blocks=None))
+    # Each named user's requests six times over, arriving together: first tokens alone then
+    # pass the burst (a limiter that charges only them, R9, refuses; no limiter does not).
+    crowd = tuple(replace(r, request_id=f"{r.request_id}~c{k}") for k in range(1, PROBE_CROWD)
+                  for r in unpressured if r.user is not None)
+    if crowd:
+        probes.append(replace(scenario, requests=unpressured + crowd, max_num_seqs=None, max_num_batched_tokens=None,
+                              num_blocks=None, max_num_active_seqs=None))
     if scenario.async_scheduling:  # the same in sync mode: a slip of the in-flight step (R8) or not?
         probes.append(replace(scenario, requests=unpressured, async_scheduling=False, max_num_seqs=None,
                               max_num_batched_tokens=None, num_blocks=None))
@@ -680,7 +690,8 @@ class _Judge:
 
     def _ample_sync_checks(self, step: int, trace, unfinished: list[str], resident: set[str],
                            state_before=None) -> tuple[str, str, str] | None:
-        failure = self._under_grant_check(trace, unfinished, resident)
+        failure = self._under_grant_check(trace, unfinished, resident) or self._admission_cap_check(
+            trace, unfinished, resident)
         if failure or not self.should:
             return failure
         if trace.preempted:
@@ -715,6 +726,41 @@ class _Judge:
                 f"t={now} ns with nothing computed: its user is refused, and with chunked prefill the article "
                 f"still advances a refused prefill to n - 1 = {r.prompt_len - 1} (R10), seats and budget being "
                 "ample"))
+        return None
+
+    def _admission_cap_check(self, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
+        """R12 black-box at admission (level must), ample sync FCFS scenarios with an active
+        cap A: the article's waiting loop admits while ``len(running) < M`` and ``len(running)
+        - throttled < A`` ("先确认 running 总数没有达到 max_num_running_reqs，再把被跳过的请求从
+        running 数里减掉，和 max_num_active_reqs 比较"). So when the running loop did not fill
+        the cap (no running request was left out by it, so every running request left out at
+        its sampling position is a throttled one: its user refused, ``_throttled_seats``) and,
+        after the step, ``len(running) - throttled < A``, the first waiting request left
+        waiting must not be of a user the GCRA still grants; a waiting request behind one
+        left out is excused (the head-of-line open choice of ``_under_grant_check``)."""
+        scenario, start = self.scenario, self.start
+        cap = scenario.max_num_active_seqs
+        if cap is None or start is None or scenario.policy != "fcfs":
+            return None
+        if sum(1 for r in trace.scheduled if r not in trace.admitted) >= cap:
+            return None  # the running loop filled the cap: requests it left out count as running
+        throttled = self._throttled_seats(trace, resident)
+        counted = trace.num_running - len(throttled)  # len(running) when schedule() returned
+        if counted >= cap:
+            return None
+        now, burst = trace.now_ns, scenario.burst_ns
+        for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
+            if rid in resident or rid in trace.scheduled or rid not in self.by_id:
+                continue
+            user = self.user_of(rid)
+            if not spec_limiter.allows(self.state, user, now, burst):
+                return None  # the first left waiting is refused: it and those behind it are not judged
+            return self._named("R12", "must", (
+                f"R12 broken: {self.name} left {rid} (user {user!r}) waiting at t={now} ns although the GCRA "
+                f"grants that user a token and the active cap has room: {trace.num_running} running after "
+                f"schedule(), {len(throttled)} of them throttled ({sorted(throttled)}, users the GCRA refuses), so "
+                f"{counted} < --max-num-active-seqs {cap}; R12: the waiting loop admits while len(running) - "
+                "throttled < A, throttled requests give up their place in the active cap"))
         return None
 
     def _under_grant_check(self, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
