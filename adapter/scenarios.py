@@ -460,8 +460,9 @@ def _cut_request(judge: _Judge, harness: Any) -> Verdict | None:
 
 
 PROBE_TOKEN_FACTOR = 4  # a naming probe asks this many times each request's outputs (at most PROBE_MAX_TOKENS)
-PROBE_MIN_TOKENS = 32  # and at least this many: past a 1 s burst at 20 tok/s (R1's slip of tau shows)
+PROBE_MIN_TOKENS = 32  # and, KV ample, at least this many: past a 1 s burst at 20 tok/s (R1's slip of tau shows)
 PROBE_MAX_TOKENS = 64
+PROBE_RATE_FACTOR = 25  # the faster probe's rates, x the counterexample's
 PROBE_CROWD = 6  # the crowd probe runs each named user's requests this many times over
 
 
@@ -470,15 +471,17 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     candidate's behaviour to explain (``named_verdict``): the same requests, arrivals and
     clock with more outputs each (longer decoding, more pacing decisions), also without
     EOS, and, for a scenario under pressure, also without it (ample seats, budget and KV,
-    no aborts: every pause is then the limiter's); the named users' requests six times over
+    no aborts: every pause is then the limiter's); the counterexample at 25 x its rates
+    (pressure kept: two refund slips part there); the named users' requests six times over
     (a crowd of first tokens); in async mode, also in sync mode (a slip
     of the step in flight, R8, acts only in async); with chunked prefill, also without it
     (a slip of the n - 1 advance, R10, acts only with it); and those requests again beside copies
     for a twin of each named user at the same rate (one bucket or one per user?), and, with
     per-user overrides, that again with the slowest override as every user's rate (a limiter
     at the default rate, or none at all, then shows)."""
+    least = PROBE_MIN_TOKENS if scenario.num_blocks is None else 0  # a small KV cache must still hold them
     longer = tuple(replace(r, max_tokens=min(PROBE_MAX_TOKENS, max(r.max_tokens * PROBE_TOKEN_FACTOR,
-                                                                    r.max_tokens + 8, PROBE_MIN_TOKENS)))
+                                                                    r.max_tokens + 8, least)))
                    for r in scenario.requests)
     # (``ample_from_step`` is the author's guarantee for the original requests, not for longer ones.)
     probes = [replace(scenario, requests=longer, ample_from_step=None)]
@@ -489,6 +492,12 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     if not scenario.ample:  # the same without pressure: every pause is then the limiter's (evidence)
         probes.append(replace(scenario, requests=unpressured, max_num_seqs=None, max_num_batched_tokens=None,
                               num_blocks=None))
+    # The same, pressure kept, at 25 x every rate: a user's lead can then exceed two
+    # emission intervals, where a refund given twice (R9) and a TAT forgotten (R4) differ.
+    faster = {u: str(Fraction(r) * PROBE_RATE_FACTOR) for u, r in scenario.rates_tokens_per_s.items()}
+    probes.append(replace(scenario, rates_tokens_per_s=faster,
+                          default_rate_tokens_per_s=str(Fraction(scenario.default_rate_tokens_per_s)
+                                                        * PROBE_RATE_FACTOR)))
     # Each named user's requests six times over, arriving together: first tokens alone then
     # pass the burst (a limiter that charges only them, R9, refuses; no limiter does not).
     crowd = tuple(replace(r, request_id=f"{r.request_id}~c{k}") for k in range(1, PROBE_CROWD)
