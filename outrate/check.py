@@ -35,14 +35,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from vllm_output_rate.clitools import json_option
+
 SCOPE_KEYS = ("name", "states", "transitions", "states_per_s", "violations")
 
 
 @click.command()
 @click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True,
               help="Which scopes to explore (quick: seconds; ci: >= 10^5 states, minutes; release: >= 10^6 states).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results as JSON here.")
+@json_option()
 @click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True,
               help="Worker processes (one scope per process at a time).")
 @click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),

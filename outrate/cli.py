@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from vllm_output_rate import __version__
 from vllm_output_rate.bench import bench
 from vllm_output_rate.check import check
+from vllm_output_rate.clitools import bar_progress, json_option
 from vllm_output_rate.loadtest import measure
 from vllm_output_rate.prove import prove
 from vllm_output_rate.serve import serve
@@ -78,8 +79,7 @@ def main() -> None:
               "mutants, adapter/mutation.py) at --level; every mutant must be killed.")
 @click.option("--no-white-box", "no_white_box", is_flag=True,
               help="With --mutants: hunt without the white-box (exact-level) checks, from what vLLM exposes only.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results as JSON here.")
+@json_option()
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a JUnit XML report here (one testcase per check and per mutant).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -274,8 +274,7 @@ def _run_plan(plan: list[Any], options: Any) -> list[Any]:
     from vllm_output_rate.adapter import registry
 
     results = []
-    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=False)
+    progress = bar_progress(console, 28)
     with progress:
         for item in plan:
             total = item.spec.total(options) if item.skip is None else 1
@@ -417,8 +416,7 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
         console.print(f"[yellow]article-style mutants not available ({exc}); reference mutants only[/]")
         mutants = catalogue(article=False)
     rows = []
-    with Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
+    with bar_progress(console, 44) as progress:
         task = progress.add_task("mutants", total=len(mutants))
         for mutant in mutants:
             progress.update(task, description=f"mutant {mutant.name}")
@@ -608,8 +606,7 @@ def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any, 
 @click.option("--mode", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True)
 @click.option("--time-budget", "time_budget_s", type=float, default=None, metavar="SECONDS",
               help="Start no new hunt after this many seconds.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the findings as JSON here.")
+@json_option("the findings")
 @click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Directory where each rule's counterexample is saved for `outrate replay`.")
 def drift(base_version, examples, seed, mode, time_budget_s, json_path, counterexamples) -> None:

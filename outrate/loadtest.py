@@ -29,10 +29,11 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import click
+
+from vllm_output_rate.clitools import json_option
 
 BURST_S = 0.1
 DEFAULT_PROMPT = "Tell me about rate limits."
@@ -261,8 +262,7 @@ def _parse_limit(text: str) -> tuple[str, float]:
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--server-pid", type=int, default=None,
               help="PID of the vLLM API server: report its engine-core/worker CPU use during the run.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the per-user reports and per-stream results as JSON here.")
+@json_option("the per-user reports and per-stream results")
 def measure(base_url, model, streams, tokens, limit_args, prompt, server_pid, json_path) -> None:
     """Measure per-user output rates of a running server (streaming chat completions)."""
     plan = [_parse_stream(s) for s in streams]

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from vllm_output_rate.clitools import bar_progress
 from vllm_output_rate.proofs import crosshair_limiter
 from vllm_output_rate.proofs.records import RECORD_KEYS
 
@@ -56,8 +56,7 @@ def _run_proofs(console: Console, timeout_ms: int, crosshair_timeout: float, wal
 
     crosshair_props = list(crosshair_limiter.PROPERTIES) + (list(crosshair_limiter.BROKEN) if broken else [])
     records: list[dict] = []
-    progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=False)
+    progress = bar_progress(console, 44)
     with progress:
         task = progress.add_task("z3: inductive proofs", total=len(z3_limiter.PROPERTIES) + len(crosshair_props))
         records += z3_limiter.run_all(timeout_ms=timeout_ms)

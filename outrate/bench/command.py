@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vllm_output_rate.bench.common import (
     CLOCKS,
@@ -41,6 +40,7 @@ from vllm_output_rate.bench.render import (
 )
 from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler
 from vllm_output_rate.bench.shared import measure_all_shared, shared_configs
+from vllm_output_rate.clitools import bar_progress, json_option
 
 
 def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
@@ -56,8 +56,7 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
 
 
 @click.command()
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results as JSON here.")
+@json_option()
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a PNG plot of per-step cost against running requests here.")
 @click.option("--quick", is_flag=True, help="Tiny sizes and few repetitions (for tests); numbers are rough.")
@@ -161,8 +160,7 @@ def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow
     limiter: dict[str, Any] | None = None
     gate: dict[str, Any] | None = None
     live_result: dict[str, Any] | None = None
-    progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=False)
+    progress = bar_progress(console, 34)
     with progress:
         if "scheduler" in parts:
             task = progress.add_task("scheduler", total=len(configs) * plan.rounds)
