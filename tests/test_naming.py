@@ -1,0 +1,160 @@
+"""Issue 18: black-box checks that stand alone, and kills that name the rule broken.
+
+Each test runs one short scenario on a mutant (``adapter/mutants.py``, or the article-style
+ones of ``tests/fixtures/article_mutants.py``) and on the unmutated implementations, and
+checks the rule the failure names (``adapter/scenarios.named_verdict``, which replays the
+candidate's dispatches on the spec limiter changed in one rule, ``adapter/attribution.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_output_rate.adapter import boundaries
+from vllm_output_rate.adapter.configstyle import parse_config_style
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+from vllm_output_rate.adapter.mutation import names_rule
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, named_verdict, run_scenario
+
+MUTANTS = "vllm_output_rate.adapter.mutants"
+ARTICLE = "article_style.scheduler.ArticleScheduler"
+ARTICLE_ASYNC = "article_style.scheduler.ArticleAsyncScheduler"
+
+
+def _engine_args():
+    return parse_config_style("engine-args")
+
+
+def _boundary(name: str, rate: str, async_mode: bool = False) -> Scenario:
+    scenario = boundaries._solved(name, rate, async_mode, 0)
+    assert scenario is not None, f"no model for {name} at {rate} tok/s"
+    return scenario
+
+
+def _throttled_holder_and_newcomer() -> Scenario:
+    # A = 1: u0-r0 samples at t = 0 (1 tok/s: its next grant is at 1 s) and is throttled
+    # from t = 1 ns; u1-r0 arrives then. len(running) - throttled = 1 - 1 = 0 < A: admitted.
+    return Scenario({"u0": "1"}, (RequestSpec("u0-r0", "u0", 4, 3), RequestSpec("u1-r0", "u1", 4, 2, at_step=1)),
+                    1, 4, default_rate_tokens_per_s="1000", max_num_active_seqs=1)
+
+
+@pytest.mark.rules("R12")
+def test_r12_admission_with_throttled_requests_out_of_the_active_cap_is_judged_black_box(article_flags):
+    scenario = _throttled_holder_and_newcomer()
+    verdict = run_scenario(f"{MUTANTS}.ThrottledCountTowardCap", scenario, "must")
+    assert verdict.rule == "R12" and verdict.level == "must", verdict
+    assert "left u1-r0 (user 'u1') waiting" in verdict.failure and "throttled (['u0-r0']" in verdict.failure
+    assert run_scenario(REFERENCE_SCHEDULER, scenario, "exact").failure is None
+    assert run_scenario(ARTICLE, scenario, "should", _engine_args()).failure is None
+
+
+def _refused_prefill() -> Scenario:
+    # u (1 tok/s) samples u-r0's first token at t = 0; u-r1 (8 prompt tokens) arrives at
+    # t = 1 ns, its user refused: with chunked prefill it still advances to n - 1 = 7.
+    return Scenario({"u": "1"}, (RequestSpec("u-r0", "u", 4, 3), RequestSpec("u-r1", "u", 8, 2, at_step=1)),
+                    1, 4, default_rate_tokens_per_s="1000")
+
+
+@pytest.mark.rules("R10")
+def test_r10_a_refused_prefill_left_waiting_is_rejected_black_box_at_should(article_flags):
+    scenario = _refused_prefill()
+    verdict = run_scenario(f"{MUTANTS}.NoPrefillAdvance", scenario, "should")
+    assert verdict.rule == "R10" and verdict.level == "should", verdict
+    assert "n - 1 = 7" in verdict.failure
+    assert run_scenario(f"{MUTANTS}.NoPrefillAdvance", scenario, "must").failure is None  # a design rule
+    assert run_scenario(REFERENCE_SCHEDULER, scenario, "exact").failure is None
+    assert run_scenario(ARTICLE, scenario, "should", _engine_args()).failure is None
+
+
+@pytest.mark.rules("R7")
+def test_r7_a_first_token_left_uncharged_after_a_prefix_cache_hit_is_named_r7():
+    # u1-r0's prompt (5 tokens) starts with u0-r0's cached block (4 tokens): its only chunk
+    # starts at token 4 (SchedulerOutput's num_computed_tokens), where a charge placed at a
+    # prompt's first chunk never comes. Before the chunk start was read, no one-rule change
+    # fitted and the kill named R2.
+    scenario = Scenario({}, (RequestSpec("u0-r0", "u0", 4, 1), RequestSpec("u1-r0", "u1", 5, 1),
+                             RequestSpec("u1-r1", "u1", 1, 1)), 999_999, 3, chunked_prefill=False,
+                        default_rate_tokens_per_s="2", max_num_seqs=1, max_num_active_seqs=1, num_blocks=15,
+                        block_size=4, prefix_caching=True)
+    verdict = named_verdict(f"{MUTANTS}.ChargeFirstChunkInstead", scenario, "should")
+    assert verdict.rule == "R7", verdict.failure
+    assert "first chunk" in verdict.failure
+    assert run_scenario(REFERENCE_SCHEDULER, scenario, "exact").failure is None
+
+
+@pytest.mark.rules("R9")
+def test_r9_a_charge_kept_after_preemption_and_failed_admissions_is_named_r9():
+    # Charged, then preempted in the same step; then, waiting at the head of the queue, the
+    # request is charged and fails its KV allocation step after step: every one of those
+    # charges is due back. Before the blocked waiting head was recorded the kill named R11.
+    verdict = named_verdict(f"{MUTANTS}.NoRefund", _boundary("charged-then-preempted", "1"), "should")
+    assert verdict.rule == "R9" and "keeps the charge" in verdict.failure, verdict.failure
+
+
+@pytest.mark.rules("R1", "R17")
+def test_r1_r17_one_bucket_for_every_request_is_named_by_both_rules(article_flags):
+    # One user at 3 tok/s, the default 1000 tok/s: one bucket at the default never refuses
+    # it, like no limit at all; the probe at the slowest override as the default tells them
+    # apart. One TAT for all users (R1) and every request keyed __anonymous__ (R17) are the
+    # same limiter: both are named.
+    verdict = named_verdict("article_mutants.ArticleSharedBucket", _boundary("burst-edge", "3"), "should",
+                            _engine_args())
+    assert verdict.rule == "R1/R17", verdict.failure
+    assert names_rule(verdict.rule, "R1") and names_rule(verdict.rule, "R17") and not names_rule("R14/R15", "R1")
+
+
+@pytest.mark.rules("R9")
+def test_r9_refunds_of_dispatched_charges_apply_at_the_end_of_schedule(article_flags):
+    # Decode steps refunded at the end of schedule(): a stream's turn is decided while the
+    # charge still stands. Applied at once, the refund left the hypothesis granting a paused
+    # stream of the crowd probe, and the kill named R2 (no limit at all).
+    verdict = named_verdict("article_mutants.ArticleRefundsRunningDispatches", _boundary("burst-edge", "3"),
+                            "should", _engine_args())
+    assert verdict.rule == "R9" and "dispatched charges of running requests" in verdict.failure, verdict.failure
+
+
+@pytest.mark.rules("R10")
+def test_r10_a_refusal_ignored_with_chunked_prefill_is_named_r10_not_no_limit(article_flags):
+    # The n - 1 cap off by one lets every refused request sample with chunked prefill; the
+    # probe without chunked prefill shows the limit, which stock vLLM does not have.
+    verdict = named_verdict("article_mutants.ArticleRefusedPrefillToN", _boundary("prefill-ends-n-1", "1"), "should",
+                            _engine_args())
+    assert verdict.rule == "R10", verdict.failure
+    stock = named_verdict("vllm.v1.core.sched.scheduler.Scheduler", _boundary("prefill-ends-n-1", "1"), "should")
+    assert stock.rule == "R2" and "no GCRA is applied" in stock.failure, stock.failure
+
+
+@pytest.mark.rules("R8")
+def test_r8_an_in_flight_step_taken_as_charged_is_named_r8_and_stock_async_r2(article_flags):
+    scenario = _boundary("burst-edge", "20", async_mode=True)
+    verdict = named_verdict("article_mutants.ArticleAsyncInFlightFree", scenario, "should", _engine_args())
+    assert verdict.rule == "R8", verdict.failure
+    stock = named_verdict("vllm.v1.core.sched.async_scheduler.AsyncScheduler", scenario, "should")
+    assert stock.rule == "R2", stock.failure  # the probe in sync mode: no limit there either
+    assert run_scenario(REFERENCE_ASYNC_SCHEDULER, scenario, "exact").failure is None
+
+
+@pytest.mark.rules("R6")
+def test_r6_a_cleanup_slip_at_the_start_of_schedule_is_named_r6(article_flags):
+    # The article-style implementation cleans up at the start of the 256th schedule(): a
+    # slip there (TAT <= now + 1 ns deleted) was named R2 (a burst edge 1 ns late) while the
+    # cleanup was modelled at the end of the step only.
+    verdict = named_verdict("article_mutants.ArticleCleanupOneNsAhead", _boundary("cleanup-tat-now+1ns", "5"),
+                            "should", _engine_args())
+    assert verdict.rule == "R6" and "start of schedule()" in verdict.failure, verdict.failure
+
+
+@pytest.mark.rules("R13", "R16")
+def test_r16_a_lora_slot_failure_the_article_base_shares_is_not_a_kill_of_its_mutant(article_flags, tmp_path):
+    # The article-style implementation fails lora-slots/* (its LoRA victim differs, issue
+    # 13); that failure on an article-style mutant is the base's, not the mutant's slip: its
+    # counterexample is re-run on the base, which fails it too. Before, lora-slots
+    # counterexamples were not re-run and ArticleNoEngineWait (R16) counted as killed by R13.
+    from vllm_output_rate.adapter import mutation
+    from vllm_output_rate.adapter.lora_slots import check_lora
+
+    mutant = next(m for m in mutation.article_catalogue() if m.name == "ArticleNoEngineWait")
+    options, _ = mutation.hunt_plan(mutant, "should", "quick", 0, False, tmp_path)
+    result = check_lora(mutant.cls, False, 8, 0, lambda: None, tmp_path, options.style)
+    assert result.result == "fail" and result.saved is not None, result.failure
+    assert mutation._base_passes(mutant, result, "should", options) is False
