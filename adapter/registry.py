@@ -118,50 +118,51 @@ def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:
     return CheckSpec(name, "candidate", "must", rules, async_mode, lambda o: _budget(o)[key], run)
 
 
-def _feature_off_check(async_mode: bool) -> CheckSpec:
-    from vllm_output_rate.adapter import conform as gate
-
+def _stock_comparison_check(name: str, level: str, rules: tuple[str, ...], async_mode: bool,
+                            check: Callable[[], Callable[..., Any]]) -> CheckSpec:
+    """A row that runs the candidate beside stock vLLM on a quarter of the mode's scenario
+    budget (at least 5 scenarios): ``check()`` imports and returns the check function,
+    called as ``f(class, async_mode, examples, max_steps, seed, tick, save_dir, style)``."""
     key = "async" if async_mode else "sync"
 
-    def run(options: GateOptions, tick: Tick):
-        budget = _budget(options)
-        return gate.check_feature_off(_cls(options, async_mode), async_mode, max(budget[key] // 4, 5),
-                                      budget["max_steps"], options.seed, tick, options.save_dir, options.style)
+    def examples(options: GateOptions) -> int:
+        return max(_budget(options)[key] // 4, 5)
 
-    return CheckSpec(f"feature-off/{key}", "candidate", "must", ("R18",), async_mode,
-                     lambda o: max(_budget(o)[key] // 4, 5), run)
+    def run(options: GateOptions, tick: Tick):
+        return check()(_cls(options, async_mode), async_mode, examples(options), _budget(options)["max_steps"],
+                       options.seed, tick, options.save_dir, options.style)
+
+    return CheckSpec(f"{name}/{key}", "candidate", level, rules, async_mode, examples, run)
+
+
+def _feature_off_check(async_mode: bool) -> CheckSpec:
+    def check():
+        from vllm_output_rate.adapter.conform import check_feature_off
+
+        return check_feature_off
+
+    return _stock_comparison_check("feature-off", "must", ("R18",), async_mode, check)
 
 
 def _not_binding_check(async_mode: bool) -> CheckSpec:
-    from vllm_output_rate.adapter import not_binding
+    def check():
+        from vllm_output_rate.adapter.not_binding import check_not_binding
 
-    key = "async" if async_mode else "sync"
+        return check_not_binding
 
-    def run(options: GateOptions, tick: Tick):
-        budget = _budget(options)
-        return not_binding.check_not_binding(_cls(options, async_mode), async_mode, max(budget[key] // 4, 5),
-                                             budget["max_steps"], options.seed, tick, options.save_dir,
-                                             options.style)
-
-    return CheckSpec(f"not-binding/{key}", "candidate", "should", ("R19", "R14"), async_mode,
-                     lambda o: max(_budget(o)[key] // 4, 5), run)
+    return _stock_comparison_check("not-binding", "should", ("R19", "R14"), async_mode, check)
 
 
 def _shadow_check(async_mode: bool) -> CheckSpec:
     """Shadow mode (docs/SPEC.md, Decision "Shadow mode"; level exact, our decision): with
     ``output_rate.shadow: true`` and binding rates the candidate is stock step for step
     (``adapter/feature_off.py``, ``check_shadow``)."""
-    key = "async" if async_mode else "sync"
-
-    def run(options: GateOptions, tick: Tick):
+    def check():
         from vllm_output_rate.adapter.feature_off import check_shadow
 
-        budget = _budget(options)
-        return check_shadow(_cls(options, async_mode), async_mode, max(budget[key] // 4, 5), budget["max_steps"],
-                            options.seed, tick, options.save_dir, options.style)
+        return check_shadow
 
-    return CheckSpec(f"shadow/{key}", "candidate", "exact", ("shadow",), async_mode,
-                     lambda o: max(_budget(o)[key] // 4, 5), run)
+    return _stock_comparison_check("shadow", "exact", ("shadow",), async_mode, check)
 
 
 def _white_box_check(async_mode: bool) -> CheckSpec:
