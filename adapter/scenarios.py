@@ -498,6 +498,16 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     probes.append(replace(scenario, rates_tokens_per_s=faster,
                           default_rate_tokens_per_s=str(Fraction(scenario.default_rate_tokens_per_s)
                                                         * PROBE_RATE_FACTOR)))
+    probes += _mode_probes(scenario, unpressured)
+    probes += _twin_probes(scenario, unpressured)
+    return probes
+
+
+def _mode_probes(scenario: Scenario, unpressured: tuple[RequestSpec, ...]) -> list[Scenario]:
+    """``naming_probes``' variants of ``unpressured`` (the longer requests, no aborts) with
+    ample resources: a crowd of the named users' requests, the same in sync mode (async
+    scenarios), the same without chunked prefill (chunked scenarios)."""
+    probes: list[Scenario] = []
     # Each named user's requests six times over, arriving together: first tokens alone then
     # pass the burst (a limiter that charges only them, R9, refuses; no limiter does not).
     crowd = tuple(replace(r, request_id=f"{r.request_id}~c{k}") for k in range(1, PROBE_CROWD)
@@ -511,6 +521,13 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     if scenario.chunked_prefill:  # the same without chunked prefill: R10's n - 1 advance or not?
         probes.append(replace(scenario, requests=unpressured, chunked_prefill=False, max_num_seqs=None,
                               max_num_batched_tokens=None, num_blocks=None))
+    return probes
+
+
+def _twin_probes(scenario: Scenario, unpressured: tuple[RequestSpec, ...]) -> list[Scenario]:
+    """``naming_probes``' twin variants: ``unpressured`` beside copies for a twin of each
+    named user at the same rate, and that again with the slowest override as the default."""
+    probes: list[Scenario] = []
     # The same requests again for a second user of the same rate (one bucket or two?).
     twin = {u: f"{u}~2" for u in {r.user for r in scenario.requests if r.user is not None}}
     if twin:
