@@ -196,43 +196,47 @@ def _engine_wait_check(async_mode: bool) -> CheckSpec:
     return CheckSpec(f"engine-wait/{tag}", "candidate", "should", ("R16",), async_mode, lambda o: 1, run)
 
 
+def _per_profile_check(name: str, level: str, rules: tuple[str, ...], async_mode: bool,
+                       load: Callable[[], tuple[dict[str, int], Callable[..., Any]]]) -> CheckSpec:
+    """A row with a fixed number of scenarios per profile: ``load()`` imports and returns
+    (scenarios per profile, the check function, called as ``f(class, async_mode, examples,
+    seed, tick, save_dir, style)``)."""
+
+    def run(options: GateOptions, tick: Tick):
+        examples, check = load()
+        return check(_cls(options, async_mode), async_mode, examples[options.profile], options.seed, tick,
+                     options.save_dir, options.style)
+
+    def total(options: GateOptions) -> int:
+        return load()[0][options.profile]
+
+    return CheckSpec(f"{name}/{'async' if async_mode else 'sync'}", "candidate", level, rules, async_mode, total,
+                     run)
+
+
 def _residency_check(async_mode: bool) -> CheckSpec:
     """Issue 13 item 3: R20 fair residency on the flood shape (``adapter/residency.py``)."""
 
-    def run(options: GateOptions, tick: Tick):
+    def load():
         from vllm_output_rate.adapter.residency import EXAMPLES, check_residency
 
-        return check_residency(_cls(options, async_mode), async_mode, EXAMPLES[options.profile], options.seed,
-                               tick, options.save_dir, options.style)
-
-    def total(options: GateOptions) -> int:
-        from vllm_output_rate.adapter.residency import EXAMPLES
-
-        return EXAMPLES[options.profile]
+        return EXAMPLES, check_residency
 
     # Level exact: R20 is this project's extension (off by default; the article has no
     # per-user resident cap), so it never decides an article-style candidate's must/should.
-    return CheckSpec(f"fair-residency/{'async' if async_mode else 'sync'}", "candidate", "exact", ("R20",),
-                     async_mode, total, run)
+    return _per_profile_check("fair-residency", "exact", ("R20",), async_mode, load)
 
 
 def _lora_check(async_mode: bool) -> CheckSpec:
     """Issue 13 item 2: LoRA slots on the issue's load (``adapter/lora_slots.py``): no crash
     (must), the other user's adapter served within a bound (should, R13 Decision "LoRA slots")."""
 
-    def run(options: GateOptions, tick: Tick):
+    def load():
         from vllm_output_rate.adapter.lora_slots import EXAMPLES, check_lora
 
-        return check_lora(_cls(options, async_mode), async_mode, EXAMPLES[options.profile], options.seed, tick,
-                          options.save_dir, options.style)
+        return EXAMPLES, check_lora
 
-    def total(options: GateOptions) -> int:
-        from vllm_output_rate.adapter.lora_slots import EXAMPLES
-
-        return EXAMPLES[options.profile]
-
-    return CheckSpec(f"lora-slots/{'async' if async_mode else 'sync'}", "candidate", "should", ("R11", "R13"),
-                     async_mode, total, run)
+    return _per_profile_check("lora-slots", "should", ("R11", "R13"), async_mode, load)
 
 
 def _rate_change_check(async_mode: bool) -> CheckSpec:
