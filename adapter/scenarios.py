@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -494,9 +495,9 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
                               num_blocks=None))
     # The same, pressure kept, at 25 x every rate: a user's lead can then exceed two
     # emission intervals, where a refund given twice (R9) and a TAT forgotten (R4) differ.
-    faster = {u: str(Fraction(r) * PROBE_RATE_FACTOR) for u, r in scenario.rates_tokens_per_s.items()}
+    faster = {u: str(Decimal(r) * PROBE_RATE_FACTOR) for u, r in scenario.rates_tokens_per_s.items()}
     probes.append(replace(scenario, rates_tokens_per_s=faster,
-                          default_rate_tokens_per_s=str(Fraction(scenario.default_rate_tokens_per_s)
+                          default_rate_tokens_per_s=str(Decimal(scenario.default_rate_tokens_per_s)
                                                         * PROBE_RATE_FACTOR)))
     probes += _mode_probes(scenario, unpressured)
     probes += _twin_probes(scenario, unpressured)

@@ -158,3 +158,14 @@ def test_r16_a_lora_slot_failure_the_article_base_shares_is_not_a_kill_of_its_mu
     result = check_lora(mutant.cls, False, 8, 0, lambda: None, tmp_path, options.style)
     assert result.result == "fail" and result.saved is not None, result.failure
     assert mutation._base_passes(mutant, result, "should", options) is False
+
+
+@pytest.mark.rules("R3")
+def test_r3_naming_probes_keep_fractional_rates_as_decimal_strings():
+    # The probe at 25 x the rates wrote 12.5 tok/s as "625/2", which the candidate's
+    # configuration cannot take (a float is parsed): that probe crashed and gave no evidence.
+    from vllm_output_rate.adapter.scenarios import naming_probes
+
+    probes = naming_probes(_boundary("prefill-reaches-n", "12.5"))
+    rates = [r for p in probes for r in (*p.rates_tokens_per_s.values(), p.default_rate_tokens_per_s)]
+    assert "312.5" in rates and all(float(r) > 0 and "/" not in r for r in rates), rates
