@@ -233,6 +233,10 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
                "__anonymous__)", key=_anon_per_request),
     Hypothesis("R1", "keeps one bucket per request, not per user (R1: one TAT per user)",
                key=lambda ctx, rid: rid, rate=lambda ctx, rid: ctx.rate_of(_spec_key(ctx, rid))),
+    # Keyed by request id, the per-user overrides are missed too: every bucket at the default.
+    Hypothesis("R1", "keeps one bucket per request, not per user, each at the default rate since no override "
+               "names a request id (R1: one TAT per user, at its override)",
+               key=lambda ctx, rid: rid, rate=lambda ctx, bucket: ctx.default_rate),
     # One bucket for every request: a slip of R1 (one TAT for all users) and of R17 (every
     # request keyed __anonymous__, output_rate_user ignored) alike; nothing black-box tells
     # them apart, so both are named.

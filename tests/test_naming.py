@@ -169,3 +169,12 @@ def test_r3_naming_probes_keep_fractional_rates_as_decimal_strings():
     probes = naming_probes(_boundary("prefill-reaches-n", "12.5"))
     rates = [r for p in probes for r in (*p.rates_tokens_per_s.values(), p.default_rate_tokens_per_s)]
     assert "312.5" in rates and all(float(r) > 0 and "/" not in r for r in rates), rates
+
+
+@pytest.mark.rules("R1")
+def test_r1_buckets_keyed_by_request_id_miss_the_overrides_and_are_named_r1():
+    # Keyed by request id, every bucket runs at the default rate (no override names a
+    # request): one stream at 20 tok/s looks unlimited until the probe at the slowest
+    # override as the default; the kill named R2 (no limit at all) before.
+    verdict = named_verdict(f"{MUTANTS}.BudgetPerRequest", _boundary("burst-edge", "20"), "should")
+    assert verdict.rule == "R1" and "one bucket per request" in verdict.failure, verdict.failure
