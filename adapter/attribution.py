@@ -70,7 +70,8 @@ class StepRecord:
     refund, R9, or a refusal); ``chunks``: requests scheduled for a chunk that does not
     sample, ``first_chunks`` those of them that start the prompt; ``finished_in_flight``:
     requests that the delivered output finished in this step although this step dispatched
-    them again (async: the post-stop token of a stop not yet seen, R8); ``pauses``: requests whose pause the judge attributes to the
+    them again (async: the post-stop token of a stop not yet seen, R8); ``held``: requests
+    whose final chunk was held at n - 1 (R10: refused at their charge point); ``pauses``: requests whose pause the judge attributes to the
     limiter (their user must be refused after the step's dispatches).
     """
 
@@ -80,6 +81,7 @@ class StepRecord:
     skipped: list[str] = field(default_factory=list)
     chunks: list[str] = field(default_factory=list)
     first_chunks: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
     finished_in_flight: list[str] = field(default_factory=list)
     pauses: list[str] = field(default_factory=list)
 
@@ -309,6 +311,11 @@ class _Replay:
                 if not self.allowed(bucket, now):
                     return f"refuses the chunk of {rid} at t={now} ns"
                 self.take(bucket, now)
+        if hyp.skipped_refused is not None:
+            for rid in rec.held:  # refused at the charge point; what a refusal does to the TAT
+                bucket = hyp.key(self.ctx, rid)
+                if not self.allowed(bucket, now):
+                    self.apply(hyp.skipped_refused, bucket, now)
         for rid in rec.skipped:
             bucket = hyp.key(self.ctx, rid)
             if self.allowed(bucket, now):  # a pause the judge holds to be a refusal was not granted

@@ -866,7 +866,19 @@ class _Judge:
                     and rid not in decoding],
             first_chunks=[rid for rid in trace.scheduled if rid in untouched and rid not in sampled],
             finished_in_flight=[rid for rid in trace.finished if rid in in_flight and rid in sampled
-                                and rid in self.by_id]))
+                                and rid in self.by_id],
+            held=self._held_at_n_minus_1(trace, fresh)))
+
+    def _held_at_n_minus_1(self, trace, fresh: set[str]) -> list[str]:
+        """Requests with no output yet whose chunk ends exactly at ``prompt - 1`` in a step
+        that left token budget: a final chunk held short of sampling (R10), so their user was
+        asked at its charge point and refused."""
+        budget = self.scenario.max_num_batched_tokens or 2048
+        if sum(trace.scheduled.values()) >= budget:
+            return []
+        return [rid for rid, n in trace.scheduled.items() if rid in fresh and rid in self.by_id
+                and rid not in trace.sampled and rid in trace.chunk_start
+                and trace.chunk_start[rid] + n == self.by_id[rid].prompt_len - 1]
 
     def _blocked_head(self, trace) -> list[str]:
         """The waiting request vLLM's waiting loop reached and could not admit, as a list

@@ -178,3 +178,13 @@ def test_r1_buckets_keyed_by_request_id_miss_the_overrides_and_are_named_r1():
     # override as the default; the kill named R2 (no limit at all) before.
     verdict = named_verdict(f"{MUTANTS}.BudgetPerRequest", _boundary("burst-edge", "20"), "should")
     assert verdict.rule == "R1" and "one bucket per request" in verdict.failure, verdict.failure
+
+
+@pytest.mark.rules("R2", "R10")
+def test_r2_a_refusal_that_advances_the_tat_is_named_r2_from_prefills_held_at_n_minus_1(article_flags):
+    # In the crowd probe five first tokens are refused at t = 0, each prefill held at n - 1
+    # (R10): those refusals are recorded, and a limiter whose refusal advances the TAT then
+    # explains the pauses that follow. Before, the kill was left at R11 (under-grant).
+    verdict = named_verdict("article_mutants.ArticleRefusalAdvancesTat", _boundary("burst-edge", "3"), "should",
+                            _engine_args())
+    assert verdict.rule == "R2" and "advances the TAT on a refused take" in verdict.failure, verdict.failure
