@@ -473,7 +473,8 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     clock with more outputs each (longer decoding, more pacing decisions), also without
     EOS, and, for a scenario under pressure, also without it (ample seats, budget and KV,
     no aborts: every pause is then the limiter's); the counterexample at 25 x its rates
-    (pressure kept: two refund slips part there); the named users' requests six times over
+    (pressure kept: two refund slips part there); each named user idle 10 s, then a crowd
+    of its requests (``_idle_probes``); the named users' requests six times over
     (a crowd of first tokens); in async mode, also in sync mode (a slip
     of the step in flight, R8, acts only in async); with chunked prefill, also without it
     (a slip of the n - 1 advance, R10, acts only with it); and those requests again beside copies
@@ -501,7 +502,26 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
                                                         * PROBE_RATE_FACTOR)))
     probes += _mode_probes(scenario, unpressured)
     probes += _twin_probes(scenario, unpressured)
+    probes += _idle_probes(scenario)
     return probes
+
+
+PROBE_IDLE_NS = 10_000_000_000  # the idle probe's gap between a user's first token and its crowd
+
+
+def _idle_probes(scenario: Scenario) -> list[Scenario]:
+    """Each named user samples one token, idles 10 s, then a crowd of ``PROBE_CROWD`` of its
+    requests arrives together, well before any cleanup (R6): a limiter that banks idle time
+    (no clamp of the TAT up to now, R2) grants the whole crowd, one with a cleanup slip does
+    not."""
+    users = sorted({r.user for r in scenario.requests if r.user is not None})
+    if not users:
+        return []
+    first = tuple(RequestSpec(f"{u}~i0", u, 4, 1) for u in users)
+    crowd = tuple(RequestSpec(f"{u}~i{k}", u, 4, 1, at_step=2) for u in users for k in range(1, PROBE_CROWD + 1))
+    return [replace(scenario, requests=first + crowd, num_steps=4, advances_ns=(1, PROBE_IDLE_NS),
+                    step_interval_ns=1_000_000, ample_from_step=None, max_num_seqs=None,
+                    max_num_batched_tokens=None, num_blocks=None, max_num_active_seqs=None)]
 
 
 def _mode_probes(scenario: Scenario, unpressured: tuple[RequestSpec, ...]) -> list[Scenario]:

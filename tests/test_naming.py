@@ -188,3 +188,15 @@ def test_r2_a_refusal_that_advances_the_tat_is_named_r2_from_prefills_held_at_n_
     verdict = named_verdict("article_mutants.ArticleRefusalAdvancesTat", _boundary("burst-edge", "3"), "should",
                             _engine_args())
     assert verdict.rule == "R2" and "advances the TAT on a refused take" in verdict.failure, verdict.failure
+
+
+@pytest.mark.rules("R2", "R6")
+def test_r2_idle_time_banked_is_told_apart_from_a_cleanup_slip(article_flags):
+    # At the 256th schedule() both a limiter that banks idle time (no clamp to now, R2) and
+    # one that deletes a user 1 ns ahead at the cleanup (R6) grant the same extra token; the
+    # probe that idles 10 s and then sends a crowd, with no cleanup, parts them.
+    scenario = _boundary("cleanup-tat-now+1ns", "5")
+    verdict = named_verdict("article_mutants.ArticleNoClampToNow", scenario, "should", _engine_args())
+    assert verdict.rule == "R2" and "without clamping" in verdict.failure, verdict.failure
+    other = named_verdict("article_mutants.ArticleCleanupOneNsAhead", scenario, "should", _engine_args())
+    assert other.rule == "R6", other.failure
