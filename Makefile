@@ -68,10 +68,12 @@ bench: $(STAMP)
 
 LINT_PATHS := spec reference adapter proofs outrate tests gpu_tests
 
-# Lint (ruff) and types (mypy: strict on spec/ and the reference limiter, pyproject.toml
-# [tool.mypy]) before pytest; either stops `make test`.
+# Lint and format check (ruff) and types (mypy: strict on spec/ and the reference limiter,
+# pyproject.toml [tool.mypy]) before pytest; any of them stops `make test`. A file the format
+# check names is fixed with `$(PY) -m ruff format FILE`.
 test: $(STAMP)
 	$(PY) -m ruff check -q $(LINT_PATHS)
+	$(PY) -m ruff format --check -q $(LINT_PATHS)
 	$(PY) -m vllm_output_rate.typecheck
 ifeq ($(PYTEST_MARKS),)
 	$(PY) -m pytest -q

@@ -173,87 +173,182 @@ def _anon_per_request(ctx: Context, rid: str) -> str:
 
 
 HYPOTHESES: tuple[Hypothesis, ...] = (
-    Hypothesis("R2", "refuses a take with TAT - now = tau exactly (R2 allows it: TAT - now <= tau)",
-               allows=lambda tat, now, tau: tat - now < tau),
-    Hypothesis("R5", "grants a take from ready_at rounded down (R5: ready_at = ceil(TAT - tau))",
-               allows=_ceil_ready),
-    Hypothesis("R3", "advances the TAT by the emission interval truncated to whole ns (R3: exact T)",
-               interval=lambda rate: Fraction(NS_PER_S // rate) if rate <= NS_PER_S else Fraction(1)),
-    Hypothesis("R6", "deletes at cleanup a user whose TAT is 1 ns ahead of now (R6 deletes only TAT <= now)",
-               cleanup=lambda tat, now, tau: tat <= now + 1),
-    Hypothesis("R6", "deletes at cleanup users whose TAT is ahead of now within tau (R6 deletes only TAT <= now)",
-               cleanup=lambda tat, now, tau: tat - now <= tau),
+    Hypothesis(
+        "R2",
+        "refuses a take with TAT - now = tau exactly (R2 allows it: TAT - now <= tau)",
+        allows=lambda tat, now, tau: tat - now < tau,
+    ),
+    Hypothesis("R5", "grants a take from ready_at rounded down (R5: ready_at = ceil(TAT - tau))", allows=_ceil_ready),
+    Hypothesis(
+        "R3",
+        "advances the TAT by the emission interval truncated to whole ns (R3: exact T)",
+        interval=lambda rate: Fraction(NS_PER_S // rate) if rate <= NS_PER_S else Fraction(1),
+    ),
+    Hypothesis(
+        "R6",
+        "deletes at cleanup a user whose TAT is 1 ns ahead of now (R6 deletes only TAT <= now)",
+        cleanup=lambda tat, now, tau: tat <= now + 1,
+    ),
+    Hypothesis(
+        "R6",
+        "deletes at cleanup users whose TAT is ahead of now within tau (R6 deletes only TAT <= now)",
+        cleanup=lambda tat, now, tau: tat - now <= tau,
+    ),
     # The same two slips with the cleanup run at the start of the 256th schedule(), before
     # its dispatches (where a cleanup of TAT <= now may as well run: nothing tells them apart).
-    Hypothesis("R6", "deletes, at a cleanup at the start of schedule(), a user whose TAT is 1 ns ahead of now (R6 "
-               "deletes only TAT <= now)", cleanup=lambda tat, now, tau: tat <= now + 1, cleanup_at_start=True),
-    Hypothesis("R6", "deletes, at a cleanup at the start of schedule(), users whose TAT is ahead of now within "
-               "tau (R6 deletes only TAT <= now)", cleanup=lambda tat, now, tau: tat - now <= tau,
-               cleanup_at_start=True),
-    Hypothesis("R2", "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
-               allows=lambda tat, now, tau: tat - now <= tau + 1),
-    Hypothesis("R9", "keeps the charge of a request that did not sample (R9 refunds it at the end of schedule())",
-               skipped_granted="take"),
+    Hypothesis(
+        "R6",
+        "deletes, at a cleanup at the start of schedule(), a user whose TAT is 1 ns ahead of now (R6 "
+        "deletes only TAT <= now)",
+        cleanup=lambda tat, now, tau: tat <= now + 1,
+        cleanup_at_start=True,
+    ),
+    Hypothesis(
+        "R6",
+        "deletes, at a cleanup at the start of schedule(), users whose TAT is ahead of now within "
+        "tau (R6 deletes only TAT <= now)",
+        cleanup=lambda tat, now, tau: tat - now <= tau,
+        cleanup_at_start=True,
+    ),
+    Hypothesis(
+        "R2",
+        "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
+        allows=lambda tat, now, tau: tat - now <= tau + 1,
+    ),
+    Hypothesis(
+        "R9",
+        "keeps the charge of a request that did not sample (R9 refunds it at the end of schedule())",
+        skipped_granted="take",
+    ),
     Hypothesis("R9", "refunds an undispatched charge twice (R9: exactly once)", skipped_granted="refund"),
     Hypothesis("R4", "forgets the user's TAT on a refund (R4: TAT := TAT - T)", skipped_granted="forget"),
-    Hypothesis("R7", "does not charge the final prefill chunk, which samples the first token (R7 charges it)",
-               charges=lambda d: 0 if d.first_token else 1),
-    Hypothesis("R7", "charges a prompt's first chunk instead of the chunk that samples (R7 charges the sampling "
-               "one)", first_chunk_charged=True, charges=lambda d: 1 if d.whole_prompt or not d.first_token else 0),
-    Hypothesis("R7", "does not charge a final prefill chunk that follows earlier chunks (R7 charges the chunk "
-               "that samples)", charges=lambda d: 1 if d.whole_prompt or not d.first_token else 0),
-    Hypothesis("R7", "charges intermediate prefill chunks, which do not sample (R7 charges sampling steps only)",
-               chunk_takes=True),
-    Hypothesis("R7", "charges a dispatch with a step in flight twice (R7: at most one charge per request per step)",
-               charges=lambda d: 2 if d.in_flight else 1),
-    Hypothesis("R7", "charges a dispatch with a step in flight three times (R7: at most one charge per request "
-               "per step)", charges=lambda d: 3 if d.in_flight else 1),
-    Hypothesis("R7", "judges every dispatch of a step against the TAT at the step's start and charges after "
-               "(R7 charges each dispatch when it is made)", decide_at_start=True),
-    Hypothesis("R8", "does not charge a dispatch made while the request's previous step is in flight "
-               "(R8: never under-charge)", charges=lambda d: 0 if d.in_flight else 1),
-    Hypothesis("R8", "neither asks nor charges for a dispatch made while the request's previous step is in "
-               "flight, as if it were charged already (R8: never under-charge)", unasked_in_flight=True),
-    Hypothesis("R8", "refunds the post-stop token of a request that finishes with a step in flight "
-               "(R8: it stays charged)", refund_finished_in_flight=True),
+    Hypothesis(
+        "R7",
+        "does not charge the final prefill chunk, which samples the first token (R7 charges it)",
+        charges=lambda d: 0 if d.first_token else 1,
+    ),
+    Hypothesis(
+        "R7",
+        "charges a prompt's first chunk instead of the chunk that samples (R7 charges the sampling one)",
+        first_chunk_charged=True,
+        charges=lambda d: 1 if d.whole_prompt or not d.first_token else 0,
+    ),
+    Hypothesis(
+        "R7",
+        "does not charge a final prefill chunk that follows earlier chunks (R7 charges the chunk that samples)",
+        charges=lambda d: 1 if d.whole_prompt or not d.first_token else 0,
+    ),
+    Hypothesis(
+        "R7",
+        "charges intermediate prefill chunks, which do not sample (R7 charges sampling steps only)",
+        chunk_takes=True,
+    ),
+    Hypothesis(
+        "R7",
+        "charges a dispatch with a step in flight twice (R7: at most one charge per request per step)",
+        charges=lambda d: 2 if d.in_flight else 1,
+    ),
+    Hypothesis(
+        "R7",
+        "charges a dispatch with a step in flight three times (R7: at most one charge per request per step)",
+        charges=lambda d: 3 if d.in_flight else 1,
+    ),
+    Hypothesis(
+        "R7",
+        "judges every dispatch of a step against the TAT at the step's start and charges after "
+        "(R7 charges each dispatch when it is made)",
+        decide_at_start=True,
+    ),
+    Hypothesis(
+        "R8",
+        "does not charge a dispatch made while the request's previous step is in flight (R8: never under-charge)",
+        charges=lambda d: 0 if d.in_flight else 1,
+    ),
+    Hypothesis(
+        "R8",
+        "neither asks nor charges for a dispatch made while the request's previous step is in "
+        "flight, as if it were charged already (R8: never under-charge)",
+        unasked_in_flight=True,
+    ),
+    Hypothesis(
+        "R8",
+        "refunds the post-stop token of a request that finishes with a step in flight (R8: it stays charged)",
+        refund_finished_in_flight=True,
+    ),
     # Before the refund slips that can also reproduce "never paused anything": a candidate
     # with no limit at all (stock vLLM) is named R2, not R9.
-    Hypothesis("R2", "never refuses a take: no GCRA is applied at all (R2: a take is granted only while "
-               "TAT - now <= tau)", allows=lambda tat, now, tau: True),
-    Hypothesis("R9", "refunds the first dispatched charge of each step (R9: a dispatched charge is final)",
-               free_first_per_step=True),
-    Hypothesis("R9", "refunds the dispatched charges of running requests (R9: a dispatched charge is final)",
-               free_running=True),
-    Hypothesis("R10", "lets a refused final prefill chunk reach the sampling position, uncharged (R10 holds it "
-               "at n - 1)", refused_prefill_samples=True),
+    Hypothesis(
+        "R2",
+        "never refuses a take: no GCRA is applied at all (R2: a take is granted only while TAT - now <= tau)",
+        allows=lambda tat, now, tau: True,
+    ),
+    Hypothesis(
+        "R9",
+        "refunds the first dispatched charge of each step (R9: a dispatched charge is final)",
+        free_first_per_step=True,
+    ),
+    Hypothesis(
+        "R9", "refunds the dispatched charges of running requests (R9: a dispatched charge is final)", free_running=True
+    ),
+    Hypothesis(
+        "R10",
+        "lets a refused final prefill chunk reach the sampling position, uncharged (R10 holds it at n - 1)",
+        refused_prefill_samples=True,
+    ),
     Hypothesis("R2", "advances the TAT on a refused take (R2: a refusal changes nothing)", skipped_refused="take"),
-    Hypothesis("R2", "advances the TAT without clamping it up to now, banking idle time (R2: max(TAT, now) + T)",
-               start=lambda tat, now: tat),
+    Hypothesis(
+        "R2",
+        "advances the TAT without clamping it up to now, banking idle time (R2: max(TAT, now) + T)",
+        start=lambda tat, now: tat,
+    ),
     Hypothesis("R17", "keys user ids lower-cased (R17: ids are kept exactly)", key=_lower),
     Hypothesis("R17", "keys user ids stripped of surrounding spaces (R17: ids are kept exactly)", key=_strip),
-    Hypothesis("R17", "gives each request without output_rate_user its own bucket (R17: they share "
-               "__anonymous__)", key=_anon_per_request),
-    Hypothesis("R1", "keeps one bucket per request, not per user (R1: one TAT per user)",
-               key=lambda ctx, rid: rid, rate=lambda ctx, rid: ctx.rate_of(_spec_key(ctx, rid))),
+    Hypothesis(
+        "R17",
+        "gives each request without output_rate_user its own bucket (R17: they share __anonymous__)",
+        key=_anon_per_request,
+    ),
+    Hypothesis(
+        "R1",
+        "keeps one bucket per request, not per user (R1: one TAT per user)",
+        key=lambda ctx, rid: rid,
+        rate=lambda ctx, rid: ctx.rate_of(_spec_key(ctx, rid)),
+    ),
     # Keyed by request id, the per-user overrides are missed too: every bucket at the default.
-    Hypothesis("R1", "keeps one bucket per request, not per user, each at the default rate since no override "
-               "names a request id (R1: one TAT per user, at its override)",
-               key=lambda ctx, rid: rid, rate=lambda ctx, bucket: ctx.default_rate),
+    Hypothesis(
+        "R1",
+        "keeps one bucket per request, not per user, each at the default rate since no override "
+        "names a request id (R1: one TAT per user, at its override)",
+        key=lambda ctx, rid: rid,
+        rate=lambda ctx, bucket: ctx.default_rate,
+    ),
     # One bucket for every request: a slip of R1 (one TAT for all users) and of R17 (every
     # request keyed __anonymous__, output_rate_user ignored) alike; nothing black-box tells
     # them apart, so both are named.
-    Hypothesis("R1/R17", "keeps one bucket for every request at the default rate: one TAT for all users (R1: "
-               "one TAT per user), or output_rate_user ignored so that every request is __anonymous__ (R17)",
-               key=lambda ctx, rid: ANONYMOUS, rate=lambda ctx, bucket: ctx.default_rate),
-    Hypothesis("R1", "gives every user the default rate, ignoring its override (R1: the override, else the "
-               "default)", rate=lambda ctx, bucket: ctx.default_rate),
+    Hypothesis(
+        "R1/R17",
+        "keeps one bucket for every request at the default rate: one TAT for all users (R1: "
+        "one TAT per user), or output_rate_user ignored so that every request is __anonymous__ (R17)",
+        key=lambda ctx, rid: ANONYMOUS,
+        rate=lambda ctx, bucket: ctx.default_rate,
+    ),
+    Hypothesis(
+        "R1",
+        "gives every user the default rate, ignoring its override (R1: the override, else the default)",
+        rate=lambda ctx, bucket: ctx.default_rate,
+    ),
     Hypothesis("R1", "uses a burst tolerance of 1 s (R1: tau is the configured burst)", burst_ns=NS_PER_S),
-    Hypothesis("R7", "charges every sampling dispatch twice (R7: one charge per request per step)",
-               charges=lambda d: 2),
+    Hypothesis(
+        "R7", "charges every sampling dispatch twice (R7: one charge per request per step)", charges=lambda d: 2
+    ),
     # Last: with chunked prefill on in every run, it fits any over-grant whose pauses the
     # spec refuses too; a probe without chunked prefill (``naming_probes``) tells it apart.
-    Hypothesis("R10", "lets any refused request, with chunked prefill, run up to and including its sampling "
-               "position, uncharged: the n - 1 cap off by one (R10 holds it at n - 1)", refused_samples=True),
+    Hypothesis(
+        "R10",
+        "lets any refused request, with chunked prefill, run up to and including its sampling "
+        "position, uncharged: the n - 1 cap off by one (R10 holds it at n - 1)",
+        refused_samples=True,
+    ),
 )
 
 
@@ -297,8 +392,9 @@ class _Replay:
             if hyp.unasked_in_flight and d.in_flight:
                 continue  # taken as charged already: not asked, not charged
             if not self.allowed(bucket, now, at_start if hyp.decide_at_start else None):
-                if self.ctx.chunked_prefill and (hyp.refused_samples or (hyp.refused_prefill_samples
-                                                                         and d.first_token)):
+                if self.ctx.chunked_prefill and (
+                    hyp.refused_samples or (hyp.refused_prefill_samples and d.first_token)
+                ):
                     continue  # the refused chunk was not held at n - 1: it sampled, uncharged
                 return f"refuses {d.request_id} at t={now} ns"
             for _ in range(hyp.charges(d)):
@@ -306,7 +402,7 @@ class _Replay:
             if (hyp.free_first_per_step and i == 0) or (hyp.free_running and not d.admitted):
                 refunds.append(bucket)  # given back at the end of schedule(), after every decision
         if hyp.chunk_takes or hyp.first_chunk_charged:
-            for rid in (rec.chunks if hyp.chunk_takes else rec.first_chunks):
+            for rid in rec.chunks if hyp.chunk_takes else rec.first_chunks:
                 bucket = hyp.key(self.ctx, rid)
                 if not self.allowed(bucket, now):
                     return f"refuses the chunk of {rid} at t={now} ns"
@@ -363,8 +459,9 @@ def message(name: str, hyp: Hypothesis, others: list[Hypothesis], steps: int, ru
     """The failure text naming ``hyp.rule`` as broken, with the evidence."""
     also = ""
     if others:
-        also = "; the same runs also fit a limiter that " + "; or that ".join(
-            f"{h.slip} [{h.rule}]" for h in others)
-    return (f"{hyp.rule} broken: {name}'s sampling dispatches and pauses over {steps} steps ({runs} runs: the "
-            f"counterexample and its longer probes) are exactly those of the spec limiter, replayed at ns "
-            f"resolution, changed in {hyp.rule} alone: one that {hyp.slip}; the spec's own refutes them{also}")
+        also = "; the same runs also fit a limiter that " + "; or that ".join(f"{h.slip} [{h.rule}]" for h in others)
+    return (
+        f"{hyp.rule} broken: {name}'s sampling dispatches and pauses over {steps} steps ({runs} runs: the "
+        f"counterexample and its longer probes) are exactly those of the spec limiter, replayed at ns "
+        f"resolution, changed in {hyp.rule} alone: one that {hyp.slip}; the spec's own refutes them{also}"
+    )

@@ -78,8 +78,9 @@ class _User:
     """One user's limiter trajectory in a ``_Model``: scaled TAT ``S[i]`` before step i,
     grants available ``ga[i]``, grants ``g[i] = min(demand[i], ga[i])`` (R2)."""
 
-    def __init__(self, model: _Model, name: str, rate: Fraction, demand: list,
-                 refunds: list[int] | None = None) -> None:
+    def __init__(
+        self, model: _Model, name: str, rate: Fraction, demand: list, refunds: list[int] | None = None
+    ) -> None:
         assert len(demand) == model.steps
         refunds = refunds or [0] * model.steps
         self.name, self.rate = name, rate
@@ -183,13 +184,25 @@ class Boundary:
 
 
 def _scenario(rates: dict[str, str], requests: list[RequestSpec], advances: tuple[int, ...], **shape) -> Scenario:
-    return Scenario(rates_tokens_per_s=rates, default_rate_tokens_per_s=shape.pop("default", FAST_RATE),
-                    requests=tuple(requests), step_interval_ns=AFTER_INTERVAL_NS, num_steps=len(advances) + 1,
-                    advances_ns=advances, **shape)
+    return Scenario(
+        rates_tokens_per_s=rates,
+        default_rate_tokens_per_s=shape.pop("default", FAST_RATE),
+        requests=tuple(requests),
+        step_interval_ns=AFTER_INTERVAL_NS,
+        num_steps=len(advances) + 1,
+        advances_ns=advances,
+        **shape,
+    )
 
 
-def _one_stream(rate: str, seed: int, target: Callable[[_User, int], list], min_grants: int = 1,
-                no_reset: bool = False, max_prefix: int = 8) -> Scenario | None:
+def _one_stream(
+    rate: str,
+    seed: int,
+    target: Callable[[_User, int], list],
+    min_grants: int = 1,
+    no_reset: bool = False,
+    max_prefix: int = 8,
+) -> Scenario | None:
     """One user ``u`` at ``rate``, one stream decoding from step 0; the first ``K`` steps
     granted (``K >= min_grants``), ``target(u, K)`` at step K. ``no_reset``: the TAT stays
     ahead of the clock from step 1 on (errors of a rounded T accumulate)."""
@@ -309,8 +322,14 @@ def _prefill_reaches_n(rate, async_mode, seed):
             # One request, one seat: from the final chunk (exactly the budget) on, nothing
             # but the limit can keep it from sampling; an intermediate chunk charged (R7)
             # shows as an under-grant there (P4).
-            return _scenario({"u": rate}, [RequestSpec("u-r0", "u", chunks * b, decodes + 3)], advances,
-                             max_num_batched_tokens=b, max_num_seqs=1, ample_from_step=chunks - 1)
+            return _scenario(
+                {"u": rate},
+                [RequestSpec("u-r0", "u", chunks * b, decodes + 3)],
+                advances,
+                max_num_batched_tokens=b,
+                max_num_seqs=1,
+                ample_from_step=chunks - 1,
+            )
     return None
 
 
@@ -387,8 +406,7 @@ def _charged_then_preempted(rate, async_mode, seed):
     b = m.user("b", r, [1, 1, 0] + [1] * (steps - 3), refunds=refunds)
     a = m.user("a", Fraction(FAST_RATE), [1, 1, 1] + [0] * (steps - 3))
     m.add(b.granted(0), b.granted(resume), *[a.granted(i) for i in range(3)])
-    m.add(b.ahead(resume, b.p), b.lead_minus_tau(resume + 1) == b.p,
-          *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
+    m.add(b.ahead(resume, b.p), b.lead_minus_tau(resume + 1) == b.p, *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
     advances = m.solve()
     if advances is None:
         return None
@@ -414,13 +432,19 @@ def _charged_then_alloc_failure(rate, async_mode, seed):
     b = m.user("b", r, [1, 2] + [1] * (steps - 2), refunds=refunds)
     a = m.user("a", Fraction(FAST_RATE), [1, 1] + [0] * (steps - 2))
     m.add(b.granted(0), b.granted(admit), a.granted(0), a.granted(1))
-    m.add(b.ahead(admit, b.inc + b.p), b.lead_minus_tau(admit + 1) == b.p,
-          *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
+    m.add(
+        b.ahead(admit, b.inc + b.p),
+        b.lead_minus_tau(admit + 1) == b.p,
+        *[m.a[i] >= 1_000_000 for i in range(steps - 1)],
+    )
     advances = m.solve()
     if advances is None:
         return None
-    requests = [RequestSpec("a-r0", "a", 17, 2), RequestSpec("b-r0", "b", 4, 2),
-                RequestSpec("b-r1", "b", 16, 2, at_step=1)]
+    requests = [
+        RequestSpec("a-r0", "a", 17, 2),
+        RequestSpec("b-r0", "b", 4, 2),
+        RequestSpec("b-r1", "b", 16, 2, at_step=1),
+    ]
     # From B1's admission on only B1 is left (2 of the 3 usable blocks): under-grant judged.
     return _scenario({"b": rate}, requests, advances, num_blocks=4, block_size=16, ample_from_step=admit)
 
@@ -446,8 +470,11 @@ def _priority_throttled_victim(rate, async_mode, seed, policy: str = "priority",
         return None
     # V2's EOS comes at its 2nd output: in async its next step is dispatched before the EOS
     # is known and stays charged (R8).
-    requests = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("v-r0", "v", 16, 3, priority=v_priority),
-                RequestSpec("v-r1", "v", 4, 3, eos_index=1, priority=v_priority)]
+    requests = [
+        RequestSpec("u-r0", "u", 4, 2),
+        RequestSpec("v-r0", "v", 16, 3, priority=v_priority),
+        RequestSpec("v-r1", "v", 4, 3, eos_index=1, priority=v_priority),
+    ]
     return _scenario({"u": rate}, requests, advances, num_blocks=4, block_size=16, policy=policy)
 
 
@@ -460,43 +487,134 @@ def _fcfs_throttled_victim(rate, async_mode, seed):
 
 
 BOUNDARIES: tuple[Boundary, ...] = (
-    Boundary("burst-edge", ("R2",), "a take granted at TAT - now = tau exactly",
-             "sync: `<` instead of `<=` at the burst edge (under-grant)", _burst_edge, EDGE),
-    Boundary("burst-edge+1ns", ("R2",), "a take refused at TAT - now = tau + 1 ns",
-             "a burst edge 1 ns (or 1 us) too wide (over-grant)", _burst_edge_plus_1ns, EDGE_PLUS),
-    Boundary("ready-at", ("R5", "R2"), "a take granted at ready_at = ceil(TAT - tau), TAT - tau not a whole ns",
-             "sync: T rounded up to whole ns (under-grant)", _ready_at, READY_AT),
-    Boundary("ready-at-1ns", ("R5", "R2"), "a take refused at ready_at - 1 ns",
-             "grants from floor(TAT - tau) (ready_at rounded down, over-grant)", _ready_at_minus_1ns, FRACTIONAL_T),
-    Boundary("cleanup-tat-now", ("R6",), "the 256th schedule() with a user's TAT = now (deleted)",
-             "none black-box: deleting a user with TAT <= now is a no-op (Z3 r6_cleanup_noop)", _cleanup_at_now, INTEGER_TAT),
-    Boundary("cleanup-tat-now+1ns", ("R6",), "the 256th schedule() with a user's TAT = now + 1 ns (kept)",
-             "cleanup deleting TAT = now + 1 ns (over-grant 1 ns past the kept burst edge)",
-             _cleanup_now_plus_1ns, INTEGER_TAT),
-    Boundary("prefill-reaches-n", ("R7",), "a chunked prefill whose final chunk reaches n exactly (charged)",
-             "the final prefill chunk not charged (over-grant)", _prefill_reaches_n, FAST_PACED),
-    Boundary("prefill-ends-n-1", ("R10", "R7"), "a refused prefill advanced to n - 1, its last token sampled later",
-             "a refused prefill advanced to n (samples uncharged: over-grant)", _prefill_ends_n_minus_1, EDGE_PLUS),
-    Boundary("charged-then-preempted", ("R9",), "charged, then preempted in the same step (refunded)",
-             "a refund of 2 T (over-grant later); a missing refund only at level exact", _charged_then_preempted, SLOW),
-    Boundary("charged-then-alloc-failure", ("R9",), "a waiting request charged, then its KV allocation fails",
-             "a refund of 2 T (over-grant later); a missing refund only at level exact",
-             _charged_then_alloc_failure, TWO_AT_ONCE),
-    Boundary("fractional-interval", ("R3", "R2"), "a refusal by < 1/2 ns after >= 3 grants at a T that is not whole ns",
-             "T truncated to whole ns (over-grant)", _fractional_interval, FRACTIONAL_T),
-    Boundary("all-refused", ("R16", "R11", "R17"), "every user refused while requests wait",
-             "granting someone when everyone is refused (over-grant)", _all_refused, EDGE_PLUS),
-    Boundary("rotation-wrap", ("R14", "R15"), "one grant per step among 3 streams: the turn wraps around",
-             "should, sync: no rotation (one stream starves, R14 bounded bypass)", _rotation_wrap, ROTATION),
-    Boundary("priority-throttled-victim", ("R13",), "under PRIORITY a throttled request is preempted",
-             "should: a victim above vLLM's victim level (R13 PRIORITY victim check)", _priority_throttled_victim, SLOW),
-    Boundary("priority-throttled-victim-above", ("R13",),
-             "under PRIORITY a throttled request of a higher priority than the other user's keeps its KV",
-             "should: a throttled victim taken across priority levels (R13 PRIORITY victim check)",
-             _priority_throttled_victim_above, SLOW),
-    Boundary("fcfs-throttled-victim", ("R13",), "under FCFS a throttled request passed by the loop is preempted",
-             "should: vLLM's own last-running victim instead of the throttled one (R13 FCFS victim check)",
-             _fcfs_throttled_victim, SLOW),
+    Boundary(
+        "burst-edge",
+        ("R2",),
+        "a take granted at TAT - now = tau exactly",
+        "sync: `<` instead of `<=` at the burst edge (under-grant)",
+        _burst_edge,
+        EDGE,
+    ),
+    Boundary(
+        "burst-edge+1ns",
+        ("R2",),
+        "a take refused at TAT - now = tau + 1 ns",
+        "a burst edge 1 ns (or 1 us) too wide (over-grant)",
+        _burst_edge_plus_1ns,
+        EDGE_PLUS,
+    ),
+    Boundary(
+        "ready-at",
+        ("R5", "R2"),
+        "a take granted at ready_at = ceil(TAT - tau), TAT - tau not a whole ns",
+        "sync: T rounded up to whole ns (under-grant)",
+        _ready_at,
+        READY_AT,
+    ),
+    Boundary(
+        "ready-at-1ns",
+        ("R5", "R2"),
+        "a take refused at ready_at - 1 ns",
+        "grants from floor(TAT - tau) (ready_at rounded down, over-grant)",
+        _ready_at_minus_1ns,
+        FRACTIONAL_T,
+    ),
+    Boundary(
+        "cleanup-tat-now",
+        ("R6",),
+        "the 256th schedule() with a user's TAT = now (deleted)",
+        "none black-box: deleting a user with TAT <= now is a no-op (Z3 r6_cleanup_noop)",
+        _cleanup_at_now,
+        INTEGER_TAT,
+    ),
+    Boundary(
+        "cleanup-tat-now+1ns",
+        ("R6",),
+        "the 256th schedule() with a user's TAT = now + 1 ns (kept)",
+        "cleanup deleting TAT = now + 1 ns (over-grant 1 ns past the kept burst edge)",
+        _cleanup_now_plus_1ns,
+        INTEGER_TAT,
+    ),
+    Boundary(
+        "prefill-reaches-n",
+        ("R7",),
+        "a chunked prefill whose final chunk reaches n exactly (charged)",
+        "the final prefill chunk not charged (over-grant)",
+        _prefill_reaches_n,
+        FAST_PACED,
+    ),
+    Boundary(
+        "prefill-ends-n-1",
+        ("R10", "R7"),
+        "a refused prefill advanced to n - 1, its last token sampled later",
+        "a refused prefill advanced to n (samples uncharged: over-grant)",
+        _prefill_ends_n_minus_1,
+        EDGE_PLUS,
+    ),
+    Boundary(
+        "charged-then-preempted",
+        ("R9",),
+        "charged, then preempted in the same step (refunded)",
+        "a refund of 2 T (over-grant later); a missing refund only at level exact",
+        _charged_then_preempted,
+        SLOW,
+    ),
+    Boundary(
+        "charged-then-alloc-failure",
+        ("R9",),
+        "a waiting request charged, then its KV allocation fails",
+        "a refund of 2 T (over-grant later); a missing refund only at level exact",
+        _charged_then_alloc_failure,
+        TWO_AT_ONCE,
+    ),
+    Boundary(
+        "fractional-interval",
+        ("R3", "R2"),
+        "a refusal by < 1/2 ns after >= 3 grants at a T that is not whole ns",
+        "T truncated to whole ns (over-grant)",
+        _fractional_interval,
+        FRACTIONAL_T,
+    ),
+    Boundary(
+        "all-refused",
+        ("R16", "R11", "R17"),
+        "every user refused while requests wait",
+        "granting someone when everyone is refused (over-grant)",
+        _all_refused,
+        EDGE_PLUS,
+    ),
+    Boundary(
+        "rotation-wrap",
+        ("R14", "R15"),
+        "one grant per step among 3 streams: the turn wraps around",
+        "should, sync: no rotation (one stream starves, R14 bounded bypass)",
+        _rotation_wrap,
+        ROTATION,
+    ),
+    Boundary(
+        "priority-throttled-victim",
+        ("R13",),
+        "under PRIORITY a throttled request is preempted",
+        "should: a victim above vLLM's victim level (R13 PRIORITY victim check)",
+        _priority_throttled_victim,
+        SLOW,
+    ),
+    Boundary(
+        "priority-throttled-victim-above",
+        ("R13",),
+        "under PRIORITY a throttled request of a higher priority than the other user's keeps its KV",
+        "should: a throttled victim taken across priority levels (R13 PRIORITY victim check)",
+        _priority_throttled_victim_above,
+        SLOW,
+    ),
+    Boundary(
+        "fcfs-throttled-victim",
+        ("R13",),
+        "under FCFS a throttled request passed by the loop is preempted",
+        "should: vLLM's own last-running victim instead of the throttled one (R13 FCFS victim check)",
+        _fcfs_throttled_victim,
+        SLOW,
+    ),
 )
 BOUNDARY_NAMES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES)
 PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 10}  # scenarios per boundary and mode
@@ -512,8 +630,9 @@ def _solved(name: str, rate: str, async_mode: bool, seed: int) -> Scenario | Non
     return None if scenario is None else replace(scenario, async_scheduling=async_mode)
 
 
-def boundary_scenarios(async_mode: bool, integer_rates: bool, seed: int,
-                       per_boundary: int = 1) -> list[tuple[str, Scenario]]:
+def boundary_scenarios(
+    async_mode: bool, integer_rates: bool, seed: int, per_boundary: int = 1
+) -> list[tuple[str, Scenario]]:
     """The boundary scenarios of one run, as ``(name, scenario)``: for each boundary,
     ``per_boundary`` rates drawn from its pool with ``seed`` (integer rates only with
     ``integer_rates``; past the pool's size the rates repeat with another solver seed),
@@ -530,9 +649,17 @@ def boundary_scenarios(async_mode: bool, integer_rates: bool, seed: int,
     return out
 
 
-def check_boundaries(scheduler_cls: str, async_mode: bool, seed: int, tick: Callable[[], None],
-                     save_dir=None, level: str = "must", style=None, integer_rates: bool = False,
-                     per_boundary: int = 1):
+def check_boundaries(
+    scheduler_cls: str,
+    async_mode: bool,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir=None,
+    level: str = "must",
+    style=None,
+    integer_rates: bool = False,
+    per_boundary: int = 1,
+):
     """Row ``boundaries/sync`` or ``boundaries/async``: every boundary scenario of
     ``boundary_scenarios`` run on ``scheduler_cls`` with ``run_scenario`` at ``level``.
 

@@ -134,8 +134,10 @@ def _engine_rate_flags(shape: EngineShape) -> tuple[int | None, list[str]]:
             )
         unknown = sorted(set(section) - set(_ENGINE_ARGS_KEYS))
         if unknown:
-            raise ValueError(f"output_rate key(s) {unknown} have no engine flag in the article; "
-                             f"the engine-args style carries only {list(_ENGINE_ARGS_KEYS)}")
+            raise ValueError(
+                f"output_rate key(s) {unknown} have no engine flag in the article; "
+                f"the engine-args style carries only {list(_ENGINE_ARGS_KEYS)}"
+            )
         own = section.get("max_num_active_seqs")
         if own is not None:
             if active is not None and own != active:
@@ -171,15 +173,22 @@ def engine_argv(shape: EngineShape) -> list[str]:
     """
     active, rate_flags = _engine_rate_flags(shape)
     argv = [
-        "--model", str(_harness.default_model_dir()),
+        "--model",
+        str(_harness.default_model_dir()),
         "--skip-tokenizer-init",
-        "--dtype", "float32",
-        "--max-model-len", str(shape.max_model_len),
-        "--max-num-seqs", str(shape.max_num_seqs),
-        "--max-num-batched-tokens", str(shape.max_num_batched_tokens),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(shape.max_model_len),
+        "--max-num-seqs",
+        str(shape.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(shape.max_num_batched_tokens),
         "--enable-chunked-prefill" if shape.chunked_prefill else "--no-enable-chunked-prefill",
-        "--scheduling-policy", shape.policy,
-        "--block-size", str(shape.block_size),
+        "--scheduling-policy",
+        shape.policy,
+        "--block-size",
+        str(shape.block_size),
         "--enable-prefix-caching" if shape.enable_prefix_caching else "--no-enable-prefix-caching",
         "--async-scheduling" if shape.async_scheduling else "--no-async-scheduling",
     ]
@@ -207,8 +216,7 @@ def _engine_fingerprint() -> tuple:
     from vllm.engine.arg_utils import EngineArgs
 
     return tuple(
-        (cls, tuple((name, _identity(value)) for name, value in vars(cls).items()))
-        for cls in (EngineArgs, VllmConfig)
+        (cls, tuple((name, _identity(value)) for name, value in vars(cls).items())) for cls in (EngineArgs, VllmConfig)
     )
 
 
@@ -265,9 +273,13 @@ class EngineArgsStyle(ConfigStyle):
                     "so the engine-args style cannot configure its rates; use --config-style "
                     "additional-config or hook:pkg.module.function"
                 )
+
         def reject(message: str):
-            hint = (" (if the candidate takes integer rates only, as the article's flags do, give the gate "
-                    "--integer-rates)" if "tokens-per-second" in message else "")
+            hint = (
+                " (if the candidate takes integer rates only, as the article's flags do, give the gate --integer-rates)"
+                if "tokens-per-second" in message
+                else ""
+            )
             raise ValueError(f"vLLM's engine arguments reject {argv}: {message}{hint}")
 
         # Raise instead of printing usage and exiting (argparse's error path).
@@ -323,8 +335,10 @@ class HookStyle(ConfigStyle):
         if rates is not None:
             result = self.function(config, rates)
             if result is not None:
-                raise ValueError(f"hook {self.dotted!r} returned {type(result).__name__}, expected None: "
-                                 "it must modify vllm_config in place")
+                raise ValueError(
+                    f"hook {self.dotted!r} returned {type(result).__name__}, expected None: "
+                    "it must modify vllm_config in place"
+                )
         return config
 
 
@@ -341,5 +355,5 @@ def parse_config_style(text: str) -> ConfigStyle:
     if text == "engine-args":
         return EngineArgsStyle()
     if isinstance(text, str) and text.startswith("hook:"):
-        return HookStyle(text[len("hook:"):])
+        return HookStyle(text[len("hook:") :])
     raise ValueError(f"unknown config style {text!r}; use one of: {', '.join(STYLE_FORMS)}")

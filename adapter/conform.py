@@ -131,8 +131,9 @@ def _guarded(run: Callable, cls: str) -> Callable:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding, not a gate crash
             _reraise_gate_error(exc)
-            return Verdict(0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash", None,
-                           level="must")
+            return Verdict(
+                0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash", None, level="must"
+            )
 
     return guarded
 
@@ -144,8 +145,10 @@ def _reraise_gate_error(exc: Exception) -> None:
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    ours = frames and any(part in frames[-1].filename for part in ("/adapter/", "/spec/", "vllm_output_rate/adapter",
-                                                                  "vllm_output_rate/spec"))
+    ours = frames and any(
+        part in frames[-1].filename
+        for part in ("/adapter/", "/spec/", "vllm_output_rate/adapter", "vllm_output_rate/spec")
+    )
     if ours and "configstyle" not in frames[-1].filename:  # a style that cannot express the scenario is a finding
         raise exc
 
@@ -176,8 +179,12 @@ def check_scheduler(
     from vllm_output_rate.adapter.scenarios import minimize, named_verdict, pressured_scenarios, run_scenario, scenarios
 
     tag = "async" if async_mode else "sync"
-    kwargs: dict[str, Any] = {"async_scheduling": async_mode, "max_steps": max_steps,
-                              "integer_rates": integer_rates, "burst_configurable": burst_configurable}
+    kwargs: dict[str, Any] = {
+        "async_scheduling": async_mode,
+        "max_steps": max_steps,
+        "integer_rates": integer_rates,
+        "burst_configurable": burst_configurable,
+    }
     if pressured:
         name, rules = f"invariants/{tag}", ["R1", "R2", "R6", "R7", "R9", "R11", "R12", "R16", "R17"]
         strategy = pressured_scenarios(**kwargs)
@@ -192,7 +199,8 @@ def check_scheduler(
     if failed is not None:
         scenario = minimize(scheduler_cls, failed[0], run=run)
         verdict = _guarded(lambda s: named_verdict(scheduler_cls, s, level, style), scheduler_cls)(
-            scenario)  # named by the rule it breaks (adapter/attribution.py)
+            scenario
+        )  # named by the rule it breaks (adapter/attribution.py)
         _record_failure(result, verdict, scenario)
         _save_counterexample(result, scenario, save_dir)
     return result
@@ -208,8 +216,14 @@ def _record_failure(result: CheckResult, verdict, scenario) -> None:
 
 
 def check_feature_off(
-    scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int, tick: Callable[[], None],
-    save_dir: Path | None, style=None,
+    scheduler_cls: str,
+    async_mode: bool,
+    examples: int,
+    max_steps: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    style=None,
 ) -> CheckResult:
     """R18 (level must): with no output-rate configuration, the candidate is stock vLLM's
     ``Scheduler`` / ``AsyncScheduler`` step for step (``adapter/feature_off.py``), on
@@ -220,15 +234,37 @@ def check_feature_off(
     from vllm_output_rate.adapter.scenarios import feature_off, pressured_scenarios, scenarios
 
     name = "feature-off/" + ("async" if async_mode else "sync")
-    strategy = st.one_of(scenarios(async_scheduling=async_mode, max_steps=max_steps),
-                         pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps))
-    return check_paired(name, ["R18"], strategy, lambda scenario: run_feature_off(scheduler_cls, scenario, style),
-                        scheduler_cls, examples, seed, tick, save_dir, feature_off)
+    strategy = st.one_of(
+        scenarios(async_scheduling=async_mode, max_steps=max_steps),
+        pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps),
+    )
+    return check_paired(
+        name,
+        ["R18"],
+        strategy,
+        lambda scenario: run_feature_off(scheduler_cls, scenario, style),
+        scheduler_cls,
+        examples,
+        seed,
+        tick,
+        save_dir,
+        feature_off,
+    )
 
 
-def check_paired(name: str, rules: list[str], strategy, run: Callable, scheduler_cls: str, examples: int,
-                 seed: int, tick: Callable[[], None], save_dir: Path | None, as_run: Callable,
-                 level: str = "must") -> CheckResult:
+def check_paired(
+    name: str,
+    rules: list[str],
+    strategy,
+    run: Callable,
+    scheduler_cls: str,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    as_run: Callable,
+    level: str = "must",
+) -> CheckResult:
     """A check that runs the candidate beside stock vLLM (R18 ``feature-off/*``, R19
     ``not-binding/*``): ``run(scenario) -> Verdict`` on ``examples`` seeded scenarios of
     ``strategy``; a failure is shrunk, made 1-minimal and saved as ``as_run(scenario)``
@@ -245,8 +281,9 @@ def check_paired(name: str, rules: list[str], strategy, run: Callable, scheduler
     return result
 
 
-def _hunt(result: CheckResult, strategy, run: Callable, examples: int, seed: int,
-          tick: Callable[[], None]) -> tuple[Any, Any] | None:
+def _hunt(
+    result: CheckResult, strategy, run: Callable, examples: int, seed: int, tick: Callable[[], None]
+) -> tuple[Any, Any] | None:
     """Run ``run(scenario)`` on ``examples`` seeded Hypothesis scenarios of ``strategy``.
 
     Counts examples and steps into ``result``. Returns None if every verdict passed, else
@@ -335,8 +372,15 @@ def _integer_rates_only(scenario: Any) -> bool:
 
 
 def check_white_box(
-    scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
-    save_dir: Path | None, burst_configurable: bool = True, style=None, integer_rates: bool = False,
+    scheduler_cls: str,
+    async_mode: bool,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    burst_configurable: bool = True,
+    style=None,
+    integer_rates: bool = False,
 ) -> CheckResult:
     """R1-R18 + V1-V12 (level exact): the step spec predicts the class under test exactly,
     including every field of its ``last_step_observation`` (charged, refunded, throttled,
@@ -355,10 +399,17 @@ def check_white_box(
         strategy = strategy.filter(lambda scenario: scenario.config.output_rate_max_num_active_seqs is None)
     if integer_rates:
         strategy = strategy.filter(_integer_rates_only)
-    result = _check_step_scenarios(name, rules, strategy,
-                                   _guarded_step(lambda scenario: run_white_box(scenario, scheduler_cls, style=style),
-                                                 scheduler_cls),
-                                   examples, seed, tick, save_dir, subject=scheduler_cls.rpartition(".")[2])
+    result = _check_step_scenarios(
+        name,
+        rules,
+        strategy,
+        _guarded_step(lambda scenario: run_white_box(scenario, scheduler_cls, style=style), scheduler_cls),
+        examples,
+        seed,
+        tick,
+        save_dir,
+        subject=scheduler_cls.rpartition(".")[2],
+    )
     result.level = "exact"
     if result.result == "fail" and result.failure is not None:
         result.failed_level = "exact"
@@ -402,6 +453,8 @@ def open_choice_hint(failure: str) -> str:
     exact-level difference most likely comes from."""
     for key, row in OPEN_CHOICES:
         if key in failure:
-            return (f"this is this project's decision, not the article's promise: see docs/SPEC.md "
-                    f"'What the article leaves open', row: {row}")
+            return (
+                f"this is this project's decision, not the article's promise: see docs/SPEC.md "
+                f"'What the article leaves open', row: {row}"
+            )
     return "see docs/SPEC.md 'What the article leaves open'"

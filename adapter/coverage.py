@@ -277,7 +277,8 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
     if cap is not None:
         running_scheduled = [rid for rid in scheduled if rid not in admitted]
         if len(running_scheduled) >= cap and any(
-                rid in resident and rid not in scheduled and judge.user_of(rid) not in refused for rid in unfinished):
+            rid in resident and rid not in scheduled and judge.user_of(rid) not in refused for rid in unfinished
+        ):
             note(judge, "R12 active cap binds")
     if not sampled and len(waiting_users) >= 2 and waiting_users <= refused:
         note(judge, "R16 every user refused while requests wait")
@@ -292,20 +293,35 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
                 note(judge, "boundary: priority-throttled-victim")
             else:
                 note(judge, "boundary: fcfs-throttled-victim")
-        elif scenario.policy == "priority" and judge.by_id.get(rid) is not None and any(
-                other in resident and other not in scheduled and other not in trace.preempted
-                and judge.user_of(other) in refused and judge.by_id[other].priority < judge.by_id[rid].priority
-                for other in unfinished):
+        elif (
+            scenario.policy == "priority"
+            and judge.by_id.get(rid) is not None
+            and any(
+                other in resident
+                and other not in scheduled
+                and other not in trace.preempted
+                and judge.user_of(other) in refused
+                and judge.by_id[other].priority < judge.by_id[rid].priority
+                for other in unfinished
+            )
+        ):
             # A throttled request above vLLM's victim level kept its KV.
             note(judge, "boundary: priority-throttled-victim-above")
-        elif (rid in resident and rid in judge.last_sample_step
-              and all(other in scheduled for other in resident if other != rid and other in unfinished)):
+        elif (
+            rid in resident
+            and rid in judge.last_sample_step
+            and all(other in scheduled for other in resident if other != rid and other in unfinished)
+        ):
             note(judge, "boundary: charged-then-preempted")
             note(judge, "R9 charge refunded at the end of the step")
     seats = scenario.max_num_seqs or len(judge.by_id)
-    if (scenario.num_blocks is not None and scenario.policy == "fcfs" and not trace.preempted
-            and (scenario.max_num_active_seqs is None or scenario.max_num_active_seqs >= seats)
-            and trace.num_running < seats):
+    if (
+        scenario.num_blocks is not None
+        and scenario.policy == "fcfs"
+        and not trace.preempted
+        and (scenario.max_num_active_seqs is None or scenario.max_num_active_seqs >= seats)
+        and trace.num_running < seats
+    ):
         budget = scenario.max_num_batched_tokens or 2048
         used = sum(scheduled.values())
         for rid in unfinished:
@@ -313,16 +329,23 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
                 continue
             spec, user = judge.by_id[rid], judge.user_of(rid)
             grants = _grants_at(state, user, now, scenario.rate_of(user), burst)
-            if (grants > len(by_user.get(user, ())) and used + spec.prompt_len <= budget
-                    and rid not in aux.computed and rid not in judge.last_sample_step):
+            if (
+                grants > len(by_user.get(user, ()))
+                and used + spec.prompt_len <= budget
+                and rid not in aux.computed
+                and rid not in judge.last_sample_step
+            ):
                 note(judge, "boundary: charged-then-alloc-failure")
                 note(judge, "R9 charge refunded at the end of the step")
             break  # FCFS: the waiting loop stops at the first request it cannot allocate
 
     # R14/R15: one grant per step among >= 2 resident streams of a user; the turn wraps.
     for user in waiting_users:
-        streams = [rid for rid in unfinished if judge.user_of(rid) == user and rid in resident
-                   and rid in judge.last_sample_step]
+        streams = [
+            rid
+            for rid in unfinished
+            if judge.user_of(rid) == user and rid in resident and rid in judge.last_sample_step
+        ]
         got = by_user.get(user, [])
         turns = aux.turns.setdefault(user, [])
         if len(streams) < 2 or len(got) != 1 or got[0] not in streams:
@@ -330,7 +353,7 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
             continue
         turns.append(got[0])
         m = len(streams)
-        if len(turns) > m and len(set(turns[-m - 1:-1])) == m and turns[-1] == turns[-m - 1]:
+        if len(turns) > m and len(set(turns[-m - 1 : -1])) == m and turns[-1] == turns[-m - 1]:
             note(judge, "R14 a user's streams take turns")
             note(judge, "boundary: rotation-wrap")
 
@@ -367,8 +390,9 @@ def check_coverage(options, counts: Counter | None = None):
     counts = run_counts(options) if counts is None else counts
     k = K_PER_PROFILE[options.profile]
     rows = table(counts, k, options.async_scheduler_cls is not None)
-    result = CheckResult("coverage", sorted({r for _, rules, _ in obligations() for r in rules.split()}),
-                         examples=len(rows))
+    result = CheckResult(
+        "coverage", sorted({r for _, rules, _ in obligations() for r in rules.split()}), examples=len(rows)
+    )
     result.coverage = {"k": k, "profile": options.profile, "rows": rows}
     missing = [r for r in rows if r["status"] == "NOT REACHED"]
     result.coverage["not_reached"] = [f"{r['obligation']} ({r['count']}/{k})" for r in missing]
@@ -377,12 +401,16 @@ def check_coverage(options, counts: Counter | None = None):
         result.result = NOT_JUDGED
         for row in missing:
             row["status"] = NOT_JUDGED
-        result.failure = (f"not judged: run stopped by {', '.join(stopped)} (a failing check stops at its "
-                          "counterexample, so its scenarios reach fewer obligations: fix it first)")
+        result.failure = (
+            f"not judged: run stopped by {', '.join(stopped)} (a failing check stops at its "
+            "counterexample, so its scenarios reach fewer obligations: fix it first)"
+        )
     elif missing:
         result.result = "fail"
         result.failed_level = "must"
-        result.failure = (f"[must] coverage: not reached: {', '.join(r['obligation'] for r in missing)} (each needs "
-                          f">= {k} scenario runs in profile {options.profile}; a rule or boundary never reached was "
-                          "not checked)")
+        result.failure = (
+            f"[must] coverage: not reached: {', '.join(r['obligation'] for r in missing)} (each needs "
+            f">= {k} scenario runs in profile {options.profile}; a rule or boundary never reached was "
+            "not checked)"
+        )
     return result

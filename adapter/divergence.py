@@ -45,7 +45,7 @@ def _first_out_of_place(got: list, want: list) -> list[str]:
             ids += [x[0] if isinstance(x, tuple) else x for x in (a, b)]
             break
     else:
-        longer = got[len(want):] or want[len(got):]
+        longer = got[len(want) :] or want[len(got) :]
         ids += [x[0] if isinstance(x, tuple) else x for x in longer[:1]]
     norm = lambda xs: {x[0] if isinstance(x, tuple) else x for x in xs}
     ids += sorted(norm(got) ^ norm(want))
@@ -75,8 +75,10 @@ def _by_decision(obs: Observation, ids: list[str], default: str, vllm_ids: set[s
 
 def batch_lists(trace: Any, scheduler_output: Any, obs: Observation) -> dict[str, tuple[list, list]]:
     """(vLLM, spec) per batch field, in the form ``compare_step`` compares them."""
-    admitted = sorted({r.req_id for r in scheduler_output.scheduled_new_reqs}
-                      | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+    admitted = sorted(
+        {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+    )
     return {
         "scheduled": (list(trace.scheduled.items()), list(obs.scheduled)),
         "sampled": (list(trace.sampled), list(obs.sampled)),
@@ -85,8 +87,15 @@ def batch_lists(trace: Any, scheduler_output: Any, obs: Observation) -> dict[str
     }
 
 
-def rule_of(failure: str, event: Event, trace: Any, harness: Any, obs: Observation, state: SchedulerState,
-            async_scheduling: bool) -> str:
+def rule_of(
+    failure: str,
+    event: Event,
+    trace: Any,
+    harness: Any,
+    obs: Observation,
+    state: SchedulerState,
+    async_scheduling: bool,
+) -> str:
     """The V-rule (or invariant id) a divergence found by ``run_step_scenario`` belongs to.
 
     ``failure``: its message (``"<field>: vLLM ... != spec ..."`` or ``"spec invariant ..."``).
@@ -125,8 +134,12 @@ def _request_field_rule(harness: Any, state: SchedulerState) -> str:
         want = spec_requests.get(rid)
         if want is None:
             return "V10"  # vLLM keeps a request the spec finished
-        got = (r.num_computed_tokens, r.num_output_tokens, r.num_output_placeholders,
-               len(manager.req_to_blocks.get(rid, ())))
+        got = (
+            r.num_computed_tokens,
+            r.num_output_tokens,
+            r.num_output_placeholders,
+            len(manager.req_to_blocks.get(rid, ())),
+        )
         spec = (want.num_computed_tokens, want.num_output_tokens, want.num_output_placeholders, want.num_blocks)
         for rule, a, b in zip(("V9", "V10", "V9", "V5"), got, spec):
             if a != b:

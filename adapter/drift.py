@@ -50,10 +50,16 @@ class RuleDrift:
 
     def as_json(self) -> dict:
         """JSON-ready form (the scenario in the replayable step-scenario format)."""
-        return {"rule": self.rule, "mode": self.mode, "failure": self.failure,
-                "counterexample": self.counterexample, "events": self.events,
-                "seconds_to_find": round(self.seconds_to_find, 2),
-                "seconds_to_minimize": round(self.seconds_to_minimize, 2), "examples": self.examples}
+        return {
+            "rule": self.rule,
+            "mode": self.mode,
+            "failure": self.failure,
+            "counterexample": self.counterexample,
+            "events": self.events,
+            "seconds_to_find": round(self.seconds_to_find, 2),
+            "seconds_to_minimize": round(self.seconds_to_minimize, 2),
+            "examples": self.examples,
+        }
 
 
 @dataclass
@@ -93,8 +99,9 @@ def _through_failure(scenario: StepScenario, verdict: StepVerdict) -> StepScenar
     return replace(scenario, events=scenario.events[: verdict.event_index + 1])
 
 
-def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
-                tick: Callable[[], None] = lambda: None) -> tuple[StepScenario, StepVerdict]:
+def one_minimal(
+    scenario: StepScenario, base: VllmVersionProfile, rule: str, tick: Callable[[], None] = lambda: None
+) -> tuple[StepScenario, StepVerdict]:
     """Remove single events while ``rule``'s divergence remains; the result is 1-minimal.
 
     Events after the first differing one are cut first (they cannot matter). Bounded: every
@@ -107,7 +114,7 @@ def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
     while changed:
         changed = False
         for i in range(len(scenario.events) - 1, -1, -1):
-            candidate = replace(scenario, events=scenario.events[:i] + scenario.events[i + 1:])
+            candidate = replace(scenario, events=scenario.events[:i] + scenario.events[i + 1 :])
             tick()
             found = _diverges(candidate, base, rule)
             if found is not None:
@@ -117,13 +124,26 @@ def one_minimal(scenario: StepScenario, base: VllmVersionProfile, rule: str,
     return scenario, verdict
 
 
-def _hunt_once(async_mode: bool, base: VllmVersionProfile, known: set[str], examples: int, seed: int,
-               tick: Callable[[], None], counter: list[int]) -> tuple[StepScenario, StepVerdict] | None:
+def _hunt_once(
+    async_mode: bool,
+    base: VllmVersionProfile,
+    known: set[str],
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    counter: list[int],
+) -> tuple[StepScenario, StepVerdict] | None:
     """One Hypothesis hunt for a divergence of a rule not in ``known``, shrunk on that rule."""
     target: dict[str, Any] = {}  # the first rule found, and its scenario and verdict
 
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              phases=[Phase.generate, Phase.shrink], print_blob=False)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink],
+        print_blob=False,
+    )
     @hseed(seed)
     @given(scenario=base_scenarios(async_mode, DRIFT_MAX_STEPS))
     def prop(scenario: StepScenario) -> None:
@@ -144,10 +164,17 @@ def _hunt_once(async_mode: bool, base: VllmVersionProfile, known: set[str], exam
     return None
 
 
-def drift(base: VllmVersionProfile, vllm_version: str, warning: str | None, examples: int = 300, seed: int = 0,
-          modes: tuple[bool, ...] = (False, True), time_budget_s: float | None = None,
-          tick: Callable[[], None] = lambda: None,
-          on_found: Callable[[RuleDrift], None] = lambda _: None) -> DriftReport:
+def drift(
+    base: VllmVersionProfile,
+    vllm_version: str,
+    warning: str | None,
+    examples: int = 300,
+    seed: int = 0,
+    modes: tuple[bool, ...] = (False, True),
+    time_budget_s: float | None = None,
+    tick: Callable[[], None] = lambda: None,
+    on_found: Callable[[RuleDrift], None] = lambda _: None,
+) -> DriftReport:
     """Hunt base-fidelity divergences per V-rule on the installed vLLM (module docstring).
 
     ``examples``: scenarios per hunt; ``time_budget_s``: stop starting new hunts after this.
@@ -172,9 +199,17 @@ def drift(base: VllmVersionProfile, vllm_version: str, warning: str | None, exam
             scenario, verdict = hit
             rule = verdict.rule or "V?"
             scenario, verdict = one_minimal(scenario, base, rule, tick)
-            entry = RuleDrift(rule, mode, f"event {verdict.event_index}: {verdict.failure}",
-                              describe_failure(scenario, verdict), len(scenario.events), found_at - t0,
-                              time.monotonic() - found_at, counter[0], scenario)
+            entry = RuleDrift(
+                rule,
+                mode,
+                f"event {verdict.event_index}: {verdict.failure}",
+                describe_failure(scenario, verdict),
+                len(scenario.events),
+                found_at - t0,
+                time.monotonic() - found_at,
+                counter[0],
+                scenario,
+            )
             known.add(rule)
             report.found.append(entry)
             on_found(entry)

@@ -178,8 +178,10 @@ class EngineWaitScenario:
 
     def output_rate(self) -> dict[str, Any]:
         """The ``output_rate`` section of ``EngineShape`` for this scenario."""
-        return {"default_tokens_per_s": A_RATE_TOKENS_PER_S,
-                "user_tokens_per_s": {USER_B: B_RATE_TOKENS_PER_S, USER_C: C_RATE_TOKENS_PER_S}}
+        return {
+            "default_tokens_per_s": A_RATE_TOKENS_PER_S,
+            "user_tokens_per_s": {USER_B: B_RATE_TOKENS_PER_S, USER_C: C_RATE_TOKENS_PER_S},
+        }
 
 
 def engine_wait_scenario(seed: int = 0) -> EngineWaitScenario:
@@ -359,8 +361,15 @@ def run_engine_waits(
             verdict.failure = f"the engine could not be configured for the R16 scenario: {error}"
             verdict.error = traceback.format_exc()
             continue
-        runs.append({"index": len(verdicts) - 1, "config": config, "shape": shape, "scenario": scenario,
-                     "plugins": list(allowed)})
+        runs.append(
+            {
+                "index": len(verdicts) - 1,
+                "config": config,
+                "shape": shape,
+                "scenario": scenario,
+                "plugins": list(allowed),
+            }
+        )
     observations = _run_child(runs, timeout_s) if runs else []
     for run, obs in zip(runs, observations):
         judge(obs, scenario, verdicts[run["index"]])
@@ -413,8 +422,12 @@ def _numbers(v: EngineWaitVerdict) -> str:
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)  # set per candidate in its forked process
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"),
-                       ("DO_NOT_TRACK", "1")):
+    for key, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("DO_NOT_TRACK", "1"),
+    ):
         env.setdefault(key, value)
     # The child imports what this process can (as multiprocessing's spawn passes sys.path):
     # candidate classes defined in test modules or scripts resolve there too.
@@ -429,7 +442,10 @@ def _run_child(runs: list[dict], timeout_s: float) -> list[dict]:
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "vllm_output_rate.adapter.engine_wait", tmp],
-                input=payload, capture_output=True, timeout=timeout_s * len(runs), env=_child_env(),
+                input=payload,
+                capture_output=True,
+                timeout=timeout_s * len(runs),
+                env=_child_env(),
             )
             tail = proc.stderr.decode(errors="replace")[-3000:]
             why = f"the engine-core child exited with code {proc.returncode} and no result:\n{tail}"
@@ -506,8 +522,16 @@ class _Replay:
 
     def demand(self, user: str, t: int) -> bool:
         """``user`` still wants a token at ``t`` (``_has_demand``)."""
-        return _has_demand(user, t, self.dispatch_times, self.user_of, self.max_tokens, self.arrivals,
-                           self.scenario.aborted_request_id, self.t_abort)
+        return _has_demand(
+            user,
+            t,
+            self.dispatch_times,
+            self.user_of,
+            self.max_tokens,
+            self.arrivals,
+            self.scenario.aborted_request_id,
+            self.t_abort,
+        )
 
     def replay(self, productive: list[dict[str, Any]], verdict: EngineWaitVerdict) -> None:
         """Replay the sampling dispatches through the spec limiter (R1-R5) for the ready times."""
@@ -523,7 +547,9 @@ class _Replay:
                 user = user_of.get(rid)
                 if user is None:
                     continue
-                state, granted = limiter.try_take(state, user, Fraction(scenario.rates[user]), s["t"], scenario.burst_ns)
+                state, granted = limiter.try_take(
+                    state, user, Fraction(scenario.rates[user]), s["t"], scenario.burst_ns
+                )
                 verdict.over_grants += not granted
                 dispatch_times.setdefault(rid, []).append(s["t"])
                 sampled_by_user.setdefault(user, []).append(s["t"])
@@ -566,7 +592,7 @@ def _judge_oversleep(run: _Replay, verdict: EngineWaitVerdict) -> None:
             continue
         times = sampled_by_user[user]
         k = bisect.bisect_right(times, at)
-        later = times[k:k + 1]
+        later = times[k : k + 1]
         if later:
             late = later[0] - ready
         elif end_ns > ready:
@@ -610,8 +636,13 @@ def _judge_early_wake(run: _Replay, obs: dict[str, Any], verdict: EngineWaitVerd
     replay_times = [t for t, _ in replay_at]
     for w in obs["waits"]:
         start, end, pending, kind = w[0], w[1], w[2], w[3]
-        if (kind != "input-queue" or not pending or not start < end < end_ns or end in inputs_at
-                or abs(end - start - ARTICLE_RECHECK_NS) <= FLOAT_TIMEOUT_SLACK_NS):
+        if (
+            kind != "input-queue"
+            or not pending
+            or not start < end < end_ns
+            or end in inputs_at
+            or abs(end - start - ARTICLE_RECHECK_NS) <= FLOAT_TIMEOUT_SLACK_NS
+        ):
             continue
         at = replay_at[bisect.bisect_right(replay_times, start) - 1][1]
         readies = []
@@ -622,16 +653,27 @@ def _judge_early_wake(run: _Replay, obs: dict[str, Any], verdict: EngineWaitVerd
         if readies and min(readies)[0] - end > verdict.max_early_ns:
             ready, user = min(readies)
             verdict.max_early_ns = ready - end
-            verdict.early_detail = (f"its wait on the input queue ended at {end} ns, {ready - end} ns before {user}'s "
-                                    f"ready time {ready} ns, with every user with pending requests still refused")
+            verdict.early_detail = (
+                f"its wait on the input queue ended at {end} ns, {ready - end} ns before {user}'s "
+                f"ready time {ready} ns, with every user with pending requests still refused"
+            )
             # R5: a wake at floor(TAT - tau), 1 ns before ceil(TAT - tau), is ready_at rounded down
             exact = at.tat_ns[user] - scenario.burst_ns if user in at.tat_ns else None
-            verdict.early_rounded_down = (exact is not None and exact.denominator != 1
-                                          and math.floor(exact) == end and ready - end == 1)
+            verdict.early_rounded_down = (
+                exact is not None and exact.denominator != 1 and math.floor(exact) == end and ready - end == 1
+            )
 
 
-def _has_demand(user: str, ready: int, dispatch_times: dict[str, list[int]], user_of: dict[str, str],
-                max_tokens: dict[str, int], arrivals: dict[str, int], aborted_id: str, t_abort: int) -> bool:
+def _has_demand(
+    user: str,
+    ready: int,
+    dispatch_times: dict[str, list[int]],
+    user_of: dict[str, str],
+    max_tokens: dict[str, int],
+    arrivals: dict[str, int],
+    aborted_id: str,
+    t_abort: int,
+) -> bool:
     """True if ``user`` has a request, arrived by ``ready``, still wanting tokens at ``ready``."""
     for rid, u in user_of.items():
         if u != user or arrivals[rid] > ready or (rid == aborted_id and t_abort <= ready):
@@ -750,8 +792,12 @@ class _World:
                 ecr = EngineCoreRequest(
                     request_id=item.request_id,
                     prompt_token_ids=[NON_EOS_TOKEN_ID + 1 + i for i in range(PROMPT_LEN)],
-                    mm_features=None, sampling_params=params, pooling_params=None,
-                    arrival_time=self.clock.now_ns() / 1e9, lora_request=None, cache_salt=None,
+                    mm_features=None,
+                    sampling_params=params,
+                    pooling_params=None,
+                    arrival_time=self.clock.now_ns() / 1e9,
+                    lora_request=None,
+                    cache_salt=None,
                     data_parallel_rank=None,
                 )
                 # What vLLM's input thread does before queueing an ADD.
@@ -832,10 +878,14 @@ class _World:
 
         with patched_time(self.clock), contextlib.ExitStack() as patches:
             # time.monotonic is the fake clock's here; each patch is undone when the block ends.
-            for owner, name, fake in ((time, "sleep", fake_sleep), (time, "perf_counter_ns", self.clock.now_ns),
-                                      (time, "time_ns", self.clock.now_ns), (queue_module, "time", time.monotonic),
-                                      (threading, "_time", time.monotonic),
-                                      (threading.Condition, "wait", fake_condition_wait)):
+            for owner, name, fake in (
+                (time, "sleep", fake_sleep),
+                (time, "perf_counter_ns", self.clock.now_ns),
+                (time, "time_ns", self.clock.now_ns),
+                (queue_module, "time", time.monotonic),
+                (threading, "_time", time.monotonic),
+                (threading.Condition, "wait", fake_condition_wait),
+            ):
                 patches.enter_context(mock.patch.object(owner, name, fake))
             yield
 
@@ -985,11 +1035,20 @@ def _instrument(world: _World, engine) -> None:
     def observed_schedule(*args, **kwargs):
         t = world.clock.now_ns()
         so = schedule(*args, **kwargs)
-        sampled = [rid for rid in so.num_scheduled_tokens
-                   if (r := scheduler.requests.get(rid)) is not None and not r.is_prefill_chunk]
+        sampled = [
+            rid
+            for rid in so.num_scheduled_tokens
+            if (r := scheduler.requests.get(rid)) is not None and not r.is_prefill_chunk
+        ]
         world.sampled_of[id(so)] = sampled
-        world.steps.append({"t": t, "tokens": so.total_num_scheduled_tokens,
-                            "scheduled": list(so.num_scheduled_tokens), "sampled": sampled})
+        world.steps.append(
+            {
+                "t": t,
+                "tokens": so.total_num_scheduled_tokens,
+                "scheduled": list(so.num_scheduled_tokens),
+                "sampled": sampled,
+            }
+        )
         return so
 
     def observed_finish_requests(request_ids, *args, **kwargs):
@@ -1033,10 +1092,16 @@ def _drive(payload: dict) -> dict:
             obs["error"] = traceback.format_exc()
             obs["stopped_by"] = "error"
         world.looping = False
-        obs.update(end_ns=world.clock.now_ns(), wakeups=world.wakeups, steps=world.steps, waits=world.waits,
-                   aborts=world.aborts, async_scheduling=bool(getattr(engine, "async_scheduling", False)),
-                   batch_queue=engine.batch_queue is not None,
-                   real_seconds=world._real_perf() - world.wall_start)
+        obs.update(
+            end_ns=world.clock.now_ns(),
+            wakeups=world.wakeups,
+            steps=world.steps,
+            waits=world.waits,
+            aborts=world.aborts,
+            async_scheduling=bool(getattr(engine, "async_scheduling", False)),
+            batch_queue=engine.batch_queue is not None,
+            real_seconds=world._real_perf() - world.wall_start,
+        )
     return obs
 
 

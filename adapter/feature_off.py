@@ -36,17 +36,31 @@ def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
         return Verdict(steps, None)
     step, field, got, want = difference
     if step is None:
-        return Verdict(steps, f"with the feature off, {name} finished {got!r} but stock vLLM "
-                       f"finished {want!r}", "R18", None, level="must")
-    return Verdict(steps, f"with the feature off, {name} differs from stock vLLM {base_cls.rpartition('.')[2]} "
-                   f"at step {step}: {field} {got!r} != {want!r}; the article's patch behaves exactly like "
-                   "upstream when --default-user-output-tokens-per-second is not set",
-                   "R18", step, level="must")
+        return Verdict(
+            steps,
+            f"with the feature off, {name} finished {got!r} but stock vLLM finished {want!r}",
+            "R18",
+            None,
+            level="must",
+        )
+    return Verdict(
+        steps,
+        f"with the feature off, {name} differs from stock vLLM {base_cls.rpartition('.')[2]} "
+        f"at step {step}: {field} {got!r} != {want!r}; the article's patch behaves exactly like "
+        "upstream when --default-user-output-tokens-per-second is not set",
+        "R18",
+        step,
+        level="must",
+    )
 
 
-def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scenario, style=None,
-                     output_rate_extra: dict | None = None,
-                     ) -> tuple[int, tuple[int | None, str, object, object] | None]:
+def first_difference(
+    scheduler_cls: str,
+    scenario: Scenario,
+    base_scenario: Scenario,
+    style=None,
+    output_rate_extra: dict | None = None,
+) -> tuple[int, tuple[int | None, str, object, object] | None]:
     """Run ``scenario`` on ``scheduler_cls`` and ``base_scenario`` (the same requests and
     engine shape) on its stock base class, side by side, step for step.
 
@@ -78,10 +92,12 @@ def first_difference(scheduler_cls: str, scenario: Scenario, base_scenario: Scen
             break
         got, want = candidate.step(), base.step()
         steps += 1
-        for field, a, b in (("batch", list(got.scheduled.items()), list(want.scheduled.items())),
-                            ("preempted", got.preempted, want.preempted),
-                            ("admitted", sorted(got.admitted), sorted(want.admitted)),
-                            ("finished", got.finished, want.finished)):
+        for field, a, b in (
+            ("batch", list(got.scheduled.items()), list(want.scheduled.items())),
+            ("preempted", got.preempted, want.preempted),
+            ("admitted", sorted(got.admitted), sorted(want.admitted)),
+            ("finished", got.finished, want.finished),
+        ):
             if a != b:
                 return steps, (step, field, a, b)
         for h in pair:
@@ -107,10 +123,15 @@ def run_shadow(scheduler_cls: str, scenario: Scenario) -> Verdict:
         return Verdict(steps, None)
     step, field, got, want = difference
     name, stock, where = difference_names(scheduler_cls, scenario.async_scheduling, step)
-    return Verdict(steps, f"in shadow mode (output_rate.shadow: true), {name} scheduled {where} {field} {got!r} "
-                   f"where stock vLLM {stock} has {want!r}: shadow mode counts what it would throttle and "
-                   "throttles nothing, so its schedule is the base class's step for step",
-                   "shadow", step, level="exact")
+    return Verdict(
+        steps,
+        f"in shadow mode (output_rate.shadow: true), {name} scheduled {where} {field} {got!r} "
+        f"where stock vLLM {stock} has {want!r}: shadow mode counts what it would throttle and "
+        "throttles nothing, so its schedule is the base class's step for step",
+        "shadow",
+        step,
+        level="exact",
+    )
 
 
 def difference_names(scheduler_cls: str, async_mode: bool, step: int | None) -> tuple[str, str, str]:
@@ -120,8 +141,9 @@ def difference_names(scheduler_cls: str, async_mode: bool, step: int | None) -> 
     return scheduler_cls.rpartition(".")[2], stock, f"at step {step}" if step is not None else "by the end"
 
 
-def check_shadow(scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int,
-                 tick, save_dir, style=None):
+def check_shadow(
+    scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int, tick, save_dir, style=None
+):
     """The gate's ``shadow/{sync,async}`` row (level exact): ``run_shadow`` on ``examples``
     seeded scenarios (ample and pressured, rates 0.3-1000 tokens/s so that the shadow limiter
     would throttle); a failure is shrunk, made 1-minimal and saved as the candidate ran it.
@@ -134,10 +156,28 @@ def check_shadow(scheduler_cls: str, async_mode: bool, examples: int, max_steps:
 
     name = "shadow/" + ("async" if async_mode else "sync")
     if style is not None and getattr(style, "name", None) != "additional-config":
-        return CheckResult(name, ["shadow"], result="not tested", level="exact",
-                           failure=f"shadow mode is configured as additional_config[\"output_rate\"][\"shadow\"]; "
-                                   f"--config-style {style.name} cannot express it")
-    strategy = st.one_of(scenarios(async_scheduling=async_mode, max_steps=max_steps),
-                         pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps))
-    return check_paired(name, ["shadow"], strategy, lambda scenario: run_shadow(scheduler_cls, scenario),
-                        scheduler_cls, examples, seed, tick, save_dir, lambda sc: sc, level="exact")
+        return CheckResult(
+            name,
+            ["shadow"],
+            result="not tested",
+            level="exact",
+            failure=f'shadow mode is configured as additional_config["output_rate"]["shadow"]; '
+            f"--config-style {style.name} cannot express it",
+        )
+    strategy = st.one_of(
+        scenarios(async_scheduling=async_mode, max_steps=max_steps),
+        pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps),
+    )
+    return check_paired(
+        name,
+        ["shadow"],
+        strategy,
+        lambda scenario: run_shadow(scheduler_cls, scenario),
+        scheduler_cls,
+        examples,
+        seed,
+        tick,
+        save_dir,
+        lambda sc: sc,
+        level="exact",
+    )

@@ -78,13 +78,17 @@ class StepScenario:
     def lines(self) -> list[str]:
         """The scenario as short printable lines (config first, then events)."""
         c = self.config
-        head = (f"config: seqs={c.max_num_seqs} active={c.max_num_active_seqs} budget={c.max_num_batched_tokens} "
-                f"chunked={c.chunked_prefill} num_blocks={c.num_blocks} block_size={c.block_size} policy={c.policy} "
-                f"async={c.async_scheduling} max_model_len={c.max_model_len}")
+        head = (
+            f"config: seqs={c.max_num_seqs} active={c.max_num_active_seqs} budget={c.max_num_batched_tokens} "
+            f"chunked={c.chunked_prefill} num_blocks={c.num_blocks} block_size={c.block_size} policy={c.policy} "
+            f"async={c.async_scheduling} max_model_len={c.max_model_len}"
+        )
         if c.rate_limited:
             rates = ", ".join(f"{u}={r}" for u, r in c.user_rates_tokens_per_s)
-            head += (f" default_rate={c.default_rate_tokens_per_s} rates=[{rates}] "
-                     f"rate_active={c.output_rate_max_num_active_seqs} burst_ms={c.burst_ns / 1_000_000:g}")
+            head += (
+                f" default_rate={c.default_rate_tokens_per_s} rates=[{rates}] "
+                f"rate_active={c.output_rate_max_num_active_seqs} burst_ms={c.burst_ns / 1_000_000:g}"
+            )
             if c.max_num_seqs_per_user is not None:
                 head += f" seqs_per_user={c.max_num_seqs_per_user}"
         if c.max_loras is not None:
@@ -134,8 +138,9 @@ def engine_shape(config: EngineConfig, rates_file: str | None = None) -> EngineS
             output_rate["max_num_seqs_per_user"] = config.max_num_seqs_per_user
         if rates_file is not None:  # R21
             output_rate["rates_file"] = rates_file
-    return EngineShape(**{name: getattr(config, name) for name in _SHARED_FIELDS}, output_rate=output_rate,
-                       enable_prefix_caching=False)  # the step spec models no prefix cache: step identity needs it off
+    return EngineShape(
+        **{name: getattr(config, name) for name in _SHARED_FIELDS}, output_rate=output_rate, enable_prefix_caching=False
+    )  # the step spec models no prefix cache: step identity needs it off
 
 
 # The engine fields a spec configuration and a harness shape share (same names, same
@@ -178,8 +183,15 @@ def apply_event(harness: Harness, event: Event) -> StepTrace | None:
     """Apply one alphabet event to the real scheduler (Harness calls, see spec/events.py)."""
     if isinstance(event, AddRequest):
         user = None if event.user == "__anonymous__" else event.user
-        harness.add_request(event.request_id, user, event.prompt_len, event.max_tokens, event.eos_index,
-                            priority=event.priority, lora=event.lora)
+        harness.add_request(
+            event.request_id,
+            user,
+            event.prompt_len,
+            event.max_tokens,
+            event.eos_index,
+            priority=event.priority,
+            lora=event.lora,
+        )
         return None
     if isinstance(event, Abort):
         harness.abort(event.request_id)
@@ -223,8 +235,12 @@ def compare_state(harness: Harness, state: SchedulerState) -> str | None:
     free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
     got = {
-        r.request_id: (r.num_computed_tokens, r.num_output_tokens, r.num_output_placeholders,
-                       len(manager.req_to_blocks.get(r.request_id, ())))
+        r.request_id: (
+            r.num_computed_tokens,
+            r.num_output_tokens,
+            r.num_output_placeholders,
+            len(manager.req_to_blocks.get(r.request_id, ())),
+        )
         for r in sched.requests.values()
     }
     want = {
@@ -254,8 +270,13 @@ def compare_event(
 ExtraCheck = Callable[[Event, StepTrace | None, Harness, Observation, SchedulerState], str | None]
 
 
-def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCheck | None = None,
-                      style: Any = None, base: VllmVersionProfile | None = None) -> StepVerdict:
+def run_step_scenario(
+    scheduler_cls: str,
+    scenario: StepScenario,
+    extra: ExtraCheck | None = None,
+    style: Any = None,
+    base: VllmVersionProfile | None = None,
+) -> StepVerdict:
     """Run ``scenario`` on the spec and on ``scheduler_cls``; stop at the first difference.
 
     ``extra`` adds comparisons (the white-box check passes the rate-limit fields).
@@ -272,8 +293,14 @@ def run_step_scenario(scheduler_cls: str, scenario: StepScenario, extra: ExtraCh
         return _run_step_scenario(scheduler_cls, scenario, shape, extra, style, base)
 
 
-def _run_step_scenario(scheduler_cls: str, scenario: StepScenario, shape: EngineShape, extra: ExtraCheck | None,
-                       style: Any, base: VllmVersionProfile | None) -> StepVerdict:
+def _run_step_scenario(
+    scheduler_cls: str,
+    scenario: StepScenario,
+    shape: EngineShape,
+    extra: ExtraCheck | None,
+    style: Any,
+    base: VllmVersionProfile | None,
+) -> StepVerdict:
     harness = ObservedHarness(scheduler_cls, shape, style=style)
     state = initial_state(scenario.config, base if base is not None else installed_profile())
     history = invariants.DispatchHistory() if scenario.config.rate_limited else None
@@ -299,8 +326,9 @@ def _run_step_scenario(scheduler_cls: str, scenario: StepScenario, shape: Engine
         )
         if failure:
             verdict.failure, verdict.event_index = failure, index
-            verdict.rule = divergence.rule_of(failure, event, trace, harness, obs, state,
-                                              scenario.config.async_scheduling)
+            verdict.rule = divergence.rule_of(
+                failure, event, trace, harness, obs, state, scenario.config.async_scheduling
+            )
             return verdict
     return verdict
 
@@ -337,12 +365,23 @@ def base_configs(draw, async_scheduling: bool, pressure: bool) -> EngineConfig:
         block_size, num_blocks = draw(st.sampled_from([4, 4, 8])), draw(st.integers(4, 14))
     else:
         block_size, num_blocks = draw(st.sampled_from([4, 8, 16])), draw(st.integers(4, 40))
-    return EngineConfig(**drawn_engine_fields(draw, max_num_seqs, budget, chunked, block_size, num_blocks,
-                                              async_scheduling, max_model_len))
+    return EngineConfig(
+        **drawn_engine_fields(
+            draw, max_num_seqs, budget, chunked, block_size, num_blocks, async_scheduling, max_model_len
+        )
+    )
 
 
-def drawn_engine_fields(draw, max_num_seqs: int, budget: int, chunked: bool, block_size: int, num_blocks: int,
-                        async_scheduling: bool, max_model_len: int) -> dict[str, Any]:
+def drawn_engine_fields(
+    draw,
+    max_num_seqs: int,
+    budget: int,
+    chunked: bool,
+    block_size: int,
+    num_blocks: int,
+    async_scheduling: bool,
+    max_model_len: int,
+) -> dict[str, Any]:
     """The engine part of a drawn ``EngineConfig`` (keyword arguments) from the drawn sizes;
     draws the active cap (None two times in three) and the policy (FCFS or PRIORITY), in
     that order. ``draw``: a Hypothesis ``draw`` (``st.composite``)."""
@@ -360,8 +399,9 @@ def drawn_engine_fields(draw, max_num_seqs: int, budget: int, chunked: bool, blo
 
 
 @st.composite
-def request_plans(draw, config: EngineConfig, num_steps: int, users: tuple[str, ...], index: int,
-                  pressure: bool) -> _Req:
+def request_plans(
+    draw, config: EngineConfig, num_steps: int, users: tuple[str, ...], index: int, pressure: bool
+) -> _Req:
     """One request: arrival step, sizes, EOS index, priority, maybe an abort.
 
     ``pressure``: early arrivals, short prompts, long outputs, few EOS and aborts, so that
@@ -394,8 +434,9 @@ def request_plans(draw, config: EngineConfig, num_steps: int, users: tuple[str, 
     return _Req(add, at_step, abort_at)
 
 
-def build_events(plans: list[_Req], num_steps: int, drains: set[int], clock_ns: list[int] | None,
-                 final_drain: bool) -> tuple[Event, ...]:
+def build_events(
+    plans: list[_Req], num_steps: int, drains: set[int], clock_ns: list[int] | None, final_drain: bool
+) -> tuple[Event, ...]:
     """Lay the plans out on the step axis: before step s, arrivals then aborts of s."""
     events: list[Event] = []
     for s in range(num_steps):
@@ -436,8 +477,10 @@ def with_loras(draw, scenarios: st.SearchStrategy[StepScenario]) -> StepScenario
     ``base_scenarios`` and ``white_box_scenarios`` keep their examples."""
     scenario = draw(scenarios)
     max_loras = draw(st.integers(1, 2))
-    events = tuple(replace(e, lora=draw(st.integers(0, max_loras + 1))) if isinstance(e, AddRequest) else e
-                   for e in scenario.events)
+    events = tuple(
+        replace(e, lora=draw(st.integers(0, max_loras + 1))) if isinstance(e, AddRequest) else e
+        for e in scenario.events
+    )
     return StepScenario(replace(scenario.config, max_loras=max_loras), events)
 
 
@@ -471,8 +514,11 @@ def replay_file(path: str, scheduler_cls: str | None = None) -> StepVerdict:
     else:
         verdict = run_step_scenario(scheduler_cls or base_scheduler_cls(scenario.config.async_scheduling), scenario)
     print("\n".join(describe_failure(scenario, verdict)))
-    print(f"FAIL at event {verdict.event_index}: {verdict.failure}" if verdict.failure else
-          f"PASS: {verdict.events} events, {verdict.steps} steps agree")
+    print(
+        f"FAIL at event {verdict.event_index}: {verdict.failure}"
+        if verdict.failure
+        else f"PASS: {verdict.events} events, {verdict.steps} steps agree"
+    )
     return verdict
 
 

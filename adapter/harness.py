@@ -241,8 +241,9 @@ class Harness:
             raises for the config.
     """
 
-    def __init__(self, scheduler_cls: str, shape: EngineShape, clock: FakeClock | None = None,
-                 style: Any = None) -> None:
+    def __init__(
+        self, scheduler_cls: str, shape: EngineShape, clock: FakeClock | None = None, style: Any = None
+    ) -> None:
         from vllm.v1.structured_output import StructuredOutputManager
 
         from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
@@ -333,8 +334,10 @@ class Harness:
         path = (self.shape.output_rate or {}).get("rates_file")
         if not path:
             raise ValueError("change_rates needs output_rate.rates_file in the engine shape (R21)")
-        table = {"default_tokens_per_s": _json_rate(default_rate),
-                 "user_tokens_per_s": {u: _json_rate(r) for u, r in user_rates}}
+        table = {
+            "default_tokens_per_s": _json_rate(default_rate),
+            "user_tokens_per_s": {u: _json_rate(r) for u, r in user_rates},
+        }
         temporary = f"{path}.{self.step_index}.tmp"
         with open(temporary, "w", encoding="utf-8") as handle:
             json.dump(table, handle)
@@ -426,4 +429,3 @@ class Harness:
         trace = StepTrace(step=self.step_index, now_ns=self.clock.now_ns(), scheduled={}, sampled=[], preempted=[])
         self._update(so, mro, trace)
         return trace
-

@@ -85,9 +85,8 @@ class OpSequence:
 
     def __str__(self) -> str:
         rates = ", ".join(f"{u}={r}" for u, r in self.user_rates)
-        return (
-            f"default={self.default_rate} tok/s, overrides {{{rates}}}, users {list(self.users)}: "
-            + "; ".join(str(op) for op in self.ops)
+        return f"default={self.default_rate} tok/s, overrides {{{rates}}}, users {list(self.users)}: " + "; ".join(
+            str(op) for op in self.ops
         )
 
 
@@ -183,8 +182,16 @@ def rates() -> st.SearchStrategy[Fraction]:
         st.integers(1, 100).map(Fraction),
         st.integers(1, 10**6).map(Fraction),
         st.sampled_from(
-            [Fraction(1, 7), Fraction(1, 3), Fraction(1, 2), Fraction(5, 2), Fraction(10**6),
-             Fraction(999_999, 7), Fraction(3), Fraction(10)]
+            [
+                Fraction(1, 7),
+                Fraction(1, 3),
+                Fraction(1, 2),
+                Fraction(5, 2),
+                Fraction(10**6),
+                Fraction(999_999, 7),
+                Fraction(3),
+                Fraction(10),
+            ]
         ),
         st.builds(Fraction, st.integers(1, 10**4), st.integers(2, 1000)),
     )
@@ -269,8 +276,9 @@ def _compare(model: SpecLimiter, impl: LimiterLike, users: tuple[str, ...], now:
     return None
 
 
-def _take(model: SpecLimiter, impl: LimiterLike, user: str, now: int, where: str, counts: Counter[str],
-          pending: list[str]) -> str | None:
+def _take(
+    model: SpecLimiter, impl: LimiterLike, user: str, now: int, where: str, counts: Counter[str], pending: list[str]
+) -> str | None:
     """One ``try_take`` on both (R2): None, or the divergence or crash ``where`` it happened."""
     ready = model.ready_at_ns(user)
     granted_s = model.try_take(user, now)

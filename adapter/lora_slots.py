@@ -54,9 +54,11 @@ class LoraScenario(ResidencyScenario):
 
     def lines(self) -> list[str]:
         c = self.config
-        head = (f"config: max_loras={c.max_loras} max_num_seqs={c.max_num_seqs} budget={c.max_num_batched_tokens} "
-                f"chunked={c.chunked_prefill} async={c.async_scheduling} policy={c.policy} rates: {SLOW_USER}="
-                f"{dict(c.user_rates_tokens_per_s).get(SLOW_USER)} {FAST_USER}={FAST_RATE}")
+        head = (
+            f"config: max_loras={c.max_loras} max_num_seqs={c.max_num_seqs} budget={c.max_num_batched_tokens} "
+            f"chunked={c.chunked_prefill} async={c.async_scheduling} policy={c.policy} rates: {SLOW_USER}="
+            f"{dict(c.user_rates_tokens_per_s).get(SLOW_USER)} {FAST_USER}={FAST_RATE}"
+        )
         return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
 
 
@@ -64,10 +66,14 @@ class LoraScenario(ResidencyScenario):
 def lora_scenarios(draw, async_scheduling: bool) -> LoraScenario:
     """Hypothesis strategy: the LoRA load (module docstring), resources ample."""
     max_loras = draw(st.integers(1, 2))
-    slow = [(draw(st.integers(1, max_loras)), draw(st.integers(1, 12)), draw(st.integers(12, 30)))
-            for _ in range(draw(st.integers(max_loras, max_loras + 2)))]
-    fast = [(draw(st.sampled_from((max_loras + 1, max_loras + 1, 1))), draw(st.integers(1, 12)),
-             draw(st.integers(1, 6))) for _ in range(draw(st.integers(1, 3)))]
+    slow = [
+        (draw(st.integers(1, max_loras)), draw(st.integers(1, 12)), draw(st.integers(12, 30)))
+        for _ in range(draw(st.integers(max_loras, max_loras + 2)))
+    ]
+    fast = [
+        (draw(st.sampled_from((max_loras + 1, max_loras + 1, 1))), draw(st.integers(1, 12)), draw(st.integers(1, 6)))
+        for _ in range(draw(st.integers(1, 3)))
+    ]
     arrive = draw(st.integers(2, 6))
     num_steps = arrive + BOUND_STEPS + draw(st.integers(0, 6))
     requests = slow + fast
@@ -84,8 +90,7 @@ def lora_scenarios(draw, async_scheduling: bool) -> LoraScenario:
         max_loras=max_loras,
     )
     interval_ns = draw(st.sampled_from((10, 20, 50))) * 1_000_000
-    events: list[Event] = [AddRequest(f"s{i}", SLOW_USER, 0, p, m, None, lora)
-                           for i, (lora, p, m) in enumerate(slow)]
+    events: list[Event] = [AddRequest(f"s{i}", SLOW_USER, 0, p, m, None, lora) for i, (lora, p, m) in enumerate(slow)]
     for step in range(num_steps):
         if step == arrive:
             events += [AddRequest(f"f{i}", FAST_USER, 0, p, m, None, lora) for i, (lora, p, m) in enumerate(fast)]
@@ -109,16 +114,25 @@ def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> V
             arrived.pop(rid, None)
         late = sorted(rid for rid, at in arrived.items() if steps - at >= BOUND_STEPS)
         if late:
-            return (f"R13 (LoRA): {late[0]} of user {FAST_USER!r} has not sampled {BOUND_STEPS} steps after it "
-                    f"arrived (step {arrived[late[0]]}): the throttled user {SLOW_USER!r} holds the adapter slots "
-                    f"(max_loras={scenario.config.max_loras}) it needs; a throttled holder must give way "
-                    "(docs/SPEC.md, Decision \"LoRA slots\")")
+            return (
+                f"R13 (LoRA): {late[0]} of user {FAST_USER!r} has not sampled {BOUND_STEPS} steps after it "
+                f"arrived (step {arrived[late[0]]}): the throttled user {SLOW_USER!r} holds the adapter slots "
+                f"(max_loras={scenario.config.max_loras}) it needs; a throttled holder must give way "
+                '(docs/SPEC.md, Decision "LoRA slots")'
+            )
         return None
 
     for event in scenario.events:
         if isinstance(event, AddRequest):
-            harness.add_request(event.request_id, event.user, event.prompt_len, event.max_tokens, event.eos_index,
-                                event.priority, lora=event.lora)
+            harness.add_request(
+                event.request_id,
+                event.user,
+                event.prompt_len,
+                event.max_tokens,
+                event.eos_index,
+                event.priority,
+                lora=event.lora,
+            )
             max_tokens[event.request_id] = event.max_tokens
             if event.user == FAST_USER:
                 arrived[event.request_id] = steps
@@ -143,19 +157,40 @@ def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> V
     cut = first_cut(harness.finished, max_tokens)
     if cut is not None:
         rid, got = cut
-        return Verdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
-                              f"{DRAIN_STEPS} steps after the scenario", level="must")
+        return Verdict(
+            steps,
+            f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
+            f"{DRAIN_STEPS} steps after the scenario",
+            level="must",
+        )
     return Verdict(steps)
 
 
-def check_lora(scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
-               save_dir: Path | None, style: Any = None):
+def check_lora(
+    scheduler_cls: str,
+    async_mode: bool,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    style: Any = None,
+):
     """``run_lora`` on ``examples`` seeded LoRA scenarios; a failure is shrunk by
     Hypothesis and saved. Returns the ``CheckResult`` row ``lora-slots/{sync,async}``."""
     from vllm_output_rate.adapter.conform import CheckResult
 
     name = "lora-slots/" + ("async" if async_mode else "sync")
     result = CheckResult(name, ["R11", "R13"], level="should")
-    return hunt_row(result, lora_scenarios(async_mode), lambda scenario: run_lora(scheduler_cls, scenario, style),
-                    scheduler_cls, examples, seed, tick, save_dir, rule="R13", level="should",
-                    crash_note=" (with LoRA requests every request on the engine fails)")
+    return hunt_row(
+        result,
+        lora_scenarios(async_mode),
+        lambda scenario: run_lora(scheduler_cls, scenario, style),
+        scheduler_cls,
+        examples,
+        seed,
+        tick,
+        save_dir,
+        rule="R13",
+        level="should",
+        crash_note=" (with LoRA requests every request on the engine fails)",
+    )

@@ -97,8 +97,12 @@ class TwoChargesInAsync(RateLimitedAsyncScheduler):
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         before = len(self._charged) if self.rate_limiter is not None else 0
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if (self.rate_limiter is not None and len(self._charged) > before and request.num_output_placeholders
-                and self.rate_limiter.try_take(self._user(request), self._now_ns)):
+        if (
+            self.rate_limiter is not None
+            and len(self._charged) > before
+            and request.num_output_placeholders
+            and self.rate_limiter.try_take(self._user(request), self._now_ns)
+        ):
             self._charged.append(request)
         return n
 
@@ -491,8 +495,7 @@ class Mutant:
         return load_class(self.cls)
 
 
-def _entry(cls: type, rule: str, async_only: bool = False, boundary: str | None = None,
-           level: str = "must") -> Mutant:
+def _entry(cls: type, rule: str, async_only: bool = False, boundary: str | None = None, level: str = "must") -> Mutant:
     return Mutant(cls.__name__, rule, f"{__name__}.{cls.__name__}", async_only, boundary=boundary, level=level)
 
 

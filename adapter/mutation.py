@@ -45,8 +45,16 @@ ARTICLE_MUTANTS_MODULE = "article_mutants"
 # rule's edge, so the history a kill there leaves names that rule more often than a random
 # scenario's (adapter/attribution.py).
 CHECK_ORDER = (
-    "feature-off/sync", "boundaries/sync", "invariants/sync", "rate-limit/sync", "not-binding/sync",
-    "feature-off/async", "boundaries/async", "invariants/async", "rate-limit/async", "not-binding/async",
+    "feature-off/sync",
+    "boundaries/sync",
+    "invariants/sync",
+    "rate-limit/sync",
+    "not-binding/sync",
+    "feature-off/async",
+    "boundaries/async",
+    "invariants/async",
+    "rate-limit/async",
+    "not-binding/async",
 )
 LATE_CHECKS = ("engine-wait/sync", "engine-wait/async", "white-box/sync", "white-box/async")
 
@@ -136,8 +144,10 @@ def article_catalogue() -> tuple[Mutant, ...]:
     import importlib
 
     if not (FIXTURES_DIR / f"{ARTICLE_MUTANTS_MODULE}.py").exists():
-        raise ImportError(f"{FIXTURES_DIR / ARTICLE_MUTANTS_MODULE}.py not found: the article-style mutants "
-                          "are in the source checkout's tests/fixtures")
+        raise ImportError(
+            f"{FIXTURES_DIR / ARTICLE_MUTANTS_MODULE}.py not found: the article-style mutants "
+            "are in the source checkout's tests/fixtures"
+        )
     if str(FIXTURES_DIR) not in sys.path:
         sys.path.insert(0, str(FIXTURES_DIR))
     return importlib.import_module(ARTICLE_MUTANTS_MODULE).ARTICLE_MUTANTS
@@ -195,12 +205,19 @@ def _boundary_check(async_mode: bool):
                 break
         return result
 
-    return registry.PlannedCheck(registry.CheckSpec(f"boundaries/{tag}", "candidate", "must", rules, async_mode,
-                                                    lambda o: 1, run))
+    return registry.PlannedCheck(
+        registry.CheckSpec(f"boundaries/{tag}", "candidate", "must", rules, async_mode, lambda o: 1, run)
+    )
 
 
-def hunt_plan(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
-              save_dir: Path | None = None):
+def hunt_plan(
+    mutant: Mutant,
+    level: str = "should",
+    profile: str = "ci",
+    seed: int = 0,
+    white_box: bool = False,
+    save_dir: Path | None = None,
+):
     """(options, planned checks in hunting order) for ``mutant``: the registry's plan of a
     gate run on it, candidate checks only, in the mutant's modes (``async_only``: async
     checks; no ``async_cls``: sync checks), exact-level ones only with ``white_box``."""
@@ -210,9 +227,17 @@ def hunt_plan(mutant: Mutant, level: str = "should", profile: str = "ci", seed: 
     style = parse_config_style(mutant.style) if mutant.style else None
     async_cls = mutant.cls if mutant.async_only else mutant.async_cls
     options = registry.GateOptions(
-        scheduler_cls=mutant.cls, async_scheduler_cls=async_cls, level=level, profile=profile, seed=seed,
-        style=style, integer_rates=mutant.integer_rates, sync_only=async_cls is None, spec_health=False,
-        save_dir=save_dir)
+        scheduler_cls=mutant.cls,
+        async_scheduler_cls=async_cls,
+        level=level,
+        profile=profile,
+        seed=seed,
+        style=style,
+        integer_rates=mutant.integer_rates,
+        sync_only=async_cls is None,
+        spec_health=False,
+        save_dir=save_dir,
+    )
     planned = []
     for item in registry.plan(options):
         spec = item.spec
@@ -283,8 +308,14 @@ def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
     return None  # a check whose scenarios this module does not know how to re-run
 
 
-def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
-         check_base: bool = True) -> MutantResult:
+def kill(
+    mutant: Mutant,
+    level: str = "should",
+    profile: str = "ci",
+    seed: int = 0,
+    white_box: bool = False,
+    check_base: bool = True,
+) -> MutantResult:
     """Run the gate's candidate checks on ``mutant`` (``hunt_plan``) until one rejects it.
 
     A mutant whose slip is a defect only from a higher level (``Mutant.level``) is not
@@ -295,8 +326,9 @@ def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int =
     started = time.monotonic()
     based_on = "article_style" if mutant.style else "reference"
     if not includes(level, getattr(mutant, "level", "must")):
-        return MutantResult(mutant.name, mutant.rule, False, 0.0, based_on=based_on,
-                            not_judged=f"not a defect below {mutant.level}")
+        return MutantResult(
+            mutant.name, mutant.rule, False, 0.0, based_on=based_on, not_judged=f"not a defect below {mutant.level}"
+        )
     spurious: list[str] = []  # failures the base class shares (a gate or base defect, reported)
     shortfall: str | None = None  # the coverage row's failure: obligations not reached, not a kill
     with tempfile.TemporaryDirectory(prefix=f"outrate-mutant-{mutant.name}-") as tmp:
@@ -309,9 +341,22 @@ def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int =
                 shortfall = result.failure
                 continue
             events = sum(1 for line in result.counterexample if not line.startswith("config:"))
-            row = MutantResult(mutant.name, mutant.rule, True, 0.0, events, _named_rule(result.failure), result.name,
-                               result.failure, list(result.counterexample), result.failed_level or result.level,
-                               _is_black_box(result), None, based_on, n)
+            row = MutantResult(
+                mutant.name,
+                mutant.rule,
+                True,
+                0.0,
+                events,
+                _named_rule(result.failure),
+                result.name,
+                result.failure,
+                list(result.counterexample),
+                result.failed_level or result.level,
+                _is_black_box(result),
+                None,
+                based_on,
+                n,
+            )
             row.seconds = time.monotonic() - started  # the base re-run is not part of the kill
             if check_base:
                 row.base_passes = _base_passes(mutant, result, level, options)
@@ -320,13 +365,26 @@ def kill(mutant: Mutant, level: str = "should", profile: str = "ci", seed: int =
                     continue
             row.spurious = spurious
             return row
-    return MutantResult(mutant.name, mutant.rule, False, time.monotonic() - started, based_on=based_on,
-                        checks_run=len(planned), spurious=spurious, coverage_shortfall=shortfall)
+    return MutantResult(
+        mutant.name,
+        mutant.rule,
+        False,
+        time.monotonic() - started,
+        based_on=based_on,
+        checks_run=len(planned),
+        spurious=spurious,
+        coverage_shortfall=shortfall,
+    )
 
 
-def kill_all(level: str = "should", profile: str = "ci", seed: int = 0, white_box: bool = False,
-             tick: Callable[[str], None] = lambda name: None,
-             mutants: tuple[Mutant, ...] | None = None) -> list[MutantResult]:
+def kill_all(
+    level: str = "should",
+    profile: str = "ci",
+    seed: int = 0,
+    white_box: bool = False,
+    tick: Callable[[str], None] = lambda name: None,
+    mutants: tuple[Mutant, ...] | None = None,
+) -> list[MutantResult]:
     """``kill`` every mutant of ``mutants`` (default: the whole catalogue); ``tick`` is
     called with each mutant's name before it is hunted."""
     results = []
@@ -349,8 +407,15 @@ def first_failure(mutant: Mutant, strategy, examples: int, seed: int, level: str
     cls = mutant.cls
     found: dict = {}
 
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              phases=[Phase.generate], print_blob=False, report_multiple_bugs=False)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
     @hseed(seed)
     @given(scenario=strategy)
     def prop(scenario):

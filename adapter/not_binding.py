@@ -50,8 +50,13 @@ def never_binding(scenario: Scenario) -> Scenario:
             ``max_tokens + 1`` (async may dispatch once after EOS), and any sequence of at
             most ``floor(tau x rate) + 1`` takes is granted by GCRA whatever its timing (R2).
     """
-    scenario = replace(scenario, feature_on=True, burst_ms=None, default_rate_tokens_per_s=NEVER_BINDING_RATE,
-                       rates_tokens_per_s=dict.fromkeys(scenario.rates_tokens_per_s, NEVER_BINDING_RATE))
+    scenario = replace(
+        scenario,
+        feature_on=True,
+        burst_ms=None,
+        default_rate_tokens_per_s=NEVER_BINDING_RATE,
+        rates_tokens_per_s=dict.fromkeys(scenario.rates_tokens_per_s, NEVER_BINDING_RATE),
+    )
     grants = spec_limiter.idle_burst_grants(Fraction(NEVER_BINDING_RATE), scenario.burst_ns)
     demand: dict[str, int] = {}
     for r in scenario.requests:
@@ -78,8 +83,11 @@ def stall_scenarios(draw, async_scheduling: bool | None = None) -> Scenario:
         requests.append(RequestSpec("v-r1", "v", draw(st.integers(1, 8)), draw(st.integers(8, 40))))
     requests.append(RequestSpec("w-r0", "w", draw(st.integers(1, 8)), draw(st.integers(8, 40))))
     if draw(st.booleans()):
-        requests.append(RequestSpec("x-r0", None, draw(st.integers(1, 8)), draw(st.integers(4, 40)),
-                                    at_step=draw(st.integers(0, arrival))))
+        requests.append(
+            RequestSpec(
+                "x-r0", None, draw(st.integers(1, 8)), draw(st.integers(4, 40)), at_step=draw(st.integers(0, arrival))
+            )
+        )
     requests.append(RequestSpec("v-long", "v", long_prompt, draw(st.integers(1, 8)), at_step=arrival))
     return Scenario(
         rates_tokens_per_s={"v": NEVER_BINDING_RATE},
@@ -94,9 +102,11 @@ def stall_scenarios(draw, async_scheduling: bool | None = None) -> Scenario:
 
 def not_binding_scenarios(async_scheduling: bool, max_steps: int):
     """Every scenario shape the R19 check draws: the stall shape, ample and pressured."""
-    return st.one_of(stall_scenarios(async_scheduling=async_scheduling),
-                     scenarios(async_scheduling=async_scheduling, max_steps=max_steps),
-                     pressured_scenarios(async_scheduling=async_scheduling, max_steps=max_steps))
+    return st.one_of(
+        stall_scenarios(async_scheduling=async_scheduling),
+        scenarios(async_scheduling=async_scheduling, max_steps=max_steps),
+        pressured_scenarios(async_scheduling=async_scheduling, max_steps=max_steps),
+    )
 
 
 def run_not_binding(scheduler_cls: str, scenario: Scenario, style=None) -> Verdict:
@@ -112,16 +122,31 @@ def run_not_binding(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
         return Verdict(steps, None)
     step, field, got, want = difference
     name, stock, where = difference_names(scheduler_cls, scenario.async_scheduling, step)
-    return Verdict(steps, (
-        f"with no user throttled (every rate {NEVER_BINDING_RATE} tokens/s), {name} scheduled {where} "
-        f"{field} {got!r} where stock vLLM {stock} has {want!r}: a rate limit that does not bind must not "
-        "change the schedule. vLLM spends the token budget in `running` order; the article's own rotation "
-        "(swapping a user's streams in `running` at each step start) fails this too, starving other users' "
-        "streams behind a long prompt moved ahead"), "R19", step, level="should")
+    return Verdict(
+        steps,
+        (
+            f"with no user throttled (every rate {NEVER_BINDING_RATE} tokens/s), {name} scheduled {where} "
+            f"{field} {got!r} where stock vLLM {stock} has {want!r}: a rate limit that does not bind must not "
+            "change the schedule. vLLM spends the token budget in `running` order; the article's own rotation "
+            "(swapping a user's streams in `running` at each step start) fails this too, starving other users' "
+            "streams behind a long prompt moved ahead"
+        ),
+        "R19",
+        step,
+        level="should",
+    )
 
 
-def check_not_binding(scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int,
-                      tick: Callable[[], None], save_dir: Path | None, style=None):
+def check_not_binding(
+    scheduler_cls: str,
+    async_mode: bool,
+    examples: int,
+    max_steps: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    style=None,
+):
     """R19 (level should): ``run_not_binding`` on ``examples`` seeded scenarios (the stall
     shape, ample, pressured); a failure is shrunk, made 1-minimal and saved with its rates
     at 10^6 tokens/s. Returns the ``adapter.conform.CheckResult`` row
@@ -129,6 +154,16 @@ def check_not_binding(scheduler_cls: str, async_mode: bool, examples: int, max_s
     from vllm_output_rate.adapter.conform import check_paired
 
     name = "not-binding/" + ("async" if async_mode else "sync")
-    return check_paired(name, ["R19", "R14"], not_binding_scenarios(async_mode, max_steps),
-                        lambda scenario: run_not_binding(scheduler_cls, scenario, style), scheduler_cls,
-                        examples, seed, tick, save_dir, never_binding, level="should")
+    return check_paired(
+        name,
+        ["R19", "R14"],
+        not_binding_scenarios(async_mode, max_steps),
+        lambda scenario: run_not_binding(scheduler_cls, scenario, style),
+        scheduler_cls,
+        examples,
+        seed,
+        tick,
+        save_dir,
+        never_binding,
+        level="should",
+    )

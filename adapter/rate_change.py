@@ -65,8 +65,10 @@ class RateChangeScenario:
     def lines(self) -> list[str]:
         c = self.config
         rates = ", ".join(f"{u}={r}" for u, r in c.user_rates_tokens_per_s)
-        head = (f"config: async={c.async_scheduling} chunked={c.chunked_prefill} default_rate="
-                f"{c.default_rate_tokens_per_s} rates=[{rates}] (ample budget, KV and seats)")
+        head = (
+            f"config: async={c.async_scheduling} chunked={c.chunked_prefill} default_rate="
+            f"{c.default_rate_tokens_per_s} rates=[{rates}] (ample budget, KV and seats)"
+        )
         return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
 
     def to_json(self) -> str:
@@ -86,8 +88,9 @@ def rate_change_scenarios(draw, async_scheduling: bool) -> RateChangeScenario:
     """Hypothesis strategy: the shape of the module docstring."""
     chunked = draw(st.booleans())
     streams = [(u, draw(st.integers(1, 3))) for u in USERS]
-    requests = [(f"{u}{i}", u, draw(st.integers(1, 12)), draw(st.integers(4, 30)))
-                for u, n in streams for i in range(n)]
+    requests = [
+        (f"{u}{i}", u, draw(st.integers(1, 12)), draw(st.integers(4, 30))) for u, n in streams for i in range(n)
+    ]
     num_steps = draw(st.integers(10, 40))
     changes = sorted(set(draw(st.lists(st.integers(1, num_steps - 1), min_size=1, max_size=3))))
     intervals = draw(st.lists(st.sampled_from((0, 1, 5, 10, 20, 50, 120)), min_size=num_steps, max_size=num_steps))
@@ -102,8 +105,10 @@ def rate_change_scenarios(draw, async_scheduling: bool) -> RateChangeScenario:
         async_scheduling=async_scheduling,
         max_model_len=max_model_len,
         default_rate_tokens_per_s=Fraction(draw(st.sampled_from(RATES))),
-        user_rates_tokens_per_s=(("a", Fraction(draw(st.sampled_from(RATES)))),
-                                 ("b", Fraction(draw(st.sampled_from(RATES))))),
+        user_rates_tokens_per_s=(
+            ("a", Fraction(draw(st.sampled_from(RATES)))),
+            ("b", Fraction(draw(st.sampled_from(RATES)))),
+        ),
     )
     events: list[Event] = []
     for step in range(num_steps):
@@ -144,9 +149,11 @@ class _Judge:
             for k in range(count):
                 self.limiter, ok = spec_limiter.try_take(self.limiter, user, config.rate_of(user), now, burst)
                 if not ok:
-                    return "R21", (f"user {user!r} dispatched {count} sampling steps at {now} ns; the spec grants only "
-                                   f"{k} at rate {config.rate_of(user)} tok/s (its lead kept in tokens across the "
-                                   "rate changes, R21): an over-grant")
+                    return "R21", (
+                        f"user {user!r} dispatched {count} sampling steps at {now} ns; the spec grants only "
+                        f"{k} at rate {config.rate_of(user)} tok/s (its lead kept in tokens across the "
+                        "rate changes, R21): an over-grant"
+                    )
             self.dispatches[user] += [now] * count
             broken = self._window(user)
             if broken is not None:
@@ -157,10 +164,12 @@ class _Judge:
                 user = self.user[rid]
                 if rid in sampled or not spec_limiter.allows(self.limiter, user, now, burst):
                     continue
-                return "R21", (f"{rid} of user {user!r} did not sample at {now} ns although the spec still grants its "
-                               f"user at rate {config.rate_of(user)} tok/s (TAT "
-                               f"{self.limiter.tat_ns.get(user)}): an under-grant (a higher rate not applied, or "
-                               "debt added at the change)")
+                return "R21", (
+                    f"{rid} of user {user!r} did not sample at {now} ns although the spec still grants its "
+                    f"user at rate {config.rate_of(user)} tok/s (TAT "
+                    f"{self.limiter.tat_ns.get(user)}): an under-grant (a higher rate not applied, or "
+                    "debt added at the change)"
+                )
         return None
 
     def _window(self, user: str) -> str | None:
@@ -178,8 +187,10 @@ class _Judge:
                     segments.append((max(0, min(until, end) - max(begin, start)), table.rate_of(user)))
             bound = spec_limiter.piecewise_window_bound_tokens(segments, self.config.burst_ns)
             if count > bound:
-                return (f"user {user!r}: {count} sampling dispatches in [{start}, {end}] ns > the piecewise bound "
-                        f"{bound} (segments {[(d, str(r)) for d, r in segments]}, one burst)")
+                return (
+                    f"user {user!r}: {count} sampling dispatches in [{start}, {end}] ns > the piecewise bound "
+                    f"{bound} (segments {[(d, str(r)) for d, r in segments]}, one burst)"
+                )
         return None
 
 
@@ -235,8 +246,12 @@ def _run(harness, scenario: RateChangeScenario) -> Verdict:
     cut = first_cut(harness.finished, max_tokens)
     if cut is not None:
         rid, got = cut
-        return Verdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
-                              f"{DRAIN_STEPS} steps after the scenario (a rate change pauses, never cuts)", "P3")
+        return Verdict(
+            steps,
+            f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
+            f"{DRAIN_STEPS} steps after the scenario (a rate change pauses, never cuts)",
+            "P3",
+        )
     return Verdict(steps)
 
 
@@ -248,8 +263,16 @@ def style_has_rates_file(style: Any) -> bool:
     return style is None or isinstance(style, AdditionalConfigStyle)
 
 
-def check_rate_change(scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
-                      save_dir: Path | None, style: Any = None, level: str = "exact"):
+def check_rate_change(
+    scheduler_cls: str,
+    async_mode: bool,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    style: Any = None,
+    level: str = "exact",
+):
     """R21: ``run_rate_change`` on ``examples`` seeded scenarios; a failure is shrunk by
     Hypothesis and saved. ``level``: the level the row judges at (exact, or must when the
     candidate declares the rates file). Returns the ``CheckResult`` row ``rate-change/{sync,async}``."""
@@ -260,10 +283,21 @@ def check_rate_change(scheduler_cls: str, async_mode: bool, examples: int, seed:
     result = CheckResult(name, ["R21"], level=level)
     if not style_has_rates_file(style):
         result.result = "not tested"
-        result.failure = ("the candidate's configuration style has no rates file (output_rate.rates_file): the "
-                          "article's flags cannot change a rate without a restart")
+        result.failure = (
+            "the candidate's configuration style has no rates file (output_rate.rates_file): the "
+            "article's flags cannot change a rate without a restart"
+        )
         return result
 
-    return hunt_row(result, rate_change_scenarios(async_mode),
-                    lambda scenario: run_rate_change(scheduler_cls, scenario, style), scheduler_cls, examples, seed,
-                    tick, save_dir, rule=None, level=level)
+    return hunt_row(
+        result,
+        rate_change_scenarios(async_mode),
+        lambda scenario: run_rate_change(scheduler_cls, scenario, style),
+        scheduler_cls,
+        examples,
+        seed,
+        tick,
+        save_dir,
+        rule=None,
+        level=level,
+    )

@@ -107,19 +107,31 @@ def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:
     def run(options: GateOptions, tick: Tick):
         budget = _budget(options)
         result = gate.check_scheduler(
-            _cls(options, async_mode), async_mode, budget[key], budget["max_steps"], options.seed, tick,
-            options.save_dir, pressured=pressured, level=options.level, style=options.style,
-            integer_rates=options.integer_rates, burst_configurable=options.burst_configurable)
+            _cls(options, async_mode),
+            async_mode,
+            budget[key],
+            budget["max_steps"],
+            options.seed,
+            tick,
+            options.save_dir,
+            pressured=pressured,
+            level=options.level,
+            style=options.style,
+            integer_rates=options.integer_rates,
+            burst_configurable=options.burst_configurable,
+        )
         return result
 
     name = f"{'invariants' if pressured else 'rate-limit'}/{tag}"
-    rules = ("R1", "R2", "R6", "R7", "R9", "R11", "R12", "R17") if pressured else (
-        "R2", "R7", "R11", "R12", "R14", "R17")
+    rules = (
+        ("R1", "R2", "R6", "R7", "R9", "R11", "R12", "R17") if pressured else ("R2", "R7", "R11", "R12", "R14", "R17")
+    )
     return CheckSpec(name, "candidate", "must", rules, async_mode, lambda o: _budget(o)[key], run)
 
 
-def _stock_comparison_check(name: str, level: str, rules: tuple[str, ...], async_mode: bool,
-                            check: Callable[[], Callable[..., Any]]) -> CheckSpec:
+def _stock_comparison_check(
+    name: str, level: str, rules: tuple[str, ...], async_mode: bool, check: Callable[[], Callable[..., Any]]
+) -> CheckSpec:
     """A row that runs the candidate beside stock vLLM on a quarter of the mode's scenario
     budget (at least 5 scenarios): ``check()`` imports and returns the check function,
     called as ``f(class, async_mode, examples, max_steps, seed, tick, save_dir, style)``."""
@@ -129,8 +141,16 @@ def _stock_comparison_check(name: str, level: str, rules: tuple[str, ...], async
         return max(_budget(options)[key] // 4, 5)
 
     def run(options: GateOptions, tick: Tick):
-        return check()(_cls(options, async_mode), async_mode, examples(options), _budget(options)["max_steps"],
-                       options.seed, tick, options.save_dir, options.style)
+        return check()(
+            _cls(options, async_mode),
+            async_mode,
+            examples(options),
+            _budget(options)["max_steps"],
+            options.seed,
+            tick,
+            options.save_dir,
+            options.style,
+        )
 
     return CheckSpec(f"{name}/{key}", "candidate", level, rules, async_mode, examples, run)
 
@@ -157,6 +177,7 @@ def _shadow_check(async_mode: bool) -> CheckSpec:
     """Shadow mode (docs/SPEC.md, Decision "Shadow mode"; level exact, our decision): with
     ``output_rate.shadow: true`` and binding rates the candidate is stock step for step
     (``adapter/feature_off.py``, ``check_shadow``)."""
+
     def check():
         from vllm_output_rate.adapter.feature_off import check_shadow
 
@@ -171,14 +192,28 @@ def _white_box_check(async_mode: bool) -> CheckSpec:
     key = "white_async" if async_mode else "white_sync"
 
     def run(options: GateOptions, tick: Tick):
-        return gate.check_white_box(_cls(options, async_mode), async_mode, _step_budget(options)[key],
-                                    options.seed, tick, options.save_dir,
-                                    burst_configurable=options.burst_configurable, style=options.style,
-                                    integer_rates=options.integer_rates)
+        return gate.check_white_box(
+            _cls(options, async_mode),
+            async_mode,
+            _step_budget(options)[key],
+            options.seed,
+            tick,
+            options.save_dir,
+            burst_configurable=options.burst_configurable,
+            style=options.style,
+            integer_rates=options.integer_rates,
+        )
 
     rules = ("R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16")
-    return CheckSpec(f"white-box/{'async' if async_mode else 'sync'}", "candidate", "exact", rules, async_mode,
-                     lambda o: _step_budget(o)[key], run)
+    return CheckSpec(
+        f"white-box/{'async' if async_mode else 'sync'}",
+        "candidate",
+        "exact",
+        rules,
+        async_mode,
+        lambda o: _step_budget(o)[key],
+        run,
+    )
 
 
 def _engine_wait_check(async_mode: bool) -> CheckSpec:
@@ -196,22 +231,33 @@ def _engine_wait_check(async_mode: bool) -> CheckSpec:
     return CheckSpec(f"engine-wait/{tag}", "candidate", "should", ("R16",), async_mode, lambda o: 1, run)
 
 
-def _per_profile_check(name: str, level: str, rules: tuple[str, ...], async_mode: bool,
-                       load: Callable[[], tuple[dict[str, int], Callable[..., Any]]]) -> CheckSpec:
+def _per_profile_check(
+    name: str,
+    level: str,
+    rules: tuple[str, ...],
+    async_mode: bool,
+    load: Callable[[], tuple[dict[str, int], Callable[..., Any]]],
+) -> CheckSpec:
     """A row with a fixed number of scenarios per profile: ``load()`` imports and returns
     (scenarios per profile, the check function, called as ``f(class, async_mode, examples,
     seed, tick, save_dir, style)``)."""
 
     def run(options: GateOptions, tick: Tick):
         examples, check = load()
-        return check(_cls(options, async_mode), async_mode, examples[options.profile], options.seed, tick,
-                     options.save_dir, options.style)
+        return check(
+            _cls(options, async_mode),
+            async_mode,
+            examples[options.profile],
+            options.seed,
+            tick,
+            options.save_dir,
+            options.style,
+        )
 
     def total(options: GateOptions) -> int:
         return load()[0][options.profile]
 
-    return CheckSpec(f"{name}/{'async' if async_mode else 'sync'}", "candidate", level, rules, async_mode, total,
-                     run)
+    return CheckSpec(f"{name}/{'async' if async_mode else 'sync'}", "candidate", level, rules, async_mode, total, run)
 
 
 def _residency_check(async_mode: bool) -> CheckSpec:
@@ -247,16 +293,32 @@ def _rate_change_check(async_mode: bool) -> CheckSpec:
     def run(options: GateOptions, tick: Tick):
         from vllm_output_rate.adapter.rate_change import EXAMPLES, check_rate_change
 
-        return check_rate_change(_cls(options, async_mode), async_mode, EXAMPLES[options.profile], options.seed,
-                                 tick, options.save_dir, options.style, level=spec.level_for(options))
+        return check_rate_change(
+            _cls(options, async_mode),
+            async_mode,
+            EXAMPLES[options.profile],
+            options.seed,
+            tick,
+            options.save_dir,
+            options.style,
+            level=spec.level_for(options),
+        )
 
     def total(options: GateOptions) -> int:
         from vllm_output_rate.adapter.rate_change import EXAMPLES
 
         return EXAMPLES[options.profile]
 
-    spec = CheckSpec(f"rate-change/{'async' if async_mode else 'sync'}", "candidate", "exact", ("R21",), async_mode,
-                     total, run, opt_in="rate_change")
+    spec = CheckSpec(
+        f"rate-change/{'async' if async_mode else 'sync'}",
+        "candidate",
+        "exact",
+        ("R21",),
+        async_mode,
+        total,
+        run,
+        opt_in="rate_change",
+    )
     return spec
 
 
@@ -266,15 +328,26 @@ def _spec_health_checks() -> list[CheckSpec]:
     def fidelity(async_mode: bool) -> CheckSpec:
         key = "base_async" if async_mode else "base_sync"
         rules = tuple(f"V{i}" for i in range(1, 12)) + (("V12",) if async_mode else ())
-        return CheckSpec(f"base-fidelity/{'async' if async_mode else 'sync'}", "spec health", "must", rules,
-                         None, lambda o: _step_budget(o)[key],
-                         lambda o, tick: gate.check_base_fidelity(async_mode, _step_budget(o)[key], o.seed, tick,
-                                                                  o.save_dir))
+        return CheckSpec(
+            f"base-fidelity/{'async' if async_mode else 'sync'}",
+            "spec health",
+            "must",
+            rules,
+            None,
+            lambda o: _step_budget(o)[key],
+            lambda o, tick: gate.check_base_fidelity(async_mode, _step_budget(o)[key], o.seed, tick, o.save_dir),
+        )
 
     return [
-        CheckSpec("limiter-differential", "spec health", "must", ("R1", "R2", "R3", "R4", "R5", "R6"), None,
-                  lambda o: _budget(o)["limiter"],
-                  lambda o, tick: gate.check_limiter_differential(_budget(o)["limiter"], o.seed, tick)),
+        CheckSpec(
+            "limiter-differential",
+            "spec health",
+            "must",
+            ("R1", "R2", "R3", "R4", "R5", "R6"),
+            None,
+            lambda o: _budget(o)["limiter"],
+            lambda o, tick: gate.check_limiter_differential(_budget(o)["limiter"], o.seed, tick),
+        ),
         fidelity(False),
         fidelity(True),
     ]
@@ -297,15 +370,24 @@ def _boundaries_check(async_mode: bool) -> CheckSpec:
     def run(options: GateOptions, tick: Tick):
         from vllm_output_rate.adapter.boundaries import check_boundaries
 
-        return check_boundaries(_cls(options, async_mode), async_mode, options.seed, tick, options.save_dir,
-                                level=options.level, style=options.style, integer_rates=options.integer_rates,
-                                per_boundary=per_boundary(options))
+        return check_boundaries(
+            _cls(options, async_mode),
+            async_mode,
+            options.seed,
+            tick,
+            options.save_dir,
+            level=options.level,
+            style=options.style,
+            integer_rates=options.integer_rates,
+            per_boundary=per_boundary(options),
+        )
 
     from vllm_output_rate.adapter.boundaries import BOUNDARIES
 
     rules = tuple(sorted({r for b in BOUNDARIES for r in b.rules}))
-    return CheckSpec(f"boundaries/{'async' if async_mode else 'sync'}", "candidate", "must", rules, async_mode,
-                     total, run)
+    return CheckSpec(
+        f"boundaries/{'async' if async_mode else 'sync'}", "candidate", "must", rules, async_mode, total, run
+    )
 
 
 def _coverage_check() -> CheckSpec:
@@ -328,14 +410,24 @@ def registry(extra: Sequence[CheckSpec] = ()) -> list[CheckSpec]:
     by ``vllm_output_rate.gate_plan``: the adapter does not import proofs/)."""
     checks: list[CheckSpec] = []
     for async_mode in (False, True):
-        checks += [_scheduler_check(async_mode, False), _scheduler_check(async_mode, True),
-                   _feature_off_check(async_mode), _not_binding_check(async_mode), _boundaries_check(async_mode)]
+        checks += [
+            _scheduler_check(async_mode, False),
+            _scheduler_check(async_mode, True),
+            _feature_off_check(async_mode),
+            _not_binding_check(async_mode),
+            _boundaries_check(async_mode),
+        ]
     checks += [_engine_wait_check(False), _engine_wait_check(True)]
     checks += [_residency_check(False), _residency_check(True)]  # R20
     checks += [_rate_change_check(False), _rate_change_check(True)]  # R21
     checks += [_lora_check(False), _lora_check(True)]  # R11, R13: LoRA slots
-    checks += [_white_box_check(False), _white_box_check(True), _shadow_check(False), _shadow_check(True),
-               _coverage_check()]
+    checks += [
+        _white_box_check(False),
+        _white_box_check(True),
+        _shadow_check(False),
+        _shadow_check(True),
+        _coverage_check(),
+    ]
     return checks + _spec_health_checks() + list(extra)
 
 
@@ -367,8 +459,9 @@ def run_planned(item: PlannedCheck, options: GateOptions, tick: Tick):
 
     spec = item.spec
     if item.skip is not None:
-        return CheckResult(spec.name, list(spec.rules), result="not tested", failure=item.skip, part=spec.part,
-                           level=spec.level)
+        return CheckResult(
+            spec.name, list(spec.rules), result="not tested", failure=item.skip, part=spec.part, level=spec.level
+        )
     from vllm_output_rate.adapter import coverage
 
     started = time.monotonic()

@@ -14,22 +14,43 @@ from tabulate import tabulate
 
 # check name prefix -> (component, kind, property)
 MANIFEST = {
-    "limiter-differential": ("spec/limiter.py vs reference/limiter.py", "differential (Hypothesis)",
-                             "same grants, TATs, ready times, cleanups for every operation sequence"),
-    "rate-limit": ("real vLLM scheduler class", "differential vs spec limiter (Hypothesis)",
-                   "every sampling dispatch granted by the spec limiter; paused only when refused; "
-                   "window bound; rotation; pause, not truncate"),
-    "invariants": ("real vLLM scheduler class", "invariants under pressure (Hypothesis)",
-                   "charges - refunds = dispatches; refunds once, of this step; throttled never "
-                   "scheduled; active cap; TAT = spec replay; wait hint"),
-    "base-fidelity": ("spec/ step model vs stock vLLM", "differential (Hypothesis)",
-                      "spec predicts stock vLLM step for step with the limit off"),
-    "proofs": ("spec/limiter.py, reference/limiter.py", "proof (Z3, unbounded integers)",
-               "window bound, idle burst, integer scaling = spec, ready_at exact, refund and cleanup change nothing"),
-    "model-check": ("spec/ step model", "explicit-state model checking",
-                    "every invariant in every reachable state of the quick scopes; liveness"),
-    "white-box": ("spec/ step model vs scheduler class", "differential (Hypothesis)",
-                  "every observation field equal after every step"),
+    "limiter-differential": (
+        "spec/limiter.py vs reference/limiter.py",
+        "differential (Hypothesis)",
+        "same grants, TATs, ready times, cleanups for every operation sequence",
+    ),
+    "rate-limit": (
+        "real vLLM scheduler class",
+        "differential vs spec limiter (Hypothesis)",
+        "every sampling dispatch granted by the spec limiter; paused only when refused; "
+        "window bound; rotation; pause, not truncate",
+    ),
+    "invariants": (
+        "real vLLM scheduler class",
+        "invariants under pressure (Hypothesis)",
+        "charges - refunds = dispatches; refunds once, of this step; throttled never "
+        "scheduled; active cap; TAT = spec replay; wait hint",
+    ),
+    "base-fidelity": (
+        "spec/ step model vs stock vLLM",
+        "differential (Hypothesis)",
+        "spec predicts stock vLLM step for step with the limit off",
+    ),
+    "proofs": (
+        "spec/limiter.py, reference/limiter.py",
+        "proof (Z3, unbounded integers)",
+        "window bound, idle burst, integer scaling = spec, ready_at exact, refund and cleanup change nothing",
+    ),
+    "model-check": (
+        "spec/ step model",
+        "explicit-state model checking",
+        "every invariant in every reachable state of the quick scopes; liveness",
+    ),
+    "white-box": (
+        "spec/ step model vs scheduler class",
+        "differential (Hypothesis)",
+        "every observation field equal after every step",
+    ),
 }
 
 
@@ -53,8 +74,10 @@ def junit(path: Path, header: str, checks: list[dict], mutants: list[dict]) -> N
             case.add_skipped_info(m["not_judged"])
         elif not m["killed"]:
             short = m.get("coverage_shortfall")
-            case.add_failure_info(f"mutant breaking {m['rule']} survived the gate"
-                                  + (f" (its checks passed; coverage short: {short})" if short else ""))
+            case.add_failure_info(
+                f"mutant breaking {m['rule']} survived the gate"
+                + (f" (its checks passed; coverage short: {short})" if short else "")
+            )
         cases.append(case)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_xml_report_string([TestSuite(header, cases)]))
@@ -66,17 +89,51 @@ def markdown(path: Path, header: str, checks: list[dict], mutants: list[dict], b
     for c in checks:
         component, kind, prop = _describe(c["name"])
         rate = f"{c['examples'] / c['seconds']:.1f}" if c["seconds"] else "-"
-        rows.append([c["name"], component, kind, prop, " ".join(c["rules"]), c["examples"], rate,
-                     c["result"].upper()])
-    text = [f"# Gate manifest\n\n{header}\n",
-            tabulate(rows, headers=["check", "component", "kind", "property", "rules", "budget (examples)",
-                                    "measured examples/s", "result"], tablefmt="github")]
+        rows.append([c["name"], component, kind, prop, " ".join(c["rules"]), c["examples"], rate, c["result"].upper()])
+    text = [
+        f"# Gate manifest\n\n{header}\n",
+        tabulate(
+            rows,
+            headers=[
+                "check",
+                "component",
+                "kind",
+                "property",
+                "rules",
+                "budget (examples)",
+                "measured examples/s",
+                "result",
+            ],
+            tablefmt="github",
+        ),
+    ]
     if mutants:
-        mrows = [[m["mutant"], m["rule"], "yes" if m["killed"] else (m.get("not_judged") or "NO"), m.get("killed_by") or "-",
-                  f"{m['seconds']:.1f}", m["counterexample_events"]] for m in mutants]
-        text += ["\n\n## Mutants\n",
-                 tabulate(mrows, headers=["mutant", "rule", "killed", "counterexample names", "seconds to kill",
-                                          "counterexample events"], tablefmt="github")]
+        mrows = [
+            [
+                m["mutant"],
+                m["rule"],
+                "yes" if m["killed"] else (m.get("not_judged") or "NO"),
+                m.get("killed_by") or "-",
+                f"{m['seconds']:.1f}",
+                m["counterexample_events"],
+            ]
+            for m in mutants
+        ]
+        text += [
+            "\n\n## Mutants\n",
+            tabulate(
+                mrows,
+                headers=[
+                    "mutant",
+                    "rule",
+                    "killed",
+                    "counterexample names",
+                    "seconds to kill",
+                    "counterexample events",
+                ],
+                tablefmt="github",
+            ),
+        ]
     text.append(f"\n\nBudget per check (profile): {budget}\n")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(text))

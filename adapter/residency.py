@@ -57,10 +57,12 @@ class ResidencyScenario:
 
     def lines(self) -> list[str]:
         c = self.config
-        head = (f"config: max_num_seqs={c.max_num_seqs} max_num_seqs_per_user={c.max_num_seqs_per_user} "
-                f"budget={c.max_num_batched_tokens} chunked={c.chunked_prefill} async={c.async_scheduling} "
-                f"blocks={c.num_blocks}x{c.block_size} rates: {FLOOD_USER}="
-                f"{dict(c.user_rates_tokens_per_s).get(FLOOD_USER)} {OTHER_USER}={OTHER_RATE}")
+        head = (
+            f"config: max_num_seqs={c.max_num_seqs} max_num_seqs_per_user={c.max_num_seqs_per_user} "
+            f"budget={c.max_num_batched_tokens} chunked={c.chunked_prefill} async={c.async_scheduling} "
+            f"blocks={c.num_blocks}x{c.block_size} rates: {FLOOD_USER}="
+            f"{dict(c.user_rates_tokens_per_s).get(FLOOD_USER)} {OTHER_USER}={OTHER_RATE}"
+        )
         return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
 
     def to_json(self) -> str:
@@ -131,8 +133,9 @@ def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = 
     steps = 0
     for event in scenario.events:
         if isinstance(event, AddRequest):
-            harness.add_request(event.request_id, event.user, event.prompt_len, event.max_tokens, event.eos_index,
-                                event.priority)
+            harness.add_request(
+                event.request_id, event.user, event.prompt_len, event.max_tokens, event.eos_index, event.priority
+            )
             books.user[event.request_id] = event.user
             books.max_tokens[event.request_id] = event.max_tokens
             books.waiting.add(event.request_id)
@@ -162,8 +165,11 @@ def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = 
     cut = first_cut(harness.finished, books.max_tokens)
     if cut is not None:
         rid, got = cut
-        return Verdict(steps, f"P3: {rid} ended with {got!r}, expected ('length', {books.max_tokens[rid]}) "
-                              f"within {DRAIN_STEPS} steps after the scenario (the cap delays, it never cuts)")
+        return Verdict(
+            steps,
+            f"P3: {rid} ended with {got!r}, expected ('length', {books.max_tokens[rid]}) "
+            f"within {DRAIN_STEPS} steps after the scenario (the cap delays, it never cuts)",
+        )
     return Verdict(steps)
 
 
@@ -182,18 +188,20 @@ def _judge_step(harness, books: _Books, cap: int, seats: int, budget: int) -> st
     over = sorted(u for u, n in held.items() if n > cap)
     if over:
         mine = sorted(rid for rid in books.resident if books.user[rid] == over[0])
-        return (f"R20: user {over[0]!r} holds {held[over[0]]} resident requests {mine} > "
-                f"max_num_seqs_per_user={cap}")
+        return f"R20: user {over[0]!r} holds {held[over[0]]} resident requests {mine} > max_num_seqs_per_user={cap}"
     spent = sum(trace.scheduled.values()) >= budget
     if not trace.preempted and not spent and len(books.resident) < seats:
-        owed = sorted(rid for rid in waiting_before & books.waiting
-                      if books.user[rid] == OTHER_USER and held[OTHER_USER] < cap)
+        owed = sorted(
+            rid for rid in waiting_before & books.waiting if books.user[rid] == OTHER_USER and held[OTHER_USER] < cap
+        )
         if owed:
-            return (f"R20: {owed[0]} of user {OTHER_USER!r} is still waiting although its user holds "
-                    f"{held[OTHER_USER]} < max_num_seqs_per_user={cap} resident requests, {len(books.resident)} of "
-                    f"max_num_seqs={seats} slots are taken ({held[FLOOD_USER]} by {FLOOD_USER!r}), nothing was "
-                    "preempted and the token budget was not spent: one user's flood must not hold back another "
-                    "user's admission")
+            return (
+                f"R20: {owed[0]} of user {OTHER_USER!r} is still waiting although its user holds "
+                f"{held[OTHER_USER]} < max_num_seqs_per_user={cap} resident requests, {len(books.resident)} of "
+                f"max_num_seqs={seats} slots are taken ({held[FLOOD_USER]} by {FLOOD_USER!r}), nothing was "
+                "preempted and the token budget was not spent: one user's flood must not hold back another "
+                "user's admission"
+            )
     books.finish(trace)
     return None
 
@@ -206,8 +214,15 @@ def style_has_residency_cap(style: Any) -> bool:
     return style is None or isinstance(style, AdditionalConfigStyle)
 
 
-def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: int, tick: Callable[[], None],
-                    save_dir: Path | None, style: Any = None):
+def check_residency(
+    scheduler_cls: str,
+    async_mode: bool,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    style: Any = None,
+):
     """R20 (level exact): ``run_residency`` on ``examples`` seeded flood scenarios; a
     failure is shrunk by Hypothesis and saved. Returns the ``CheckResult`` row
     ``fair-residency/{sync,async}``."""
@@ -217,16 +232,39 @@ def check_residency(scheduler_cls: str, async_mode: bool, examples: int, seed: i
     result = CheckResult(name, ["R20"], level="exact")
     if not style_has_residency_cap(style):
         result.result = "not tested"
-        result.failure = ("the candidate's configuration style has no per-user residency cap "
-                          "(output_rate.max_num_seqs_per_user): the article's flags do not name one")
+        result.failure = (
+            "the candidate's configuration style has no per-user residency cap "
+            "(output_rate.max_num_seqs_per_user): the article's flags do not name one"
+        )
         return result
 
-    return hunt_row(result, flood_scenarios(async_mode), lambda scenario: run_residency(scheduler_cls, scenario, style),
-                    scheduler_cls, examples, seed, tick, save_dir, rule="R20", level="exact")
+    return hunt_row(
+        result,
+        flood_scenarios(async_mode),
+        lambda scenario: run_residency(scheduler_cls, scenario, style),
+        scheduler_cls,
+        examples,
+        seed,
+        tick,
+        save_dir,
+        rule="R20",
+        level="exact",
+    )
 
 
-def hunt_row(result, strategy, run_one: Callable[[Any], Verdict], scheduler_cls: str, examples: int, seed: int,
-             tick: Callable[[], None], save_dir: Path | None, rule: str | None, level: str, crash_note: str = ""):
+def hunt_row(
+    result,
+    strategy,
+    run_one: Callable[[Any], Verdict],
+    scheduler_cls: str,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    rule: str | None,
+    level: str,
+    crash_note: str = "",
+):
     """Fill the gate row ``result`` (``conform.CheckResult``) from ``examples`` seeded
     scenarios of ``strategy``, each judged by ``run_one(scenario)`` (a ``Verdict``; its
     failure is named ``rule``, or its own rule if ``rule`` is None, at its own level or
@@ -241,11 +279,21 @@ def hunt_row(result, strategy, run_one: Callable[[Any], Verdict], scheduler_cls:
             verdict = run_one(scenario)
         except Exception as exc:  # the candidate's own error is a finding
             _reraise_gate_error(exc)
-            return Verdict(0, f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}{crash_note}",
-                           "crash", None, level="must")
+            return Verdict(
+                0,
+                f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}{crash_note}",
+                "crash",
+                None,
+                level="must",
+            )
         failed_level = (verdict.level or level) if verdict.failure else None
-        return Verdict(verdict.steps, verdict.failure, (rule or verdict.rule) if verdict.failure else None,
-                       verdict.step, level=failed_level)
+        return Verdict(
+            verdict.steps,
+            verdict.failure,
+            (rule or verdict.rule) if verdict.failure else None,
+            verdict.step,
+            level=failed_level,
+        )
 
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:

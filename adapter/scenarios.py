@@ -111,8 +111,9 @@ class Scenario:
     def ample(self) -> bool:
         """True when nothing but the rate limit (and the active cap, R12) can keep a request
         from sampling: ample seats, budget and KV, no aborts."""
-        return (self.max_num_seqs, self.max_num_batched_tokens, self.num_blocks) == (
-            None, None, None) and not any(r.abort_at_step is not None for r in self.requests)
+        return (self.max_num_seqs, self.max_num_batched_tokens, self.num_blocks) == (None, None, None) and not any(
+            r.abort_at_step is not None for r in self.requests
+        )
 
     def ample_at(self, step: int) -> bool:
         """True when only the rate limit (and the active cap) can keep a request from
@@ -167,20 +168,28 @@ class Scenario:
             if r.abort_at_step is not None:
                 out.append(f"step {r.abort_at_step}: abort {r.request_id}")
         if self.advances_ns is not None:
-            out.append(f"clock advances after each step (ns): {list(self.advances_ns)}, then "
-                       f"+{self.step_interval_ns} ns each; {self.num_steps} steps")
+            out.append(
+                f"clock advances after each step (ns): {list(self.advances_ns)}, then "
+                f"+{self.step_interval_ns} ns each; {self.num_steps} steps"
+            )
         else:
             out.append(f"then {self.num_steps} steps, clock +{self.step_interval_ns} ns each")
         rates = ", ".join(f"{u!r}={r}" for u, r in sorted(self.rates_tokens_per_s.items()))
         burst = f"{self.burst_ms} ms (burst_ms)" if self.burst_ms is not None else "100 ms (fixed)"
         seqs = self.max_num_seqs or max(len(self.requests), 1)
-        feature = (f"default rate {self.default_rate_tokens_per_s} tokens/s, overrides {{{rates}}}, burst {burst}"
-                   if self.feature_on else "feature OFF (no output-rate configuration)")
-        out.insert(0, f"config: {feature}; max_num_seqs={seqs}, max_num_active_seqs={self.max_num_active_seqs}, "
-                      f"max_num_batched_tokens={self.max_num_batched_tokens or 2048}, "
-                      f"num_blocks={self.num_blocks or 4096}x{self.block_size}, policy={self.policy}, "
-                      f"chunked_prefill={self.chunked_prefill}, async={self.async_scheduling}"
-                      + (", prefix_caching=True" if self.prefix_caching else ""))
+        feature = (
+            f"default rate {self.default_rate_tokens_per_s} tokens/s, overrides {{{rates}}}, burst {burst}"
+            if self.feature_on
+            else "feature OFF (no output-rate configuration)"
+        )
+        out.insert(
+            0,
+            f"config: {feature}; max_num_seqs={seqs}, max_num_active_seqs={self.max_num_active_seqs}, "
+            f"max_num_batched_tokens={self.max_num_batched_tokens or 2048}, "
+            f"num_blocks={self.num_blocks or 4096}x{self.block_size}, policy={self.policy}, "
+            f"chunked_prefill={self.chunked_prefill}, async={self.async_scheduling}"
+            + (", prefix_caching=True" if self.prefix_caching else ""),
+        )
         return out
 
 
@@ -216,8 +225,18 @@ BURSTS_MS = (100, 100, 20, 250)
 USER_IDS = ("u0", "u1", "u2", "User-A", "user-a", " spaced ", "ünï-東京", "x" * 256, None)
 # Clock advances between steps, ns: 1 ns to 250 ms (sub-ms steps reach the burst edge and
 # ``ready_at`` closely).
-STEP_INTERVALS_NS = (1, 999_999, 1_000_000, 5_000_000, 10_000_000, 20_000_000, 33_333_333,
-                     50_000_000, 100_000_000, 250_000_000)
+STEP_INTERVALS_NS = (
+    1,
+    999_999,
+    1_000_000,
+    5_000_000,
+    10_000_000,
+    20_000_000,
+    33_333_333,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+)
 
 
 @st.composite
@@ -236,8 +255,13 @@ def _request_id(user: str | None, k: int, index: int) -> str:
 
 
 @st.composite
-def scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40, integer_rates: bool = False,
-              burst_configurable: bool = False) -> Scenario:
+def scenarios(
+    draw,
+    async_scheduling: bool | None = None,
+    max_steps: int = 40,
+    integer_rates: bool = False,
+    burst_configurable: bool = False,
+) -> Scenario:
     """Hypothesis strategy: 1-3 users (named, odd ids, anonymous), 1-4 streams each, ample
     budget, KV and seats, sometimes an active cap (R12) below the number of streams, prefix
     caching on or off (the prompts share a prefix: cached-prompt admissions).
@@ -277,8 +301,13 @@ def scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40, i
 
 
 @st.composite
-def pressured_scenarios(draw, async_scheduling: bool | None = None, max_steps: int = 40,
-                        integer_rates: bool = False, burst_configurable: bool = False) -> Scenario:
+def pressured_scenarios(
+    draw,
+    async_scheduling: bool | None = None,
+    max_steps: int = 40,
+    integer_rates: bool = False,
+    burst_configurable: bool = False,
+) -> Scenario:
     """Hypothesis strategy with resource pressure: few KV blocks (preemption), small token
     budgets (chunking), an active cap below max_num_seqs, FCFS or PRIORITY, aborts; and
     sometimes a run past step 256 (R6 cleanup). Users, rates and clock steps as in
@@ -292,12 +321,18 @@ def pressured_scenarios(draw, async_scheduling: bool | None = None, max_steps: i
         for k in range(draw(st.integers(1, 3))):
             at = draw(st.integers(0, max(0, min(num_steps, 40) - 1)))
             abort = draw(st.integers(at + 1, at + 30)) if draw(st.integers(0, 4)) == 0 else None
-            requests.append(RequestSpec(
-                request_id=_request_id(user, k, index), user=user, prompt_len=draw(st.integers(1, 40)),
-                max_tokens=draw(st.integers(1, 16)), eos_index=draw(st.one_of(st.none(), st.integers(0, 16))),
-                at_step=at, priority=draw(st.integers(0, 4)) if policy == "priority" else 0,
-                abort_at_step=abort,
-            ))
+            requests.append(
+                RequestSpec(
+                    request_id=_request_id(user, k, index),
+                    user=user,
+                    prompt_len=draw(st.integers(1, 40)),
+                    max_tokens=draw(st.integers(1, 16)),
+                    eos_index=draw(st.one_of(st.none(), st.integers(0, 16))),
+                    at_step=at,
+                    priority=draw(st.integers(0, 4)) if policy == "priority" else 0,
+                    abort_at_step=abort,
+                )
+            )
     max_num_seqs = draw(st.integers(1, len(requests) + 1))
     block_size = draw(st.sampled_from([4, 8, 16]))
     # The longest request (prompt 40 + 16 outputs) must fit alone; vLLM keeps one null block.
@@ -360,8 +395,9 @@ def build_harness(scheduler_cls: str, scenario: Scenario, style=None, output_rat
     return Harness(scheduler_cls, shape, style=style)
 
 
-def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None,
-                 attribute: bool = False) -> Verdict:
+def run_scenario(
+    scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None, attribute: bool = False
+) -> Verdict:
     """Run ``scenario`` on ``scheduler_cls``; stop at the first failing property.
 
     ``attribute``: a failure of the dispatch replay (over-grant, window bound, under-grant)
@@ -385,8 +421,9 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
     ``style``: how the candidate is configured (``adapter/configstyle.py``; None: through
     ``additional_config["output_rate"]``).
     """
-    harness = build_harness(scheduler_cls, scenario, style) if style is not None else build_harness(
-        scheduler_cls, scenario)
+    harness = (
+        build_harness(scheduler_cls, scenario, style) if style is not None else build_harness(scheduler_cls, scenario)
+    )
     judge = _Judge(scenario, harness, level)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
     aborts = scenario.abort_schedule()
@@ -415,8 +452,9 @@ def run_scenario(scheduler_cls: str, scenario: Scenario, level: str = "exact", s
     return _final_verdict(judge, harness, level, attribute, rate_failure)
 
 
-def _arrivals_and_aborts(harness: Any, pending: list[RequestSpec], aborts: list[tuple[int, RequestSpec]],
-                         step: int) -> None:
+def _arrivals_and_aborts(
+    harness: Any, pending: list[RequestSpec], aborts: list[tuple[int, RequestSpec]], step: int
+) -> None:
     """Before ``step``: add the requests that arrive by then and abort the ones due (a
     request is never aborted in the step it arrives); both lists are consumed in order."""
     while pending and pending[0].at_step <= step:
@@ -426,8 +464,9 @@ def _arrivals_and_aborts(harness: Any, pending: list[RequestSpec], aborts: list[
         harness.abort(aborts.pop(0)[1].request_id)
 
 
-def _final_verdict(judge: _Judge, harness: Any, level: str, attribute: bool,
-                   rate_failure: tuple[tuple[str, str, str], int] | None) -> Verdict:
+def _final_verdict(
+    judge: _Judge, harness: Any, level: str, attribute: bool, rate_failure: tuple[tuple[str, str, str], int] | None
+) -> Verdict:
     """The verdict after the stepping loop: the rate failure kept for naming (with the
     run's history), else a request cut short after the drain, else a pass with each
     user's sampled tokens."""
@@ -441,8 +480,12 @@ def _final_verdict(judge: _Judge, harness: Any, level: str, attribute: bool,
     if cut is not None:
         return cut
     assert includes(level, "must")
-    return Verdict(judge.steps, None, sampled_per_user={u: len(t) for u, t in judge.history.items()},
-                   history=judge.naming_history() if attribute else None)
+    return Verdict(
+        judge.steps,
+        None,
+        sampled_per_user={u: len(t) for u, t in judge.history.items()},
+        history=judge.naming_history() if attribute else None,
+    )
 
 
 def _cut_request(judge: _Judge, harness: Any) -> Verdict | None:
@@ -454,9 +497,14 @@ def _cut_request(judge: _Judge, harness: Any) -> Verdict | None:
             continue
         expected = r.max_tokens if r.eos_index is None or r.eos_index >= r.max_tokens else r.eos_index + 1
         if got is None or got[1] != expected:
-            return Verdict(judge.steps, f"{judge.name}: {rid} ended with {got} but must end with {expected} "
-                           "outputs: the article pauses a request, it never cuts or fails it", "R11", None,
-                           level="must")
+            return Verdict(
+                judge.steps,
+                f"{judge.name}: {rid} ended with {got} but must end with {expected} "
+                "outputs: the article pauses a request, it never cuts or fails it",
+                "R11",
+                None,
+                level="must",
+            )
     return None
 
 
@@ -482,24 +530,31 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     per-user overrides, that again with the slowest override as every user's rate (a limiter
     at the default rate, or none at all, then shows)."""
     least = PROBE_MIN_TOKENS if scenario.num_blocks is None else 0  # a small KV cache must still hold them
-    longer = tuple(replace(r, max_tokens=min(PROBE_MAX_TOKENS, max(r.max_tokens * PROBE_TOKEN_FACTOR,
-                                                                    r.max_tokens + 8, least)))
-                   for r in scenario.requests)
+    longer = tuple(
+        replace(r, max_tokens=min(PROBE_MAX_TOKENS, max(r.max_tokens * PROBE_TOKEN_FACTOR, r.max_tokens + 8, least)))
+        for r in scenario.requests
+    )
     # (``ample_from_step`` is the author's guarantee for the original requests, not for longer ones.)
     probes = [replace(scenario, requests=longer, ample_from_step=None)]
     if any(r.eos_index is not None for r in longer):
-        probes.append(replace(scenario, requests=tuple(replace(r, eos_index=None) for r in longer),
-                              ample_from_step=None))
+        probes.append(
+            replace(scenario, requests=tuple(replace(r, eos_index=None) for r in longer), ample_from_step=None)
+        )
     unpressured = tuple(replace(r, abort_at_step=None) for r in longer)
     if not scenario.ample:  # the same without pressure: every pause is then the limiter's (evidence)
-        probes.append(replace(scenario, requests=unpressured, max_num_seqs=None, max_num_batched_tokens=None,
-                              num_blocks=None))
+        probes.append(
+            replace(scenario, requests=unpressured, max_num_seqs=None, max_num_batched_tokens=None, num_blocks=None)
+        )
     # The same, pressure kept, at 25 x every rate: a user's lead can then exceed two
     # emission intervals, where a refund given twice (R9) and a TAT forgotten (R4) differ.
     faster = {u: str(Decimal(r) * PROBE_RATE_FACTOR) for u, r in scenario.rates_tokens_per_s.items()}
-    probes.append(replace(scenario, rates_tokens_per_s=faster,
-                          default_rate_tokens_per_s=str(Decimal(scenario.default_rate_tokens_per_s)
-                                                        * PROBE_RATE_FACTOR)))
+    probes.append(
+        replace(
+            scenario,
+            rates_tokens_per_s=faster,
+            default_rate_tokens_per_s=str(Decimal(scenario.default_rate_tokens_per_s) * PROBE_RATE_FACTOR),
+        )
+    )
     probes += _mode_probes(scenario, unpressured)
     probes += _twin_probes(scenario, unpressured)
     probes += _idle_probes(scenario)
@@ -519,9 +574,20 @@ def _idle_probes(scenario: Scenario) -> list[Scenario]:
         return []
     first = tuple(RequestSpec(f"{u}~i0", u, 4, 1) for u in users)
     crowd = tuple(RequestSpec(f"{u}~i{k}", u, 4, 1, at_step=2) for u in users for k in range(1, PROBE_CROWD + 1))
-    return [replace(scenario, requests=first + crowd, num_steps=4, advances_ns=(1, PROBE_IDLE_NS),
-                    step_interval_ns=1_000_000, ample_from_step=None, max_num_seqs=None,
-                    max_num_batched_tokens=None, num_blocks=None, max_num_active_seqs=None)]
+    return [
+        replace(
+            scenario,
+            requests=first + crowd,
+            num_steps=4,
+            advances_ns=(1, PROBE_IDLE_NS),
+            step_interval_ns=1_000_000,
+            ample_from_step=None,
+            max_num_seqs=None,
+            max_num_batched_tokens=None,
+            num_blocks=None,
+            max_num_active_seqs=None,
+        )
+    ]
 
 
 def _mode_probes(scenario: Scenario, unpressured: tuple[RequestSpec, ...]) -> list[Scenario]:
@@ -531,17 +597,45 @@ def _mode_probes(scenario: Scenario, unpressured: tuple[RequestSpec, ...]) -> li
     probes: list[Scenario] = []
     # Each named user's requests six times over, arriving together: first tokens alone then
     # pass the burst (a limiter that charges only them, R9, refuses; no limiter does not).
-    crowd = tuple(replace(r, request_id=f"{r.request_id}~c{k}") for k in range(1, PROBE_CROWD)
-                  for r in unpressured if r.user is not None)
+    crowd = tuple(
+        replace(r, request_id=f"{r.request_id}~c{k}")
+        for k in range(1, PROBE_CROWD)
+        for r in unpressured
+        if r.user is not None
+    )
     if crowd:
-        probes.append(replace(scenario, requests=unpressured + crowd, max_num_seqs=None, max_num_batched_tokens=None,
-                              num_blocks=None, max_num_active_seqs=None))
+        probes.append(
+            replace(
+                scenario,
+                requests=unpressured + crowd,
+                max_num_seqs=None,
+                max_num_batched_tokens=None,
+                num_blocks=None,
+                max_num_active_seqs=None,
+            )
+        )
     if scenario.async_scheduling:  # the same in sync mode: a slip of the in-flight step (R8) or not?
-        probes.append(replace(scenario, requests=unpressured, async_scheduling=False, max_num_seqs=None,
-                              max_num_batched_tokens=None, num_blocks=None))
+        probes.append(
+            replace(
+                scenario,
+                requests=unpressured,
+                async_scheduling=False,
+                max_num_seqs=None,
+                max_num_batched_tokens=None,
+                num_blocks=None,
+            )
+        )
     if scenario.chunked_prefill:  # the same without chunked prefill: R10's n - 1 advance or not?
-        probes.append(replace(scenario, requests=unpressured, chunked_prefill=False, max_num_seqs=None,
-                              max_num_batched_tokens=None, num_blocks=None))
+        probes.append(
+            replace(
+                scenario,
+                requests=unpressured,
+                chunked_prefill=False,
+                max_num_seqs=None,
+                max_num_batched_tokens=None,
+                num_blocks=None,
+            )
+        )
     return probes
 
 
@@ -552,12 +646,21 @@ def _twin_probes(scenario: Scenario, unpressured: tuple[RequestSpec, ...]) -> li
     # The same requests again for a second user of the same rate (one bucket or two?).
     twin = {u: f"{u}~2" for u in {r.user for r in scenario.requests if r.user is not None}}
     if twin:
-        copies = tuple(replace(r, request_id=f"{r.request_id}~2", user=twin[r.user]) for r in unpressured
-                       if r.user is not None)
-        rates = dict(scenario.rates_tokens_per_s) | {twin[u]: r for u, r in scenario.rates_tokens_per_s.items()
-                                                     if u in twin}
-        twins = replace(scenario, requests=unpressured + copies, rates_tokens_per_s=rates, max_num_seqs=None,
-                        max_num_batched_tokens=None, num_blocks=None, max_num_active_seqs=None)
+        copies = tuple(
+            replace(r, request_id=f"{r.request_id}~2", user=twin[r.user]) for r in unpressured if r.user is not None
+        )
+        rates = dict(scenario.rates_tokens_per_s) | {
+            twin[u]: r for u, r in scenario.rates_tokens_per_s.items() if u in twin
+        }
+        twins = replace(
+            scenario,
+            requests=unpressured + copies,
+            rates_tokens_per_s=rates,
+            max_num_seqs=None,
+            max_num_batched_tokens=None,
+            num_blocks=None,
+            max_num_active_seqs=None,
+        )
         probes.append(twins)
         if scenario.rates_tokens_per_s:  # and with the slowest override as the default (does the default bind?)
             slowest = min(scenario.rates_tokens_per_s.values(), key=Fraction)
@@ -594,8 +697,10 @@ def named_verdict(scheduler_cls: str, scenario: Scenario, level: str = "exact", 
         return verdict
     hyp, others = found
     name = scheduler_cls.rpartition(".")[2]
-    text = f"{attribution.message(name, hyp, others, sum(len(h) for _, h in histories), len(histories))}. " \
-           f"Seen first: {verdict.failure}"
+    text = (
+        f"{attribution.message(name, hyp, others, sum(len(h) for _, h in histories), len(histories))}. "
+        f"Seen first: {verdict.failure}"
+    )
     return replace(verdict, failure=text, rule=hyp.rule)
 
 
@@ -660,15 +765,17 @@ class _Judge:
             if r.num_computed_tokens >= r.num_tokens + placeholders - 1:
                 decoding.add(rid)
             last_in_flight = placeholders > 0 and (
-                r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens)
+                r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens
+            )
             if r.num_output_tokens + placeholders < r.max_tokens and not last_in_flight:
                 demand.add(rid)
         head = None
         if self.scenario.policy == "fcfs" and scheduler.waiting:
             first = next(iter(scheduler.waiting))
             head = (first.request_id, first.num_tokens - first.num_computed_tokens)
-        self.start = _StepStart([r.request_id for r in scheduler.running], decoding, demand, fresh, in_flight,
-                                untouched, head)
+        self.start = _StepStart(
+            [r.request_id for r in scheduler.running], decoding, demand, fresh, in_flight, untouched, head
+        )
 
     def user_of(self, rid: str) -> str:
         """The R17 bucket of request ``rid``."""
@@ -685,13 +792,19 @@ class _Judge:
         self._record(trace)
         for rid in trace.sampled:
             user = self.user_of(rid)
-            self.state, granted = spec_limiter.try_take(self.state, user, scenario.rate_of(user), now,
-                                                        scenario.burst_ns)
+            self.state, granted = spec_limiter.try_take(
+                self.state, user, scenario.rate_of(user), now, scenario.burst_ns
+            )
             if not granted:
-                return self._named("R2", "must", (
-                    f"{self.name} dispatched {rid} (user {user!r}) to sample at t={now} ns although the GCRA "
-                    f"(rate {scenario.rate_of(user)} tokens/s, burst {scenario.burst_ns // 1_000_000} ms) "
-                    f"refuses it: over the user's rate"))
+                return self._named(
+                    "R2",
+                    "must",
+                    (
+                        f"{self.name} dispatched {rid} (user {user!r}) to sample at t={now} ns although the GCRA "
+                        f"(rate {scenario.rate_of(user)} tokens/s, burst {scenario.burst_ns // 1_000_000} ms) "
+                        f"refuses it: over the user's rate"
+                    ),
+                )
             self.history.setdefault(user, []).append(now)
         if self.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
             self.state = spec_limiter.cleanup_idle_users(self.state, now)  # R6, same cadence
@@ -719,9 +832,14 @@ class _Judge:
         if self.should and scenario.max_num_active_seqs is not None:
             scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
             if len(scheduled_running) > scenario.max_num_active_seqs:
-                return self._named("R12", "should", (
-                    f"{self.name} scheduled {len(scheduled_running)} running requests in one step, more than "
-                    f"--max-num-active-seqs {scenario.max_num_active_seqs}"))
+                return self._named(
+                    "R12",
+                    "should",
+                    (
+                        f"{self.name} scheduled {len(scheduled_running)} running requests in one step, more than "
+                        f"--max-num-active-seqs {scenario.max_num_active_seqs}"
+                    ),
+                )
         if self.should and scenario.policy == "priority" and trace.preempted:
             failure = self._priority_victim_check(trace, resident)
             if failure:
@@ -735,15 +853,23 @@ class _Judge:
             return (failure2[0], "exact", failure2[1]) if failure2 else None
         return None
 
-    def _ample_sync_checks(self, step: int, trace, unfinished: list[str], resident: set[str],
-                           state_before=None) -> tuple[str, str, str] | None:
+    def _ample_sync_checks(
+        self, step: int, trace, unfinished: list[str], resident: set[str], state_before=None
+    ) -> tuple[str, str, str] | None:
         failure = self._under_grant_check(trace, unfinished, resident) or self._admission_cap_check(
-            trace, unfinished, resident)
+            trace, unfinished, resident
+        )
         if failure or not self.should:
             return failure
         if trace.preempted:
-            return "R11", "should", (f"{self.name} preempted {trace.preempted} although KV and seats are ample: "
-                                     "the article keeps throttled requests resident")
+            return (
+                "R11",
+                "should",
+                (
+                    f"{self.name} preempted {trace.preempted} although KV and seats are ample: "
+                    "the article keeps throttled requests resident"
+                ),
+            )
         failure = self._prefill_advance_check(trace, unfinished, state_before)
         return failure or self._bypass_check(step, trace, unfinished)
 
@@ -757,22 +883,35 @@ class _Judge:
         unless a waiting request before it was not admitted either (vLLM 0.32 stops admitting
         behind a request given 0 tokens: the open choice ``_under_grant_check`` excuses too)."""
         scenario, start = self.scenario, self.start
-        if (start is None or not scenario.chunked_prefill or scenario.prefix_caching
-                or scenario.max_num_active_seqs is not None):
+        if (
+            start is None
+            or not scenario.chunked_prefill
+            or scenario.prefix_caching
+            or scenario.max_num_active_seqs is not None
+        ):
             return None
         now, burst = trace.now_ns, scenario.burst_ns
         for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
             r = self.by_id.get(rid)
             if r is None or rid in trace.scheduled or rid in start.running:
                 continue
-            if (rid not in start.untouched or r.prompt_len < 2 or scenario.policy != "fcfs"
-                    or spec_limiter.allows(state_before, self.user_of(rid), now, burst)):
+            if (
+                rid not in start.untouched
+                or r.prompt_len < 2
+                or scenario.policy != "fcfs"
+                or spec_limiter.allows(state_before, self.user_of(rid), now, burst)
+            ):
                 return None  # the first waiting request left out is not judged here: all behind it are excused
-            return self._named("R10", "should", (
-                f"{self.name} left {rid} (user {self.user_of(rid)!r}, prompt {r.prompt_len} tokens) waiting at "
-                f"t={now} ns with nothing computed: its user is refused, and with chunked prefill the article "
-                f"still advances a refused prefill to n - 1 = {r.prompt_len - 1} (R10), seats and budget being "
-                "ample"))
+            return self._named(
+                "R10",
+                "should",
+                (
+                    f"{self.name} left {rid} (user {self.user_of(rid)!r}, prompt {r.prompt_len} tokens) waiting at "
+                    f"t={now} ns with nothing computed: its user is refused, and with chunked prefill the article "
+                    f"still advances a refused prefill to n - 1 = {r.prompt_len - 1} (R10), seats and budget being "
+                    "ample"
+                ),
+            )
         return None
 
     def _admission_cap_check(self, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
@@ -802,12 +941,17 @@ class _Judge:
             user = self.user_of(rid)
             if not spec_limiter.allows(self.state, user, now, burst):
                 return None  # the first left waiting is refused: it and those behind it are not judged
-            return self._named("R12", "must", (
-                f"R12 broken: {self.name} left {rid} (user {user!r}) waiting at t={now} ns although the GCRA "
-                f"grants that user a token and the active cap has room: {trace.num_running} running after "
-                f"schedule(), {len(throttled)} of them throttled ({sorted(throttled)}, users the GCRA refuses), so "
-                f"{counted} < --max-num-active-seqs {cap}; R12: the waiting loop admits while len(running) - "
-                "throttled < A, throttled requests give up their place in the active cap"))
+            return self._named(
+                "R12",
+                "must",
+                (
+                    f"R12 broken: {self.name} left {rid} (user {user!r}) waiting at t={now} ns although the GCRA "
+                    f"grants that user a token and the active cap has room: {trace.num_running} running after "
+                    f"schedule(), {len(throttled)} of them throttled ({sorted(throttled)}, users the GCRA refuses), so "
+                    f"{counted} < --max-num-active-seqs {cap}; R12: the waiting loop admits while len(running) - "
+                    "throttled < A, throttled requests give up their place in the active cap"
+                ),
+            )
         return None
 
     def _under_grant_check(self, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
@@ -821,8 +965,11 @@ class _Judge:
         blocked_behind = False  # an earlier waiting request of a refused user was not admitted
         for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
             user = self.user_of(rid)
-            if rid not in resident and rid not in trace.scheduled and not spec_limiter.allows(self.state, user, now,
-                                                                                            burst):
+            if (
+                rid not in resident
+                and rid not in trace.scheduled
+                and not spec_limiter.allows(self.state, user, now, burst)
+            ):
                 # Open choice (docs/SPEC.md "What the article leaves open"): checking the user at
                 # the charge point, after vLLM's own checks, gives that request 0 tokens, and vLLM
                 # 0.32 then stops admitting the waiting requests behind it in this step.
@@ -840,15 +987,25 @@ class _Judge:
                 seated = self._throttled_seats(trace, resident) if cap is not None else []
                 if cap is not None and len(trace.scheduled) + len(seated) >= cap:
                     # R12: the cap is full only if throttled running requests hold seats in it.
-                    return "R12", "must", (
-                        f"R12 broken: {self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA "
-                        f"still grants that user a token: {len(trace.scheduled)} requests scheduled, below "
-                        f"--max-num-active-seqs {cap}, which the throttled running requests {sorted(seated)} (users "
-                        f"the GCRA refuses) fill only if they are counted; R12: throttled requests give up their "
-                        f"place in the active cap. Seen: under-grant")
-                return self._named("R11", "must", (
-                    f"{self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
-                    f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant"))
+                    return (
+                        "R12",
+                        "must",
+                        (
+                            f"R12 broken: {self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA "
+                            f"still grants that user a token: {len(trace.scheduled)} requests scheduled, below "
+                            f"--max-num-active-seqs {cap}, which the throttled running requests {sorted(seated)} (users "
+                            f"the GCRA refuses) fill only if they are counted; R12: throttled requests give up their "
+                            f"place in the active cap. Seen: under-grant"
+                        ),
+                    )
+                return self._named(
+                    "R11",
+                    "must",
+                    (
+                        f"{self.name} paused {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
+                        f"that user a token and nothing else (seats, budget, KV, active cap) was short: under-grant"
+                    ),
+                )
         return None
 
     def _throttled_seats(self, trace, resident: set[str]) -> list[str]:
@@ -858,9 +1015,16 @@ class _Judge:
         start, now, burst = self.start, trace.now_ns, self.scenario.burst_ns
         if start is None:
             return []
-        return [rid for rid in start.running if rid in resident and rid in self.by_id and rid not in trace.scheduled
-                and rid in start.decoding and rid in start.demand
-                and not spec_limiter.allows(self.state, self.user_of(rid), now, burst)]
+        return [
+            rid
+            for rid in start.running
+            if rid in resident
+            and rid in self.by_id
+            and rid not in trace.scheduled
+            and rid in start.decoding
+            and rid in start.demand
+            and not spec_limiter.allows(self.state, self.user_of(rid), now, burst)
+        ]
 
     def _record(self, trace) -> None:
         """Append this step's black-box facts to ``records`` (``adapter/attribution.py``)."""
@@ -876,18 +1040,31 @@ class _Judge:
         # prefix-cache hit starts it above 0); without that field, where nothing was computed.
         starts = trace.chunk_start
         untouched = {rid for rid in trace.scheduled if starts.get(rid, 0 if rid in untouched else 1) == 0}
-        self.records.append(attribution.StepRecord(
-            self.steps, trace.now_ns,
-            [attribution.Dispatch(rid, rid in fresh, rid in in_flight, rid in admitted, rid in untouched)
-             for rid in trace.sampled if rid in self.by_id],
-            skipped=[rid for rid in self.by_id if rid in demand and rid not in sampled
-                     and (rid in decoding or rid in trace.preempted)] + self._blocked_head(trace),
-            chunks=[rid for rid in trace.scheduled if rid in self.by_id and rid not in sampled
-                    and rid not in decoding],
-            first_chunks=[rid for rid in trace.scheduled if rid in untouched and rid not in sampled],
-            finished_in_flight=[rid for rid in trace.finished if rid in in_flight and rid in sampled
-                                and rid in self.by_id],
-            held=self._held_at_n_minus_1(trace, fresh)))
+        self.records.append(
+            attribution.StepRecord(
+                self.steps,
+                trace.now_ns,
+                [
+                    attribution.Dispatch(rid, rid in fresh, rid in in_flight, rid in admitted, rid in untouched)
+                    for rid in trace.sampled
+                    if rid in self.by_id
+                ],
+                skipped=[
+                    rid
+                    for rid in self.by_id
+                    if rid in demand and rid not in sampled and (rid in decoding or rid in trace.preempted)
+                ]
+                + self._blocked_head(trace),
+                chunks=[
+                    rid for rid in trace.scheduled if rid in self.by_id and rid not in sampled and rid not in decoding
+                ],
+                first_chunks=[rid for rid in trace.scheduled if rid in untouched and rid not in sampled],
+                finished_in_flight=[
+                    rid for rid in trace.finished if rid in in_flight and rid in sampled and rid in self.by_id
+                ],
+                held=self._held_at_n_minus_1(trace, fresh),
+            )
+        )
 
     def _held_at_n_minus_1(self, trace, fresh: set[str]) -> list[str]:
         """Requests with no output yet whose chunk ends exactly at ``prompt - 1`` in a step
@@ -896,9 +1073,15 @@ class _Judge:
         budget = self.scenario.max_num_batched_tokens or 2048
         if sum(trace.scheduled.values()) >= budget:
             return []
-        return [rid for rid, n in trace.scheduled.items() if rid in fresh and rid in self.by_id
-                and rid not in trace.sampled and rid in trace.chunk_start
-                and trace.chunk_start[rid] + n == self.by_id[rid].prompt_len - 1]
+        return [
+            rid
+            for rid, n in trace.scheduled.items()
+            if rid in fresh
+            and rid in self.by_id
+            and rid not in trace.sampled
+            and rid in trace.chunk_start
+            and trace.chunk_start[rid] + n == self.by_id[rid].prompt_len - 1
+        ]
 
     def _blocked_head(self, trace) -> list[str]:
         """The waiting request vLLM's waiting loop reached and could not admit, as a list
@@ -974,8 +1157,14 @@ class _Judge:
         running_after = {r.request_id for r in self.harness.scheduler.running}
         now, burst = trace.now_ns, scenario.burst_ns
         for rid in start.running:
-            if (rid not in self.by_id or rid not in unfinished or rid in trace.scheduled or rid not in running_after
-                    or rid not in start.decoding or rid not in start.demand):
+            if (
+                rid not in self.by_id
+                or rid not in unfinished
+                or rid in trace.scheduled
+                or rid not in running_after
+                or rid not in start.decoding
+                or rid not in start.demand
+            ):
                 continue
             user = self.user_of(rid)
             if self.records:
@@ -983,16 +1172,26 @@ class _Judge:
             if spec_limiter.allows(self.state, user, now, burst):
                 seated = self._throttled_seats(trace, set(start.running)) if cap is not None else []
                 if cap is not None and len(scheduled_running) + len(seated) >= cap:
-                    return "R12", "must", (
-                        f"R12 broken: {self.name} paused running {rid} (user {user!r}) at t={now} ns although the "
-                        f"GCRA still grants that user a token and the step left budget and preempted nothing: "
-                        f"{len(scheduled_running)} running requests scheduled, below --max-num-active-seqs {cap}, "
-                        f"which the throttled running requests {sorted(seated)} (users the GCRA refuses) fill only "
-                        f"if they are counted; R12: throttled requests give up their place. Seen: under-grant")
-                return self._named("R11", "must", (
-                    f"{self.name} paused running {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
-                    f"that user a token, the step left token budget ({sum(trace.scheduled.values())} of {budget} "
-                    "scheduled), preempted nothing and did not fill the active cap: under-grant under pressure"))
+                    return (
+                        "R12",
+                        "must",
+                        (
+                            f"R12 broken: {self.name} paused running {rid} (user {user!r}) at t={now} ns although the "
+                            f"GCRA still grants that user a token and the step left budget and preempted nothing: "
+                            f"{len(scheduled_running)} running requests scheduled, below --max-num-active-seqs {cap}, "
+                            f"which the throttled running requests {sorted(seated)} (users the GCRA refuses) fill only "
+                            f"if they are counted; R12: throttled requests give up their place. Seen: under-grant"
+                        ),
+                    )
+                return self._named(
+                    "R11",
+                    "must",
+                    (
+                        f"{self.name} paused running {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
+                        f"that user a token, the step left token budget ({sum(trace.scheduled.values())} of {budget} "
+                        "scheduled), preempted nothing and did not fill the active cap: under-grant under pressure"
+                    ),
+                )
         return None
 
     def naming_history(self) -> tuple[attribution.Context, list[attribution.StepRecord]]:
@@ -1001,7 +1200,10 @@ class _Judge:
         ctx = attribution.Context(
             {rid: r.user for rid, r in self.by_id.items()},
             {u: Fraction(r) for u, r in scenario.rates_tokens_per_s.items()},
-            Fraction(scenario.default_rate_tokens_per_s), scenario.burst_ns, scenario.chunked_prefill)
+            Fraction(scenario.default_rate_tokens_per_s),
+            scenario.burst_ns,
+            scenario.chunked_prefill,
+        )
         return ctx, self.records
 
     def _grants_at(self, state, user: str, now: int, at_most: int) -> int:
@@ -1039,11 +1241,16 @@ class _Judge:
             user = self.user_of(rid)
             if grants.get(user, 0) >= counts.get(user, 0) > 0:
                 q = throttled[-1]
-                return "R13", "should", (
-                    f"{self.name} preempted {rid} (user {user!r}, granted at t={now} ns for each of its running "
-                    f"requests) while {q} (user {self.user_of(q)!r}, refused at t={now} ns, throttled and passed "
-                    "by the running loop before any KV allocation failed) kept its KV: the article preempts "
-                    "throttled requests first")
+                return (
+                    "R13",
+                    "should",
+                    (
+                        f"{self.name} preempted {rid} (user {user!r}, granted at t={now} ns for each of its running "
+                        f"requests) while {q} (user {self.user_of(q)!r}, refused at t={now} ns, throttled and passed "
+                        "by the running loop before any KV allocation failed) kept its KV: the article preempts "
+                        "throttled requests first"
+                    ),
+                )
         return None
 
     def _fcfs_passed_throttled(self, trace, state_before, now: int):
@@ -1069,9 +1276,14 @@ class _Judge:
             counts[self.user_of(rid)] = counts.get(self.user_of(rid), 0) + 1
         grants = {u: self._grants_at(state_before, u, now, n) for u, n in counts.items()}
         throttled = [
-            rid for rid in known
-            if rid in running_after and rid not in trace.scheduled and rid in start.decoding
-            and rid in start.demand and grants[self.user_of(rid)] == 0 and max(positions[group(rid)]) < first
+            rid
+            for rid in known
+            if rid in running_after
+            and rid not in trace.scheduled
+            and rid in start.decoding
+            and rid in start.demand
+            and grants[self.user_of(rid)] == 0
+            and max(positions[group(rid)]) < first
         ]
         return throttled, grants, counts
 
@@ -1088,10 +1300,15 @@ class _Judge:
             level = self.by_id[rid].priority
             above = sorted(s for s in survivors if self.by_id[s].priority > level)
             if above:
-                return self._named("R13", "should", (
-                    f"{self.name} preempted {rid} (priority {level}) while {above[0]} (priority "
-                    f"{self.by_id[above[0]].priority}, a lower priority) kept its KV: under PRIORITY the victim is "
-                    "taken at the lowest priority level, and the article's throttled victims only within it"))
+                return self._named(
+                    "R13",
+                    "should",
+                    (
+                        f"{self.name} preempted {rid} (priority {level}) while {above[0]} (priority "
+                        f"{self.by_id[above[0]].priority}, a lower priority) kept its KV: under PRIORITY the victim is "
+                        "taken at the lowest priority level, and the article's throttled victims only within it"
+                    ),
+                )
         return None
 
     def _bypass_check(self, step: int, trace, unfinished: list[str]) -> tuple[str, str, str] | None:
@@ -1113,10 +1330,15 @@ class _Judge:
                     if self.bypassed[rid] > bound:
                         # Turns (R14) start after the last-served stream (R15): a slip of either
                         # shows as the same bypass, so both are named.
-                        return self._named("R14/R15", "should", (
-                            f"{self.name}: {rid} of user {user!r} waited while {self.bypassed[rid]} of that "
-                            f"user's tokens went to its other streams (bound {bound}): the article's streams "
-                            "of one user take turns (R14), each turn starting after the stream served last (R15)"))
+                        return self._named(
+                            "R14/R15",
+                            "should",
+                            (
+                                f"{self.name}: {rid} of user {user!r} waited while {self.bypassed[rid]} of that "
+                                f"user's tokens went to its other streams (bound {bound}): the article's streams "
+                                "of one user take turns (R14), each turn starting after the stream served last (R15)"
+                            ),
+                        )
         return None
 
     def _white_box_checks(self, trace) -> tuple[str, str] | None:
@@ -1127,8 +1349,10 @@ class _Judge:
             return refund_error
         charged_chunks = (set(refunded) & set(trace.scheduled)) - sampled
         if charged_chunks:
-            return "R7", (f"{sorted(charged_chunks)} charged (then refunded) for a step in which they are "
-                          "scheduled but do not sample: a prompt chunk was charged")
+            return "R7", (
+                f"{sorted(charged_chunks)} charged (then refunded) for a step in which they are "
+                "scheduled but do not sample: a prompt chunk was charged"
+            )
         accounting = spec_properties.accounting_error(charged, refunded, sampled)
         if accounting is not None:
             return accounting
@@ -1148,8 +1372,9 @@ class _Judge:
             ready = {u: spec_limiter.ready_at_ns(self.state, u) for u in self.state.tat_ns}
             throttled_users = {self.user_of(r) for r in white["throttled"] if r in self.by_id}
             if hint not in ready.values() or any(ready.get(u) is not None and hint > ready[u] for u in throttled_users):
-                return "R16", (f"wait hint {hint} ns is not the earliest ready time of the refused users "
-                               f"(spec ready_at: {ready})")
+                return "R16", (
+                    f"wait hint {hint} ns is not the earliest ready time of the refused users (spec ready_at: {ready})"
+                )
         return None
 
 
@@ -1166,8 +1391,11 @@ def _next_advance_ns(scenario, step, trace, state, by_id, harness) -> int:
     if step < scenario.num_steps or trace.sampled or trace.scheduled:
         return interval
     users = {spec_limiter_user(by_id[rid].user) for rid in harness.num_outputs if rid not in harness.finished}
-    ready = [t for u in users
-             if (t := spec_limiter.ready_at_ns(state, u, scenario.burst_ns)) is not None and t > trace.now_ns]
+    ready = [
+        t
+        for u in users
+        if (t := spec_limiter.ready_at_ns(state, u, scenario.burst_ns)) is not None and t > trace.now_ns
+    ]
     # A candidate may be more conservative than the spec replay (R8: async over-charges are
     # allowed): when the spec says "ready now" and nothing ran, move on by DRAIN_IDLE_NS.
     return max(interval, min(ready) - trace.now_ns) if ready else max(interval, DRAIN_IDLE_NS)
@@ -1179,19 +1407,21 @@ def _window_violation(history: dict[str, list[int]], scenario: Scenario) -> str 
         rate = scenario.rate_of(user)
         excess = spec_properties.window_excess(times, rate, scenario.burst_ns)
         if excess is not None:
-            return (f"user {user!r}: {excess.count} sampling dispatches in [{excess.start_ns}, {excess.end_ns}] ns "
-                    f"> bound {excess.bound} = floor((W + tau) x {rate}) + 1: over the user's rate")
+            return (
+                f"user {user!r}: {excess.count} sampling dispatches in [{excess.start_ns}, {excess.end_ns}] ns "
+                f"> bound {excess.bound} = floor((W + tau) x {rate}) + 1: over the user's rate"
+            )
     return None
 
 
-def minimize(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None,
-             run=None) -> Scenario:
+def minimize(scheduler_cls: str, scenario: Scenario, level: str = "exact", style=None, run=None) -> Scenario:
     """Make a failing scenario 1-minimal: drop single requests, aborts and trailing steps
     while it still fails (after Hypothesis's own shrinking). ``run(scenario) -> Verdict``
     replaces ``run_scenario`` (the feature-off comparison uses its own)."""
     from dataclasses import replace
 
     if run is None:
+
         def run(candidate: Scenario) -> Verdict:
             return run_scenario(scheduler_cls, candidate, level, style)
 
@@ -1204,9 +1434,15 @@ def minimize(scheduler_cls: str, scenario: Scenario, level: str = "exact", style
         progress = False
         for i, request in enumerate(scenario.requests):
             smaller = [
-                replace(scenario, requests=scenario.requests[:i] + scenario.requests[i + 1:]),
-                replace(scenario, requests=scenario.requests[:i] + (replace(request, abort_at_step=None),)
-                        + scenario.requests[i + 1:]) if request.abort_at_step is not None else None,
+                replace(scenario, requests=scenario.requests[:i] + scenario.requests[i + 1 :]),
+                replace(
+                    scenario,
+                    requests=scenario.requests[:i]
+                    + (replace(request, abort_at_step=None),)
+                    + scenario.requests[i + 1 :],
+                )
+                if request.abort_at_step is not None
+                else None,
             ]
             for candidate in smaller:
                 if candidate is not None and fails(candidate):

@@ -131,15 +131,20 @@ def write_tokenizer(directory: Path) -> None:
     build_tokenizer().save(str(directory / "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": CONFIG["max_position_embeddings"],
-        "add_bos_token": False,  # the chat template writes it
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        **special,
-    }, indent=2))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": CONFIG["max_position_embeddings"],
+                "add_bos_token": False,  # the chat template writes it
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+                **special,
+            },
+            indent=2,
+        )
+    )
 
 
 # LoRA adapters (PEFT format). Rank and alpha are small; every attention projection of both
@@ -155,8 +160,12 @@ def lora_module_shapes() -> dict[str, tuple[int, int]]:
     hidden, head_dim = CONFIG["hidden_size"], CONFIG["head_dim"]
     q_out = CONFIG["num_attention_heads"] * head_dim
     kv_out = CONFIG["num_key_value_heads"] * head_dim
-    return {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden),
-            "o_proj": (hidden, q_out)}
+    return {
+        "q_proj": (q_out, hidden),
+        "k_proj": (kv_out, hidden),
+        "v_proj": (kv_out, hidden),
+        "o_proj": (hidden, q_out),
+    }
 
 
 def write_lora(directory: Path, seed: int) -> Path:
@@ -184,23 +193,30 @@ def write_lora(directory: Path, seed: int) -> Path:
     for layer in range(CONFIG["num_hidden_layers"]):
         for module, (out_features, in_features) in lora_module_shapes().items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(
-                LORA_RANK, in_features, generator=generator) * LORA_WEIGHT_STD
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
-                out_features, LORA_RANK, generator=generator) * LORA_WEIGHT_STD
+            tensors[f"{prefix}.lora_A.weight"] = (
+                torch.randn(LORA_RANK, in_features, generator=generator) * LORA_WEIGHT_STD
+            )
+            tensors[f"{prefix}.lora_B.weight"] = (
+                torch.randn(out_features, LORA_RANK, generator=generator) * LORA_WEIGHT_STD
+            )
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": "tiny-llama",
-        "r": LORA_RANK,
-        "lora_alpha": LORA_ALPHA,
-        "lora_dropout": 0.0,
-        "target_modules": list(LORA_TARGET_MODULES),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-    }, indent=2))
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": "tiny-llama",
+                "r": LORA_RANK,
+                "lora_alpha": LORA_ALPHA,
+                "lora_dropout": 0.0,
+                "target_modules": list(LORA_TARGET_MODULES),
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+            },
+            indent=2,
+        )
+    )
     return directory
 
 

@@ -217,46 +217,56 @@ class TraceReport:
         return not self.violations
 
     def summary(self) -> str:
-        lines = [f"{len(self.runs)} run(s), {sum(r.steps for r in self.runs)} steps, "
-                 f"{len(self.violations)} violation(s)"]
+        lines = [
+            f"{len(self.runs)} run(s), {sum(r.steps for r in self.runs)} steps, {len(self.violations)} violation(s)"
+        ]
         for i, run in enumerate(self.runs):
             for u in sorted(run.users.values(), key=lambda s: s.user):
                 rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
-                lines.append(f"  run {i} user {u.user}: limit {float(u.rate):g} tok/s, "
-                             f"{u.dispatches} dispatches in {u.busy_periods} busy period(s) of "
-                             f"{u.busy_s:.2f} s, {rate} tok/s"
-                             + (f", {u.would_throttle} would be throttled (shadow)" if run.shadow else ""))
+                lines.append(
+                    f"  run {i} user {u.user}: limit {float(u.rate):g} tok/s, "
+                    f"{u.dispatches} dispatches in {u.busy_periods} busy period(s) of "
+                    f"{u.busy_s:.2f} s, {rate} tok/s"
+                    + (f", {u.would_throttle} would be throttled (shadow)" if run.shadow else "")
+                )
         lines += [f"  {v}" for v in self.violations[:20]]
         return "\n".join(lines)
 
     def render(self, source: str = "trace") -> list[str]:
         """The command-line report: per run, a header and one row per user; the violations;
         a verdict line last (``OK: ...`` or ``FAIL: ...``)."""
-        lines = [f"{source}: {len(self.runs)} run(s), {sum(r.steps for r in self.runs)} steps, "
-                 f"{len(self.violations)} violation(s)"]
+        lines = [
+            f"{source}: {len(self.runs)} run(s), {sum(r.steps for r in self.runs)} steps, "
+            f"{len(self.violations)} violation(s)"
+        ]
         for i, run in enumerate(self.runs):
             h = run.header
             overrides = h.get("user_tokens_per_s") or {}
-            span = ("" if run.first_ns is None or run.last_ns is None
-                    else f" over {(run.last_ns - run.first_ns) / NS_PER_S:.2f} s")
+            span = (
+                ""
+                if run.first_ns is None or run.last_ns is None
+                else f" over {(run.last_ns - run.first_ns) / NS_PER_S:.2f} s"
+            )
             lines.append(
                 f"run {i}: {h.get('scheduler', '?')} pid {h.get('pid', '?')}, "
                 f"{'async' if run.async_scheduling else 'sync'}, default {h.get('default_tokens_per_s')} tok/s, "
                 f"{len(overrides)} override(s), burst {int(h.get('burst_ns', spec_limiter.BURST_NS)) / 1e6:g} ms; "
                 f"{run.steps} steps{span}, {len(run.requests)} requests"
-                + (" (SHADOW mode: nothing throttled; R2 checked on the shadow limiter's grants)" if run.shadow
-                   else "")
+                + (" (SHADOW mode: nothing throttled; R2 checked on the shadow limiter's grants)" if run.shadow else "")
             )
             if not run.users:
                 lines.append("  no sampling dispatch")
                 continue
-            lines.append(f"  {'user':<24} {'limit tok/s':>11} {'dispatches':>10} {'busy periods':>12} "
-                         f"{'busy s':>8} {'tok/s':>9}")
+            lines.append(
+                f"  {'user':<24} {'limit tok/s':>11} {'dispatches':>10} {'busy periods':>12} {'busy s':>8} {'tok/s':>9}"
+            )
             for u in sorted(run.users.values(), key=lambda s: s.user or ""):
                 rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
-                lines.append(f"  {str(u.user)[:24]:<24} {float(u.rate):>11g} {u.dispatches:>10} "
-                             f"{u.busy_periods:>12} {u.busy_s:>8.2f} {rate:>9}"
-                             + (f"  {u.would_throttle} would be throttled" if run.shadow else ""))
+                lines.append(
+                    f"  {str(u.user)[:24]:<24} {float(u.rate):>11g} {u.dispatches:>10} "
+                    f"{u.busy_periods:>12} {u.busy_s:>8.2f} {rate:>9}"
+                    + (f"  {u.would_throttle} would be throttled" if run.shadow else "")
+                )
         if self.violations:
             lines.append("violations:")
             lines += [f"  {v}" for v in self.violations]
@@ -267,8 +277,10 @@ class TraceReport:
             shown = ", ".join(f"{rule} x{n}" for rule, n in sorted(rules.items()))
             lines.append(f"FAIL: {len(self.violations)} violation(s) ({shown})")
         elif not self.runs:
-            lines.append("FAIL: no run in the trace (no header line): nothing was checked; is it the file "
-                         "given as --trace-path / output_rate.trace_path?")
+            lines.append(
+                "FAIL: no run in the trace (no header line): nothing was checked; is it the file "
+                "given as --trace-path / output_rate.trace_path?"
+            )
         else:
             lines.append(f"OK: every check passed in {len(self.runs)} run(s)")
         return lines
@@ -321,15 +333,25 @@ class _UserWindow:
             excess = self.window.add(now_ns)
             if excess is not None:
                 self.window_ok = False
-                broken.append(("R2-window", f"{excess.count} sampling dispatches in a window of "
-                               f"{(excess.end_ns - excess.start_ns) / 1e6:.3f} ms (bound {excess.bound} at "
-                               f"{float(self.rate):g} tok/s)"))
+                broken.append(
+                    (
+                        "R2-window",
+                        f"{excess.count} sampling dispatches in a window of "
+                        f"{(excess.end_ns - excess.start_ns) / 1e6:.3f} ms (bound {excess.bound} at "
+                        f"{float(self.rate):g} tok/s)",
+                    )
+                )
         if self.gcra_ok:
             self.gcra, granted = spec_limiter.try_take(self.gcra, self.user, self.rate, now_ns, self.burst_ns)
             if not granted:
                 self.gcra_ok = False
-                broken.append(("R2-gcra", f"dispatch #{k} at {now_ns} ns not allowed by GCRA "
-                               f"(TAT {float(self.gcra.tat_ns[self.user]):.0f} ns)"))
+                broken.append(
+                    (
+                        "R2-gcra",
+                        f"dispatch #{k} at {now_ns} ns not allowed by GCRA "
+                        f"(TAT {float(self.gcra.tat_ns[self.user]):.0f} ns)",
+                    )
+                )
         return broken
 
 
@@ -427,8 +449,11 @@ class _Checker:
         restarts at the new rate (windows across the change are R21's piecewise bound), and
         its summary shows the new limit; users seen later get the new table."""
         now = int(change["now_ns"])
-        header = {**run.report.header, "default_tokens_per_s": change["default_tokens_per_s"],
-                  "user_tokens_per_s": dict(change.get("user_tokens_per_s") or {})}
+        header = {
+            **run.report.header,
+            "default_tokens_per_s": change["default_tokens_per_s"],
+            "user_tokens_per_s": dict(change.get("user_tokens_per_s") or {}),
+        }
         for user, window in run.windows.items():
             if user is None:  # R21: no anonymous key here (R17 resolves every request's user)
                 continue
@@ -485,16 +510,29 @@ class _Checker:
             per_user[(rec["requests"].get(rid) or {}).get("user")][0] += n
         if report.shadow:  # every dispatch is a shadow grant or a would-be throttle, never both
             if set(net) & would:
-                self.fail("R7/R9-accounting", f"shadow mode: charged and would-be throttled {sorted(set(net) & would)}",
-                          index, step)
+                self.fail(
+                    "R7/R9-accounting",
+                    f"shadow mode: charged and would-be throttled {sorted(set(net) & would)}",
+                    index,
+                    step,
+                )
             sampled = sampled - would
         if set(net) != sampled:
-            self.fail("R7/R9-accounting", f"charged-not-refunded {sorted(net)} != dispatched to sample "
-                      f"{sorted(sampled)}", index, step)
+            self.fail(
+                "R7/R9-accounting",
+                f"charged-not-refunded {sorted(net)} != dispatched to sample {sorted(sampled)}",
+                index,
+                step,
+            )
         for user, (charged, dispatched) in per_user.items():
             if charged != dispatched:
-                self.fail("R7/R9-accounting", f"charges - refunds = {charged} != {dispatched} sampling dispatches",
-                          index, step, user)
+                self.fail(
+                    "R7/R9-accounting",
+                    f"charges - refunds = {charged} != {dispatched} sampling dispatches",
+                    index,
+                    step,
+                    user,
+                )
 
     def check_charge_lists(self, charges: list[str], refunds: list[str], index: int, step: int) -> None:
         """R7/R9 on one step's lists: no request charged twice, none refunded twice, no
@@ -504,14 +542,26 @@ class _Checker:
             self.fail("R7-once", f"charged more than once in one step: {twice}", index, step)
         refund_count = Counter(refunds)
         if any(n > 1 for n in refund_count.values()):
-            self.fail("R9-refund", f"refunded more than once: {sorted(r for r, n in refund_count.items() if n > 1)}",
-                      index, step)
+            self.fail(
+                "R9-refund",
+                f"refunded more than once: {sorted(r for r, n in refund_count.items() if n > 1)}",
+                index,
+                step,
+            )
         stray = sorted(set(refunds) - set(charges))
         if stray:
             self.fail("R9-refund", f"refund without a charge in this step: {stray}", index, step)
 
-    def request_entry(self, run: _Run, rec: dict, rid: str, info: Any, sampled: set[str], would: set[str],
-                      per_user: dict[str | None, list[int]]) -> None:
+    def request_entry(
+        self,
+        run: _Run,
+        rec: dict,
+        rid: str,
+        info: Any,
+        sampled: set[str],
+        would: set[str],
+        per_user: dict[str | None, list[int]],
+    ) -> None:
         """One request of a step record: its user (R17: never changes), R11 (a throttled
         request is not scheduled), and its sampling dispatch, replayed through R2 (added to
         ``sampled`` and ``per_user``) or, in shadow mode past the limit, to ``would``."""
@@ -525,8 +575,13 @@ class _Checker:
         elif user is not None and user != req.user:
             self.fail("R17-identity", f"request {rid} changed user {req.user!r} -> {user!r}", index, step, user)
         if info.get("throttled") and (info.get("tokens", 0) > 0 or info.get("charged")):
-            self.fail("R11-throttled", f"throttled request {rid} was scheduled "
-                      f"({info.get('tokens')} tokens, charged={info.get('charged')})", index, step, user)
+            self.fail(
+                "R11-throttled",
+                f"throttled request {rid} was scheduled ({info.get('tokens')} tokens, charged={info.get('charged')})",
+                index,
+                step,
+                user,
+            )
         if info.get("sampled"):
             sampled.add(rid)
             req.sampled += 1
@@ -593,8 +648,13 @@ class _Checker:
             req = run.requests[rid]
             if client_id in cancelled or rid in cancelled:
                 if req.sampled < tokens:
-                    self.fail("tokens", f"cancelled request {rid}: {req.sampled} sampling "
-                              f"dispatches < {tokens} tokens received", i, None, req.user)
+                    self.fail(
+                        "tokens",
+                        f"cancelled request {rid}: {req.sampled} sampling dispatches < {tokens} tokens received",
+                        i,
+                        None,
+                        req.user,
+                    )
             else:
                 self.token_bounds(i, run, rid, tokens, "client completion_tokens")
 
@@ -608,8 +668,13 @@ class _Checker:
             upper = None  # an in-flight output of a preempted request may be dropped
         if req.sampled < tokens or (upper is not None and req.sampled > upper):
             expected = f"{tokens}" if upper == tokens else f"{tokens}..{upper if upper is not None else 'any'}"
-            self.fail("tokens", f"request {rid}: {req.sampled} sampling dispatches, {what} {tokens} "
-                      f"(expected {expected})", index, None, req.user)
+            self.fail(
+                "tokens",
+                f"request {rid}: {req.sampled} sampling dispatches, {what} {tokens} (expected {expected})",
+                index,
+                None,
+                req.user,
+            )
             return False
         return True
 
@@ -658,8 +723,9 @@ class TraceFollower:
         report.ignored_partial_line = bool(self._tail.strip())
         return report
 
-    def finish(self, completions: Mapping[str, int] | None = None, cancelled: Iterable[str] = (),
-               partial: bool = False) -> TraceReport:
+    def finish(
+        self, completions: Mapping[str, int] | None = None, cancelled: Iterable[str] = (), partial: bool = False
+    ) -> TraceReport:
         """Read the rest of the file and return the final verdict.
 
         The last line is checked even without its newline (``partial=True``: it is
@@ -698,8 +764,12 @@ class TraceFollower:
         self._tail = carry
 
 
-def check_records(lines: Iterable[str], completions: Mapping[str, int] | None = None,
-                  cancelled: Iterable[str] = (), partial: bool = False) -> TraceReport:
+def check_records(
+    lines: Iterable[str],
+    completions: Mapping[str, int] | None = None,
+    cancelled: Iterable[str] = (),
+    partial: bool = False,
+) -> TraceReport:
     """Check a whole trace given as lines (see module docstring for the rules).
 
     Args:
@@ -722,8 +792,9 @@ def check_records(lines: Iterable[str], completions: Mapping[str, int] | None = 
     return checker.end(completions, cancelled)
 
 
-def check_trace(path: str | Path, completions: Mapping[str, int] | None = None,
-                cancelled: Iterable[str] = (), partial: bool = False) -> TraceReport:
+def check_trace(
+    path: str | Path, completions: Mapping[str, int] | None = None, cancelled: Iterable[str] = (), partial: bool = False
+) -> TraceReport:
     """Check the trace file at ``path`` at once; ``partial=True`` while the engine still writes it.
 
     Same as ``TraceFollower(path).finish(completions, cancelled, partial)``; arguments and
@@ -741,10 +812,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_output_rate.adapter.trace_check",
         description="Check an engine-side event trace (output_rate.trace_path): per-run, per-user rates "
-                    "and every invariant; exit 1 on a violation.")
+        "and every invariant; exit 1 on a violation.",
+    )
     parser.add_argument("file", help="the trace file (JSON lines)")
-    parser.add_argument("--partial", action="store_true",
-                        help="the engine still writes the file: skip an unterminated last line")
+    parser.add_argument(
+        "--partial", action="store_true", help="the engine still writes the file: skip an unterminated last line"
+    )
     args = parser.parse_args(argv)
     try:
         report = check_trace(args.file, partial=args.partial)

@@ -42,8 +42,9 @@ RATES = ("0.5", "2", "3.5", "5", "10", "20", "50", "100")
 STEP_INTERVALS_MS = (0, 1, 5, 10, 20, 33, 50, 120)
 
 
-def compare_white(event: Event, trace: StepTrace | None, harness: Harness, obs: Observation,
-                  state: SchedulerState) -> str | None:
+def compare_white(
+    event: Event, trace: StepTrace | None, harness: Harness, obs: Observation, state: SchedulerState
+) -> str | None:
     """R1-R16: the reference's ``last_step_observation`` of a step equals the spec's."""
     if not isinstance(event, Step) or trace is None or trace.white is None:
         return None
@@ -77,18 +78,22 @@ def rate_configs(draw, async_scheduling: bool, contention: bool) -> EngineConfig
     budget = draw(st.one_of(st.integers(8, 24), st.integers(8, 128)))
     max_model_len = draw(st.sampled_from([2048, 80])) if chunked else budget
     if contention:
-        overrides: tuple[tuple[str, Fraction], ...] = (("u0", Fraction(draw(st.sampled_from(("0.5", "2", "5"))))),
-                     ("u1", Fraction(draw(st.sampled_from(("50", "100"))))))
+        overrides: tuple[tuple[str, Fraction], ...] = (
+            ("u0", Fraction(draw(st.sampled_from(("0.5", "2", "5"))))),
+            ("u1", Fraction(draw(st.sampled_from(("50", "100"))))),
+        )
         block_size, num_blocks = 4, draw(st.integers(5, 12))
     else:
         num_users = draw(st.integers(1, 3))
-        overrides = tuple((f"u{i}", Fraction(draw(st.sampled_from(RATES)))) for i in range(num_users)
-                          if draw(st.booleans()))
+        overrides = tuple(
+            (f"u{i}", Fraction(draw(st.sampled_from(RATES)))) for i in range(num_users) if draw(st.booleans())
+        )
         block_size = draw(st.sampled_from([4, 4, 8, 16]))
         num_blocks = draw(st.one_of(st.integers(4, 12), st.integers(4, 12), st.integers(4, 60)))
     return EngineConfig(
-        **drawn_engine_fields(draw, max_num_seqs, budget, chunked, block_size, num_blocks, async_scheduling,
-                              max_model_len),
+        **drawn_engine_fields(
+            draw, max_num_seqs, budget, chunked, block_size, num_blocks, async_scheduling, max_model_len
+        ),
         default_rate_tokens_per_s=Fraction(draw(st.sampled_from(RATES))),
         user_rates_tokens_per_s=overrides,
         output_rate_max_num_active_seqs=draw(st.one_of(st.none(), st.integers(1, max_num_seqs))),

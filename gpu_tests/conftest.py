@@ -29,8 +29,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 REFERENCE_ASYNC_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
-SOAK_SKIP = ("soak runs for minutes (OUTRATE_SOAK_MINUTES, default 10): select it with "
-             "`pytest -m soak gpu_tests/`")
+SOAK_SKIP = "soak runs for minutes (OUTRATE_SOAK_MINUTES, default 10): select it with `pytest -m soak gpu_tests/`"
 
 
 def cuda_available() -> bool:
@@ -53,9 +52,12 @@ def pytest_collection_modifyitems(config, items) -> None:
             if no_cuda is None:
                 no_cuda = not cuda_available()
             if no_cuda:
-                item.add_marker(pytest.mark.skip(
-                    reason="needs a CUDA GPU and the CUDA build of vLLM 0.32.0 (on CPU vLLM forces "
-                           "async_scheduling off); see docs/GPU_RUNBOOK.md"))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason="needs a CUDA GPU and the CUDA build of vLLM 0.32.0 (on CPU vLLM forces "
+                        "async_scheduling off); see docs/GPU_RUNBOOK.md"
+                    )
+                )
 
 
 def tiny_llm(output_rate: dict[str, Any] | None = None, **overrides: Any):
@@ -95,8 +97,12 @@ def sampling(user: Any, n: int, **overrides: Any):
     """``SamplingParams`` of one stream of ``user``: ``n`` tokens, ``ignore_eos``, token ids only."""
     from vllm import SamplingParams
 
-    kwargs: dict[str, Any] = {"max_tokens": n, "ignore_eos": True, "detokenize": False,
-                                  "extra_args": {"output_rate_user": user}}
+    kwargs: dict[str, Any] = {
+        "max_tokens": n,
+        "ignore_eos": True,
+        "detokenize": False,
+        "extra_args": {"output_rate_user": user},
+    }
     kwargs.update(overrides)
     return SamplingParams(**kwargs)
 

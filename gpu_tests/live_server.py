@@ -55,14 +55,39 @@ def _start(work: Path, flags: list[str], env_extra: dict[str, str] | None) -> tu
     model = write_config(work / "model", tokenizer=True)
     port = free_port()
     log_path = work / "serve.log"
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="INFO", **(env_extra or {}))
+    env = dict(
+        os.environ,
+        VLLM_HOST_IP="127.0.0.1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        **(env_extra or {}),
+    )
     command = [
-        sys.executable, "-m", "vllm_output_rate.cli", "serve", str(model), *flags,
-        "--max-num-seqs", "8",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-        "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(128 * 2**20),
+        sys.executable,
+        "-m",
+        "vllm_output_rate.cli",
+        "serve",
+        str(model),
+        *flags,
+        "--max-num-seqs",
+        "8",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--kv-cache-memory-bytes",
+        str(128 * 2**20),
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

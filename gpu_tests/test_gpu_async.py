@@ -24,8 +24,10 @@ FAST_RATE, FAST_STREAMS, FAST_TOKENS = 100, 1, 300
 @pytest.mark.rules("R8")
 def test_r8_p5_live_async_scheduling_paced_and_trace_checked(tmp_path, tiny_llm, sampling):
     trace = tmp_path / "trace.jsonl"
-    llm = tiny_llm({"default_tokens_per_s": FAST_RATE, "user_tokens_per_s": {"slow": SLOW_RATE},
-                    "trace_path": str(trace)}, async_scheduling=True)
+    llm = tiny_llm(
+        {"default_tokens_per_s": FAST_RATE, "user_tokens_per_s": {"slow": SLOW_RATE}, "trace_path": str(trace)},
+        async_scheduling=True,
+    )
     try:
         prompts = [{"prompt_token_ids": [11 + i, 12, 13, 14]} for i in range(SLOW_STREAMS + FAST_STREAMS)]
         params = [sampling("slow", SLOW_TOKENS)] * SLOW_STREAMS + [sampling("fast", FAST_TOKENS)] * FAST_STREAMS

@@ -42,14 +42,18 @@ def test_bench_live_json_structure(tmp_path):
     assert len(throughput["tokens_per_s_on_worker_spin_rounds"]) == QUICK.live_rounds
     assert throughput["worker_fix_ratio_min"] <= live["worker_fix_ratio"] <= throughput["worker_fix_ratio_max"]
     # The throttled runs cannot beat the limit (R2 read backwards), and each run's environment took effect.
-    for key, plugins, park in (("throttled_with_wait", None, None), ("throttled_wait_worker_spins", None, "0"),
-                               ("throttled_without_wait", "", None)):
+    for key, plugins, park in (
+        ("throttled_with_wait", None, None),
+        ("throttled_wait_worker_spins", None, "0"),
+        ("throttled_without_wait", "", None),
+    ):
         run = live[key]
         assert run["wall_s"] >= run["min_wall_s"], run
         assert (run["plugins"], run["worker_park"]) == (plugins, park)
         assert {"engine_core", "worker"} <= set(run["cpu_percent"]) and "worker" in run["wakeups_per_s"]
         assert run["engine_and_workers_cpu_percent"] == pytest.approx(
-            run["cpu_percent"]["engine_core"] + run["cpu_percent"]["worker"])
+            run["cpu_percent"]["engine_core"] + run["cpu_percent"]["worker"]
+        )
     # R16, worker side: a parked reader with the plugin's lossless pings misses none.
     pings = live["pings"]
     assert pings["lossless_park"]["lost"] == 0 and pings["lossless_park"]["messages"] == 2 * QUICK.live_ping_steps

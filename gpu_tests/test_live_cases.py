@@ -43,9 +43,14 @@ LIMITS = {"pfx": 20, "long": 10, "short": 40, "resume": 10, "hog": 5}
 @pytest.fixture(scope="module")
 def engine(tiny_llm, tmp_path_factory):
     trace = tmp_path_factory.mktemp("cases") / "trace.jsonl"
-    llm = tiny_llm({"default_tokens_per_s": UNLIMITED, "user_tokens_per_s": LIMITS, "trace_path": str(trace)},
-                   enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK,
-                   block_size=BLOCK, max_model_len=MAX_MODEL_LEN)
+    llm = tiny_llm(
+        {"default_tokens_per_s": UNLIMITED, "user_tokens_per_s": LIMITS, "trace_path": str(trace)},
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=CHUNK,
+        block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+    )
     yield llm, trace
     del llm
 
@@ -165,8 +170,9 @@ def _round(llm, sampling, tag: str, hog: bool) -> tuple[dict[str, int], dict[str
     return {rid: seen[rid] for rid in free}, {rid: seen[rid] for rid in hogs}
 
 
-def test_p4_live_unlimited_user_throughput_unchanged_beside_a_throttled_user(engine, sampling, wait_for_finish,
-                                                                           request_steps):
+def test_p4_live_unlimited_user_throughput_unchanged_beside_a_throttled_user(
+    engine, sampling, wait_for_finish, request_steps
+):
     llm, trace = engine
     free_tokens, hog_tokens = {}, {}
     for i in range(ROUNDS):  # interleaved: machine noise hits both sides alike
@@ -185,6 +191,8 @@ def test_p4_live_unlimited_user_throughput_unchanged_beside_a_throttled_user(eng
     alone = [run.users[f"free-alone{i}"].engine_rate for i in range(ROUNDS)]
     beside = [run.users[f"free-with{i}"].engine_rate for i in range(ROUNDS)]
     ratio = statistics.median(beside) / statistics.median(alone)
-    print(f"\nunlimited user, engine tok/s: alone {[round(r) for r in alone]}, "
-          f"beside 4 throttled streams {[round(r) for r in beside]}; median ratio {ratio:.3f}")
+    print(
+        f"\nunlimited user, engine tok/s: alone {[round(r) for r in alone]}, "
+        f"beside 4 throttled streams {[round(r) for r in beside]}; median ratio {ratio:.3f}"
+    )
     assert ratio >= MIN_RATIO, (alone, beside)

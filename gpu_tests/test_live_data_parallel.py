@@ -40,8 +40,18 @@ def test_r24_live_data_parallel_two_ranks_share_one_budget(tmp_path, redis_serve
 
     monkeypatch.setattr(live_server, "READY_TIMEOUT_S", 300)  # two engine cores start on two cores
     trace = tmp_path / "trace.jsonl"
-    flags = ["--default-user-output-tokens-per-second", str(RATE), "--shared-budget-url", redis_server.url,
-             "--trace-path", str(trace), "--data-parallel-size", "2", "--api-server-count", "1"]
+    flags = [
+        "--default-user-output-tokens-per-second",
+        str(RATE),
+        "--shared-budget-url",
+        redis_server.url,
+        "--trace-path",
+        str(trace),
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+    ]
     with serving(tmp_path, flags) as url:
         _reports, streams = run_measurement(url, [(USER, STREAMS)], TOKENS, timeout_s=120)
     assert [s.error for s in streams] == [None] * STREAMS
@@ -55,13 +65,18 @@ def test_r24_live_data_parallel_two_ranks_share_one_budget(tmp_path, redis_serve
     times = sorted(t for d in per_rank for t in d)
     assert len(times) == STREAMS * TOKENS
     lease = sb.lease_size(Fraction(RATE))
-    worst = max(((j - i + 1) - sb.shared_window_bound_tokens(times[j] - times[i], Fraction(RATE), 2, lease), i, j)
-                for i in range(len(times)) for j in range(i, len(times)))
+    worst = max(
+        ((j - i + 1) - sb.shared_window_bound_tokens(times[j] - times[i], Fraction(RATE), 2, lease), i, j)
+        for i in range(len(times))
+        for j in range(i, len(times))
+    )
     span_s = (times[-1] - times[0]) / 1e9
-    print(f"\nlimit {RATE} tok/s, 2 ranks, L {lease}; dispatches per rank {[len(d) for d in per_rank]}; combined "
-          f"{len(times)} in {span_s:.2f} s = {(len(times) - 1) / span_s:.1f} tok/s; R24 bound over the run "
-          f"{sb.shared_window_bound_tokens(times[-1] - times[0], Fraction(RATE), 2, lease)}; tightest window "
-          f"{worst[0]} tokens from its bound")
+    print(
+        f"\nlimit {RATE} tok/s, 2 ranks, L {lease}; dispatches per rank {[len(d) for d in per_rank]}; combined "
+        f"{len(times)} in {span_s:.2f} s = {(len(times) - 1) / span_s:.1f} tok/s; R24 bound over the run "
+        f"{sb.shared_window_bound_tokens(times[-1] - times[0], Fraction(RATE), 2, lease)}; tightest window "
+        f"{worst[0]} tokens from its bound"
+    )
     assert all(per_rank), "both ranks served the user"
     assert worst[0] <= 0, worst  # R24: one budget across both ranks
     assert (len(times) - 1) / span_s <= 1.5 * RATE

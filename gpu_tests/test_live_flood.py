@@ -101,8 +101,10 @@ def test_r20_live_flood_without_cap_other_user_waits_for_the_flood(tiny_llm, sam
         alone = _baseline(engine, sampling)
         flood = _start_flood(engine, sampling)
         flooded = _ttft(engine, sampling, "other-flooded")
-        print(f"\nno cap (article): other's TTFT alone median {statistics.median(alone) * 1000:.1f} ms "
-              f"({', '.join(f'{t * 1000:.0f}' for t in alone)}), with the flood {flooded:.2f} s")
+        print(
+            f"\nno cap (article): other's TTFT alone median {statistics.median(alone) * 1000:.1f} ms "
+            f"({', '.join(f'{t * 1000:.0f}' for t in alone)}), with the flood {flooded:.2f} s"
+        )
         # The flood's streams end after about 16 x 12 / 20 = 9.6 s (minus the 0.5 s above).
         assert flooded > 5.0, (flooded, alone)
         engine.abort_request(flood)
@@ -124,9 +126,11 @@ def test_r20_live_flood_with_cap_other_user_first_token_within_2x(tiny_llm, samp
             flooded.append(_ttft(engine, sampling, rid))
             _finish(engine, [rid])
         base, under = statistics.median(alone), statistics.median(flooded)
-        print(f"\ncap {CAP} (R20): other's TTFT alone median {base * 1000:.1f} ms "
-              f"({', '.join(f'{t * 1000:.0f}' for t in alone)}), with the flood median {under * 1000:.1f} ms "
-              f"({', '.join(f'{t * 1000:.0f}' for t in flooded)}), ratio {under / base:.2f}")
+        print(
+            f"\ncap {CAP} (R20): other's TTFT alone median {base * 1000:.1f} ms "
+            f"({', '.join(f'{t * 1000:.0f}' for t in alone)}), with the flood median {under * 1000:.1f} ms "
+            f"({', '.join(f'{t * 1000:.0f}' for t in flooded)}), ratio {under / base:.2f}"
+        )
         assert under <= 2 * base, (alone, flooded)
         engine.abort_request(flood)
     finally:

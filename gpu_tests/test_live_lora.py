@@ -94,10 +94,13 @@ def test_r13_live_lora_other_adapter_is_served_while_the_throttled_user_is_resid
         from vllm.lora.request import LoRARequest
 
         # The adapters are loaded and change the output (greedy, same prompt).
-        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False,
-                                extra_args={"output_rate_user": "probe"})
-        outs = [llm.generate([{"prompt_token_ids": PROMPT}], greedy, lora_request=lora, use_tqdm=False)[0]
-                for lora in (None, LoRARequest("l1", 1, str(adapters[0])), LoRARequest("l2", 2, str(adapters[1])))]
+        greedy = SamplingParams(
+            max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False, extra_args={"output_rate_user": "probe"}
+        )
+        outs = [
+            llm.generate([{"prompt_token_ids": PROMPT}], greedy, lora_request=lora, use_tqdm=False)[0]
+            for lora in (None, LoRARequest("l1", 1, str(adapters[0])), LoRARequest("l2", 2, str(adapters[1])))
+        ]
         ids = [tuple(o.outputs[0].token_ids) for o in outs]
         assert len(set(ids)) == 3, ids
         result = _run_load(llm, sampling, adapters)

@@ -29,8 +29,12 @@ def _series(samples, name):
 
 
 def test_metrics_live_per_label_series_match_the_client(tmp_path):
-    flags = ["--default-user-output-tokens-per-second", str(DEFAULT_RATE),
-             "--user-output-tokens-per-second", json.dumps({"slow": SLOW_RATE})]
+    flags = [
+        "--default-user-output-tokens-per-second",
+        str(DEFAULT_RATE),
+        "--user-output-tokens-per-second",
+        json.dumps({"slow": SLOW_RATE}),
+    ]
     with serving(tmp_path, flags) as url:
         during = {}
         _reports, streams = run_measurement(url, [("slow", 2), ("fast", 1)], 30, timeout_s=120)

@@ -33,8 +33,11 @@ CHOICES = ["alpha", "beta"]
 @pytest.fixture(scope="module")
 def engine(tiny_llm, tmp_path_factory):
     trace = tmp_path_factory.mktemp("modes") / "trace.jsonl"
-    llm = tiny_llm({"default_tokens_per_s": 1000, "trace_path": str(trace), "user_tokens_per_s": RATES},
-                   model=str(servable_model_dir()), skip_tokenizer_init=False)
+    llm = tiny_llm(
+        {"default_tokens_per_s": 1000, "trace_path": str(trace), "user_tokens_per_s": RATES},
+        model=str(servable_model_dir()),
+        skip_tokenizer_init=False,
+    )
     yield llm, trace
     del llm
 
@@ -76,8 +79,12 @@ def test_modes_live_structured_output_choice_for_a_throttled_user(engine, sampli
     from vllm.sampling_params import StructuredOutputsParams
 
     llm, trace = engine
-    params = [sampling("so", 16, ignore_eos=False, detokenize=True,
-                       structured_outputs=StructuredOutputsParams(choice=CHOICES)) for _ in range(2)]
+    params = [
+        sampling(
+            "so", 16, ignore_eos=False, detokenize=True, structured_outputs=StructuredOutputsParams(choice=CHOICES)
+        )
+        for _ in range(2)
+    ]
     outs = llm.generate([{"prompt_token_ids": [60, 61, 62]}] * 2, params, use_tqdm=False)
     for out in outs:
         completion = out.outputs[0]

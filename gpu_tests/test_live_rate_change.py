@@ -80,8 +80,10 @@ def test_r21_live_rate_change_takes_effect_within_the_gcra_bound(tmp_path):
         window_ns = after[-1] - change_ns
         bound = spec_limiter.window_bound_tokens(window_ns, Fraction(new_rate))
         rate = (len(after) - 1) / (window_ns / 1e9)
-        print(f"{user}: {before} dispatches before the change at {BEFORE[user]} tok/s, {len(after)} after it in "
-              f"{window_ns / 1e9:.2f} s = {rate:.1f} tok/s (limit {new_rate}, GCRA bound {bound})")
+        print(
+            f"{user}: {before} dispatches before the change at {BEFORE[user]} tok/s, {len(after)} after it in "
+            f"{window_ns / 1e9:.2f} s = {rate:.1f} tok/s (limit {new_rate}, GCRA bound {bound})"
+        )
         assert before > 0 and len(after) > 10, (before, len(after))
         assert len(after) <= bound  # R21: from the moment of change, the new rate's GCRA bound
         if new_rate > BEFORE[user]:  # the higher rate is in force: at least twice the old one

@@ -55,9 +55,14 @@ MIN_SPAN_S = 10.0
 @pytest.fixture(scope="module")
 def engine(tiny_llm, tmp_path_factory):
     trace = tmp_path_factory.mktemp("rates") / "trace.jsonl"
-    llm = tiny_llm({"default_tokens_per_s": 1000, "trace_path": str(trace),
-                    "user_tokens_per_s": {user: spec[0] for user, spec in USERS.items()}},
-                   max_model_len=1024)  # 5 prompt + 600 output tokens
+    llm = tiny_llm(
+        {
+            "default_tokens_per_s": 1000,
+            "trace_path": str(trace),
+            "user_tokens_per_s": {user: spec[0] for user, spec in USERS.items()},
+        },
+        max_model_len=1024,
+    )  # 5 prompt + 600 output tokens
     yield llm, trace
     del llm
 

@@ -58,22 +58,49 @@ def server(work):
     model = write_config(work / "model", tokenizer=True)
     port = free_port()
     log_path = work / "serve.log"
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(
+        os.environ,
+        VLLM_HOST_IP="127.0.0.1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
     command = [
-        sys.executable, "-m", "vllm_output_rate.cli", "serve", str(model),
-        "--default-user-output-tokens-per-second", str(DEFAULT_RATE),
-        "--user-output-tokens-per-second", json.dumps({"slow": SLOW_RATE}),
-        "--max-num-seqs", "8",
-        "--trace-path", str(work / "trace.jsonl"),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-        "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(128 * 2**20),
+        sys.executable,
+        "-m",
+        "vllm_output_rate.cli",
+        "serve",
+        str(model),
+        "--default-user-output-tokens-per-second",
+        str(DEFAULT_RATE),
+        "--user-output-tokens-per-second",
+        json.dumps({"slow": SLOW_RATE}),
+        "--max-num-seqs",
+        "8",
+        "--trace-path",
+        str(work / "trace.jsonl"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--kv-cache-memory-bytes",
+        str(128 * 2**20),
         "--enable-per-request-metrics",
     ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # own process group: shut down as one
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )  # own process group: shut down as one
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(proc, base_url, log_path)
@@ -85,8 +112,11 @@ def server(work):
 @pytest.mark.rules("R2")
 def test_r2_p3_p4_live_two_users_paced_and_complete(server):
     reports, streams = run_measurement(
-        server, [("slow", STREAMS), ("fast", STREAMS)], TOKENS,
-        limits={"slow": SLOW_RATE, "fast": DEFAULT_RATE}, timeout_s=120,
+        server,
+        [("slow", STREAMS), ("fast", STREAMS)],
+        TOKENS,
+        limits={"slow": SLOW_RATE, "fast": DEFAULT_RATE},
+        timeout_s=120,
     )
     assert [s.error for s in streams] == [None] * len(streams)
     # P3: paused, never cut -- every stream has exactly TOKENS completion tokens.
@@ -118,8 +148,7 @@ def test_beam_search_and_bad_identity_refused_with_400(server):
     bad = httpx.post(url, json={**base, "vllm_xargs": {"output_rate_user": 12345}}, timeout=30)
     assert bad.status_code == 400, bad.text
     assert "output_rate_user" in bad.json()["error"]["message"]
-    good = httpx.post(url, json={**base, "ignore_eos": True, "vllm_xargs": {"output_rate_user": "fast"}},
-                      timeout=30)
+    good = httpx.post(url, json={**base, "ignore_eos": True, "vllm_xargs": {"output_rate_user": "fast"}}, timeout=30)
     assert good.status_code == 200, good.text
     assert good.json()["usage"]["completion_tokens"] == 4
 
@@ -134,8 +163,9 @@ def test_r9_live_http_disconnect_cancel_aborts_in_engine_and_others_complete(ser
     from vllm_output_rate.adapter.trace_check import check_trace
 
     trace = work / "trace.jsonl"
-    _, streams = run_measurement(server, [("slow", STREAMS), ("fast", 1)], TOKENS, timeout_s=120,
-                                 cancel_after={("slow", 0): CANCEL_AFTER})
+    _, streams = run_measurement(
+        server, [("slow", STREAMS), ("fast", 1)], TOKENS, timeout_s=120, cancel_after={("slow", 0): CANCEL_AFTER}
+    )
     assert [s.error for s in streams] == [None] * len(streams)
     cancelled, *others = streams
     assert cancelled.cancelled and len(cancelled.token_times_s) == CANCEL_AFTER and cancelled.request_id
@@ -144,18 +174,29 @@ def test_r9_live_http_disconnect_cancel_aborts_in_engine_and_others_complete(ser
     assert [len(s.token_times_s) for s in others] == [TOKENS] * len(others)
     # The server serves a new request normally afterwards.
     model = httpx.get(f"{server}/v1/models", timeout=10).json()["data"][0]["id"]
-    after = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
-        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True,
-        "vllm_xargs": {"output_rate_user": "slow"}})
+    after = httpx.post(
+        f"{server}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "vllm_xargs": {"output_rate_user": "slow"},
+        },
+    )
     assert after.status_code == 200, after.text
     assert after.json()["usage"]["completion_tokens"] == 4
     # The abort reaches the engine core asynchronously (the API server notices the closed
     # connection when it next writes to it): wait for it in the trace.
     freed = wait_for_finish(trace, [cancelled.request_id])[cancelled.request_id]
     assert freed is not None and freed.status == "FINISHED_ABORTED", freed
-    report = check_trace(trace, cancelled=[cancelled.request_id],
-                         completions={s.request_id: len(s.token_times_s) for s in streams})
-    print(f"\ncancelled after {CANCEL_AFTER} tokens: {freed.sampled} sampling dispatches in the engine\n"
-          f"{report.summary()}")
+    report = check_trace(
+        trace, cancelled=[cancelled.request_id], completions={s.request_id: len(s.token_times_s) for s in streams}
+    )
+    print(
+        f"\ncancelled after {CANCEL_AFTER} tokens: {freed.sampled} sampling dispatches in the engine\n"
+        f"{report.summary()}"
+    )
     assert report.ok, report.summary()
     assert freed.sampled >= CANCEL_AFTER

@@ -32,9 +32,15 @@ def test_shadow_live_counts_would_be_throttles_and_pauses_nothing(tmp_path, requ
     from vllm_output_rate.adapter.trace_check import check_trace
 
     trace = tmp_path / "trace.jsonl"
-    flags = ["--default-user-output-tokens-per-second", str(FREE_RATE),
-             "--user-output-tokens-per-second", json.dumps({"capped": CAPPED_RATE}),
-             "--shadow", "--trace-path", str(trace)]
+    flags = [
+        "--default-user-output-tokens-per-second",
+        str(FREE_RATE),
+        "--user-output-tokens-per-second",
+        json.dumps({"capped": CAPPED_RATE}),
+        "--shadow",
+        "--trace-path",
+        str(trace),
+    ]
     with serving(tmp_path, flags) as url:
         reports, streams = run_measurement(url, [("capped", STREAMS), ("free", 1)], TOKENS, timeout_s=120)
         metrics = scrape(url)
@@ -42,8 +48,10 @@ def test_shadow_live_counts_would_be_throttles_and_pauses_nothing(tmp_path, requ
     assert [s.completion_tokens for s in streams] == [TOKENS] * len(streams)
     capped, _free = reports
     enforced_s = gcra_min_span_s(STREAMS * TOKENS, CAPPED_RATE)
-    print(f"\ncapped: {capped.tokens} tokens in {capped.send_to_last_s:.2f} s ({capped.client_rate:.1f} tok/s, "
-          f"limit {CAPPED_RATE}; enforcing would need >= {enforced_s:.1f} s)")
+    print(
+        f"\ncapped: {capped.tokens} tokens in {capped.send_to_last_s:.2f} s ({capped.client_rate:.1f} tok/s, "
+        f"limit {CAPPED_RATE}; enforcing would need >= {enforced_s:.1f} s)"
+    )
     # Nothing paused: far above the limit, far below the enforced span.
     assert capped.send_to_last_s < enforced_s / 3, capped
     assert capped.client_rate > 4 * CAPPED_RATE, capped
@@ -62,8 +70,9 @@ def test_shadow_live_counts_would_be_throttles_and_pauses_nothing(tmp_path, requ
     for s in streams:
         assert request_steps(trace, s.request_id)["throttled"] == 0  # no pause at all
 
-    would = {labels: v for (name, labels), v in metrics.items()
-             if name == "vllm:output_rate_throttled_request_steps_total"}
+    would = {
+        labels: v for (name, labels), v in metrics.items() if name == "vllm:output_rate_throttled_request_steps_total"
+    }
     assert metrics[("vllm:output_rate_shadow", ())] == 1
     assert would[(("user", "capped"),)] == users["capped"].would_throttle
     assert would.get((("user", "other"),), 0) == 0

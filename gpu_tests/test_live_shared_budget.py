@@ -66,8 +66,17 @@ def test_r24_r25_live_two_replicas_one_budget_and_redis_killed_mid_run(tmp_path,
     traces = [w / "trace.jsonl" for w in works]
     for w in works:
         w.mkdir()
-    flags = [["--default-user-output-tokens-per-second", str(RATE), "--shared-budget-url", redis_server.url,
-              "--trace-path", str(trace)] for trace in traces]
+    flags = [
+        [
+            "--default-user-output-tokens-per-second",
+            str(RATE),
+            "--shared-budget-url",
+            redis_server.url,
+            "--trace-path",
+            str(trace),
+        ]
+        for trace in traces
+    ]
     with serving_all(list(zip(works, flags))) as urls:
         results: dict[int, list] = {}
 
@@ -116,12 +125,14 @@ def test_r24_r25_live_two_replicas_one_budget_and_redis_killed_mid_run(tmp_path,
     after = [t for t in times if t > outage["to_ns"]]
     before_rate = (len(before) - 1) / ((before[-1] - before[0]) / 1e9)
     after_rate = (len(after) - 1) / ((after[-1] - after[0]) / 1e9)
-    print(f"\nwall {wall_s:.2f} s; limit {RATE} tok/s, 2 replicas, L {lease}, H {H}; dispatches per replica "
-          f"{[len(d) for d in per_replica]}; combined {len(times)} in {span_ns / 1e9:.2f} s = "
-          f"{(len(times) - 1) / (span_ns / 1e9):.1f} tok/s (R24 bound over the run {bound}; tightest window "
-          f"{count} of {worst_bound} in {worst_ns / 1e9:.2f} s)\nbefore the outage {len(before)} at "
-          f"{before_rate:.1f} tok/s; during the {OUTAGE_S} s outage {len(during)} (at most {2 * (H + 1)}); "
-          f"after {len(after)} at {after_rate:.1f} tok/s")
+    print(
+        f"\nwall {wall_s:.2f} s; limit {RATE} tok/s, 2 replicas, L {lease}, H {H}; dispatches per replica "
+        f"{[len(d) for d in per_replica]}; combined {len(times)} in {span_ns / 1e9:.2f} s = "
+        f"{(len(times) - 1) / (span_ns / 1e9):.1f} tok/s (R24 bound over the run {bound}; tightest window "
+        f"{count} of {worst_bound} in {worst_ns / 1e9:.2f} s)\nbefore the outage {len(before)} at "
+        f"{before_rate:.1f} tok/s; during the {OUTAGE_S} s outage {len(during)} (at most {2 * (H + 1)}); "
+        f"after {len(after)} at {after_rate:.1f} tok/s"
+    )
     assert all(per_replica), "both replicas served the user"
     assert count <= worst_bound, (count, worst_bound, worst_ns)  # R24: one budget across both replicas
     assert len(during) <= 2 * (H + 1), len(during)  # R25: no lease while the store is down

@@ -31,8 +31,11 @@ def test_modes_live_tensor_parallel_2_limits_one_user_and_serves_the_other(tiny_
     # vLLM's CPU workers bind their OpenMP threads per NUMA node; with one node, one CPU each.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
     trace = tmp_path / "trace.jsonl"
-    llm = tiny_llm({"default_tokens_per_s": 100_000, "user_tokens_per_s": {"slow": SLOW_RATE},
-                    "trace_path": str(trace)}, tensor_parallel_size=2, distributed_executor_backend="mp")
+    llm = tiny_llm(
+        {"default_tokens_per_s": 100_000, "user_tokens_per_s": {"slow": SLOW_RATE}, "trace_path": str(trace)},
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
     try:
         prompts = [{"prompt_token_ids": [21 + i, 22, 23, 24]} for i in range(3)]
         params = [sampling("slow", TOKENS), sampling("slow", TOKENS), sampling("free", TOKENS)]

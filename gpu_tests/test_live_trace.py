@@ -27,8 +27,9 @@ FAST_RATE, FAST_STREAMS, FAST_TOKENS = 100, 1, 300
 
 def test_live_trace_two_users_checked_online(tmp_path, tiny_llm, sampling):
     trace = tmp_path / "trace.jsonl"
-    llm = tiny_llm({"default_tokens_per_s": FAST_RATE, "user_tokens_per_s": {"slow": SLOW_RATE},
-                    "trace_path": str(trace)})
+    llm = tiny_llm(
+        {"default_tokens_per_s": FAST_RATE, "user_tokens_per_s": {"slow": SLOW_RATE}, "trace_path": str(trace)}
+    )
     try:
         prompts = [{"prompt_token_ids": [11 + i, 12, 13, 14, 15]} for i in range(SLOW_STREAMS + FAST_STREAMS)]
         params = [sampling("slow", SLOW_TOKENS)] * SLOW_STREAMS + [sampling("fast", FAST_TOKENS)] * FAST_STREAMS

@@ -34,8 +34,22 @@ def _cuda() -> bool:
 @pytest.mark.rules("R2", "R6")
 def test_r2_r6_p3_soak_zero_violations_bounded_memory(tmp_path):
     minutes = float(os.environ.get("OUTRATE_SOAK_MINUTES", "10"))
-    command = [sys.executable, "-m", "vllm_output_rate.cli", "soak", "--minutes", str(minutes),
-               "--users", str(USERS), "--streams", str(STREAMS), "--seed", "7", "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_output_rate.cli",
+        "soak",
+        "--minutes",
+        str(minutes),
+        "--users",
+        str(USERS),
+        "--streams",
+        str(STREAMS),
+        "--seed",
+        "7",
+        "--out",
+        str(tmp_path),
+    ]
     if _cuda():
         command.append("--async-scheduling")
     proc = subprocess.run(command, capture_output=True, text=True, timeout=minutes * 60 + 900)

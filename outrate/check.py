@@ -41,13 +41,28 @@ SCOPE_KEYS = ("name", "states", "transitions", "states_per_s", "violations")
 
 
 @click.command()
-@click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True,
-              help="Which scopes to explore (quick: seconds; ci: >= 10^5 states, minutes; release: >= 10^6 states).")
+@click.option(
+    "--profile",
+    type=click.Choice(["quick", "ci", "release"]),
+    default="ci",
+    show_default=True,
+    help="Which scopes to explore (quick: seconds; ci: >= 10^5 states, minutes; release: >= 10^6 states).",
+)
 @json_option()
-@click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Worker processes (one scope per process at a time).")
-@click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
-              show_default=True, help="Directory where violating event sequences are saved for replay.")
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Worker processes (one scope per process at a time).",
+)
+@click.option(
+    "--counterexamples",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("reports"),
+    show_default=True,
+    help="Directory where violating event sequences are saved for replay.",
+)
 def check(profile, json_path, jobs, counterexamples) -> None:
     """Model-check the spec over the profile's scopes; exit 1 on any violation."""
     from vllm_output_rate.proofs import modelcheck
@@ -55,9 +70,15 @@ def check(profile, json_path, jobs, counterexamples) -> None:
     console = Console(width=None if sys.stdout.isatty() else 130)
     scopes = modelcheck.profile_scopes(profile)
     started = time.monotonic()
-    progress = Progress(TextColumn("{task.description:<26}"), BarColumn(),
-                        TextColumn("{task.completed:>9,.0f} states"), TextColumn("{task.fields[note]}"),
-                        TimeElapsedColumn(), console=console, transient=False)
+    progress = Progress(
+        TextColumn("{task.description:<26}"),
+        BarColumn(),
+        TextColumn("{task.completed:>9,.0f} states"),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
     tasks = {}
     with progress:
         for scope in scopes:
@@ -76,18 +97,22 @@ def check(profile, json_path, jobs, counterexamples) -> None:
             note = "[green]ok[/]" if result["violations"] == 0 else f"[bold red]{result['violations']} violations[/]"
             progress.update(task, completed=result["states"], total=result["states"], note=note)
 
-        results = modelcheck.run_profile(profile, jobs=jobs, save_dir=str(counterexamples),
-                                         on_progress=on_progress, on_done=on_done)
+        results = modelcheck.run_profile(
+            profile, jobs=jobs, save_dir=str(counterexamples), on_progress=on_progress, on_done=on_done
+        )
     elapsed = time.monotonic() - started
-    table, failed, changed = _results_table(f"outrate check --profile {profile} ({len(scopes)} scopes, {jobs} processes)",
-                                            results, elapsed)
+    table, failed, changed = _results_table(
+        f"outrate check --profile {profile} ({len(scopes)} scopes, {jobs} processes)", results, elapsed
+    )
     console.print(table)
     _print_details(console, results, changed, profile)
     ok = [r for r in results if "error" not in r]
     total_states = sum(r["states"] for r in ok)
     total_transitions = sum(r["transitions"] for r in ok)
-    console.print(f"{total_states:,} distinct states, {total_transitions:,} transitions in {elapsed:.1f} s "
-                  f"({jobs} processes); {failed} scope(s) failed")
+    console.print(
+        f"{total_states:,} distinct states, {total_transitions:,} transitions in {elapsed:.1f} s "
+        f"({jobs} processes); {failed} scope(s) failed"
+    )
     if json_path is not None:
         _write_json(json_path, results, profile, jobs, elapsed, total_states, total_transitions)
     sys.exit(1 if failed else 0)
@@ -115,15 +140,27 @@ def _results_table(title: str, results: list[dict[str, Any]], elapsed: float) ->
             result = "[bold red]FAIL[/]"
         else:
             result = "[yellow]pass, count changed[/]" if moved else "[green]pass[/]"
-        table.add_row(r["name"], f"{r['states']:,}", f"{r['transitions']:,}", f"{r['states_per_s']:,.0f}",
-                      f"{r['invariant_checks']:,}", str(r["violations"]), result)
+        table.add_row(
+            r["name"],
+            f"{r['states']:,}",
+            f"{r['transitions']:,}",
+            f"{r['states_per_s']:,.0f}",
+            f"{r['invariant_checks']:,}",
+            str(r["violations"]),
+            result,
+        )
     ok = [r for r in results if "error" not in r]
     total_states = sum(r["states"] for r in ok)
     total_transitions = sum(r["transitions"] for r in ok)
-    table.add_row("[bold]total[/]", f"{total_states:,}", f"{total_transitions:,}",
-                  f"{total_states / elapsed:,.0f}" if elapsed > 0 else "-",
-                  f"{sum(r['invariant_checks'] for r in ok):,}", str(sum(r['violations'] for r in ok)),
-                  "[bold red]FAIL[/]" if failed else "[green]pass[/]")
+    table.add_row(
+        "[bold]total[/]",
+        f"{total_states:,}",
+        f"{total_transitions:,}",
+        f"{total_states / elapsed:,.0f}" if elapsed > 0 else "-",
+        f"{sum(r['invariant_checks'] for r in ok):,}",
+        str(sum(r["violations"] for r in ok)),
+        "[bold red]FAIL[/]" if failed else "[green]pass[/]",
+    )
     return table, failed, changed
 
 
@@ -139,24 +176,50 @@ def _print_details(console: Console, results: list[dict[str, Any]], changed: lis
             if v["official"]:
                 console.print(f"    spec invariants on replay: {v['official']}")
             if v["scenario"]:
-                console.print(f"    saved: {v['scenario']}  (replay on vLLM: python -m "
-                              f"vllm_output_rate.adapter.fidelity {v['scenario']})")
+                console.print(
+                    f"    saved: {v['scenario']}  (replay on vLLM: python -m "
+                    f"vllm_output_rate.adapter.fidelity {v['scenario']})"
+                )
     for name, pin, r in changed:
-        console.print(f"[yellow]{name}[/]: {r['states']} states / {r['transitions']} transitions, pinned "
-                      f"{pin['states']} / {pin['transitions']}: the spec's state space changed; if intended, re-pin "
-                      f"with python -m vllm_output_rate.proofs.modelcheck --profile {profile} --pin")
+        console.print(
+            f"[yellow]{name}[/]: {r['states']} states / {r['transitions']} transitions, pinned "
+            f"{pin['states']} / {pin['transitions']}: the spec's state space changed; if intended, re-pin "
+            f"with python -m vllm_output_rate.proofs.modelcheck --profile {profile} --pin"
+        )
 
 
-def _write_json(json_path: Path, results: list[dict[str, Any]], profile: str, jobs: int, elapsed: float,
-                total_states: int, total_transitions: int) -> None:
+def _write_json(
+    json_path: Path,
+    results: list[dict[str, Any]],
+    profile: str,
+    jobs: int,
+    elapsed: float,
+    total_states: int,
+    total_transitions: int,
+) -> None:
     """The JSON report (module docstring)."""
     doc = {
-        "scopes": [{**{k: r[k] for k in SCOPE_KEYS}, "invariant_checks": r["invariant_checks"],
-                    "max_depth": r["max_depth"], "seconds": r["seconds"], "pinned": r["pinned"],
-                    "coverage": r["coverage"], "counterexamples": r["details"]}
-                   if "error" not in r else {"name": r["name"], "states": 0, "transitions": 0,
-                                             "states_per_s": 0.0, "violations": 0, "error": r["error"]}
-                   for r in results],
+        "scopes": [
+            {
+                **{k: r[k] for k in SCOPE_KEYS},
+                "invariant_checks": r["invariant_checks"],
+                "max_depth": r["max_depth"],
+                "seconds": r["seconds"],
+                "pinned": r["pinned"],
+                "coverage": r["coverage"],
+                "counterexamples": r["details"],
+            }
+            if "error" not in r
+            else {
+                "name": r["name"],
+                "states": 0,
+                "transitions": 0,
+                "states_per_s": 0.0,
+                "violations": 0,
+                "error": r["error"],
+            }
+            for r in results
+        ],
         "profile": profile,
         "jobs": jobs,
         "seconds": round(elapsed, 2),

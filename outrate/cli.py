@@ -49,46 +49,119 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
-              help="Scheduler class under test (sync); default: the reference RateLimitedScheduler.")
-@click.option("--async-scheduler-cls", default=None, metavar="DOTTED.PATH",
-              help="Async scheduler class under test; default: the reference's async class when "
-                   "--scheduler-cls is the reference. Without it the async checks are NOT TESTED (exit 2) "
-                   "unless --sync-only is given.")
-@click.option("--level", type=click.Choice(["must", "should", "exact"]), default="should", show_default=True,
-              help="must: the article's promises and the bound; should: also its design rules, every open "
-                   "choice accepted; exact: step identity with this project's spec (white-box).")
+@click.option(
+    "--scheduler-cls",
+    default=None,
+    metavar="DOTTED.PATH",
+    help="Scheduler class under test (sync); default: the reference RateLimitedScheduler.",
+)
+@click.option(
+    "--async-scheduler-cls",
+    default=None,
+    metavar="DOTTED.PATH",
+    help="Async scheduler class under test; default: the reference's async class when "
+    "--scheduler-cls is the reference. Without it the async checks are NOT TESTED (exit 2) "
+    "unless --sync-only is given.",
+)
+@click.option(
+    "--level",
+    type=click.Choice(["must", "should", "exact"]),
+    default="should",
+    show_default=True,
+    help="must: the article's promises and the bound; should: also its design rules, every open "
+    "choice accepted; exact: step identity with this project's spec (white-box).",
+)
 @click.option("--sync-only", is_flag=True, help="Judge the sync class alone (the async checks are left out).")
-@click.option("--config-style", "config_style", default="additional-config", show_default=True,
-              metavar="additional-config|engine-args|hook:pkg.module.function",
-              help="How the candidate is configured: additional_config['output_rate'], the article's engine "
-                   "flags through vLLM's own EngineArgs parser, or a function (vllm_config, rates) -> None.")
-@click.option("--burst-configurable", is_flag=True,
-              help="The candidate reads burst_ms; otherwise every scenario uses the article's fixed 100 ms.")
-@click.option("--integer-rates", is_flag=True,
-              help="The candidate takes integer rates only (the article's flags); scenarios draw integers.")
-@click.option("--rate-change", "rate_change", is_flag=True,
-              help="R21: the candidate reloads output_rate.rates_file without a restart; its rate-change rows "
-                   "then judge at every level (otherwise at exact only).")
-@click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False),
-              help="Directory to put on the import path first (the candidate's source tree); repeatable.")
+@click.option(
+    "--config-style",
+    "config_style",
+    default="additional-config",
+    show_default=True,
+    metavar="additional-config|engine-args|hook:pkg.module.function",
+    help="How the candidate is configured: additional_config['output_rate'], the article's engine "
+    "flags through vLLM's own EngineArgs parser, or a function (vllm_config, rates) -> None.",
+)
+@click.option(
+    "--burst-configurable",
+    is_flag=True,
+    help="The candidate reads burst_ms; otherwise every scenario uses the article's fixed 100 ms.",
+)
+@click.option(
+    "--integer-rates",
+    is_flag=True,
+    help="The candidate takes integer rates only (the article's flags); scenarios draw integers.",
+)
+@click.option(
+    "--rate-change",
+    "rate_change",
+    is_flag=True,
+    help="R21: the candidate reloads output_rate.rates_file without a restart; its rate-change rows "
+    "then judge at every level (otherwise at exact only).",
+)
+@click.option(
+    "--path",
+    "paths",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Directory to put on the import path first (the candidate's source tree); repeatable.",
+)
 @click.option("--no-spec-health", is_flag=True, help="Skip the spec-health checks (they never judge the candidate).")
 @click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
-@click.option("--mutants", is_flag=True, help="Also run the mutant catalogue (reference and article-style "
-              "mutants, adapter/mutation.py) at --level; every mutant must be killed.")
-@click.option("--no-white-box", "no_white_box", is_flag=True,
-              help="With --mutants: hunt without the white-box (exact-level) checks, from what vLLM exposes only.")
+@click.option(
+    "--mutants",
+    is_flag=True,
+    help="Also run the mutant catalogue (reference and article-style "
+    "mutants, adapter/mutation.py) at --level; every mutant must be killed.",
+)
+@click.option(
+    "--no-white-box",
+    "no_white_box",
+    is_flag=True,
+    help="With --mutants: hunt without the white-box (exact-level) checks, from what vLLM exposes only.",
+)
 @json_option()
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a JUnit XML report here (one testcase per check and per mutant).")
-@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the gate manifest as Markdown here.")
-@click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
-              show_default=True, help="Directory where failing scenarios are saved for replay.")
-def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, burst_configurable, integer_rates,
-            paths, no_spec_health, profile, seed, mutants, json_path, junit_path, markdown_path,
-            counterexamples, no_white_box=False, rate_change=False) -> None:
+@click.option(
+    "--junit",
+    "junit_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a JUnit XML report here (one testcase per check and per mutant).",
+)
+@click.option(
+    "--markdown",
+    "markdown_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the gate manifest as Markdown here.",
+)
+@click.option(
+    "--counterexamples",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("reports"),
+    show_default=True,
+    help="Directory where failing scenarios are saved for replay.",
+)
+def conform(
+    scheduler_cls,
+    async_scheduler_cls,
+    level,
+    sync_only,
+    config_style,
+    burst_configurable,
+    integer_rates,
+    paths,
+    no_spec_health,
+    profile,
+    seed,
+    mutants,
+    json_path,
+    junit_path,
+    markdown_path,
+    counterexamples,
+    no_white_box=False,
+    rate_change=False,
+) -> None:
     """Run the conformance gate on a scheduler class at a level.
 
     Exit 0: every candidate check passed; 1: a candidate check failed (or a mutant
@@ -97,16 +170,36 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     """
     from vllm_output_rate import gate_plan
     from vllm_output_rate.adapter import registry
+
     sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
     style, vllm_version = _import_gate(sync_cls, async_scheduler_cls, config_style)
     options = registry.GateOptions(
-        scheduler_cls=sync_cls, async_scheduler_cls=async_scheduler_cls, level=level, profile=profile, seed=seed,
-        style=style, integer_rates=integer_rates, burst_configurable=burst_configurable, sync_only=sync_only,
-        spec_health=not no_spec_health, save_dir=counterexamples, rate_change=rate_change)
+        scheduler_cls=sync_cls,
+        async_scheduler_cls=async_scheduler_cls,
+        level=level,
+        profile=profile,
+        seed=seed,
+        style=style,
+        integer_rates=integer_rates,
+        burst_configurable=burst_configurable,
+        sync_only=sync_only,
+        spec_health=not no_spec_health,
+        save_dir=counterexamples,
+        rate_change=rate_change,
+    )
     results = _run_plan(gate_plan.plan(options), options)
-    code = _report_conform(results, options, vllm_version, config_style, paths, not no_white_box,
-                           mutants, (json_path, junit_path, markdown_path), started)
+    code = _report_conform(
+        results,
+        options,
+        vllm_version,
+        config_style,
+        paths,
+        not no_white_box,
+        mutants,
+        (json_path, junit_path, markdown_path),
+        started,
+    )
     # Exit without interpreter teardown: Z3's context destructors (boundary scenarios) were
     # seen to hang at exit on a loaded machine after the verdict was printed and saved.
     sys.stdout.flush()
@@ -114,9 +207,17 @@ def conform(scheduler_cls, async_scheduler_cls, level, sync_only, config_style, 
     os._exit(code)
 
 
-def _report_conform(results: list, options: Any, vllm_version: str, config_style: str, paths: tuple[str, ...],
-                    white_box: bool, mutants: bool, report_paths: tuple[Path | None, Path | None, Path | None],
-                    started: float) -> int:
+def _report_conform(
+    results: list,
+    options: Any,
+    vllm_version: str,
+    config_style: str,
+    paths: tuple[str, ...],
+    white_box: bool,
+    mutants: bool,
+    report_paths: tuple[Path | None, Path | None, Path | None],
+    started: float,
+) -> int:
     """Everything ``outrate conform`` prints and writes after its checks ran: the tables,
     the failures with their replay commands, the mutant hunt (``mutants``; with the
     white-box checks if ``white_box``), the JSON, JUnit and Markdown reports
@@ -128,7 +229,8 @@ def _report_conform(results: list, options: Any, vllm_version: str, config_style
     header = _conform_header(options, vllm_version, config_style)
     _print_results(results, header)
     replay_options = "".join(f" --path {p}" for p in paths) + (
-        f" --config-style {config_style}" if config_style != "additional-config" else "")
+        f" --config-style {config_style}" if config_style != "additional-config" else ""
+    )
     _print_failures(results, options.scheduler_cls, options.async_scheduler_cls, f"--level {level}{replay_options}")
 
     mutant_rows = _run_mutants(profile, options.seed, level, white_box) if mutants else []
@@ -138,10 +240,16 @@ def _report_conform(results: list, options: Any, vllm_version: str, config_style
     if survivors and code == 0:
         code = 1
     if json_path is not None:
-        _write_json(json_path, {
-            **_conform_settings(options, vllm_version, config_style),
-            "seconds": round(time.monotonic() - started, 2), "exit_code": code, "checks": checks_json,
-            "mutants": mutant_rows})
+        _write_json(
+            json_path,
+            {
+                **_conform_settings(options, vllm_version, config_style),
+                "seconds": round(time.monotonic() - started, 2),
+                "exit_code": code,
+                "checks": checks_json,
+                "mutants": mutant_rows,
+            },
+        )
     _write_reports(junit_path, markdown_path, header, checks_json, mutant_rows, profile)
     console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started), soft_wrap=True)
     return code
@@ -151,18 +259,29 @@ def _conform_header(options: Any, vllm_version: str, config_style: str) -> str:
     """The first line of ``outrate conform``'s tables: vLLM's version, the classes and the
     run's settings (``options``: ``registry.GateOptions``), then any version warning."""
     o = options
-    return (f"outrate conform -- vLLM {vllm_version} -- {o.scheduler_cls} / {o.async_scheduler_cls or '-'}"
-            f" -- level {o.level}, profile {o.profile}, seed {o.seed}, config {config_style}, "
-            f"burst {'configurable' if o.burst_configurable else 'fixed 100 ms'}"
-            f"{', integer rates' if o.integer_rates else ''}") + _version_warning()
+    return (
+        f"outrate conform -- vLLM {vllm_version} -- {o.scheduler_cls} / {o.async_scheduler_cls or '-'}"
+        f" -- level {o.level}, profile {o.profile}, seed {o.seed}, config {config_style}, "
+        f"burst {'configurable' if o.burst_configurable else 'fixed 100 ms'}"
+        f"{', integer rates' if o.integer_rates else ''}"
+    ) + _version_warning()
 
 
 def _conform_settings(options: Any, vllm_version: str, config_style: str) -> dict[str, Any]:
     """The settings part of ``outrate conform --json`` (``options``: ``registry.GateOptions``)."""
     o = options
-    return {"vllm_version": vllm_version, "scheduler": o.scheduler_cls, "async_scheduler": o.async_scheduler_cls,
-            "level": o.level, "config_style": config_style, "burst_configurable": o.burst_configurable,
-            "rate_change": o.rate_change, "integer_rates": o.integer_rates, "profile": o.profile, "seed": o.seed}
+    return {
+        "vllm_version": vllm_version,
+        "scheduler": o.scheduler_cls,
+        "async_scheduler": o.async_scheduler_cls,
+        "level": o.level,
+        "config_style": config_style,
+        "burst_configurable": o.burst_configurable,
+        "rate_change": o.rate_change,
+        "integer_rates": o.integer_rates,
+        "profile": o.profile,
+        "seed": o.seed,
+    }
 
 
 def _import_gate(sync_cls: str, async_scheduler_cls: str | None, config_style: str) -> tuple[Any, str]:
@@ -185,8 +304,9 @@ def _write_json(path: Path, document: dict[str, Any]) -> None:
     path.write_text(json.dumps(document, indent=2))
 
 
-def _candidate_classes(scheduler_cls: str | None, async_scheduler_cls: str | None, sync_only: bool,
-                       paths: tuple[str, ...]) -> tuple[str, str | None]:
+def _candidate_classes(
+    scheduler_cls: str | None, async_scheduler_cls: str | None, sync_only: bool, paths: tuple[str, ...]
+) -> tuple[str, str | None]:
     """Put ``paths`` first on the import path (and the children's ``PYTHONPATH``); the sync
     class (default: the reference) and the async one (default: the reference's with the
     reference, none with ``--sync-only``)."""
@@ -194,8 +314,9 @@ def _candidate_classes(scheduler_cls: str | None, async_scheduler_cls: str | Non
 
     for directory in reversed(paths):
         sys.path.insert(0, str(Path(directory).resolve()))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(directory).resolve()),
-                                                                 os.environ.get("PYTHONPATH")]))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(directory).resolve()), os.environ.get("PYTHONPATH")])
+        )
     sync_cls = scheduler_cls or REFERENCE_SCHEDULER
     if async_scheduler_cls is None and sync_cls == REFERENCE_SCHEDULER and not sync_only:
         async_scheduler_cls = REFERENCE_ASYNC_SCHEDULER
@@ -223,8 +344,14 @@ def _checks_json(results: list[Any]) -> list[dict[str, Any]]:
     return checks_json
 
 
-def _write_reports(junit_path: Path | None, markdown_path: Path | None, header: str, checks_json: list[Any],
-                   mutant_rows: list[Any], profile: str) -> None:
+def _write_reports(
+    junit_path: Path | None,
+    markdown_path: Path | None,
+    header: str,
+    checks_json: list[Any],
+    mutant_rows: list[Any],
+    profile: str,
+) -> None:
     """The JUnit XML and Markdown reports, where asked for (adapter/reports.py)."""
     from vllm_output_rate.adapter import reports
 
@@ -251,7 +378,9 @@ def _import_candidates(sync_cls: str, async_scheduler_cls: str | None) -> None:
         if not (isinstance(cls, type) and issubclass(cls, SchedulerInterface)):
             raise click.BadParameter(
                 f"{path} is not a vLLM scheduler class (a subclass of vllm.v1.core.sched.interface."
-                f"SchedulerInterface, e.g. of vllm.v1.core.sched.scheduler.Scheduler)", param_hint=hint)
+                f"SchedulerInterface, e.g. of vllm.v1.core.sched.scheduler.Scheduler)",
+                param_hint=hint,
+            )
 
 
 def _preflight_style(style: Any) -> None:
@@ -287,8 +416,10 @@ def _run_plan(plan: list[Any], options: Any) -> list[Any]:
 
 def _print_results(results: list[Any], header: str) -> None:
     """The candidate and spec-health tables, the boundary scenarios run and the coverage table."""
-    for part, title in (("candidate", f"{header}\ncandidate checks (the verdict)"),
-                        ("spec health", "spec health (never the candidate's verdict)")):
+    for part, title in (
+        ("candidate", f"{header}\ncandidate checks (the verdict)"),
+        ("spec health", "spec health (never the candidate's verdict)"),
+    ):
         rows = [r for r in results if r.part == part]
         if rows:
             console.print(_results_table(title, rows))
@@ -315,14 +446,19 @@ def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str 
             for line in r.coverage.get("not_reached", []):
                 console.print(f"    not reached: {escape_markup(line)}")
             continue
-        console.print("  counterexample (" + ("shrunk, 1-minimal" if r.minimal else
-                                              "shrunk by Hypothesis, not proven 1-minimal") + "):")
+        console.print(
+            "  counterexample ("
+            + ("shrunk, 1-minimal" if r.minimal else "shrunk by Hypothesis, not proven 1-minimal")
+            + "):"
+        )
         for line in r.counterexample:
             console.print(f"    {escape_markup(line)}")
         if r.saved:
             cls = async_scheduler_cls if r.name.endswith("/async") and async_scheduler_cls else sync_cls
-            console.print(f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {cls} "
-                          f"{replay_options})", soft_wrap=True)
+            console.print(
+                f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {cls} {replay_options})",
+                soft_wrap=True,
+            )
 
 
 def _budget(profile: str) -> dict:
@@ -357,8 +493,9 @@ def _coverage_table(coverage: dict) -> Table:
         table.add_column(col, justify="right" if col == "reached" else "left")
     styles = {"ok": "green", "NOT REACHED": "bold red", "not applicable": "yellow", "not judged": "yellow"}
     for row in coverage["rows"]:
-        table.add_row(row["obligation"], row["rules"], str(row["count"]),
-                      f"[{styles[row['status']]}]{row['status']}[/]")
+        table.add_row(
+            row["obligation"], row["rules"], str(row["count"]), f"[{styles[row['status']]}]{row['status']}[/]"
+        )
     return table
 
 
@@ -369,9 +506,16 @@ def _results_table(title: str, rows: list) -> Table:
         table.add_column(col, justify="right" if col in ("examples", "steps", "steps/s", "seconds") else "left")
     styles = {"pass": "green", "fail": "bold red", "not tested": "bold yellow", "not judged": "yellow"}
     for r in rows:
-        table.add_row(r.name, r.level, " ".join(r.rules), str(r.examples), str(r.steps),
-                      f"{r.steps / r.seconds:.0f}" if r.seconds else "-",
-                      f"[{styles[r.result]}]{r.result.upper()}[/]", f"{r.seconds:.1f}")
+        table.add_row(
+            r.name,
+            r.level,
+            " ".join(r.rules),
+            str(r.examples),
+            str(r.steps),
+            f"{r.steps / r.seconds:.0f}" if r.seconds else "-",
+            f"[{styles[r.result]}]{r.result.upper()}[/]",
+            f"{r.seconds:.1f}",
+        )
     return table
 
 
@@ -385,9 +529,14 @@ def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) 
     parts = [f"level {level}: {passed}/{len(candidate)} candidate checks passed"]
     if mutant_rows:
         judged = [m for m in mutant_rows if not m.get("not_judged")]
-        parts.append(f"{sum(m['killed'] for m in judged)}/{len(judged)} mutants killed"
-                     + (f" ({len(mutant_rows) - len(judged)} not a defect at this level)"
-                        if len(judged) < len(mutant_rows) else ""))
+        parts.append(
+            f"{sum(m['killed'] for m in judged)}/{len(judged)} mutants killed"
+            + (
+                f" ({len(mutant_rows) - len(judged)} not a defect at this level)"
+                if len(judged) < len(mutant_rows)
+                else ""
+            )
+        )
     line = ", ".join(parts) + f" in {seconds:.0f} s"
     survived = [m["mutant"] for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
     if failed:
@@ -430,15 +579,34 @@ def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[d
 def _print_mutant_table(rows: list[dict], profile: str, level: str, white_box: bool) -> None:
     """The kill table of ``_run_mutants``: one row per mutant (``Mutant.as_json`` rows)."""
     table = Table(title=f"mutants (level {level}, profile {profile}, white box {'on' if white_box else 'off'})")
-    for col in ("mutant", "base", "rule", "killed", "killed by rule", "check", "level", "black-box", "seconds",
-                "events"):
+    for col in (
+        "mutant",
+        "base",
+        "rule",
+        "killed",
+        "killed by rule",
+        "check",
+        "level",
+        "black-box",
+        "seconds",
+        "events",
+    ):
         table.add_column(col)
     for m in rows:
-        table.add_row(m["mutant"], "article" if m["based_on"] == "article_style" else "reference", m["rule"],
-                      "[green]yes[/]" if m["killed"] else (f"[yellow]{m['not_judged']}[/]" if m.get("not_judged")
-                                                           else "[bold red]NO[/]"), m["killed_by"] or "-", m["check"] or "-",
-                      m["level"] or "-", "-" if m["black_box"] is None else ("yes" if m["black_box"] else "no"),
-                      f"{m['seconds']:.1f}", str(m["counterexample_events"]))
+        table.add_row(
+            m["mutant"],
+            "article" if m["based_on"] == "article_style" else "reference",
+            m["rule"],
+            "[green]yes[/]"
+            if m["killed"]
+            else (f"[yellow]{m['not_judged']}[/]" if m.get("not_judged") else "[bold red]NO[/]"),
+            m["killed_by"] or "-",
+            m["check"] or "-",
+            m["level"] or "-",
+            "-" if m["black_box"] is None else ("yes" if m["black_box"] else "no"),
+            f"{m['seconds']:.1f}",
+            str(m["counterexample_events"]),
+        )
     console.print(table)
 
 
@@ -455,37 +623,71 @@ def _print_mutant_summary(rows: list[dict], level: str) -> None:
     if killed:
         secs = [m["seconds"] for m in killed]
         same = sum(names_rule(m["killed_by"], m["rule"]) for m in killed)
-        console.print(f"{len(killed)}/{len(judged)} mutants killed, {sum(bool(m['black_box']) for m in killed)} by a "
-                      f"black-box check, {same} by a failure naming the mutant's own rule; seconds to kill: median "
-                      f"{statistics.median(secs):.1f}, max {max(secs):.1f}"
-                      + (f"; not hunted at level {level}: "
-                         + ", ".join(f"{m['mutant']} ({m['not_judged']})" for m in rows if m.get("not_judged"))
-                         if len(judged) < len(rows) else ""), soft_wrap=True)
+        console.print(
+            f"{len(killed)}/{len(judged)} mutants killed, {sum(bool(m['black_box']) for m in killed)} by a "
+            f"black-box check, {same} by a failure naming the mutant's own rule; seconds to kill: median "
+            f"{statistics.median(secs):.1f}, max {max(secs):.1f}"
+            + (
+                f"; not hunted at level {level}: "
+                + ", ".join(f"{m['mutant']} ({m['not_judged']})" for m in rows if m.get("not_judged"))
+                if len(judged) < len(rows)
+                else ""
+            ),
+            soft_wrap=True,
+        )
     for m in rows:
         for line in m.get("spurious") or []:
-            console.print(f"[yellow]mutant {m['mutant']}: not counted, the unmutated base fails it too:[/] "
-                          f"{escape_markup(line)}", soft_wrap=True)
+            console.print(
+                f"[yellow]mutant {m['mutant']}: not counted, the unmutated base fails it too:[/] {escape_markup(line)}",
+                soft_wrap=True,
+            )
         if not m["killed"] and not m.get("not_judged"):
             short = m.get("coverage_shortfall")  # a coverage shortfall is no kill (adapter/mutation.py)
-            console.print(f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]"
-                          + (f" (its checks passed; coverage: {escape_markup(short)})" if short else ""),
-                          soft_wrap=True)
+            console.print(
+                f"[bold red]mutant {m['mutant']} ({m['rule']}) SURVIVED[/]"
+                + (f" (its checks passed; coverage: {escape_markup(short)})" if short else ""),
+                soft_wrap=True,
+            )
 
 
 @main.command()
 @click.argument("scenario_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--scheduler-cls", default=None, metavar="DOTTED.PATH",
-              help="Class to run the scenario on; default: the class the saving check judged (the reference, sync "
-                   "or async as the scenario says; stock vLLM for a base-fidelity scenario).")
-@click.option("--level", type=click.Choice(["must", "should", "exact"]), default="exact", show_default=True,
-              help="Level of the properties judged on a rate-limit scenario.")
-@click.option("--config-style", "config_style", default="additional-config", show_default=True,
-              help="How the class is configured (as for outrate conform).")
-@click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False),
-              help="Directory to put on the import path first; repeatable.")
-@click.option("--base-model", "base_version", default=None, metavar="VERSION",
-              help="Step scenarios: judge against the base-model rows of this vLLM release (spec/versions.py), "
-                   "as `outrate drift --base-model` did; default: the installed vLLM's own rows.")
+@click.option(
+    "--scheduler-cls",
+    default=None,
+    metavar="DOTTED.PATH",
+    help="Class to run the scenario on; default: the class the saving check judged (the reference, sync "
+    "or async as the scenario says; stock vLLM for a base-fidelity scenario).",
+)
+@click.option(
+    "--level",
+    type=click.Choice(["must", "should", "exact"]),
+    default="exact",
+    show_default=True,
+    help="Level of the properties judged on a rate-limit scenario.",
+)
+@click.option(
+    "--config-style",
+    "config_style",
+    default="additional-config",
+    show_default=True,
+    help="How the class is configured (as for outrate conform).",
+)
+@click.option(
+    "--path",
+    "paths",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Directory to put on the import path first; repeatable.",
+)
+@click.option(
+    "--base-model",
+    "base_version",
+    default=None,
+    metavar="VERSION",
+    help="Step scenarios: judge against the base-model rows of this vLLM release (spec/versions.py), "
+    "as `outrate drift --base-model` did; default: the installed vLLM's own rows.",
+)
 def replay(scenario_file, scheduler_cls, level, config_style, paths, base_version) -> None:
     """Re-run a saved counterexample of `outrate conform`; exit 1 if it fails.
 
@@ -510,13 +712,16 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
         found = sorted(keys) if isinstance(data, dict) else type(data).__name__
         raise click.BadParameter(
             f"{scenario_file} is neither a rate-limit scenario (keys rates_tokens_per_s, requests) nor a step "
-            f"scenario (keys config, events); found {found}", param_hint="SCENARIO_FILE")
+            f"scenario (keys config, events); found {found}",
+            param_hint="SCENARIO_FILE",
+        )
     kind = "step" if {"config", "events"} <= keys else "rate-limit"
     try:
         scenario = fidelity.StepScenario.from_json(text) if kind == "step" else Scenario.from_json(text)
     except (TypeError, KeyError, ValueError, AssertionError) as exc:
-        raise click.BadParameter(f"{scenario_file}: not a valid {kind} scenario: {exc!r}",
-                                 param_hint="SCENARIO_FILE") from None
+        raise click.BadParameter(
+            f"{scenario_file}: not a valid {kind} scenario: {exc!r}", param_hint="SCENARIO_FILE"
+        ) from None
     for directory in reversed(paths):
         sys.path.insert(0, str(Path(directory).resolve()))
     style = _config_style(config_style)
@@ -535,8 +740,9 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
             raise click.BadParameter(str(exc), param_hint="--base-model") from None
     if isinstance(scenario, Scenario):
         if base is not None:
-            raise click.BadParameter("only a step scenario (base fidelity, white box) follows a base model",
-                                     param_hint="--base-model")
+            raise click.BadParameter(
+                "only a step scenario (base fidelity, white box) follows a base model", param_hint="--base-model"
+            )
         _replay_rate_limit(scenario, scheduler_cls, level, style)
     else:
         _replay_step(scenario, scheduler_cls, style, base)
@@ -560,11 +766,14 @@ def _replay_rate_limit(scenario: Scenario, scheduler_cls: str | None, level: str
     else:
         verdict = named_verdict(cls, scenario, level, style)  # named by the rule it breaks
     if verdict.failure:
-        console.print(f"[bold red]FAIL[/] {escape(f'[{verdict.level}]')} {verdict.rule}: step {verdict.step}: "
-                      f"{escape(verdict.failure)}")
+        console.print(
+            f"[bold red]FAIL[/] {escape(f'[{verdict.level}]')} {verdict.rule}: step {verdict.step}: "
+            f"{escape(verdict.failure)}"
+        )
         sys.exit(1)
-    console.print(f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: "
-                  f"{verdict.sampled_per_user}")
+    console.print(
+        f"[green]PASS[/] {verdict.steps} steps on {cls}; sampling dispatches per user: {verdict.sampled_per_user}"
+    )
 
 
 def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any, base: Any = None) -> None:
@@ -591,24 +800,41 @@ def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any, 
         console.print(f"  {escape(line)}")
     if verdict.failure:
         rule = getattr(verdict, "rule", None) if check == "base fidelity" else None  # a V-rule
-        console.print(f"[bold red]FAIL[/] event {verdict.event_index}: {escape(verdict.failure)}"
-                      + (f" ({rule})" if rule else ""))
+        console.print(
+            f"[bold red]FAIL[/] event {verdict.event_index}: {escape(verdict.failure)}" + (f" ({rule})" if rule else "")
+        )
         sys.exit(1)
     console.print(f"[green]PASS[/] {verdict.events} events, {verdict.steps} steps: {cls} agrees with the spec")
 
 
 @main.command()
-@click.option("--base-model", "base_version", default=None, metavar="VERSION",
-              help="Judge the installed vLLM against the base-model rows of this release (spec/versions.py); "
-                   "default: the installed vLLM's own rows.")
+@click.option(
+    "--base-model",
+    "base_version",
+    default=None,
+    metavar="VERSION",
+    help="Judge the installed vLLM against the base-model rows of this release (spec/versions.py); "
+    "default: the installed vLLM's own rows.",
+)
 @click.option("--examples", type=int, default=300, show_default=True, help="Scenarios per hunt.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--mode", type=click.Choice(["sync", "async", "both"]), default="both", show_default=True)
-@click.option("--time-budget", "time_budget_s", type=float, default=None, metavar="SECONDS",
-              help="Start no new hunt after this many seconds.")
+@click.option(
+    "--time-budget",
+    "time_budget_s",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="Start no new hunt after this many seconds.",
+)
 @json_option("the findings")
-@click.option("--counterexamples", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
-              show_default=True, help="Directory where each rule's counterexample is saved for `outrate replay`.")
+@click.option(
+    "--counterexamples",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("reports"),
+    show_default=True,
+    help="Directory where each rule's counterexample is saved for `outrate replay`.",
+)
 def drift(base_version, examples, seed, mode, time_budget_s, json_path, counterexamples) -> None:
     """Spec health: per V-rule, the first divergence of the installed vLLM from the base model.
 
@@ -621,26 +847,49 @@ def drift(base_version, examples, seed, mode, time_budget_s, json_path, countere
 
     started = time.monotonic()
     version, warning, base = _import_for_drift(base_version)
-    console.print(f"outrate drift -- vLLM {version} -- base model: vLLM {base.version} rows -- "
-                  f"{examples} examples per hunt, seed {seed}")
+    console.print(
+        f"outrate drift -- vLLM {version} -- base model: vLLM {base.version} rows -- "
+        f"{examples} examples per hunt, seed {seed}"
+    )
     if warning:
         console.print(f"[bold yellow]{escape(warning)}[/]")
     modes = {"sync": (False,), "async": (True,), "both": (False, True)}[mode]
     again = "" if base_version is None else f" --base-model {base.version}"
-    progress = Progress(TextColumn("{task.description:<20}"), TextColumn("{task.completed} runs"),
-                        TimeElapsedColumn(), console=console, transient=True)
+    progress = Progress(
+        TextColumn("{task.description:<20}"),
+        TextColumn("{task.completed} runs"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
     with progress:
         task = progress.add_task("hunting", total=None)
-        report = drift_mod.drift(base, version, warning, examples=examples, seed=seed, modes=modes,
-                                 time_budget_s=time_budget_s, tick=lambda: progress.advance(task),
-                                 on_found=functools.partial(_show_divergence, counterexamples, again))
+        report = drift_mod.drift(
+            base,
+            version,
+            warning,
+            examples=examples,
+            seed=seed,
+            modes=modes,
+            time_budget_s=time_budget_s,
+            tick=lambda: progress.advance(task),
+            on_found=functools.partial(_show_divergence, counterexamples, again),
+        )
     _print_drift_report(report, version, base.version)
     console.print(f"{len(report.found)} V-rule(s) diverge; {time.monotonic() - started:.1f} s in all")
     if json_path is not None:
-        _write_json(json_path, {
-            "vllm_version": version, "base_version": base.version, "warning": warning,
-            "examples": report.examples, "complete": report.complete, "seconds": round(report.seconds, 2),
-            "found": [e.as_json() for e in report.found]})
+        _write_json(
+            json_path,
+            {
+                "vllm_version": version,
+                "base_version": base.version,
+                "warning": warning,
+                "examples": report.examples,
+                "complete": report.complete,
+                "seconds": round(report.seconds, 2),
+                "found": [e.as_json() for e in report.found],
+            },
+        )
     sys.exit(1 if report.found else 0)
 
 
@@ -670,8 +919,10 @@ def _show_divergence(counterexamples: Path, again_options: str, entry: Any) -> N
     from rich.markup import escape
 
     console.print(f"[bold red]{entry.rule}[/] ({entry.mode}) diverges: {escape(entry.failure)}")
-    console.print(f"  found in {entry.seconds_to_find:.1f} s ({entry.examples} scenarios), 1-minimal in "
-                  f"{entry.seconds_to_minimize:.1f} s, {entry.events} events:")
+    console.print(
+        f"  found in {entry.seconds_to_find:.1f} s ({entry.examples} scenarios), 1-minimal in "
+        f"{entry.seconds_to_minimize:.1f} s, {entry.events} events:"
+    )
     for line in entry.counterexample:
         console.print(f"    {escape(line)}")
     counterexamples.mkdir(parents=True, exist_ok=True)
@@ -688,8 +939,14 @@ def _print_drift_report(report: Any, version: str, base_version: str) -> None:
     for col in ("V-rule", "mode", "first divergence", "events", "seconds to find", "seconds to 1-minimal"):
         table.add_column(col)
     for e in report.found:
-        table.add_row(e.rule, e.mode, escape(e.failure[:90]), str(e.events), f"{e.seconds_to_find:.1f}",
-                      f"{e.seconds_to_minimize:.1f}")
+        table.add_row(
+            e.rule,
+            e.mode,
+            escape(e.failure[:90]),
+            str(e.events),
+            f"{e.seconds_to_find:.1f}",
+            f"{e.seconds_to_minimize:.1f}",
+        )
     if report.found:
         console.print(table)
     for m, n in report.examples.items():

@@ -79,8 +79,12 @@ def _batch(streams: int, tokens: int, users: list[str]):
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [11 + (i % 200), 12, 13, 14 + (i % 7)]} for i in range(streams)]
-    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, detokenize=False,
-                             extra_args={"output_rate_user": users[i % len(users)]}) for i in range(streams)]
+    params = [
+        SamplingParams(
+            max_tokens=tokens, ignore_eos=True, detokenize=False, extra_args={"output_rate_user": users[i % len(users)]}
+        )
+        for i in range(streams)
+    ]
     return prompts, params
 
 
@@ -152,6 +156,7 @@ def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def engine_cpu_s(procs) -> float:
         return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
     prompts, params = _batch(streams, tokens, [f"u{i}" for i in range(max(1, streams // 4))])
     total = streams * tokens
     for llm, _procs in engines.values():  # warm-up: first-call costs are not results
@@ -160,7 +165,7 @@ def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     cpu_us: dict[str, list[float]] = {name: [] for name in engines}
     names = list(engines)
     for k in range(rounds):
-        order = names[k % len(names):] + names[:k % len(names)]  # each engine first in turn
+        order = names[k % len(names) :] + names[: k % len(names)]  # each engine first in turn
         for name in order:
             llm, procs = engines[name]
             idle = [p for other, (_llm, ps) in engines.items() if other != name for p in ps]
@@ -175,8 +180,9 @@ def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     return _throughput_summary(rates, cpu_us, rounds, streams, tokens)
 
 
-def _throughput_summary(rates: dict[str, list[float]], cpu_us: dict[str, list[float]], rounds: int, streams: int,
-                        tokens: int) -> dict[str, Any]:
+def _throughput_summary(
+    rates: dict[str, list[float]], cpu_us: dict[str, list[float]], rounds: int, streams: int, tokens: int
+) -> dict[str, Any]:
     """The throughput part's result from the per-round tokens/s and engine CPU µs per token
     of the three engines (off, on, on with the worker-idle fix off)."""
     ratios = [a / b for a, b in zip(rates["on"], rates["off"])]
@@ -287,8 +293,9 @@ def _ping_reader(handle, answers, messages: int, timeout_s: float, park: bool) -
         response.enqueue(lost)
 
 
-def ping_round_trips(lossless: bool, park: bool = True, steps: int = 300, timeout_s: float = 2.0,
-                     seed: int = 0) -> dict[str, Any]:
+def ping_round_trips(
+    lossless: bool, park: bool = True, steps: int = 300, timeout_s: float = 2.0, seed: int = 0
+) -> dict[str, Any]:
     """R16, worker side: vLLM's shm ``MessageQueue`` between this process and a reader process.
 
     The engine core's pattern: per step an ``execute_model`` then a ``sample_tokens``
@@ -308,8 +315,9 @@ def ping_round_trips(lossless: bool, park: bool = True, steps: int = 300, timeou
     context = multiprocessing.get_context("fork")
     writer = MessageQueue(1, 1)
     answers = context.Queue()
-    child = context.Process(target=_ping_reader, args=(writer.export_handle(), answers, 2 * steps, timeout_s, park),
-                            daemon=True)
+    child = context.Process(
+        target=_ping_reader, args=(writer.export_handle(), answers, 2 * steps, timeout_s, park), daemon=True
+    )
     child.start()
     try:
         response = MessageQueue.create_from_handle(answers.get(timeout=60), 0)
@@ -331,9 +339,14 @@ def ping_round_trips(lossless: bool, park: bool = True, steps: int = 300, timeou
         child.kill()
         child.join(10)
     trips.sort()
-    return {"lost": lost, "messages": len(trips), "round_trip_us_p50": 1e6 * trips[len(trips) // 2],
-            "round_trip_us_p99": 1e6 * trips[min(len(trips) - 1, int(0.99 * len(trips)))],
-            "lossless": lossless, "park": park}
+    return {
+        "lost": lost,
+        "messages": len(trips),
+        "round_trip_us_p50": 1e6 * trips[len(trips) // 2],
+        "round_trip_us_p99": 1e6 * trips[min(len(trips) - 1, int(0.99 * len(trips)))],
+        "lossless": lossless,
+        "park": park,
+    }
 
 
 def _progress() -> None:
@@ -368,8 +381,9 @@ def _stop_engines() -> None:
             proc.kill()
 
 
-def run_child(cfg: dict[str, Any], env_overrides: dict[str, str] | None = None, tick=lambda: None,
-              timeout_s: float = 900.0) -> dict[str, Any]:
+def run_child(
+    cfg: dict[str, Any], env_overrides: dict[str, str] | None = None, tick=lambda: None, timeout_s: float = 900.0
+) -> dict[str, Any]:
     """Run one part in a child process; return its result (RuntimeError with its stderr tail).
 
     The child runs in its own session; whatever of it is left after the result or after
@@ -383,8 +397,14 @@ def run_child(cfg: dict[str, Any], env_overrides: dict[str, str] | None = None, 
     env.update(env_overrides or {})
     found: list[dict[str, Any]] = []
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm_output_rate.livebench", json.dumps(cfg)],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_output_rate.livebench", json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
 
         def read() -> None:
             assert proc.stdout is not None
@@ -393,7 +413,7 @@ def run_child(cfg: dict[str, Any], env_overrides: dict[str, str] | None = None, 
                 if line.startswith("progress"):
                     tick()
                 elif line.startswith("RESULT "):
-                    found.append(json.loads(line[len("RESULT "):]))
+                    found.append(json.loads(line[len("RESULT ") :]))
                     return
 
         reader = threading.Thread(target=read, daemon=True)

@@ -106,8 +106,17 @@ async def _sse_data(response):
         yield buffer[6:].decode("utf-8")
 
 
-async def _one_stream(client, url: str, model: str, user: str, index: int, tokens: int, prompt: str,
-                      t0: float, cancel_after: int | None = None) -> StreamResult:
+async def _one_stream(
+    client,
+    url: str,
+    model: str,
+    user: str,
+    index: int,
+    tokens: int,
+    prompt: str,
+    t0: float,
+    cancel_after: int | None = None,
+) -> StreamResult:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -148,8 +157,15 @@ async def _one_stream(client, url: str, model: str, user: str, index: int, token
     return result
 
 
-async def _run(base_url: str, model: str | None, streams: list[tuple[str, int]], tokens: int, prompt: str,
-               timeout_s: float, cancel_after: dict[tuple[str, int], int]) -> tuple[str, list[StreamResult]]:
+async def _run(
+    base_url: str,
+    model: str | None,
+    streams: list[tuple[str, int]],
+    tokens: int,
+    prompt: str,
+    timeout_s: float,
+    cancel_after: dict[tuple[str, int], int],
+) -> tuple[str, list[StreamResult]]:
     import httpx
 
     limits = httpx.Limits(max_connections=sum(n for _, n in streams) + 2)
@@ -167,10 +183,16 @@ async def _run(base_url: str, model: str | None, streams: list[tuple[str, int]],
         return model, list(await asyncio.gather(*jobs))
 
 
-def run_measurement(base_url: str, streams: list[tuple[str, int]], tokens: int, model: str | None = None,
-                    limits: dict[str, float] | None = None, prompt: str = DEFAULT_PROMPT,
-                    timeout_s: float = 600.0, cancel_after: dict[tuple[str, int], int] | None = None,
-                    ) -> tuple[list[UserReport], list[StreamResult]]:
+def run_measurement(
+    base_url: str,
+    streams: list[tuple[str, int]],
+    tokens: int,
+    model: str | None = None,
+    limits: dict[str, float] | None = None,
+    prompt: str = DEFAULT_PROMPT,
+    timeout_s: float = 600.0,
+    cancel_after: dict[tuple[str, int], int] | None = None,
+) -> tuple[list[UserReport], list[StreamResult]]:
     """Run the streams concurrently; return one report per user and the raw stream results.
 
     ``cancel_after``: (user, stream index) -> close that stream's connection (a client
@@ -190,19 +212,21 @@ def run_measurement(base_url: str, streams: list[tuple[str, int]], tokens: int, 
         if engine and len(ends) == len(engine):
             engine_span = max(e[1] for e in ends) - min(e[0] for e in ends)
         limit = limits.get(user)
-        reports.append(UserReport(
-            user=user,
-            streams=n,
-            tokens=count,
-            completion_tokens=[r.completion_tokens for r in mine],
-            client_span_s=span,
-            client_rate=count / span if span else None,
-            send_to_last_s=max(times) - min(r.sent_s for r in mine) if times else None,
-            engine_span_s=engine_span,
-            engine_rate=count / engine_span if engine_span else None,
-            limit=limit,
-            min_span_s=gcra_min_span_s(count, limit) if limit and count else None,
-        ))
+        reports.append(
+            UserReport(
+                user=user,
+                streams=n,
+                tokens=count,
+                completion_tokens=[r.completion_tokens for r in mine],
+                client_span_s=span,
+                client_rate=count / span if span else None,
+                send_to_last_s=max(times) - min(r.sent_s for r in mine) if times else None,
+                engine_span_s=engine_span,
+                engine_rate=count / engine_span if engine_span else None,
+                limit=limit,
+                min_span_s=gcra_min_span_s(count, limit) if limit and count else None,
+            )
+        )
     return reports, results
 
 
@@ -253,15 +277,35 @@ def _parse_limit(text: str) -> tuple[str, float]:
 @click.command("measure")
 @click.option("--base-url", default="http://127.0.0.1:8000", show_default=True, help="The server's address.")
 @click.option("--model", default=None, help="Served model name; default: the first of /v1/models.")
-@click.option("--stream", "streams", multiple=True, required=True, metavar="USER:N",
-              help="N concurrent streams of USER (repeat per user), e.g. --stream user-a:4 --stream user-b:2.")
-@click.option("--tokens", type=click.IntRange(min=1), default=200, show_default=True,
-              help="Output tokens per stream (ignore_eos).")
-@click.option("--limit", "limit_args", multiple=True, metavar="USER=RATE",
-              help="The user's configured limit, to print the GCRA lower bound on its span.")
+@click.option(
+    "--stream",
+    "streams",
+    multiple=True,
+    required=True,
+    metavar="USER:N",
+    help="N concurrent streams of USER (repeat per user), e.g. --stream user-a:4 --stream user-b:2.",
+)
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Output tokens per stream (ignore_eos).",
+)
+@click.option(
+    "--limit",
+    "limit_args",
+    multiple=True,
+    metavar="USER=RATE",
+    help="The user's configured limit, to print the GCRA lower bound on its span.",
+)
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
-@click.option("--server-pid", type=int, default=None,
-              help="PID of the vLLM API server: report its engine-core/worker CPU use during the run.")
+@click.option(
+    "--server-pid",
+    type=int,
+    default=None,
+    help="PID of the vLLM API server: report its engine-core/worker CPU use during the run.",
+)
 @json_option("the per-user reports and per-stream results")
 def measure(base_url, model, streams, tokens, limit_args, prompt, server_pid, json_path) -> None:
     """Measure per-user output rates of a running server (streaming chat completions)."""
@@ -276,12 +320,16 @@ def measure(base_url, model, streams, tokens, limit_args, prompt, server_pid, js
     wall_s = time.monotonic() - wall0
     cpu = {role: (_cpu_s(p) - cpu0[role]) / wall_s * 100 for role, p in procs.items()}
 
-    click.echo(f"{'user':<12} {'streams':>7} {'tokens':>6} {'client span s':>13} {'client tok/s':>12} "
-               f"{'engine span s':>13} {'engine tok/s':>12} {'limit':>6} {'min span s':>10}  completion_tokens")
+    click.echo(
+        f"{'user':<12} {'streams':>7} {'tokens':>6} {'client span s':>13} {'client tok/s':>12} "
+        f"{'engine span s':>13} {'engine tok/s':>12} {'limit':>6} {'min span s':>10}  completion_tokens"
+    )
     for r in reports:
-        click.echo(f"{r.user:<12} {r.streams:>7} {r.tokens:>6} {_fmt(r.client_span_s):>13} "
-                   f"{_fmt(r.client_rate):>12} {_fmt(r.engine_span_s):>13} {_fmt(r.engine_rate):>12} "
-                   f"{_fmt(r.limit, 'g'):>6} {_fmt(r.min_span_s):>10}  {r.completion_tokens}")
+        click.echo(
+            f"{r.user:<12} {r.streams:>7} {r.tokens:>6} {_fmt(r.client_span_s):>13} "
+            f"{_fmt(r.client_rate):>12} {_fmt(r.engine_span_s):>13} {_fmt(r.engine_rate):>12} "
+            f"{_fmt(r.limit, 'g'):>6} {_fmt(r.min_span_s):>10}  {r.completion_tokens}"
+        )
     if all(r.engine_span_s is None for r in reports):
         click.echo("engine-side rates: n/a (start the server with --enable-per-request-metrics)")
     for res in results:
@@ -290,10 +338,18 @@ def measure(base_url, model, streams, tokens, limit_args, prompt, server_pid, js
     click.echo(f"wall {wall_s:.2f} s" + "".join(f"; {role} CPU {pct:.1f}%" for role, pct in cpu.items()))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({
-            "base_url": base_url, "tokens_per_stream": tokens, "wall_s": wall_s, "cpu_percent": cpu,
-            "users": [r.as_json() for r in reports],
-            "streams": [asdict(s) for s in results],
-        }, indent=2))
+        json_path.write_text(
+            json.dumps(
+                {
+                    "base_url": base_url,
+                    "tokens_per_stream": tokens,
+                    "wall_s": wall_s,
+                    "cpu_percent": cpu,
+                    "users": [r.as_json() for r in reports],
+                    "streams": [asdict(s) for s in results],
+                },
+                indent=2,
+            )
+        )
     if any(res.error for res in results):
         raise SystemExit(1)

@@ -44,12 +44,17 @@ def _note(record: dict) -> str | None:
         return None
     if record["result"] == "proved":
         return None
-    return "; ".join(f"line {c['line']}: {c['message']}" for c in record.get("conditions", [])
-                     if c["status"] != "confirmed") or None
+    return (
+        "; ".join(
+            f"line {c['line']}: {c['message']}" for c in record.get("conditions", []) if c["status"] != "confirmed"
+        )
+        or None
+    )
 
 
-def _run_proofs(console: Console, timeout_ms: int, crosshair_timeout: float, wall_timeout: float | None,
-                jobs: int, broken: bool) -> list[dict]:
+def _run_proofs(
+    console: Console, timeout_ms: int, crosshair_timeout: float, wall_timeout: float | None, jobs: int, broken: bool
+) -> list[dict]:
     """The Z3 proofs, then the CrossHair properties (with the known-broken ones if
     ``broken``) in ``jobs`` processes, under one progress bar: their records, in order."""
     from vllm_output_rate.proofs import z3_limiter
@@ -60,15 +65,22 @@ def _run_proofs(console: Console, timeout_ms: int, crosshair_timeout: float, wal
     with progress:
         task = progress.add_task("z3: inductive proofs", total=len(z3_limiter.PROPERTIES) + len(crosshair_props))
         records += z3_limiter.run_all(timeout_ms=timeout_ms)
-        progress.update(task, advance=len(z3_limiter.PROPERTIES),
-                        description=f"crosshair: {len(crosshair_props)} properties, {jobs} processes")
+        progress.update(
+            task,
+            advance=len(z3_limiter.PROPERTIES),
+            description=f"crosshair: {len(crosshair_props)} properties, {jobs} processes",
+        )
 
         def tick(record: dict) -> None:
             progress.update(task, advance=1, description=f"crosshair: {record['name']} {record['result']}")
 
-        records += crosshair_limiter.run_all(per_condition_timeout=crosshair_timeout,
-                                             names=[p.name for p in crosshair_props], jobs=jobs,
-                                             wall_timeout=wall_timeout, on_record=tick)
+        records += crosshair_limiter.run_all(
+            per_condition_timeout=crosshair_timeout,
+            names=[p.name for p in crosshair_props],
+            jobs=jobs,
+            wall_timeout=wall_timeout,
+            on_record=tick,
+        )
         progress.update(task, description="done")
     return records
 
@@ -84,21 +96,43 @@ def _write_document(text: str, json_path: str) -> None:
 
 
 @click.command()
-@click.option("--json", "json_path", default=None, is_flag=False, flag_value="-", metavar="PATH",
-              help="Write the results as JSON to PATH ('-' or no value: stdout, the table then goes to stderr).")
-@click.option("--timeout-ms", type=click.IntRange(min=1), default=5000, show_default=True,
-              help="Z3 timeout per proof obligation, in milliseconds.")
-@click.option("--crosshair-timeout", type=click.FloatRange(min=0.1),
-              default=crosshair_limiter.DEFAULT_PER_CONDITION_TIMEOUT_S, show_default=True,
-              help="CrossHair CPU seconds per condition (its --per_condition_timeout).")
-@click.option("--wall-timeout", type=click.FloatRange(min=1), default=crosshair_limiter.DEFAULT_WALL_TIMEOUT_S,
-              show_default=True, help="Wall-clock cap in seconds on the CrossHair run; unfinished checks are "
-                                      "reported unknown.")
-@click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True,
-              help="CrossHair child processes.")
-@click.option("--broken", is_flag=True,
-              help="Also check the deliberately broken limiters of the CrossHair module (they must come out "
-                   "refuted, so the exit status is then 1).")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    is_flag=False,
+    flag_value="-",
+    metavar="PATH",
+    help="Write the results as JSON to PATH ('-' or no value: stdout, the table then goes to stderr).",
+)
+@click.option(
+    "--timeout-ms",
+    type=click.IntRange(min=1),
+    default=5000,
+    show_default=True,
+    help="Z3 timeout per proof obligation, in milliseconds.",
+)
+@click.option(
+    "--crosshair-timeout",
+    type=click.FloatRange(min=0.1),
+    default=crosshair_limiter.DEFAULT_PER_CONDITION_TIMEOUT_S,
+    show_default=True,
+    help="CrossHair CPU seconds per condition (its --per_condition_timeout).",
+)
+@click.option(
+    "--wall-timeout",
+    type=click.FloatRange(min=1),
+    default=crosshair_limiter.DEFAULT_WALL_TIMEOUT_S,
+    show_default=True,
+    help="Wall-clock cap in seconds on the CrossHair run; unfinished checks are reported unknown.",
+)
+@click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True, help="CrossHair child processes.")
+@click.option(
+    "--broken",
+    is_flag=True,
+    help="Also check the deliberately broken limiters of the CrossHair module (they must come out "
+    "refuted, so the exit status is then 1).",
+)
 def prove(json_path, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken) -> None:
     """Prove the limiter rules R1-R6 with Z3 and CrossHair; exit 1 if any property is refuted."""
     console = Console(stderr=json_path == "-", width=None if sys.stdout.isatty() else 130)
@@ -106,8 +140,9 @@ def prove(json_path, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken) 
     records = _run_proofs(console, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken)
     elapsed = time.monotonic() - started
 
-    table = Table(title=f"outrate prove -- Z3 {timeout_ms} ms/obligation, CrossHair {crosshair_timeout:g} "
-                        f"CPU s/condition")
+    table = Table(
+        title=f"outrate prove -- Z3 {timeout_ms} ms/obligation, CrossHair {crosshair_timeout:g} CPU s/condition"
+    )
     for col in ("property", "rules", "tool", "result", "seconds"):
         table.add_column(col, justify="right" if col == "seconds" else "left")
     for r in records:
@@ -118,15 +153,21 @@ def prove(json_path, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken) 
     for name, note in notes.items():
         console.print(f"[bold]{name}[/]: {note}")
     counts = {k: sum(r["result"] == k for r in records) for k in ("proved", "unknown", "refuted")}
-    console.print(f"{counts['proved']} proved, {counts['unknown']} unknown, {counts['refuted']} refuted "
-                  f"in {elapsed:.1f} s")
+    console.print(
+        f"{counts['proved']} proved, {counts['unknown']} unknown, {counts['refuted']} refuted in {elapsed:.1f} s"
+    )
 
     if json_path is not None:
         doc = {
             "properties": [{k: r[k] for k in RECORD_KEYS} for r in records],
             "notes": notes,
-            "settings": {"z3_timeout_ms": timeout_ms, "crosshair_per_condition_timeout_s": crosshair_timeout,
-                         "crosshair_wall_timeout_s": wall_timeout, "crosshair_jobs": jobs, "broken": broken},
+            "settings": {
+                "z3_timeout_ms": timeout_ms,
+                "crosshair_per_condition_timeout_s": crosshair_timeout,
+                "crosshair_wall_timeout_s": wall_timeout,
+                "crosshair_jobs": jobs,
+                "broken": broken,
+            },
             "seconds": round(elapsed, 2),
         }
         _write_document(json.dumps(doc, indent=2), json_path)

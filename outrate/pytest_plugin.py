@@ -22,22 +22,38 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("outrate", "vllm-output-rate conformance gate")
-    group.addoption("--outrate-scheduler", default=None, metavar="DOTTED.PATH",
-                    help="run the conformance gate on this scheduler class (sync checks)")
-    group.addoption("--outrate-async-scheduler", default=None, metavar="DOTTED.PATH",
-                    help="also run the async checks on this class")
-    group.addoption("--outrate-profile", default="quick", choices=["quick", "ci", "release"],
-                    help="gate budget (default quick)")
+    group.addoption(
+        "--outrate-scheduler",
+        default=None,
+        metavar="DOTTED.PATH",
+        help="run the conformance gate on this scheduler class (sync checks)",
+    )
+    group.addoption(
+        "--outrate-async-scheduler", default=None, metavar="DOTTED.PATH", help="also run the async checks on this class"
+    )
+    group.addoption(
+        "--outrate-profile", default="quick", choices=["quick", "ci", "release"], help="gate budget (default quick)"
+    )
     group.addoption("--outrate-seed", type=int, default=0, help="gate seed (default 0)")
-    group.addoption("--outrate-level", default="should", choices=["must", "should", "exact"],
-                    help="conformance level (default should)")
+    group.addoption(
+        "--outrate-level",
+        default="should",
+        choices=["must", "should", "exact"],
+        help="conformance level (default should)",
+    )
     group.addoption("--outrate-sync-only", action="store_true", help="judge the sync class alone")
-    group.addoption("--outrate-config-style", default="additional-config",
-                    help="additional-config | engine-args | hook:pkg.module.function")
+    group.addoption(
+        "--outrate-config-style",
+        default="additional-config",
+        help="additional-config | engine-args | hook:pkg.module.function",
+    )
     group.addoption("--outrate-burst-configurable", action="store_true", help="the candidate reads burst_ms")
     group.addoption("--outrate-integer-rates", action="store_true", help="the candidate takes integer rates only")
-    group.addoption("--outrate-rate-change", action="store_true",
-                    help="R21: the candidate reloads output_rate.rates_file (rate-change rows at every level)")
+    group.addoption(
+        "--outrate-rate-change",
+        action="store_true",
+        help="R21: the candidate reloads output_rate.rates_file (rate-change rows at every level)",
+    )
     group.addoption("--outrate-spec-health", action="store_true", help="also run the spec-health checks")
 
 
@@ -61,11 +77,15 @@ class GateCheckItem(pytest.Item):
             r = excinfo.value.result
             verdict = "NOT TESTED" if r.result == "not tested" else "FAILED"
             if r.coverage is not None:  # obligations, not a scenario: no counterexample
-                return "\n".join([f"{r.name} {verdict}: {r.failure}"]
-                                  + [f"  not reached: {line}" for line in r.coverage.get("not_reached", [])])
-            return "\n".join([f"{r.name} {verdict}: {r.failure}", "counterexample:"]
-                             + [f"  {line}" for line in r.counterexample]
-                             + ([f"saved: {r.saved}"] if r.saved else []))
+                return "\n".join(
+                    [f"{r.name} {verdict}: {r.failure}"]
+                    + [f"  not reached: {line}" for line in r.coverage.get("not_reached", [])]
+                )
+            return "\n".join(
+                [f"{r.name} {verdict}: {r.failure}", "counterexample:"]
+                + [f"  {line}" for line in r.counterexample]
+                + ([f"saved: {r.saved}"] if r.saved else [])
+            )
         return super().repr_failure(excinfo, style)
 
     def reportinfo(self):
@@ -93,14 +113,21 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         style = parse_config_style(style_text)
     sync_only = config.getoption("--outrate-sync-only")
     options = registry.GateOptions(
-        scheduler_cls=sync_cls, async_scheduler_cls=None if sync_only else config.getoption("--outrate-async-scheduler"),
-        level=config.getoption("--outrate-level"), profile=config.getoption("--outrate-profile"),
-        seed=config.getoption("--outrate-seed"), style=style,
+        scheduler_cls=sync_cls,
+        async_scheduler_cls=None if sync_only else config.getoption("--outrate-async-scheduler"),
+        level=config.getoption("--outrate-level"),
+        profile=config.getoption("--outrate-profile"),
+        seed=config.getoption("--outrate-seed"),
+        style=style,
         integer_rates=config.getoption("--outrate-integer-rates"),
-        burst_configurable=config.getoption("--outrate-burst-configurable"), sync_only=sync_only,
+        burst_configurable=config.getoption("--outrate-burst-configurable"),
+        sync_only=sync_only,
         rate_change=config.getoption("--outrate-rate-change"),
-        spec_health=config.getoption("--outrate-spec-health"), save_dir=config.rootpath / "reports")
+        spec_health=config.getoption("--outrate-spec-health"),
+        save_dir=config.rootpath / "reports",
+    )
     for planned in gate_plan.plan(options):
+
         def check(planned=planned):
             return registry.run_planned(planned, options, lambda: None)
 

@@ -38,8 +38,11 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if not binary:
             raise RuntimeError("redis-server is missing: install it with `apt-get install -y redis-server`")
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         client = redis.Redis.from_url(self.url, socket_timeout=0.2)

@@ -178,14 +178,27 @@ def _check_caps(max_num_seqs: int | None, max_num_active_seqs: int | None, max_n
         )
 
 
-def _refuse_without_default(*, user_rates: str | None, burst_ms: int | None, trace_path: str | None,
-                            max_num_seqs_per_user: int | None, shadow: bool, rates_file: str | None,
-                            shared_budget_url: str | None) -> NoReturn:
+def _refuse_without_default(
+    *,
+    user_rates: str | None,
+    burst_ms: int | None,
+    trace_path: str | None,
+    max_num_seqs_per_user: int | None,
+    shadow: bool,
+    rates_file: str | None,
+    shared_budget_url: str | None,
+) -> NoReturn:
     """No ``--default-rate``: ``click.UsageError`` naming the first flag that needs it, or
     saying that the feature would be off."""
-    for flag, value in ((FLAG_USERS, user_rates), (FLAG_BURST, burst_ms), (FLAG_TRACE, trace_path),
-                        (FLAG_PER_USER, max_num_seqs_per_user), (FLAG_SHADOW, True if shadow else None),
-                        (FLAG_RATES_FILE, rates_file), (FLAG_SHARED_BUDGET, shared_budget_url)):
+    for flag, value in (
+        (FLAG_USERS, user_rates),
+        (FLAG_BURST, burst_ms),
+        (FLAG_TRACE, trace_path),
+        (FLAG_PER_USER, max_num_seqs_per_user),
+        (FLAG_SHADOW, True if shadow else None),
+        (FLAG_RATES_FILE, rates_file),
+        (FLAG_SHARED_BUDGET, shared_budget_url),
+    ):
         if value is not None:
             raise click.UsageError(
                 f"{flag} needs {FLAG_DEFAULT}: the default rate turns the feature on "
@@ -201,9 +214,16 @@ def _refuse_without_default(*, user_rates: str | None, burst_ms: int | None, tra
 
 
 def build_output_rate_section(
-    default_rate: str | None, user_rates: str | None, max_num_seqs: int | None, max_num_active_seqs: int | None,
-    trace_path: str | None = None, burst_ms: int | None = None, max_num_seqs_per_user: int | None = None,
-    shadow: bool = False, rates_file: str | None = None, shared_budget_url: str | None = None,
+    default_rate: str | None,
+    user_rates: str | None,
+    max_num_seqs: int | None,
+    max_num_active_seqs: int | None,
+    trace_path: str | None = None,
+    burst_ms: int | None = None,
+    max_num_seqs_per_user: int | None = None,
+    shadow: bool = False,
+    rates_file: str | None = None,
+    shared_budget_url: str | None = None,
 ) -> dict[str, Any] | None:
     """The ``output_rate`` section for these flags.
 
@@ -213,9 +233,15 @@ def build_output_rate_section(
     """
     _check_caps(max_num_seqs, max_num_active_seqs, max_num_seqs_per_user)
     if default_rate is None:
-        _refuse_without_default(user_rates=user_rates, burst_ms=burst_ms, trace_path=trace_path,
-                                max_num_seqs_per_user=max_num_seqs_per_user, shadow=shadow, rates_file=rates_file,
-                                shared_budget_url=shared_budget_url)
+        _refuse_without_default(
+            user_rates=user_rates,
+            burst_ms=burst_ms,
+            trace_path=trace_path,
+            max_num_seqs_per_user=max_num_seqs_per_user,
+            shadow=shadow,
+            rates_file=rates_file,
+            shared_budget_url=shared_budget_url,
+        )
     section: dict[str, Any] = {"default_tokens_per_s": _parse_default_rate(default_rate)}
     if user_rates is not None:
         section["user_tokens_per_s"] = _parse_user_rates(user_rates)
@@ -261,9 +287,18 @@ def build_command(
         click.UsageError: bad flags (see ``build_output_rate_section``), or a conflicting
             ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
     """
-    section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, trace_path,
-                                        burst_ms, max_num_seqs_per_user, shadow=shadow, rates_file=rates_file,
-                                        shared_budget_url=shared_budget_url)
+    section = build_output_rate_section(
+        default_rate,
+        user_rates,
+        max_num_seqs,
+        max_num_active_seqs,
+        trace_path,
+        burst_ms,
+        max_num_seqs_per_user,
+        shadow=shadow,
+        rates_file=rates_file,
+        shared_budget_url=shared_budget_url,
+    )
     args, scheduler_cls = _scheduler_class(list(vllm_args))
     args, additional = _additional_config(args)
     additional["output_rate"] = section
@@ -330,8 +365,17 @@ def _additional_config(args: list[str]) -> tuple[list[str], dict[str, Any]]:
     return args, additional
 
 
-OUR_FLAGS = (FLAG_DEFAULT, FLAG_USERS, FLAG_TRACE, FLAG_BURST, FLAG_PER_USER, FLAG_SHADOW, FLAG_RATES_FILE,
-             FLAG_SHARED_BUDGET, "--max-num-active-seqs")
+OUR_FLAGS = (
+    FLAG_DEFAULT,
+    FLAG_USERS,
+    FLAG_TRACE,
+    FLAG_BURST,
+    FLAG_PER_USER,
+    FLAG_SHADOW,
+    FLAG_RATES_FILE,
+    FLAG_SHARED_BUDGET,
+    "--max-num-active-seqs",
+)
 
 
 def misspelt_flag(arg: str) -> str | None:
@@ -369,37 +413,100 @@ def _refuse_misspelt_flags(args: list[str]) -> None:
 @click.argument("model")
 # Every flag below may be given once: ``multiple=True`` only lets ``_once`` refuse a repeat
 # (click would silently keep the last).
-@click.option(FLAG_DEFAULT, "default_rate", metavar="R", multiple=True,
-              help="Required. Turns the feature on: every user not listed gets R output tokens/s.")
-@click.option(FLAG_USERS, "user_rates", metavar="JSON", multiple=True,
-              help="""Per-user overrides, e.g. '{"user-a": 100, "user-b": 500}'.""")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), multiple=True, metavar="M",
-              help="Resident requests (worker slots); throttled requests keep theirs.")
-@click.option("--max-num-active-seqs", type=click.IntRange(min=1), multiple=True, metavar="A",
-              help="Requests in a step's batch (A <= M); throttled ones do not count.")
-@click.option(FLAG_BURST, "burst_ms", type=int, multiple=True, metavar="MS",
-              help="Burst tolerance in whole milliseconds (default 100): a user idle for a while may "
-                   "get floor(MS/1000 x rate) + 1 tokens at once.")
-@click.option(FLAG_PER_USER, "max_num_seqs_per_user", type=click.IntRange(min=1), multiple=True, metavar="C",
-              help="R20: resident requests one user may hold (C <= M); a user at C waits while others "
-                   "are admitted. Default: no cap (one user's streams may hold every slot).")
-@click.option(FLAG_TRACE, "trace_path", metavar="FILE", multiple=True,
-              help="Append the engine-side event trace (one JSON line per step) to FILE, for "
-                   "`outrate check-trace FILE`.")
-@click.option(FLAG_RATES_FILE, "rates_file", metavar="FILE", multiple=True,
-              help="R21: a JSON file {\"default_tokens_per_s\": R, \"user_tokens_per_s\": {...}} read at start-up "
-                   "if it exists and reloaded when it changes (write it atomically); limits change "
-                   "without a restart, a bad file is logged and the limits in force are kept.")
-@click.option(FLAG_SHARED_BUDGET, "shared_budget_url", metavar="URL", multiple=True,
-              help="R23-R26: redis://host:port/db (or rediss://, unix://, valkey://) of the store every engine "
-                   "shares; each user then has one budget across all engines given the same URL.")
-@click.option(FLAG_SHADOW, "shadow", is_flag=True,
-              help="Shadow mode: count and report (log, /metrics, trace) what would be throttled, and "
-                   "throttle nothing; the schedule is stock vLLM's. For rolling the limits out.")
+@click.option(
+    FLAG_DEFAULT,
+    "default_rate",
+    metavar="R",
+    multiple=True,
+    help="Required. Turns the feature on: every user not listed gets R output tokens/s.",
+)
+@click.option(
+    FLAG_USERS,
+    "user_rates",
+    metavar="JSON",
+    multiple=True,
+    help="""Per-user overrides, e.g. '{"user-a": 100, "user-b": 500}'.""",
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    multiple=True,
+    metavar="M",
+    help="Resident requests (worker slots); throttled requests keep theirs.",
+)
+@click.option(
+    "--max-num-active-seqs",
+    type=click.IntRange(min=1),
+    multiple=True,
+    metavar="A",
+    help="Requests in a step's batch (A <= M); throttled ones do not count.",
+)
+@click.option(
+    FLAG_BURST,
+    "burst_ms",
+    type=int,
+    multiple=True,
+    metavar="MS",
+    help="Burst tolerance in whole milliseconds (default 100): a user idle for a while may "
+    "get floor(MS/1000 x rate) + 1 tokens at once.",
+)
+@click.option(
+    FLAG_PER_USER,
+    "max_num_seqs_per_user",
+    type=click.IntRange(min=1),
+    multiple=True,
+    metavar="C",
+    help="R20: resident requests one user may hold (C <= M); a user at C waits while others "
+    "are admitted. Default: no cap (one user's streams may hold every slot).",
+)
+@click.option(
+    FLAG_TRACE,
+    "trace_path",
+    metavar="FILE",
+    multiple=True,
+    help="Append the engine-side event trace (one JSON line per step) to FILE, for `outrate check-trace FILE`.",
+)
+@click.option(
+    FLAG_RATES_FILE,
+    "rates_file",
+    metavar="FILE",
+    multiple=True,
+    help='R21: a JSON file {"default_tokens_per_s": R, "user_tokens_per_s": {...}} read at start-up '
+    "if it exists and reloaded when it changes (write it atomically); limits change "
+    "without a restart, a bad file is logged and the limits in force are kept.",
+)
+@click.option(
+    FLAG_SHARED_BUDGET,
+    "shared_budget_url",
+    metavar="URL",
+    multiple=True,
+    help="R23-R26: redis://host:port/db (or rediss://, unix://, valkey://) of the store every engine "
+    "shares; each user then has one budget across all engines given the same URL.",
+)
+@click.option(
+    FLAG_SHADOW,
+    "shadow",
+    is_flag=True,
+    help="Shadow mode: count and report (log, /metrics, trace) what would be throttled, and "
+    "throttle nothing; the schedule is stock vLLM's. For rolling the limits out.",
+)
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit without starting it.")
 @click.pass_context
-def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seqs, burst_ms, max_num_seqs_per_user,
-          trace_path, rates_file, shared_budget_url, shadow, print_command) -> None:
+def serve(
+    ctx,
+    model,
+    default_rate,
+    user_rates,
+    max_num_seqs,
+    max_num_active_seqs,
+    burst_ms,
+    max_num_seqs_per_user,
+    trace_path,
+    rates_file,
+    shared_budget_url,
+    shadow,
+    print_command,
+) -> None:
     """Start vLLM's OpenAI server on MODEL with per-user output-rate limiting.
 
     Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
@@ -407,10 +514,17 @@ def serve(ctx, model, default_rate, user_rates, max_num_seqs, max_num_active_seq
     """
     _refuse_misspelt_flags(list(ctx.args))
     command = build_command(
-        model, list(ctx.args), _once(default_rate, FLAG_DEFAULT), _once(user_rates, FLAG_USERS),
-        _once(max_num_seqs, "--max-num-seqs"), _once(max_num_active_seqs, "--max-num-active-seqs"),
-        _once(trace_path, FLAG_TRACE), _once(burst_ms, FLAG_BURST), _once(max_num_seqs_per_user, FLAG_PER_USER),
-        shadow=shadow, rates_file=_once(rates_file, FLAG_RATES_FILE),
+        model,
+        list(ctx.args),
+        _once(default_rate, FLAG_DEFAULT),
+        _once(user_rates, FLAG_USERS),
+        _once(max_num_seqs, "--max-num-seqs"),
+        _once(max_num_active_seqs, "--max-num-active-seqs"),
+        _once(trace_path, FLAG_TRACE),
+        _once(burst_ms, FLAG_BURST),
+        _once(max_num_seqs_per_user, FLAG_PER_USER),
+        shadow=shadow,
+        rates_file=_once(rates_file, FLAG_RATES_FILE),
         shared_budget_url=_once(shared_budget_url, FLAG_SHARED_BUDGET),
     )
     if print_command:

@@ -53,13 +53,18 @@ def _plot(report, path: Path, burst_ns: int) -> None:
     t0 = run.first_ns or 0
     for user in sorted(run.users.values(), key=lambda u: u.user):
         xs = [(t - t0) / 1e9 for t in user.dispatch_ns]
-        line, = ax.step(xs, range(1, len(xs) + 1), where="post", label=f"{user.user} ({float(user.rate):g} tok/s)")
+        (line,) = ax.step(xs, range(1, len(xs) + 1), where="post", label=f"{user.user} ({float(user.rate):g} tok/s)")
         if xs:
             # R2 bound from the user's first dispatch: floor((t - t_first + tau) x rate) + 1.
             end = xs[-1]
             grid = [xs[0] + end * k / 200 for k in range(201) if xs[0] + end * k / 200 <= end]
-            ax.plot(grid, [math.floor((g - xs[0] + burst_ns / 1e9) * float(user.rate)) + 1 for g in grid],
-                    linestyle="--", color=line.get_color(), linewidth=0.8)
+            ax.plot(
+                grid,
+                [math.floor((g - xs[0] + burst_ns / 1e9) * float(user.rate)) + 1 for g in grid],
+                linestyle="--",
+                color=line.get_color(),
+                linewidth=0.8,
+            )
     ax.set_xlabel("engine time since first dispatch (s)")
     ax.set_ylabel("cumulative sampling dispatches")
     ax.set_title("outrate soak: tokens per user (solid) vs R2 bound from first token (dashed)")
@@ -72,14 +77,21 @@ def _plot(report, path: Path, burst_ns: int) -> None:
 @click.command("soak")
 @click.option("--minutes", type=click.FloatRange(min=0.05), default=5.0, show_default=True)
 @click.option("--users", type=click.IntRange(min=1, max=1000), default=4, show_default=True)
-@click.option("--streams", type=click.IntRange(min=1, max=64), default=2, show_default=True,
-              help="Concurrent streams per user.")
+@click.option(
+    "--streams", type=click.IntRange(min=1, max=64), default=2, show_default=True, help="Concurrent streams per user."
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--cancel-prob", type=click.FloatRange(0, 1), default=0.15, show_default=True)
 @click.option("--model", default=None, help="Model directory; default: the project's tiny model (dummy weights).")
 @click.option("--async-scheduling", "async_mode", is_flag=True, help="Use RateLimitedAsyncScheduler.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports/soak"),
-              show_default=True, help="Trace, JSON summary and PNG go here.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("reports/soak"),
+    show_default=True,
+    help="Trace, JSON summary and PNG go here.",
+)
 def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir) -> None:
     """Randomized live load with cancels and arriving users, checked online from the engine trace."""
     from rich.console import Console
@@ -99,8 +111,14 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     follower = TraceFollower(trace)
     rss_start = _rss_mb()
     started = time.monotonic()
-    load = _Load(rnd, names, streams, cancel_prob, {u: [None] * streams for u in names},
-                 {(u, k): started + arrive_s[u] + rnd.uniform(0, 1) for u in names for k in range(streams)})
+    load = _Load(
+        rnd,
+        names,
+        streams,
+        cancel_prob,
+        {u: [None] * streams for u in names},
+        {(u, k): started + arrive_s[u] + rnd.uniform(0, 1) for u in names for k in range(streams)},
+    )
     checks, rss_max = _drive(load, engine, follower, console, started, started + minutes * 60, dict(rss_start))
     wall_s = time.monotonic() - started
     rss_end = _rss_mb()
@@ -108,42 +126,79 @@ def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir)
     report = follower.finish(completions=load.completions, cancelled=load.cancelled)
     run = report.runs[-1]
     rss = {"start": rss_start, "max": rss_max, "end": rss_end}
-    _print_soak(console, report, f"outrate soak: {minutes:g} min, {users} users x {streams} streams, seed {seed}, "
-                f"{'async' if async_mode else 'sync'}", names, limits, load, wall_s, rss)
+    _print_soak(
+        console,
+        report,
+        f"outrate soak: {minutes:g} min, {users} users x {streams} streams, seed {seed}, "
+        f"{'async' if async_mode else 'sync'}",
+        names,
+        limits,
+        load,
+        wall_s,
+        rss,
+    )
     png = out_dir / "soak.png"
     _plot(report, png, int(run.header.get("burst_ns", 100_000_000)))
-    settings = {"minutes": minutes, "users": users, "streams": streams, "seed": seed, "async": async_mode,
-                "limits": limits}
-    (out_dir / "soak.json").write_text(json.dumps(_soak_document(settings, report, load, wall_s, checks, rss),
-                                                  indent=2))
+    settings = {
+        "minutes": minutes,
+        "users": users,
+        "streams": streams,
+        "seed": seed,
+        "async": async_mode,
+        "limits": limits,
+    }
+    (out_dir / "soak.json").write_text(
+        json.dumps(_soak_document(settings, report, load, wall_s, checks, rss), indent=2)
+    )
     console.print(f"wrote {png} and {out_dir / 'soak.json'}")
     if report.violations:
         raise SystemExit(1)
 
 
-def _print_soak(console: Any, report: Any, title: str, names: list[str], limits: dict[str, int], load: _Load,
-                wall_s: float, rss: dict[str, dict[str, float]]) -> None:
+def _print_soak(
+    console: Any,
+    report: Any,
+    title: str,
+    names: list[str],
+    limits: dict[str, int],
+    load: _Load,
+    wall_s: float,
+    rss: dict[str, dict[str, float]],
+) -> None:
     """The soak's table (``title``; one row per user), its trace totals, the RSS per process
     (MB at start/max/end) and the online checker's verdict."""
     run = report.runs[-1]
     console.print(_soak_table(title, run, names, limits, load))
-    console.print(f"trace: {run.steps} steps, max limiter users {run.max_limiter_users}, "
-                  f"max running {run.max_running}; wall {wall_s:.1f} s")
-    console.print("RSS MB start/max/end: " + ", ".join(
-        f"{k} {rss['start'].get(k, 0):.0f}/{rss['max'].get(k, 0):.0f}/{rss['end'].get(k, 0):.0f}"
-        for k in rss["start"]))
+    console.print(
+        f"trace: {run.steps} steps, max limiter users {run.max_limiter_users}, "
+        f"max running {run.max_running}; wall {wall_s:.1f} s"
+    )
+    console.print(
+        "RSS MB start/max/end: "
+        + ", ".join(
+            f"{k} {rss['start'].get(k, 0):.0f}/{rss['max'].get(k, 0):.0f}/{rss['end'].get(k, 0):.0f}"
+            for k in rss["start"]
+        )
+    )
     console.print(report.summary() if report.violations else "online checker: 0 violations")
 
 
-def _soak_document(settings: dict[str, Any], report: Any, load: _Load, wall_s: float, checks: Any,
-                   rss: dict[str, dict[str, float]]) -> dict[str, Any]:
+def _soak_document(
+    settings: dict[str, Any], report: Any, load: _Load, wall_s: float, checks: Any, rss: dict[str, dict[str, float]]
+) -> dict[str, Any]:
     """soak.json: the run's ``settings``, wall seconds, trace totals, streams done and
     cancelled, the checker's violations, RSS (MB) and each user's dispatches and rate."""
     run = report.runs[-1]
     return {
-        **settings, "wall_s": wall_s, "steps": run.steps, "max_limiter_users": run.max_limiter_users,
-        "streams_done": len(load.completions), "cancelled": len(load.cancelled),
-        "violations": [str(v) for v in report.violations], "checks": checks, "rss_mb": rss,
+        **settings,
+        "wall_s": wall_s,
+        "steps": run.steps,
+        "max_limiter_users": run.max_limiter_users,
+        "streams_done": len(load.completions),
+        "cancelled": len(load.cancelled),
+        "violations": [str(v) for v in report.violations],
+        "checks": checks,
+        "rss_mb": rss,
         "per_user": {u: {"dispatches": s.dispatches, "engine_rate": s.engine_rate} for u, s in run.users.items()},
     }
 
@@ -169,8 +224,9 @@ def _soak_llm(model: str | None, seats: int, async_mode: bool, limits: dict[str,
         kv_cache_memory_bytes=(128 * 2**20) if model is None else None,
         async_scheduling=async_mode,
         scheduler_cls=f"vllm_output_rate.reference.scheduler.{cls}",
-        additional_config={"output_rate": {"default_tokens_per_s": 100, "user_tokens_per_s": limits,
-                                           "trace_path": str(trace)}},
+        additional_config={
+            "output_rate": {"default_tokens_per_s": 100, "user_tokens_per_s": limits, "trace_path": str(trace)}
+        },
     )
 
 
@@ -207,8 +263,12 @@ class _Load:
                     rid = f"{u}-s{k}-r{self.counter}"
                     self.counter += 1
                     prompt = [rnd.randint(10, 500) for _ in range(rnd.randint(4, 64))]
-                    params = SamplingParams(max_tokens=rnd.randint(8, 120), ignore_eos=rnd.random() < 0.7,
-                                            detokenize=False, extra_args={"output_rate_user": u})
+                    params = SamplingParams(
+                        max_tokens=rnd.randint(8, 120),
+                        ignore_eos=rnd.random() < 0.7,
+                        detokenize=False,
+                        extra_args={"output_rate_user": u},
+                    )
                     engine.add_request(rid, {"prompt_token_ids": prompt}, params)
                     self.slots[u][k], self.tokens[rid] = rid, 0
                     if rnd.random() < self.cancel_prob:
@@ -235,8 +295,9 @@ class _Load:
                 self.next_start[(u, k)] = time.monotonic() + self.rnd.uniform(0, 2)
 
 
-def _drive(load: _Load, engine: Any, follower: Any, console: Any, started: float, deadline: float,
-           rss_max: dict[str, float]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def _drive(
+    load: _Load, engine: Any, follower: Any, console: Any, started: float, deadline: float, rss_max: dict[str, float]
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Run the load until ``deadline`` and every stream has ended, stepping the engine and
     checking the trace every ``CHECK_EVERY_S`` s; returns the checks and the peak RSS (MB)."""
     checks: list[dict[str, Any]] = []
@@ -254,11 +315,17 @@ def _drive(load: _Load, engine: Any, follower: Any, console: Any, started: float
             partial = follower.poll()
             rss = _rss_mb()
             rss_max = {k: max(v, rss_max.get(k, 0.0)) for k, v in rss.items()}
-            checks.append({"t_s": round(time.monotonic() - started, 1), "violations": len(partial.violations),
-                           "rss_mb": {k: round(v, 1) for k, v in rss.items()}})
-            console.print(f"[{checks[-1]['t_s']:>7.1f} s] check: {len(partial.violations)} violation(s); "
-                          f"{len(load.completions)} streams done; RSS "
-                          + ", ".join(f"{k} {v:.0f} MB" for k, v in rss.items()))
+            checks.append(
+                {
+                    "t_s": round(time.monotonic() - started, 1),
+                    "violations": len(partial.violations),
+                    "rss_mb": {k: round(v, 1) for k, v in rss.items()},
+                }
+            )
+            console.print(
+                f"[{checks[-1]['t_s']:>7.1f} s] check: {len(partial.violations)} violation(s); "
+                f"{len(load.completions)} streams done; RSS " + ", ".join(f"{k} {v:.0f} MB" for k, v in rss.items())
+            )
             next_check = time.monotonic() + CHECK_EVERY_S
     return checks, rss_max
 
@@ -274,7 +341,13 @@ def _soak_table(title: str, run: Any, names: list[str], limits: dict[str, int], 
         s = run.users.get(u)
         mine = [r for r in load.completions if r.startswith(u + "-")]
         rate = s.engine_rate if s else None
-        table.add_row(u, str(limits[u]), str(len(mine)), str(sum(r in load.cancelled for r in mine)),
-                      str(s.dispatches if s else 0), "-" if rate is None else f"{rate:.2f}",
-                      "-" if rate is None else f"{rate / limits[u]:.2f}")
+        table.add_row(
+            u,
+            str(limits[u]),
+            str(len(mine)),
+            str(sum(r in load.cancelled for r in mine)),
+            str(s.dispatches if s else 0),
+            "-" if rate is None else f"{rate:.2f}",
+            "-" if rate is None else f"{rate / limits[u]:.2f}",
+        )
     return table

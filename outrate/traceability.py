@@ -59,8 +59,12 @@ class Coverage:
 
 def _marker_rules(decorator: ast.expr) -> tuple[str, ...] | None:
     """The ids of a ``@pytest.mark.rules(...)`` decorator (None: another decorator)."""
-    if not (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
-            and decorator.func.attr == "rules" and ast.unparse(decorator.func.value) == "pytest.mark"):
+    if not (
+        isinstance(decorator, ast.Call)
+        and isinstance(decorator.func, ast.Attribute)
+        and decorator.func.attr == "rules"
+        and ast.unparse(decorator.func.value) == "pytest.mark"
+    ):
         return None
     return tuple(a.value for a in decorator.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
 
@@ -151,10 +155,11 @@ def render(cover: dict[str, Coverage]) -> str:
     out += [_row(rule, cover[rule.rule_id]) for rule in RULES]
     out += ["", "Reference code and tests by rule (tests declare their rules with `@pytest.mark.rules`):", ""]
     for rule in RULES:
-        out.append(f"- <a id=\"trace-{rule.rule_id.lower()}\"></a>{rule.rule_id}, {rule.title}")
+        out.append(f'- <a id="trace-{rule.rule_id.lower()}"></a>{rule.rule_id}, {rule.title}')
         out += [f"  - reference: {_code_link(n, 'vllm_output_rate.reference', 'reference')}" for n in rule.reference]
-        out += [f"  - test: [`{Path(t.path).stem}::{t.name}`](../{t.path}#L{t.line})"
-                for t in cover[rule.rule_id].tests]
+        out += [
+            f"  - test: [`{Path(t.path).stem}::{t.name}`](../{t.path}#L{t.line})" for t in cover[rule.rule_id].tests
+        ]
     return "\n".join(out)
 
 
@@ -181,7 +186,8 @@ def problems(text: str, cover: dict[str, Coverage]) -> list[str]:
         if not cov.checks:
             found.append(f"{rule.rule_id}: no gate check declares it (CheckSpec.rules)")
         for dotted, package in [(n, "vllm_output_rate.spec") for n in rule.spec] + [
-                (n, "vllm_output_rate.reference") for n in rule.reference]:
+            (n, "vllm_output_rate.reference") for n in rule.reference
+        ]:
             try:
                 resolve(dotted, package)
             except LookupError as exc:
@@ -199,9 +205,13 @@ def problems(text: str, cover: dict[str, Coverage]) -> list[str]:
         return found + [str(exc)]
     expected = render(cover)
     if _without_lines(block) != _without_lines(expected):
-        diff = difflib.unified_diff(block.splitlines(), expected.splitlines(), "docs/SPEC.md", "generated", lineterm="", n=0)
-        found.append("docs/SPEC.md's traceability block differs from the declarations (run `make traceability`):\n"
-                     + "\n".join(list(diff)[:40]))
+        diff = difflib.unified_diff(
+            block.splitlines(), expected.splitlines(), "docs/SPEC.md", "generated", lineterm="", n=0
+        )
+        found.append(
+            "docs/SPEC.md's traceability block differs from the declarations (run `make traceability`):\n"
+            + "\n".join(list(diff)[:40])
+        )
     return found
 
 
@@ -225,7 +235,7 @@ def snippet_problems(text: str, root: Path = ROOT) -> list[str]:
     functions = _spec_functions(root)
     found = []
     for match in re.finditer(r"```python\n(.*?)```", text, re.S):
-        line_no = text[:match.start()].count("\n") + 1
+        line_no = text[: match.start()].count("\n") + 1
         for chunk in re.split(r"\n(?=def |class )", match.group(1)):  # one definition each
             found += _snippet_problem(chunk, functions, line_no)
     return found
@@ -244,8 +254,9 @@ def _snippet_problem(chunk: str, functions: dict[str, list[str]], line_no: int) 
             try:
                 position = source.index(line, position) + 1
             except ValueError:
-                found.append(f"docs/SPEC.md:{line_no}: snippet of {name}: {line!r} is not in spec/'s {name} "
-                             "(in this order)")
+                found.append(
+                    f"docs/SPEC.md:{line_no}: snippet of {name}: {line!r} is not in spec/'s {name} (in this order)"
+                )
                 break
     return found
 

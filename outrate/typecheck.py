@@ -83,7 +83,7 @@ def to_repository(line: str, root: Path = ROOT, tree: Path = TREE) -> str:
     prefix = str(tree / PACKAGE) + os.sep
     for candidate in (prefix, os.path.relpath(tree / PACKAGE, root) + os.sep):
         if line.startswith(candidate):
-            rest = line[len(candidate):]
+            rest = line[len(candidate) :]
             first = rest.split(os.sep, 1)[0]
             folder = next((f for f, place in FOLDERS.items() if place and place == first), None)
             return rest if folder else "outrate" + os.sep + rest
@@ -97,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     targets = [to_tree(p) for p in paths] if paths else [str(TREE / PACKAGE)]
     # A path inside another one given (``outrate`` is the whole package) is checked with it.
     targets = [t for t in targets if not any(t != o and t.startswith(o + os.sep) for o in targets)]
-    run = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *targets],
-                         cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *targets],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     for line in (run.stdout + run.stderr).splitlines():
         print(to_repository(line))
     return run.returncode

@@ -151,8 +151,9 @@ def spec_state(tats: dict[str, Fraction]) -> spec.LimiterState:
     return spec.LimiterState(MappingProxyType(dict(tats)))
 
 
-def ref_limiter(default: Fraction, overrides: dict[str, Fraction] | None = None,
-                scaled_tats: dict[str, int] | None = None) -> OutputRateLimiter:
+def ref_limiter(
+    default: Fraction, overrides: dict[str, Fraction] | None = None, scaled_tats: dict[str, int] | None = None
+) -> OutputRateLimiter:
     """An ``OutputRateLimiter`` whose scaled TATs are ``scaled_tats`` (white-box: ``_tat``
     is the limiter's one piece of per-user state, R1/R3)."""
     lim = OutputRateLimiter(default, overrides or {})
@@ -298,9 +299,13 @@ def spec_ready_at_least(k: int, s: int) -> Ready:
     state = spec_state({"u": Fraction(s, r.numerator)})
     ready = spec.ready_at_ns(state, "u")
     assert ready is not None  # the user has a TAT
-    return Ready(ready, spec.allows(state, "u", ready), spec.allows(state, "u", ready - 1),
-                 spec.try_take(state, "u", r, max(ready, 0))[1],
-                 ready - 1 >= 0 and spec.try_take(state, "u", r, ready - 1)[1])
+    return Ready(
+        ready,
+        spec.allows(state, "u", ready),
+        spec.allows(state, "u", ready - 1),
+        spec.try_take(state, "u", r, max(ready, 0))[1],
+        ready - 1 >= 0 and spec.try_take(state, "u", r, ready - 1)[1],
+    )
 
 
 def _ref_ready(k: int, s: int, ready_of: Callable[[OutputRateLimiter], int | None]) -> Ready:
@@ -308,9 +313,13 @@ def _ref_ready(k: int, s: int, ready_of: Callable[[OutputRateLimiter], int | Non
     lim = ref_limiter(r, scaled_tats={"u": s})
     ready = ready_of(lim)
     assert ready is not None
-    return Ready(ready, lim.allows("u", ready), lim.allows("u", ready - 1),
-                 ref_limiter(r, scaled_tats={"u": s}).try_take("u", max(ready, 0)),
-                 ready - 1 >= 0 and ref_limiter(r, scaled_tats={"u": s}).try_take("u", ready - 1))
+    return Ready(
+        ready,
+        lim.allows("u", ready),
+        lim.allows("u", ready - 1),
+        ref_limiter(r, scaled_tats={"u": s}).try_take("u", max(ready, 0)),
+        ready - 1 >= 0 and ref_limiter(r, scaled_tats={"u": s}).try_take("u", ready - 1),
+    )
 
 
 def ref_ready_at_least(k: int, s: int) -> Ready:
@@ -338,8 +347,9 @@ def r6_cleanup_holds(k: int, su: int, sv: int, now: int, c: Cleaned) -> bool:
     """R6: of the users "u" (TAT ``su/p`` at rate ``RATES[k] = p/q``) and "v" (TAT
     ``sv/p_v`` at ``V_RATE``), the cleanup keeps exactly those with TAT > now, with their
     TATs, and deletes the others. (``S/p > now`` iff ``S > now * p``, as ``p > 0``.)"""
-    expected = frozenset(user for user, s, p in (("u", su, rate(k).numerator), ("v", sv, V_RATE.numerator))
-                         if s > now * p)
+    expected = frozenset(
+        user for user, s, p in (("u", su, rate(k).numerator), ("v", sv, V_RATE.numerator)) if s > now * p
+    )
     return c.kept == expected and c.tats_kept and c.deleted == 2 - len(expected)
 
 
@@ -353,8 +363,9 @@ def spec_cleanup_exact(k: int, su: int, sv: int, now: int) -> Cleaned:
     """
     tats = {"u": Fraction(su, rate(k).numerator), "v": Fraction(sv, V_RATE.numerator)}
     clean = spec.cleanup_idle_users(spec_state(tats), now)
-    return Cleaned(frozenset(clean.tat_ns), all(clean.tat_ns[u] == tats[u] for u in clean.tat_ns),
-                   len(tats) - len(clean.tat_ns))
+    return Cleaned(
+        frozenset(clean.tat_ns), all(clean.tat_ns[u] == tats[u] for u in clean.tat_ns), len(tats) - len(clean.tat_ns)
+    )
 
 
 def ref_cleanup_exact(k: int, su: int, sv: int, now: int) -> Cleaned:
@@ -513,8 +524,7 @@ PROPERTIES: tuple[CrossHairProperty, ...] = (
     CrossHairProperty("ch_ref_cleanup_exact", ("R3", "R6"), ref_cleanup_exact, 0.6),
     CrossHairProperty("ch_spec_idle_equals_unknown", ("R2", "R6"), spec_idle_equals_unknown, 1.9),
     CrossHairProperty("ch_ref_idle_equals_unknown", ("R2", "R3", "R6"), ref_idle_equals_unknown, 0.2),
-    CrossHairProperty("ch_spec_vs_reference_step", ("R1", "R2", "R3", "R4", "R5", "R6"),
-                      spec_vs_reference_step, 14.0),
+    CrossHairProperty("ch_spec_vs_reference_step", ("R1", "R2", "R3", "R4", "R5", "R6"), spec_vs_reference_step, 14.0),
 )
 
 BROKEN: tuple[CrossHairProperty, ...] = (
@@ -605,8 +615,9 @@ def check_property(prop: CrossHairProperty, per_condition_timeout: float = DEFAU
         result = "proved"
     else:
         result = "unknown"
-    return proof_record(prop.name, prop.rules, "crosshair", result, round(time.perf_counter() - start, 3),
-                        conditions=conditions)
+    return proof_record(
+        prop.name, prop.rules, "crosshair", result, round(time.perf_counter() - start, 3), conditions=conditions
+    )
 
 
 def _share_out(props: list[CrossHairProperty], jobs: int) -> list[list[CrossHairProperty]]:
@@ -653,14 +664,23 @@ def run_all(
         if child.returncode not in (0, -9) and err:
             errors.append(err.strip().splitlines()[-1])
     elapsed = time.monotonic() - start
-    why = (f"not finished within the {wall_timeout:g} s wall-clock cap" if timed_out
-           else "checker process failed: " + ("; ".join(errors) or "no record"))
+    why = (
+        f"not finished within the {wall_timeout:g} s wall-clock cap"
+        if timed_out
+        else "checker process failed: " + ("; ".join(errors) or "no record")
+    )
     out = []
     for prop in props:
         record = records.get(prop.name)
         if record is None:
-            record = proof_record(prop.name, prop.rules, "crosshair", "unknown", round(elapsed, 3),
-                                  conditions=[{"line": 0, "status": "unknown", "message": why}])
+            record = proof_record(
+                prop.name,
+                prop.rules,
+                "crosshair",
+                "unknown",
+                round(elapsed, 3),
+                conditions=[{"line": 0, "status": "unknown", "message": why}],
+            )
             if on_record is not None:
                 on_record(record)
         out.append(record)
@@ -670,16 +690,25 @@ def run_all(
 def _start_child(share: list, per_condition_timeout: float, lines: queue.Queue) -> subprocess.Popen:
     """One checker process for the properties ``share``; a thread pumps its stdout lines
     into ``lines`` (then None when the stream closes)."""
-    cmd = [sys.executable, "-m", "vllm_output_rate.proofs.crosshair_limiter",
-           "--per-condition-timeout", str(per_condition_timeout), "--only", *[p.name for p in share]]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_output_rate.proofs.crosshair_limiter",
+        "--per-condition-timeout",
+        str(per_condition_timeout),
+        "--only",
+        *[p.name for p in share],
+    ]
+    child = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()
     return child
 
 
-def _collect_records(lines: queue.Queue, open_streams: int, deadline: float | None,
-                     on_record: Callable[[dict], None] | None) -> tuple[dict[str, dict], bool]:
+def _collect_records(
+    lines: queue.Queue, open_streams: int, deadline: float | None, on_record: Callable[[dict], None] | None
+) -> tuple[dict[str, dict], bool]:
     """Read the JSON records of ``open_streams`` checker processes from ``lines`` until every
     stream closed or ``deadline`` (``time.monotonic()`` seconds; None: no limit) passed:
     ``(records by property name, True if the deadline cut it short)``."""
@@ -712,14 +741,18 @@ def _pump(stream, lines: queue.Queue) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-condition-timeout", type=float, default=DEFAULT_PER_CONDITION_TIMEOUT_S,
-                        help="CPU seconds per condition (CrossHair's --per_condition_timeout)")
-    parser.add_argument("--only", nargs="+", choices=sorted(BY_NAME), default=None,
-                        help="check these properties (broken ones included)")
+    parser.add_argument(
+        "--per-condition-timeout",
+        type=float,
+        default=DEFAULT_PER_CONDITION_TIMEOUT_S,
+        help="CPU seconds per condition (CrossHair's --per_condition_timeout)",
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(BY_NAME), default=None, help="check these properties (broken ones included)"
+    )
     parser.add_argument("--broken", action="store_true", help="also check the deliberately broken limiters")
     args = parser.parse_args(argv)
-    props = [BY_NAME[n] for n in args.only] if args.only else list(PROPERTIES) + (
-        list(BROKEN) if args.broken else [])
+    props = [BY_NAME[n] for n in args.only] if args.only else list(PROPERTIES) + (list(BROKEN) if args.broken else [])
     for prop in props:
         print(json.dumps(check_property(prop, args.per_condition_timeout)), flush=True)
     return 0

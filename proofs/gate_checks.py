@@ -99,10 +99,23 @@ def _quick_scopes() -> int:
 def spec_health_checks() -> list[CheckSpec]:
     """The spec-health rows of proofs/, in the gate's running order (last)."""
     return [
-        CheckSpec("proofs/z3", "spec health", "must", Z3_RULES, None, lambda o: 6,
-                  lambda o, tick: check_proofs(tick)),
-        CheckSpec("model-check/quick", "spec health", "must", MODEL_RULES, None,
-                  lambda o: _quick_scopes(), lambda o, tick: check_model(tick)),
-        CheckSpec("proofs/shared-budget", "spec health", "must", SHARED_RULES, None, lambda o: 9,
-                  lambda o, tick: check_shared_budget(tick)),
+        CheckSpec("proofs/z3", "spec health", "must", Z3_RULES, None, lambda o: 6, lambda o, tick: check_proofs(tick)),
+        CheckSpec(
+            "model-check/quick",
+            "spec health",
+            "must",
+            MODEL_RULES,
+            None,
+            lambda o: _quick_scopes(),
+            lambda o, tick: check_model(tick),
+        ),
+        CheckSpec(
+            "proofs/shared-budget",
+            "spec health",
+            "must",
+            SHARED_RULES,
+            None,
+            lambda o: 9,
+            lambda o, tick: check_shared_budget(tick),
+        ),
     ]

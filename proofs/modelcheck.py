@@ -214,9 +214,13 @@ def run_scope(name: str, save_dir: str | None = None, progress_queue=None) -> di
     return result.as_json()
 
 
-def run_profile(profile: str, jobs: int = 2, save_dir: str | None = None,
-                on_progress: Callable[[str, int, int], None] | None = None,
-                on_done: Callable[[dict], None] | None = None) -> list[dict]:
+def run_profile(
+    profile: str,
+    jobs: int = 2,
+    save_dir: str | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+    on_done: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Explore every scope of ``profile`` on ``jobs`` processes; results in manifest order."""
     import multiprocessing
     import queue as queue_mod
@@ -226,8 +230,9 @@ def run_profile(profile: str, jobs: int = 2, save_dir: str | None = None,
     results: dict[str, dict] = {}
     if jobs <= 1:
         for name in names:
-            results[name] = run_scope(name, save_dir, None) if on_progress is None else _run_inline(
-                name, save_dir, on_progress)
+            results[name] = (
+                run_scope(name, save_dir, None) if on_progress is None else _run_inline(name, save_dir, on_progress)
+            )
             if on_done is not None:
                 on_done(results[name])
         return [results[n] for n in names]
@@ -291,10 +296,15 @@ def _print_results(results: list[dict]) -> int:
             bad += 1
             continue
         pin = r["pinned"]
-        pin_note = "" if pin is None or (pin["states"], pin["transitions"]) == (r["states"], r["transitions"]) \
+        pin_note = (
+            ""
+            if pin is None or (pin["states"], pin["transitions"]) == (r["states"], r["transitions"])
             else f"  (pinned {pin['states']}/{pin['transitions']}: update the manifest deliberately)"
-        print(f"{r['name']:<28} states {r['states']:>9} transitions {r['transitions']:>10} "
-              f"{r['states_per_s']:>8.0f} st/s depth {r['max_depth']:>3} violations {r['violations']}{pin_note}")
+        )
+        print(
+            f"{r['name']:<28} states {r['states']:>9} transitions {r['transitions']:>10} "
+            f"{r['states_per_s']:>8.0f} st/s depth {r['max_depth']:>3} violations {r['violations']}{pin_note}"
+        )
         for v in r["details"]:
             print(f"    {v['check']}: {v['message']}")
             for line in v["events"]:
@@ -314,28 +324,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mutations", action="store_true", help="run the spec mutations, write docs/SPEC_MUTATIONS.md")
     parser.add_argument("--mutation", action="append", default=None, help="only these mutations (no doc written)")
     parser.add_argument("--save", default=None, help="directory for counterexample scenarios")
-    parser.add_argument("--replay-sample", type=int, default=0, metavar="N",
-                        help="replay N explored paths per scope of the profile on real vLLM (fidelity check)")
+    parser.add_argument(
+        "--replay-sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="replay N explored paths per scope of the profile on real vLLM (fidelity check)",
+    )
     args = parser.parse_args(argv)
     if args.replay_sample:
         names = args.scope or [s.name for s in profile_scopes(args.profile)]
         failed = 0
         for name, count, events, failure in replay_sample_on_vllm(names, args.replay_sample):
-            print(f"{name:<28} {count} scenarios, {events} events: {'PASS' if failure is None else 'FAIL'}",
-                  flush=True)
+            print(f"{name:<28} {count} scenarios, {events} events: {'PASS' if failure is None else 'FAIL'}", flush=True)
             if failure:
                 failed += 1
                 print(failure)
         return 1 if failed else 0
     if args.mutations or args.mutation:
         started = time.perf_counter()
-        rows = run_mutations(jobs=args.jobs, names=args.mutation,
-                             on_row=lambda r: print(f"{r.mutation:<30} {r.rule:<6} {_fmt_caught(r.caught_by)} "
-                                                    f"[{r.seconds:.0f} s]", flush=True))
+        rows = run_mutations(
+            jobs=args.jobs,
+            names=args.mutation,
+            on_row=lambda r: print(
+                f"{r.mutation:<30} {r.rule:<6} {_fmt_caught(r.caught_by)} [{r.seconds:.0f} s]", flush=True
+            ),
+        )
         assert not rows[0].caught_by, f"the spec as written fails: {rows[0].caught_by}"
         if args.mutation is None:
-            MUTATIONS_DOC.write_text(mutations_markdown(rows, profile_scopes(MUTATION_PROFILE),
-                                                        time.perf_counter() - started))
+            MUTATIONS_DOC.write_text(
+                mutations_markdown(rows, profile_scopes(MUTATION_PROFILE), time.perf_counter() - started)
+            )
             print(f"wrote {MUTATIONS_DOC}")
         return 0
     if args.pin:
@@ -346,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.scope:
         results = []
         for name in args.scope:
-            results.append(explore(scope_by_name(name), save_dir=None if args.save is None else Path(args.save)
-                                   ).as_json())
+            results.append(
+                explore(scope_by_name(name), save_dir=None if args.save is None else Path(args.save)).as_json()
+            )
     else:
         results = run_profile(args.profile, jobs=args.jobs, save_dir=args.save)
     return 1 if _print_results(results) else 0

@@ -20,8 +20,9 @@ from vllm_output_rate.spec.state import EngineConfig, initial_state
 LIVENESS_TAIL_ROUNDS = 8  # a liveness counterexample ends with this many rounds of steps and clock advances
 
 
-def _concretize(violation: Violation, scope: Scope, cs: Compiled, keys: list[bytes], parent: array,
-                save_dir: Path | None) -> None:
+def _concretize(
+    violation: Violation, scope: Scope, cs: Compiled, keys: list[bytes], parent: array, save_dir: Path | None
+) -> None:
     """Rebuild the violation as concrete events from the real initial state (the path's
     canonical states guide the choice at each step), confirm it with the official
     invariants and save it as a replayable ``StepScenario``."""
@@ -55,8 +56,9 @@ def _concretize(violation: Violation, scope: Scope, cs: Compiled, keys: list[byt
         violation.scenario_path = str(target)
 
 
-def concrete_path(scope: Scope, cs: Compiled, keys: list[bytes], parent: array,
-                  state_id: int) -> tuple[World, list[Event]]:
+def concrete_path(
+    scope: Scope, cs: Compiled, keys: list[bytes], parent: array, state_id: int
+) -> tuple[World, list[Event]]:
     """The shortest path to ``state_id`` as concrete events from the real initial state,
     and the concrete world it reaches (whose canonical form is ``state_id``'s)."""
     path = []
@@ -75,8 +77,9 @@ def concrete_path(scope: Scope, cs: Compiled, keys: list[bytes], parent: array,
                 world = outcome.world
                 break
         else:
-            raise ConcretizationError(f"{scope.name}: cannot concretize the path to state {state_id} at depth "
-                                      f"{depth_index}")
+            raise ConcretizationError(
+                f"{scope.name}: cannot concretize the path to state {state_id} at depth {depth_index}"
+            )
     return world, events
 
 

@@ -31,9 +31,24 @@ from vllm_output_rate.spec.events import Event, Step
 from vllm_output_rate.spec.state import Observation, SchedulerState
 
 PROGRESS_EVERY = 2000  # states between two progress reports
-COVERAGE_KEYS = ("scheduled", "sampled", "charged", "refunded", "throttled", "refused_prefill", "wait_hint",
-                 "preempted", "preempted_throttled", "admitted", "stop", "length", "stale_output", "rotation",
-                 "not_binding", "held")
+COVERAGE_KEYS = (
+    "scheduled",
+    "sampled",
+    "charged",
+    "refunded",
+    "throttled",
+    "refused_prefill",
+    "wait_hint",
+    "preempted",
+    "preempted_throttled",
+    "admitted",
+    "stop",
+    "length",
+    "stale_output",
+    "rotation",
+    "not_binding",
+    "held",
+)
 
 
 def _cover(coverage: dict[str, int], obs: Observation, before: SchedulerState) -> None:
@@ -51,18 +66,23 @@ def _cover(coverage: dict[str, int], obs: Observation, before: SchedulerState) -
     if obs.rate_limited:
         throttled_users = {r.user for r in before.requests if r.request_id in obs.throttled}
         coverage["preempted_throttled"] += any(
-            r.request_id in obs.preempted and r.request_id in before.running
+            r.request_id in obs.preempted
+            and r.request_id in before.running
             and not spec_limiter.allows(before.limiter, r.user, before.now_ns, before.config.burst_ns)
-            for r in before.requests)
+            for r in before.requests
+        )
         coverage["refused_prefill"] += any(
-            rid not in obs.sampled and r.user in throttled_users | {u for u, _ in obs.tat_ns}
+            rid not in obs.sampled
+            and r.user in throttled_users | {u for u, _ in obs.tat_ns}
             and not spec_limiter.allows(before.limiter, r.user, before.now_ns, before.config.burst_ns)
-            for rid, _ in obs.scheduled for r in before.requests if r.request_id == rid)
+            for rid, _ in obs.scheduled
+            for r in before.requests
+            if r.request_id == rid
+        )
         coverage["rotation"] += spec_rate.turn_order(before) != before.running
         coverage["not_binding"] += not obs.limit_bound  # R19: compared with the base step (I18)
         coverage["held"] += bool(spec_rate.start_turns(before)[2])  # R14: some user granted, not for all
-    coverage["stale_output"] += any(r.request_id in obs.preempted and r.num_in_flight_tokens
-                                    for r in before.requests)
+    coverage["stale_output"] += any(r.request_id in obs.preempted and r.num_in_flight_tokens for r in before.requests)
 
 
 def _invariants_per_transition(event: Event, cs: Compiled) -> int:
@@ -74,10 +94,18 @@ def _invariants_per_transition(event: Event, cs: Compiled) -> int:
     return 6 + 12 + 3  # + I1-I5, I7, I13-I18; + R6, F1, assert
 
 
-def explore(scope: Scope, *, max_states: int | None = None, stop_at_first: bool = False,
-            on_progress: Callable[[int, int], None] | None = None, concretize_violations: bool = True,
-            save_dir: Path | None = None, raise_on_bound: bool = True, strict: bool = True,
-            keep_graph: bool = False) -> ScopeResult:
+def explore(
+    scope: Scope,
+    *,
+    max_states: int | None = None,
+    stop_at_first: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+    concretize_violations: bool = True,
+    save_dir: Path | None = None,
+    raise_on_bound: bool = True,
+    strict: bool = True,
+    keep_graph: bool = False,
+) -> ScopeResult:
     """Breadth-first search of ``scope``; see the module docstring for what is checked.
 
     ``stop_at_first``: stop at the first safety violation (liveness is then skipped).
@@ -92,15 +120,25 @@ def explore(scope: Scope, *, max_states: int | None = None, stop_at_first: bool 
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _explore(scope, max_states, stop_at_first, on_progress, concretize_violations, save_dir,
-                        raise_on_bound, strict, keep_graph)
+        return _explore(
+            scope,
+            max_states,
+            stop_at_first,
+            on_progress,
+            concretize_violations,
+            save_dir,
+            raise_on_bound,
+            strict,
+            keep_graph,
+        )
     finally:
         if collecting:
             gc.enable()
 
 
-def _explore(scope, max_states, stop_at_first, on_progress, concretize_violations, save_dir, raise_on_bound,
-             strict, keep_graph) -> ScopeResult:
+def _explore(
+    scope, max_states, stop_at_first, on_progress, concretize_violations, save_dir, raise_on_bound, strict, keep_graph
+) -> ScopeResult:
     cs = Compiled(scope)
     limit = max_states if max_states is not None else scope.max_states
     started = time.perf_counter()
@@ -112,8 +150,10 @@ def _explore(scope, max_states, stop_at_first, on_progress, concretize_violation
     result.invariant_checks = g.checks
     result.max_depth = max(g.depth) if len(g.depth) else 0
     if result.bound_exceeded and raise_on_bound:
-        raise ScopeBoundExceeded(f"scope {scope.name}: more than {limit} distinct states (raise max_states "
-                                 f"deliberately if the scope is meant to be this large)")
+        raise ScopeBoundExceeded(
+            f"scope {scope.name}: more than {limit} distinct states (raise max_states "
+            f"deliberately if the scope is meant to be this large)"
+        )
     if not result.bound_exceeded and not (stop_at_first and result.violations):
         _check_liveness(result, g.keys, g.no_work, g.crashed, g.productive, g.edge_src, g.edge_dst, g.depth)
     result.seconds = time.perf_counter() - started
@@ -149,8 +189,9 @@ class _Graph(NamedTuple):
     coverage: dict[str, int]
 
 
-def _breadth_first(cs: Compiled, result: ScopeResult, limit: int, stop_at_first: bool,
-                   on_progress: Callable[[int, int], None] | None) -> _Graph:
+def _breadth_first(
+    cs: Compiled, result: ScopeResult, limit: int, stop_at_first: bool, on_progress: Callable[[int, int], None] | None
+) -> _Graph:
     """Explore every canonical world reachable in ``cs`` breadth first (at most ``limit``
     states), checking each transition: first violations per check go to ``result``, and
     ``result.bound_exceeded`` is set if the bound cut the search."""
@@ -211,5 +252,4 @@ def _breadth_first(cs: Compiled, result: ScopeResult, limit: int, stop_at_first:
                 edge_dst.append(tid)
                 if isinstance(event, Step) and outcome.obs is not None and outcome.obs.scheduled:
                     productive[sid] = 1
-    return _Graph(keys, parent, depth, no_work, crashed, productive, edge_src, edge_dst, transitions, checks,
-                  coverage)
+    return _Graph(keys, parent, depth, no_work, crashed, productive, edge_src, edge_dst, transitions, checks, coverage)

@@ -44,10 +44,17 @@ def _check_liveness(result: ScopeResult, keys, no_work, crashed, productive, edg
     stuck = next((i for i in range(n) if not can_progress[i]), None)  # ids grow with depth: the shallowest
     if stuck is not None:
         result.violations["liveness-b"] = Violation(
-            "liveness-b", "liveness (b): work is left and no sequence of steps and clock advances ever schedules "
-                          "a token again (engine healthy but stuck)", depth[stuck], stuck)
+            "liveness-b",
+            "liveness (b): work is left and no sequence of steps and clock advances ever schedules "
+            "a token again (engine healthy but stuck)",
+            depth[stuck],
+            stuck,
+        )
     unfinished = next((i for i in range(n) if not can_finish[i]), None)
     if unfinished is not None:
         result.violations["liveness-a"] = Violation(
-            "liveness-a", "liveness (a): from this state no sequence of steps and clock advances finishes every "
-                          "live request", depth[unfinished], unfinished)
+            "liveness-a",
+            "liveness (a): from this state no sequence of steps and clock advances finishes every live request",
+            depth[unfinished],
+            unfinished,
+        )

@@ -73,8 +73,10 @@ def _m_refund_dispatched(config):
 
 
 def _m_charge_prompt_chunks(config):
-    return [(spec_rate, "samples", lambda request, n: True),
-            (spec, "sampling_dispatches", lambda cycle: frozenset(rid for rid, _ in cycle.scheduled))]
+    return [
+        (spec_rate, "samples", lambda request, n: True),
+        (spec, "sampling_dispatches", lambda cycle: frozenset(rid for rid, _ in cycle.scheduled)),
+    ]
 
 
 def _m_charge_first_chunk(config):
@@ -100,8 +102,11 @@ def _m_head_of_line(config):
     visit = spec.visit_waiting
 
     def visit_waiting(cycle, request_id):
-        if (cycle.state.config.rate_limited and cycle.token_budget > 0
-                and len(cycle.state.running) < spec.admission_cap(cycle)):
+        if (
+            cycle.state.config.rate_limited
+            and cycle.token_budget > 0
+            and len(cycle.state.running) < spec.admission_cap(cycle)
+        ):
             request = next(r for r in cycle.state.requests if r.request_id == request_id)
             gated, proceed = spec_rate.waiting_gate(cycle, request)
             if not proceed:
@@ -172,8 +177,10 @@ def _m_rotate_running(config):
 
 def _m_burst_one_second(config):
     allows, try_take = spec_limiter.allows, spec_limiter.try_take
-    return [(spec_limiter, "allows", lambda state, user, now, burst=0: allows(state, user, now, 10**9)),
-            (spec_limiter, "try_take", lambda state, user, rate, now, burst=0: try_take(state, user, rate, now, 10**9))]
+    return [
+        (spec_limiter, "allows", lambda state, user, now, burst=0: allows(state, user, now, 10**9)),
+        (spec_limiter, "try_take", lambda state, user, rate, now, burst=0: try_take(state, user, rate, now, 10**9)),
+    ]
 
 
 def _m_ready_at_floor(config):
@@ -186,8 +193,7 @@ def _m_ready_at_floor(config):
 
 def _m_cleanup_active_users(config):
     cleanup = spec_limiter.cleanup_idle_users
-    return [(spec_limiter, "cleanup_idle_users",
-             lambda state, now: cleanup(state, now + config.burst_ns))]
+    return [(spec_limiter, "cleanup_idle_users", lambda state, now: cleanup(state, now + config.burst_ns))]
 
 
 def _m_budget_per_request(config):
@@ -195,14 +201,16 @@ def _m_budget_per_request(config):
         if request.request_id in cycle.refused_users:
             return cycle, False
         c = cycle.state.config
-        limiter, granted = spec_limiter.try_take(cycle.state.limiter, request.request_id, c.rate_of(request.user),
-                                                 cycle.now_ns, c.burst_ns)
+        limiter, granted = spec_limiter.try_take(
+            cycle.state.limiter, request.request_id, c.rate_of(request.user), cycle.now_ns, c.burst_ns
+        )
         if not granted:
             return replace(cycle, refused_users=cycle.refused_users | {request.request_id}), False
         # Refunds (R9) and the wait hint still go by user: move the charge there.
         user_limiter, _ = spec_limiter.try_take(limiter, request.user, c.rate_of(request.user), cycle.now_ns, 10**18)
-        return replace(cycle, state=replace(cycle.state, limiter=user_limiter),
-                       charged=cycle.charged + (request.request_id,)), True
+        return replace(
+            cycle, state=replace(cycle.state, limiter=user_limiter), charged=cycle.charged + (request.request_id,)
+        ), True
 
     return [(spec_rate, "try_charge", try_charge)]
 
@@ -233,36 +241,66 @@ def _m_wait_hint_latest(config):
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("NoRefund", "R9", "undispatched charges are never refunded (the refund is reported but not applied)",
-             _m_no_refund),
+    Mutation(
+        "NoRefund",
+        "R9",
+        "undispatched charges are never refunded (the refund is reported but not applied)",
+        _m_no_refund,
+    ),
     Mutation("DoubleRefund", "R9", "an undispatched charge is refunded twice", _m_double_refund),
     Mutation("RefundDispatched", "R9", "dispatched charges are refunded too", _m_refund_dispatched),
-    Mutation("ChargePromptChunks", "R7", "every scheduled chunk is charged, intermediate prefill chunks included",
-             _m_charge_prompt_chunks),
-    Mutation("ChargeFirstChunkInstead", "R7", "a prefill is charged at its first chunk, not at the sampling one",
-             _m_charge_first_chunk),
-    Mutation("HeadOfLineBlocking", "R10", "a refused waiting request stops admission (vLLM 0.32's loop)",
-             _m_head_of_line),
-    Mutation("NoPrefillAdvance", "R10", "a refused prefill waits instead of advancing to n-1",
-             _m_no_prefill_advance),
-    Mutation("DropThrottled", "R11", "throttled running requests are preempted (KV freed) instead of kept",
-             _m_drop_throttled),
-    Mutation("ThrottledCountTowardCap", "R12", "admission counts throttled requests toward the active cap",
-             _m_throttled_count_toward_cap),
+    Mutation(
+        "ChargePromptChunks",
+        "R7",
+        "every scheduled chunk is charged, intermediate prefill chunks included",
+        _m_charge_prompt_chunks,
+    ),
+    Mutation(
+        "ChargeFirstChunkInstead",
+        "R7",
+        "a prefill is charged at its first chunk, not at the sampling one",
+        _m_charge_first_chunk,
+    ),
+    Mutation(
+        "HeadOfLineBlocking", "R10", "a refused waiting request stops admission (vLLM 0.32's loop)", _m_head_of_line
+    ),
+    Mutation("NoPrefillAdvance", "R10", "a refused prefill waits instead of advancing to n-1", _m_no_prefill_advance),
+    Mutation(
+        "DropThrottled", "R11", "throttled running requests are preempted (KV freed) instead of kept", _m_drop_throttled
+    ),
+    Mutation(
+        "ThrottledCountTowardCap",
+        "R12",
+        "admission counts throttled requests toward the active cap",
+        _m_throttled_count_toward_cap,
+    ),
     Mutation("NoActiveCapInRunningLoop", "R12", "the running loop ignores the active cap A", _m_no_active_cap),
-    Mutation("ThrottledNotPreferredVictims", "R13", "victim choice ignores throttling (vLLM's own choice)",
-             _m_victims_ignore_throttled),
+    Mutation(
+        "ThrottledNotPreferredVictims",
+        "R13",
+        "victim choice ignores throttling (vLLM's own choice)",
+        _m_victims_ignore_throttled,
+    ),
     Mutation("NoRotation", "R14", "same-user streams are served in list order", _m_no_rotation),
-    Mutation("RotateRunning", "R19", "rotation reorders `running` (the article's swap): budget is spent in the "
-                                     "rotated order", _m_rotate_running),
+    Mutation(
+        "RotateRunning",
+        "R19",
+        "rotation reorders `running` (the article's swap): budget is spent in the rotated order",
+        _m_rotate_running,
+    ),
     Mutation("BurstOneSecond", "R1/R2", "burst tolerance tau of 1 s instead of 100 ms", _m_burst_one_second),
     Mutation("ReadyAtRoundedDown", "R5", "ready_at = floor(TAT - tau) instead of ceil", _m_ready_at_floor),
-    Mutation("CleanupActiveUsers", "R6", "cleanup also forgets users whose TAT is up to tau ahead",
-             _m_cleanup_active_users),
+    Mutation(
+        "CleanupActiveUsers", "R6", "cleanup also forgets users whose TAT is up to tau ahead", _m_cleanup_active_users
+    ),
     Mutation("BudgetPerRequest", "R1/P2", "the budget is kept per request, not per user", _m_budget_per_request),
     Mutation("OverridesIgnored", "R1", "per-user rate overrides are ignored when charging", _m_overrides_ignored),
-    Mutation("WaitHintFromLatestUser", "R16", "the wait hint is the ready time of the last refused user, not "
-                                              "the earliest", _m_wait_hint_latest),
+    Mutation(
+        "WaitHintFromLatestUser",
+        "R16",
+        "the wait hint is the ready time of the last refused user, not the earliest",
+        _m_wait_hint_latest,
+    ),
 )
 
 
@@ -300,16 +338,26 @@ def run_mutation(mutation: Mutation | None, scopes: list[Scope], max_states: int
                 continue
             if v.check not in caught or v.length < caught[v.check][0]:
                 caught[v.check] = (v.length, scope.name)
-            if example is None or (v.length, CHECK_IDS.index(v.check)) < (example.length,
-                                                                         CHECK_IDS.index(example.check)):
+            if example is None or (v.length, CHECK_IDS.index(v.check)) < (
+                example.length,
+                CHECK_IDS.index(example.check),
+            ):
                 example, example_scope = v, scope.name
     name = mutation.name if mutation else "(spec as written)"
     clean = None
     if example is not None:
         config = next(s for s in scopes if s.name == example_scope).config
         clean = official_verdict(config, example.events) is None
-    return MutationRow(name, mutation.rule if mutation else "-", mutation.description if mutation else "-",
-                       caught, time.perf_counter() - started, example, example_scope, clean)
+    return MutationRow(
+        name,
+        mutation.rule if mutation else "-",
+        mutation.description if mutation else "-",
+        caught,
+        time.perf_counter() - started,
+        example,
+        example_scope,
+        clean,
+    )
 
 
 def _mutation_worker(name: str) -> MutationRow:
@@ -318,8 +366,9 @@ def _mutation_worker(name: str) -> MutationRow:
     return run_mutation(mutation, scopes)
 
 
-def run_mutations(jobs: int = 2, names: list[str] | None = None,
-                  on_row: Callable[[MutationRow], None] | None = None) -> list[MutationRow]:
+def run_mutations(
+    jobs: int = 2, names: list[str] | None = None, on_row: Callable[[MutationRow], None] | None = None
+) -> list[MutationRow]:
     """The mutation table: the spec as written first (must be clean), then each mutation."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -338,8 +387,9 @@ def run_mutations(jobs: int = 2, names: list[str] | None = None,
 def _fmt_caught(caught: dict[str, tuple[int, str]]) -> str:
     if not caught:
         return "**nothing**"
-    return ", ".join(f"{c} ({n})" for c, (n, _) in sorted(caught.items(), key=lambda kv: (kv[1][0],
-                                                                                       CHECK_IDS.index(kv[0]))))
+    return ", ".join(
+        f"{c} ({n})" for c, (n, _) in sorted(caught.items(), key=lambda kv: (kv[1][0], CHECK_IDS.index(kv[0])))
+    )
 
 
 def _markdown_head(scopes: list[Scope]) -> list[str]:
@@ -389,8 +439,7 @@ def _markdown_head(scopes: list[Scope]) -> list[str]:
         "`liveness-a` every request not aborted can still finish by steps and clock advances; "
         "`liveness-b` work is left but nothing can ever be scheduled again.",
         "",
-        "| mutation | rule | change | caught by (shortest counterexample, events) | before the checker | "
-        "shortest |",
+        "| mutation | rule | change | caught by (shortest counterexample, events) | before the checker | shortest |",
         "|---|---|---|---|---|---|",
     ]
 
@@ -403,8 +452,15 @@ def _example_lines(rows: list[MutationRow]) -> list[str]:
         if row.example is None:
             continue
         clean = "passes" if row.example_clean else "**fails**"
-        lines += [f"### {row.mutation} ({row.rule}) -- {row.example.check}, scope `{row.example_scope}`", "",
-                  f"{row.example.message}", "", f"Spec as written on these events: {clean}.", "", "```"]
+        lines += [
+            f"### {row.mutation} ({row.rule}) -- {row.example.check}, scope `{row.example_scope}`",
+            "",
+            f"{row.example.message}",
+            "",
+            f"Spec as written on these events: {clean}.",
+            "",
+            "```",
+        ]
         lines += [f"{i:3d} {e}" for i, e in enumerate(row.example.events)]
         lines += ["```", ""]
     return lines
@@ -416,8 +472,10 @@ def mutations_markdown(rows: list[MutationRow], scopes: list[Scope], seconds: fl
     lines = _markdown_head(scopes)
     for row in rows:
         shortest = min((n for n, _ in row.caught_by.values()), default=None)
-        lines.append(f"| {row.mutation} | {row.rule} | {row.description} | {_fmt_caught(row.caught_by)} | "
-                     f"{_fmt_caught(row.caught_by_original)} | {'-' if shortest is None else shortest} |")
+        lines.append(
+            f"| {row.mutation} | {row.rule} | {row.description} | {_fmt_caught(row.caught_by)} | "
+            f"{_fmt_caught(row.caught_by_original)} | {'-' if shortest is None else shortest} |"
+        )
     lines += [
         "",
         "Notes. CleanupActiveUsers: the spec runs cleanup every 256 `schedule()` calls, which the scopes' "

@@ -42,8 +42,9 @@ class World:
 def initial_world(cs: Compiled) -> World:
     scope = cs.scope
     pending = tuple(tuple(sorted((s.as_tuple() for s in streams), key=_stream_order)) for _, streams in scope.users)
-    return World(initial_state(scope.config), pending, (None,) * len(cs.users), {}, scope.max_aborts,
-                 (0,) * len(cs.users))
+    return World(
+        initial_state(scope.config), pending, (None,) * len(cs.users), {}, scope.max_aborts, (0,) * len(cs.users)
+    )
 
 
 def _stream_order(stream: tuple) -> tuple:
@@ -73,10 +74,12 @@ def _user_mapping(world: World, cs: Compiled, leads: dict[str, Any], ledger_lead
             if r.user not in first:
                 first[r.user] = i
         for cls in cs.classes:
+
             def order(u: str):
                 if u in first:
                     return (0, first[u])
                 return (1, _pending_sig(world.pending[cs.uidx[u]]), _frac(leads.get(u)), _frac(ledger_leads.get(u)))
+
             for new, old in zip(cls, sorted(cls, key=order)):
                 mapping[old] = new
     return mapping
@@ -95,20 +98,44 @@ def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
     running = set(st.running)
     # Limiter keys are users; a mutated spec may key by request id (then renamed like the
     # request, and dropped once the request left: ids are never reused).
-    new_leads = {(mapping[u] if u in mapping else f"q{index[u]}"): lead for u, lead in leads.items()
-                 if u in mapping or u in index}
+    new_leads = {
+        (mapping[u] if u in mapping else f"q{index[u]}"): lead
+        for u, lead in leads.items()
+        if u in mapping or u in index
+    }
     inverse = {new: old for old, new in mapping.items()}
     pending = tuple(world.pending[cs.uidx[inverse[u]]] for u in cs.users)
     ledger = tuple(ledger_leads.get(inverse[u]) for u in cs.users)
     uidx = cs.uidx
     in_flight = None
     if st.in_flight:
-        in_flight = tuple((index[e.request_id], e.num_scheduled_tokens, e.sampled, e.eos)
-                          for e in st.in_flight if e.request_id in index) or None
+        in_flight = (
+            tuple(
+                (index[e.request_id], e.num_scheduled_tokens, e.sampled, e.eos)
+                for e in st.in_flight
+                if e.request_id in index
+            )
+            or None
+        )
     key = (
-        tuple((uidx[mapping[r.user]], r.priority, r.prompt_len, r.max_tokens, r.eos_index, r.status,
-               r.num_computed_tokens, r.num_output_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
-               r.num_stale_output_tokens, r.num_blocks, r.num_sampling_dispatches) for r in requests),
+        tuple(
+            (
+                uidx[mapping[r.user]],
+                r.priority,
+                r.prompt_len,
+                r.max_tokens,
+                r.eos_index,
+                r.status,
+                r.num_computed_tokens,
+                r.num_output_tokens,
+                r.num_output_placeholders,
+                r.num_in_flight_tokens,
+                r.num_stale_output_tokens,
+                r.num_blocks,
+                r.num_sampling_dispatches,
+            )
+            for r in requests
+        ),
         tuple(index[x] for x in st.running),
         tuple(index[x] for x in st.waiting),
         in_flight,
@@ -140,15 +167,38 @@ def canonical_world(world: World, cs: Compiled, context: tuple) -> World:
         if r.request_id == rid and r.user == user and r.arrival == i and r.num_preemptions == 0:
             new_requests.append(r)
         else:
-            new_requests.append(RequestState(
-                rid, user, r.priority, i, r.prompt_len, r.max_tokens, r.eos_index, r.status, r.num_computed_tokens,
-                r.num_output_tokens, r.num_output_placeholders, r.num_in_flight_tokens, r.num_stale_output_tokens,
-                r.num_blocks, r.num_sampling_dispatches, 0))
+            new_requests.append(
+                RequestState(
+                    rid,
+                    user,
+                    r.priority,
+                    i,
+                    r.prompt_len,
+                    r.max_tokens,
+                    r.eos_index,
+                    r.status,
+                    r.num_computed_tokens,
+                    r.num_output_tokens,
+                    r.num_output_placeholders,
+                    r.num_in_flight_tokens,
+                    r.num_stale_output_tokens,
+                    r.num_blocks,
+                    r.num_sampling_dispatches,
+                    0,
+                )
+            )
     in_flight = None
     if st.in_flight:
-        in_flight = tuple(e if e.request_id == ids[e.request_id] else
-                          OutputEntry(ids[e.request_id], e.num_scheduled_tokens, e.sampled, e.eos)
-                          for e in st.in_flight if e.request_id in ids) or None
+        in_flight = (
+            tuple(
+                e
+                if e.request_id == ids[e.request_id]
+                else OutputEntry(ids[e.request_id], e.num_scheduled_tokens, e.sampled, e.eos)
+                for e in st.in_flight
+                if e.request_id in ids
+            )
+            or None
+        )
     limiter = spec_limiter.LimiterState(MappingProxyType({u: new_leads[u] for u in sorted(new_leads)}))
     last_served = tuple(sorted((mapping[u], p, ids[rid]) for u, p, rid in st.last_served if rid in ids))
     running = set(st.running)
@@ -156,10 +206,20 @@ def canonical_world(world: World, cs: Compiled, context: tuple) -> World:
     added = tuple(world.added[cs.uidx[inverse[u]]] for u in cs.users)
     bypass = {ids[rid]: n for rid, n in world.bypass.items() if rid in ids and n > 0}
     rep_state = SchedulerState(
-        config=st.config, now_ns=0, requests=tuple(new_requests), running=tuple(ids[x] for x in st.running),
-        waiting=tuple(ids[x] for x in st.waiting), num_free_blocks=st.num_free_blocks, in_flight=in_flight,
-        num_arrivals=len(new_requests), num_schedules=0, limiter=limiter, last_served=last_served, turns=turns,
-        pending_rates=st.pending_rates)
+        config=st.config,
+        now_ns=0,
+        requests=tuple(new_requests),
+        running=tuple(ids[x] for x in st.running),
+        waiting=tuple(ids[x] for x in st.waiting),
+        num_free_blocks=st.num_free_blocks,
+        in_flight=in_flight,
+        num_arrivals=len(new_requests),
+        num_schedules=0,
+        limiter=limiter,
+        last_served=last_served,
+        turns=turns,
+        pending_rates=st.pending_rates,
+    )
     return World(rep_state, pending, ledger, bypass, world.aborts_left, added, world.changes_done)
 
 

@@ -24,9 +24,14 @@ class Violation:
     concrete: bool = False  # rebuilt from the real initial state by concrete events
 
     def as_json(self) -> dict:
-        return {"check": self.check, "message": self.message, "length": self.length,
-                "events": [str(e) for e in self.events], "official": self.official,
-                "scenario": self.scenario_path}
+        return {
+            "check": self.check,
+            "message": self.message,
+            "length": self.length,
+            "events": [str(e) for e in self.events],
+            "official": self.official,
+            "scenario": self.scenario_path,
+        }
 
 
 @dataclass
@@ -58,12 +63,20 @@ class ScopeResult:
         return not self.violations and not self.bound_exceeded
 
     def as_json(self) -> dict:
-        return {"name": self.name, "states": self.states, "transitions": self.transitions,
-                "states_per_s": round(self.states_per_s, 1), "violations": len(self.violations),
-                "seconds": round(self.seconds, 2), "invariant_checks": self.invariant_checks,
-                "max_depth": self.max_depth, "bound_exceeded": self.bound_exceeded, "coverage": self.coverage,
-                "pinned": None if self.pinned is None else {"states": self.pinned[0], "transitions": self.pinned[1]},
-                "details": [v.as_json() for v in self.violations.values()]}
+        return {
+            "name": self.name,
+            "states": self.states,
+            "transitions": self.transitions,
+            "states_per_s": round(self.states_per_s, 1),
+            "violations": len(self.violations),
+            "seconds": round(self.seconds, 2),
+            "invariant_checks": self.invariant_checks,
+            "max_depth": self.max_depth,
+            "bound_exceeded": self.bound_exceeded,
+            "coverage": self.coverage,
+            "pinned": None if self.pinned is None else {"states": self.pinned[0], "transitions": self.pinned[1]},
+            "details": [v.as_json() for v in self.violations.values()],
+        }
 
 
 class ScopeBoundExceeded(AssertionError):

@@ -77,7 +77,8 @@ class Scope:
         # vLLM refuses to start unless one max_model_len sequence fits in the KV cache, and
         # its front end rejects prompts of max_model_len tokens or more (fidelity EXCLUSIONS).
         assert blocks_for(c.max_model_len, c) <= c.num_usable_blocks, (
-            f"{self.name}: max_model_len {c.max_model_len} does not fit {c.num_usable_blocks} blocks of {c.block_size}")
+            f"{self.name}: max_model_len {c.max_model_len} does not fit {c.num_usable_blocks} blocks of {c.block_size}"
+        )
         for _, streams in self.users:
             for s in streams:
                 assert 1 <= s.prompt_len < c.max_model_len and s.max_tokens >= 1, f"{self.name}: {s}"
@@ -85,8 +86,8 @@ class Scope:
 
         # F2 (R20): with every user at its cap C a slot is still free (users x C <= M).
         assert not self.fair_admission or (
-            c.max_num_seqs_per_user is not None and len(self.users) * c.max_num_seqs_per_user <= c.max_num_seqs), (
-            f"{self.name}: fair_admission needs max_num_seqs_per_user C with users x C <= max_num_seqs")
+            c.max_num_seqs_per_user is not None and len(self.users) * c.max_num_seqs_per_user <= c.max_num_seqs
+        ), f"{self.name}: fair_admission needs max_num_seqs_per_user C with users x C <= max_num_seqs"
 
     @property
     def user_names(self) -> tuple[str, ...]:
@@ -119,8 +120,9 @@ def scope_from_json(data: dict) -> Scope:
         pinned=None if pinned is None else (pinned["states"], pinned["transitions"]),
         note=data.get("note", ""),
         fair_admission=data.get("fair_admission", False),
-        rate_changes=tuple(ChangeRates(t["default"], tuple(sorted(t.get("users", {}).items())))
-                           for t in data.get("rate_changes", [])),
+        rate_changes=tuple(
+            ChangeRates(t["default"], tuple(sorted(t.get("users", {}).items()))) for t in data.get("rate_changes", [])
+        ),
     )
 
 
@@ -158,8 +160,9 @@ class Compiled:
         self.identity = {u: u for u in self.users}
         self.rate_limited = config.rate_limited
         self.burst = config.burst_ns
-        self.interval = {u: spec_limiter.emission_interval_ns(config.rate_of(u)) for u in self.users} \
-            if self.rate_limited else {}
+        self.interval = (
+            {u: spec_limiter.emission_interval_ns(config.rate_of(u)) for u in self.users} if self.rate_limited else {}
+        )
         # Symmetry classes: users of equal rate (feature off: all users are alike).
         by_rate: dict[Any, list[str]] = {}
         for u in self.users:

@@ -144,8 +144,9 @@ def _holder_leases(world: World, e: int) -> list[int]:
 
 
 def _spendable(world: World, e: int) -> int:
-    return sum(x.held for i, x in enumerate(world.leases) if x.holder == e and x.current and x.held > 0
-               and x.deadline > 0)
+    return sum(
+        x.held for i, x in enumerate(world.leases) if x.holder == e and x.current and x.held > 0 and x.deadline > 0
+    )
 
 
 def _unconfirmed(world: World, e: int) -> int:
@@ -172,10 +173,12 @@ def canonical(world: World) -> World:
     """Drop dead leases and sort the rest. A lease is dead when nothing can touch it any more:
     no grant held, no return and no answer in flight (its record, if still live, is then
     never read again: only a return reads it)."""
-    live = tuple(sorted(
-        (x for x in world.leases if x.held > 0 or x.returning >= 0 or x.answer_age >= 0),
-        key=lambda x: (x.n, x.used, x.record, x.holder, x.current, x.held, x.deadline, x.returning,
-                       x.answer_age)))
+    live = tuple(
+        sorted(
+            (x for x in world.leases if x.held > 0 or x.returning >= 0 or x.answer_age >= 0),
+            key=lambda x: (x.n, x.used, x.record, x.holder, x.current, x.held, x.deadline, x.returning, x.answer_age),
+        )
+    )
     return replace(world, leases=live)
 
 
@@ -186,8 +189,11 @@ def events(world: World, scope: Scope, mutant: str | None) -> list[tuple[str, in
         req = world.request[e]
         pending = [i for i in _holder_leases(world, e) if world.leases[i].answer_age >= 0]
         old_return = any(x.returning >= 0 for x in world.leases if x.holder == e and not x.current)
-        if req < 0 and not old_return and (mutant == "lease_leak"
-                                           or _spendable(world, e) + _unconfirmed(world, e) < scope.lease):
+        if (
+            req < 0
+            and not old_return
+            and (mutant == "lease_leak" or _spendable(world, e) + _unconfirmed(world, e) < scope.lease)
+        ):
             out.append(("request", e))
         if req >= 0 and not pending and not world.refused[e] and world.store_up:
             out.append(("answer", e))
@@ -223,10 +229,14 @@ def step(world: World, event: tuple[str, int], scope: Scope, mutant: str | None)
                 lost += returning
                 returning = -1
             leases.append(replace(x, record=record, deadline=deadline, held=held, returning=returning))
-        world = replace(world, store_lead=max(world.store_lead - 1, 0),
-                        request=tuple(min(r + 1, TIMEOUT + 1) if r >= 0 else -1 for r in world.request),
-                        leases=tuple(leases), ledger_dispatch=max(world.ledger_dispatch - 1, 0),
-                        ledger_consumed=_consume(max(world.ledger_consumed - 1, 0), lost))
+        world = replace(
+            world,
+            store_lead=max(world.store_lead - 1, 0),
+            request=tuple(min(r + 1, TIMEOUT + 1) if r >= 0 else -1 for r in world.request),
+            leases=tuple(leases),
+            ledger_dispatch=max(world.ledger_dispatch - 1, 0),
+            ledger_consumed=_consume(max(world.ledger_consumed - 1, 0), lost),
+        )
     elif name in ("store_down", "store_up"):
         world = replace(world, store_up=name == "store_up")
     elif name == "request":
@@ -248,8 +258,9 @@ def step(world: World, event: tuple[str, int], scope: Scope, mutant: str | None)
         for i in _holder_leases(world, e):
             x = world.leases[i]
             if x.answer_age >= 0:  # the engine's deadline: TTL after it sent the request
-                world = replace(world, leases=_with(world, i, replace(x, held=x.n, deadline=TTL - world.request[e],
-                                                                       answer_age=-1)))
+                world = replace(
+                    world, leases=_with(world, i, replace(x, held=x.n, deadline=TTL - world.request[e], answer_age=-1))
+                )
         world = replace(world, request=_set(world.request, e, -1), refused=_set(world.refused, e, False))
     elif name == "timeout":
         lost = 0
@@ -258,21 +269,33 @@ def step(world: World, event: tuple[str, int], scope: Scope, mutant: str | None)
             if x.answer_age >= 0:  # R25: abandoned; the store's record lives on until it expires
                 lost += x.n
                 world = replace(world, leases=_with(world, i, replace(x, answer_age=-1, current=False)))
-        world = replace(world, request=_set(world.request, e, -1), refused=_set(world.refused, e, False),
-                        ledger_consumed=_consume(world.ledger_consumed, lost))
+        world = replace(
+            world,
+            request=_set(world.request, e, -1),
+            refused=_set(world.refused, e, False),
+            ledger_consumed=_consume(world.ledger_consumed, lost),
+        )
     elif name == "spend":
-        i = min((i for i in _holder_leases(world, e) if world.leases[i].held > 0 and world.leases[i].deadline > 0),
-                key=lambda i: world.leases[i].deadline)
+        i = min(
+            (i for i in _holder_leases(world, e) if world.leases[i].held > 0 and world.leases[i].deadline > 0),
+            key=lambda i: world.leases[i].deadline,
+        )
         x = world.leases[i]
         tolerance = TAU + ENGINES * H * T  # R24 in ledger form
         if world.ledger_dispatch > tolerance:
-            raise _Violation("bound", f"a dispatch exceeds floor((W + tau) r) + 1 + E x H (ledger lead "
-                                      f"{world.ledger_dispatch} > {tolerance} ticks)")
+            raise _Violation(
+                "bound",
+                f"a dispatch exceeds floor((W + tau) r) + 1 + E x H (ledger lead "
+                f"{world.ledger_dispatch} > {tolerance} ticks)",
+            )
         if x.used + 1 > x.n:
             raise _Violation("once", f"a lease of {x.n} grants had {x.used + 1} spent or returned (R26)")
-        world = replace(world, leases=_with(world, i, replace(x, held=x.held - 1, used=x.used + 1)),
-                        ledger_dispatch=max(world.ledger_dispatch, 0) + T,
-                        ledger_consumed=_consume(world.ledger_consumed, 1))
+        world = replace(
+            world,
+            leases=_with(world, i, replace(x, held=x.held - 1, used=x.used + 1)),
+            ledger_dispatch=max(world.ledger_dispatch, 0) + T,
+            ledger_consumed=_consume(world.ledger_consumed, 1),
+        )
     elif name == "return":
         i = next(i for i in _holder_leases(world, e) if world.leases[i].held > 0 and world.leases[i].returning < 0)
         x = world.leases[i]
@@ -285,9 +308,12 @@ def step(world: World, event: tuple[str, int], scope: Scope, mutant: str | None)
         if x.used + u > x.n:
             raise _Violation("once", f"a lease of {x.n} grants had {x.used + u} spent or returned (R26)")
         lead = world.store_lead if mutant == "lost_return" else max(world.store_lead - u * T, 0)
-        world = replace(world, store_lead=lead, leases=_with(world, i, replace(
-            x, returning=-1, record=0, used=x.used + u)),
-            ledger_consumed=_consume(world.ledger_consumed, x.returning - u))
+        world = replace(
+            world,
+            store_lead=lead,
+            leases=_with(world, i, replace(x, returning=-1, record=0, used=x.used + u)),
+            ledger_consumed=_consume(world.ledger_consumed, x.returning - u),
+        )
     elif name == "crash":  # R26: holdings and the request are gone; a new incarnation
         lost = 0
         leases = []
@@ -296,9 +322,13 @@ def step(world: World, event: tuple[str, int], scope: Scope, mutant: str | None)
                 lost += max(x.held, 0) + (x.n if x.answer_age >= 0 else 0)
                 x = replace(x, current=False, held=-1, answer_age=-1)
             leases.append(x)
-        world = replace(world, leases=tuple(leases), request=_set(world.request, e, -1),
-                        refused=_set(world.refused, e, False),
-                        ledger_consumed=_consume(world.ledger_consumed, lost))
+        world = replace(
+            world,
+            leases=tuple(leases),
+            request=_set(world.request, e, -1),
+            refused=_set(world.refused, e, False),
+            ledger_consumed=_consume(world.ledger_consumed, lost),
+        )
     else:  # pragma: no cover - events() lists every name above
         raise AssertionError(f"unknown event {name!r}")
     _check_state(world, scope)
@@ -312,10 +342,14 @@ def _check_state(world: World, scope: Scope) -> None:
         if _spendable(world, e) + in_flight > H:
             raise _Violation("cap", f"engine {e} holds {_spendable(world, e)} + {in_flight} in flight > H = {H} (R24)")
     quiet = all(r < 0 for r in world.request) and all(
-        x.held <= 0 and x.returning < 0 and x.answer_age < 0 for x in world.leases)
+        x.held <= 0 and x.returning < 0 and x.answer_age < 0 for x in world.leases
+    )
     if quiet and world.store_lead > max(world.ledger_consumed, 0):
-        raise _Violation("conservation", f"nothing is held, yet the store's TAT lead {world.store_lead} exceeds the "
-                                         f"replay of consumed grants {world.ledger_consumed} (a return was lost)")
+        raise _Violation(
+            "conservation",
+            f"nothing is held, yet the store's TAT lead {world.store_lead} exceeds the "
+            f"replay of consumed grants {world.ledger_consumed} (a return was lost)",
+        )
 
 
 @dataclass
@@ -387,13 +421,18 @@ def main(argv: list[str] | None = None) -> int:
     for scope in SCOPES:
         r = explore(scope)
         ok = ok and r.violation is None and r.complete
-        print(f"{scope.name:24} states {r.states:8} transitions {r.transitions:9} {r.seconds:7.2f} s "
-              f"{'ok' if r.violation is None else r.violation}")
+        print(
+            f"{scope.name:24} states {r.states:8} transitions {r.transitions:9} {r.seconds:7.2f} s "
+            f"{'ok' if r.violation is None else r.violation}"
+        )
     for name, r in run_mutants().items():
         caught = r.violation is not None
         ok = ok and caught
-        detail = f"caught by {r.violation[0]} in {len(r.violation[2])} events: {' '.join(r.violation[2])}" \
-            if r.violation else "SURVIVED"
+        detail = (
+            f"caught by {r.violation[0]} in {len(r.violation[2])} events: {' '.join(r.violation[2])}"
+            if r.violation
+            else "SURVIVED"
+        )
         print(f"mutant {name:14} {r.scope:24} {detail}")
     return 0 if ok else 1
 

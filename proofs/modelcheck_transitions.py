@@ -15,8 +15,33 @@ from vllm_output_rate.spec import scheduler as spec
 from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
 from vllm_output_rate.spec.state import Observation, SchedulerState
 
-CHECK_IDS = ("assert", "I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12", "I13", "I14",
-             "I15", "I16", "I17", "I18", "I19", "R6", "F1", "liveness-a", "liveness-b", "F2")
+CHECK_IDS = (
+    "assert",
+    "I1",
+    "I2",
+    "I3",
+    "I4",
+    "I5",
+    "I6",
+    "I7",
+    "I8",
+    "I9",
+    "I10",
+    "I11",
+    "I12",
+    "I13",
+    "I14",
+    "I15",
+    "I16",
+    "I17",
+    "I18",
+    "I19",
+    "R6",
+    "F1",
+    "liveness-a",
+    "liveness-b",
+    "F2",
+)
 
 
 def enabled_events(world: World, cs: Compiled, depth: int, concrete: bool) -> list[Event]:
@@ -41,8 +66,9 @@ def enabled_events(world: World, cs: Compiled, depth: int, concrete: bool) -> li
             seen.add(stream)
             rid = f"{user}-{world.added[ui]}" if concrete else "n"
             prompt, max_tokens, eos, prio = stream
-            events.append(AddRequest(rid, user=user, priority=prio, prompt_len=prompt, max_tokens=max_tokens,
-                                     eos_index=eos))
+            events.append(
+                AddRequest(rid, user=user, priority=prio, prompt_len=prompt, max_tokens=max_tokens, eos_index=eos)
+            )
     if world.aborts_left > 0:
         events.extend(Abort(r.request_id) for r in world.state.requests)
     return events
@@ -80,8 +106,8 @@ def transition(world: World, event: Event, cs: Compiled) -> Outcome:
         stream = (event.prompt_len, event.max_tokens, event.eos_index, event.priority)
         rest = list(pending[ui])
         rest.remove(stream)
-        pending = pending[:ui] + (tuple(rest),) + pending[ui + 1:]
-        added = added[:ui] + (added[ui] + 1,) + added[ui + 1:]
+        pending = pending[:ui] + (tuple(rest),) + pending[ui + 1 :]
+        added = added[:ui] + (added[ui] + 1,) + added[ui + 1 :]
     elif isinstance(event, Abort):
         aborts_left -= 1
     history = None
@@ -92,8 +118,9 @@ def transition(world: World, event: Event, cs: Compiled) -> Outcome:
                 ledger = _rerate_ledger(ledger, before, after, obs.now_ns, cs)
             ledger, found = _advance_ledger(ledger, users_of, obs, cs, after if cs.rate_changes else None)
             violations.extend(found)
-            history = invariants.DispatchHistory(ledger_tat_ns=tuple(
-                (u, t) for u, t in zip(cs.users, ledger) if t is not None))
+            history = invariants.DispatchHistory(
+                ledger_tat_ns=tuple((u, t) for u, t in zip(cs.users, ledger) if t is not None)
+            )
             violations.extend(_check_cleanup(after, cs))
             bypass, found = _advance_bypass(bypass, before, after, obs, users_of, cs)
             violations.extend(found)
@@ -130,9 +157,14 @@ def _advance_ledger(ledger, users_of, obs, cs: Compiled, after: SchedulerState |
         ui = cs.uidx[user]
         current = ledger[ui]
         if current is not None and current - now > cs.burst:
-            found.append(("I7", f"I7 (R2): user {user}: a sampling dispatch at {now} ns with the dispatch ledger "
-                                f"{float(current - now) / MS:g} ms ahead (> tau {cs.burst / MS:g} ms): the window "
-                                f"bound floor((W + tau) x rate) + 1 is exceeded for some window ending now"))
+            found.append(
+                (
+                    "I7",
+                    f"I7 (R2): user {user}: a sampling dispatch at {now} ns with the dispatch ledger "
+                    f"{float(current - now) / MS:g} ms ahead (> tau {cs.burst / MS:g} ms): the window "
+                    f"bound floor((W + tau) x rate) + 1 is exceeded for some window ending now",
+                )
+            )
         interval = cs.interval[user] if after is None else spec_limiter.emission_interval_ns(after.config.rate_of(user))
         ledger[ui] = max(current if current is not None else now, now) + interval  # R21: the rate in force
     return tuple(ledger), found
@@ -145,8 +177,13 @@ def _check_cleanup(after: SchedulerState, cs: Compiled) -> list[tuple[str, str]]
     kept = {u: t for u, t in after.limiter.tat_ns.items() if t > now}
     got = {u: t for u, t in cleaned.tat_ns.items() if t > now}
     if kept != got or any(u not in after.limiter.tat_ns for u in cleaned.tat_ns):
-        return [("R6", f"R6: cleanup at {now} ns changes the limiter: {dict(after.limiter.tat_ns)} -> "
-                       f"{dict(cleaned.tat_ns)} (only users with TAT <= now may be forgotten)")]
+        return [
+            (
+                "R6",
+                f"R6: cleanup at {now} ns changes the limiter: {dict(after.limiter.tat_ns)} -> "
+                f"{dict(cleaned.tat_ns)} (only users with TAT <= now may be forgotten)",
+            )
+        ]
     return []
 
 
@@ -166,9 +203,14 @@ def _advance_bypass(bypass, before, after, obs, users_of, cs: Compiled):
             new[rid] = new.get(rid, 0) + 1
             bound = cs.bypass_bound.get(group[1], 0)
             if new[rid] > bound:
-                found.append(("F1", f"F1 (R14): {rid} of user {group[0]} (priority {group[1]}) throttled "
-                                    f"{new[rid]} steps in a row while other streams of its group were served "
-                                    f"(rotation allows at most {bound})"))
+                found.append(
+                    (
+                        "F1",
+                        f"F1 (R14): {rid} of user {group[0]} (priority {group[1]}) throttled "
+                        f"{new[rid]} steps in a row while other streams of its group were served "
+                        f"(rotation allows at most {bound})",
+                    )
+                )
     return new, found
 
 
@@ -191,10 +233,15 @@ def _check_fair_admission(before: SchedulerState, obs: Observation, users_of: di
             continue
         if not spec_limiter.allows(before.limiter, user, before.now_ns, config.burst_ns):
             continue
-        return [("F2", f"F2 (R20): {rid} of user {user} waits a step although its user holds {held.get(user, 0)} "
-                       f"< max_num_seqs_per_user={cap} running requests ({len(before.running)} of "
-                       f"max_num_seqs={config.max_num_seqs} slots taken at the step's start): another user's "
-                       "flood holds back its admission")]
+        return [
+            (
+                "F2",
+                f"F2 (R20): {rid} of user {user} waits a step although its user holds {held.get(user, 0)} "
+                f"< max_num_seqs_per_user={cap} running requests ({len(before.running)} of "
+                f"max_num_seqs={config.max_num_seqs} slots taken at the step's start): another user's "
+                "flood holds back its admission",
+            )
+        ]
     return []
 
 

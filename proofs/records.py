@@ -10,8 +10,9 @@ RECORD_KEYS = ("name", "rules", "tool", "result", "seconds")
 RESULTS = ("proved", "refuted", "unknown")
 
 
-def proof_record(name: str, rules: Iterable[str], tool: str, result: str, seconds: float,
-                 **details: Any) -> dict[str, Any]:
+def proof_record(
+    name: str, rules: Iterable[str], tool: str, result: str, seconds: float, **details: Any
+) -> dict[str, Any]:
     """``{"name", "rules", "tool", "result", "seconds", **details}`` of one property:
     ``rules`` its rule ids, ``tool`` ``"z3"`` or ``"crosshair"``, ``result`` one of
     ``RESULTS``, ``seconds`` the time it took; ``details`` are the tool's own keys.

@@ -363,8 +363,15 @@ class Property:
             # A failed inductive step may be unreachable: refute only with a concrete trace.
             counterexample = self.search(sem, timeout_ms)
             result = "refuted" if counterexample is not None else "unknown"
-        return proof_record(self.name, self.rules, "z3", result, round(time.perf_counter() - start, 4),
-                            vacuity_ok=vacuity_ok, counterexample=counterexample)
+        return proof_record(
+            self.name,
+            self.rules,
+            "z3",
+            result,
+            round(time.perf_counter() - start, 4),
+            vacuity_ok=vacuity_ok,
+            counterexample=counterexample,
+        )
 
     # `fn` is the spelling the project's manifest uses for "the function returning the result".
     @property
@@ -505,9 +512,14 @@ def _window_obligations(sem: Semantics) -> list[Obligation]:
 
     g, k_t, t_t = sem.spec_take(known, tat, c, T, tau)
     after_take = _window_inv(
-        k_t, t_t, c, s,
+        k_t,
+        t_t,
+        c,
+        s,
         z3.If(z3.And(g, in_window), k + 1, k),
-        z3.If(g, pend + 1, pend), T, tau,
+        z3.If(g, pend + 1, pend),
+        T,
+        tau,
     )
     k_r, t_r = sem.spec_refund(known, tat, T)
     after_refund = _window_inv(k_r, t_r, c, s, z3.If(in_window, k - 1, k), pend - 1, T, tau)
@@ -656,7 +668,9 @@ def _sim_obligations(sem: Semantics) -> list[Obligation]:
     ks3 = sem.spec_cleanup(ks, tat, now, tau)
     kr3 = sem.ref_cleanup(kr, S, now, p, burst)
     return [
-        Obligation("init_empty", (p >= 1,), _sim_rel(z3.BoolVal(False), z3.RealVal(0), z3.BoolVal(False), z3.IntVal(0), p)),
+        Obligation(
+            "init_empty", (p >= 1,), _sim_rel(z3.BoolVal(False), z3.RealVal(0), z3.BoolVal(False), z3.IntVal(0), p)
+        ),
         Obligation("try_take", hyp, z3.And(gs == gr, _sim_rel(ks1, tat1, kr1, S1, p))),
         Obligation("refund", hyp + (ks,), z3.And(kr, _sim_rel(ks2, tat2, kr2, S2, p))),
         Obligation("cleanup", hyp, _sim_rel(ks3, tat, kr3, S, p)),
@@ -750,8 +764,10 @@ def _ready_search(sem: Semantics, timeout_ms: int, depth: int = 5) -> str | None
         cons += [ks, kr, r_spec >= clock + 1, r_ref >= clock + 1]
         cons.append(
             z3.Or(
-                z3.Not(spec_ok(r_spec)), spec_ok(r_spec - 1),
-                z3.Not(ref_ok(r_ref)), ref_ok(r_ref - 1),
+                z3.Not(spec_ok(r_spec)),
+                spec_ok(r_spec - 1),
+                z3.Not(ref_ok(r_ref)),
+                ref_ok(r_ref - 1),
                 r_spec != r_ref,
             )
         )
@@ -927,7 +943,10 @@ def _rerate_inv(known, tat, c, s, k, pend, R, T, tau, A, M):
     plus one burst at ``M`` plus one (``k - 1 <= A + tau x M``).
     """
     return z3.And(
-        k >= 0, pend >= 0, A >= 0, M >= 0,
+        k >= 0,
+        pend >= 0,
+        A >= 0,
+        M >= 0,
         z3.Implies(c < s, z3.And(k == 0, A == 0)),
         z3.Implies(c >= s, pend <= k),
         z3.Implies(pend > 0, z3.And(known, tat >= c + pend * T)),
@@ -958,8 +977,19 @@ def _rerate_window_obligations(sem: Semantics) -> list[Obligation]:
     hyp = tuple(params + [inv])
     in_window = c >= s
     g, k_t, t_t = sem.spec_take(known, tat, c, T, tau)
-    after_take = _rerate_inv(k_t, t_t, c, s, z3.If(z3.And(g, in_window), k + 1, k), z3.If(g, pend + 1, pend),
-                             R, T, tau, A, z3.If(z3.And(g, in_window), _zmax(M, R), M))
+    after_take = _rerate_inv(
+        k_t,
+        t_t,
+        c,
+        s,
+        z3.If(z3.And(g, in_window), k + 1, k),
+        z3.If(g, pend + 1, pend),
+        R,
+        T,
+        tau,
+        A,
+        z3.If(z3.And(g, in_window), _zmax(M, R), M),
+    )
     k_r, t_r = sem.spec_refund(known, tat, T)
     after_refund = _rerate_inv(k_r, t_r, c, s, z3.If(in_window, k - 1, k), pend - 1, R, T, tau, A, M)
     after_clean = _rerate_inv(sem.spec_cleanup(known, tat, c, tau), tat, c, s, k, pend, R, T, tau, A, M)
@@ -978,8 +1008,15 @@ def _rerate_window_obligations(sem: Semantics) -> list[Obligation]:
         Obligation("close", hyp, k <= (A + tau * M) / NS_PER_S + 1),
         Obligation(
             "close_one_change",
-            hyp + (s <= c0, c0 <= c, r_old > 0, r_new > 0, (c0 - s) * r_old + (c - c0) * r_new == A,
-                   _zmax(r_old, r_new) >= M),
+            hyp
+            + (
+                s <= c0,
+                c0 <= c,
+                r_old > 0,
+                r_new > 0,
+                (c0 - s) * r_old + (c - c0) * r_new == A,
+                _zmax(r_old, r_new) >= M,
+            ),
             k <= ((c0 - s) * r_old + (c - c0) * r_new + tau * _zmax(r_old, r_new)) / NS_PER_S + 1,
         ),
     ]
@@ -998,7 +1035,7 @@ def _rerate_window_search(sem: Semantics, timeout_ms: int) -> str | None:
     """A user takes greedily at 0, the rate changes at 0, it takes greedily at ``d``: more
     grants in ``[0, d]`` than the piecewise bound (concrete, from the empty limiter)."""
     tau = BURST_NS
-    for (p_old, p_new) in ((10, 10), (100, 1), (10, 2), (2, 10)):
+    for p_old, p_new in ((10, 10), (100, 1), (10, 2), (2, 10)):
         for d in (0, 10_000_000, 50_000_000):
             T_old, T_new = Fraction(NS_PER_S, p_old), Fraction(NS_PER_S, p_new)
             known, tat, n1 = _greedy_at(sem, z3.BoolVal(False), z3.RealVal(0), 0, z3.RealVal(T_old), tau, 25)
@@ -1007,17 +1044,20 @@ def _rerate_window_search(sem: Semantics, timeout_ms: int) -> str | None:
             bound = spec_limiter.piecewise_window_bound_tokens([(0, Fraction(p_old)), (d, Fraction(p_new))], tau)
             model = _solve(list(side) + [n1 + n2 > bound], timeout_ms)
             if model is not None:
-                return (f"rate={p_old}/s -> {p_new}/s at 0 ns: try_take x {model.eval(n1)} granted at 0 ns, change, "
-                        f"try_take x {model.eval(n2)} granted at {d} ns: {model.eval(n1 + n2)} grants in [0, {d}] ns > "
-                        f"piecewise bound {bound}")
+                return (
+                    f"rate={p_old}/s -> {p_new}/s at 0 ns: try_take x {model.eval(n1)} granted at 0 ns, change, "
+                    f"try_take x {model.eval(n2)} granted at {d} ns: {model.eval(n1 + n2)} grants in [0, {d}] ns > "
+                    f"piecewise bound {bound}"
+                )
     return None
 
 
 def _grants_count(g, lead, R, tau):
     """``g`` is the number of grants available at an instant with lead ``lead`` (R2):
     0 if ``lead > tau``, else ``(g - 1) T <= tau - lead < g T`` (times R: x 10**9)."""
-    return z3.If(lead > tau, g == 0,
-                 z3.And(g >= 1, (g - 1) * NS_PER_S <= (tau - lead) * R, (tau - lead) * R < g * NS_PER_S))
+    return z3.If(
+        lead > tau, g == 0, z3.And(g >= 1, (g - 1) * NS_PER_S <= (tau - lead) * R, (tau - lead) * R < g * NS_PER_S)
+    )
 
 
 def _rerate_burst_obligations(sem: Semantics) -> list[Obligation]:
@@ -1030,8 +1070,15 @@ def _rerate_burst_obligations(sem: Semantics) -> list[Obligation]:
     g_old, g_new, d = z3.Ints("g_old g_new d")
     known_new, tat_new, side = sem.spec_rerate(z3.BoolVal(True), now + L, now, R, R2)
     lead_new = _lead(known_new, tat_new, now)
-    hyp = (L >= 0, R > 0, R2 > 0, tau >= 0, *side, _grants_count(g_old, L, R, tau),
-           _grants_count(g_new, lead_new, R2, tau))
+    hyp = (
+        L >= 0,
+        R > 0,
+        R2 > 0,
+        tau >= 0,
+        *side,
+        _grants_count(g_old, L, R, tau),
+        _grants_count(g_new, lead_new, R2, tau),
+    )
     return [
         Obligation("falls_or_stays", hyp + (R2 <= R,), g_new <= g_old),
         Obligation("rises", hyp + (d >= 0, d * NS_PER_S >= tau * (R2 - R)), g_new <= g_old + d),
@@ -1049,8 +1096,10 @@ def _rerate_burst_search(sem: Semantics, timeout_ms: int) -> str | None:
     model = _solve(list(side) + [n2 > 0], timeout_ms)
     if model is None:
         return None
-    return (f"rate=10/s: try_take x {model.eval(n1)} granted at 0 ns (burst spent), rate change 10/s -> 10/s, "
-            f"try_take x {model.eval(n2)} granted again at 0 ns (0 available before the change)")
+    return (
+        f"rate=10/s: try_take x {model.eval(n1)} granted at 0 ns (burst spent), rate change 10/s -> 10/s, "
+        f"try_take x {model.eval(n2)} granted again at 0 ns (0 available before the change)"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -1091,10 +1140,20 @@ PROPERTIES: list[Property] = [
 ]
 
 PROPERTIES += [
-    Property("r21_window_bound_across_change", ["R2", "R4", "R6", "R21"], _rerate_window_obligations.__doc__ or "",
-             _rerate_window_obligations, _rerate_window_search),
-    Property("r21_no_burst_from_change", ["R2", "R21"], _rerate_burst_obligations.__doc__ or "",
-             _rerate_burst_obligations, _rerate_burst_search),
+    Property(
+        "r21_window_bound_across_change",
+        ["R2", "R4", "R6", "R21"],
+        _rerate_window_obligations.__doc__ or "",
+        _rerate_window_obligations,
+        _rerate_window_search,
+    ),
+    Property(
+        "r21_no_burst_from_change",
+        ["R2", "R21"],
+        _rerate_burst_obligations.__doc__ or "",
+        _rerate_burst_obligations,
+        _rerate_burst_search,
+    ),
 ]
 
 PROPERTIES_BY_NAME: dict[str, Property] = {prop.name: prop for prop in PROPERTIES}

@@ -57,9 +57,9 @@ def _lease_count(n, want, tat, c, T, tau):
     """R23: ``n = min(want, grants_at(c))`` exactly, with ``grants_at = floor((tau - lead) / T) + 1``
     (0 when the lead exceeds tau), ``lead = max(TAT, c) - c``, without a division."""
     lead = _eff(tat, c) - c
-    return z3.And(n >= 0, n <= want,
-                  z3.Implies(n >= 1, lead + (n - 1) * T <= tau),
-                  z3.Or(n == want, lead + n * T > tau))
+    return z3.And(
+        n >= 0, n <= want, z3.Implies(n >= 1, lead + (n - 1) * T <= tau), z3.Or(n == want, lead + n * T > tau)
+    )
 
 
 def _return_tat(tat, u, c, T):
@@ -80,7 +80,12 @@ def _bound_inv(tat, c, s, k, D, P, P0, cap, T, tau):
     what they held when the window opened; ``cap = E x H``.
     """
     return z3.And(
-        c >= s, P >= 0, cap >= P, P0 >= 0, cap >= P0, D >= 0,
+        c >= s,
+        P >= 0,
+        cap >= P,
+        P0 >= 0,
+        cap >= P0,
+        D >= 0,
         P0 + k >= D + P,  # every grant spent in the window was held at s or leased in it
         z3.Implies(k > 0, _eff(tat, c) >= s + k * T),
         z3.Implies(k > 0, (k - 1) * T <= c - s + tau),
@@ -106,10 +111,16 @@ def _bound_obligations() -> list[Obligation]:
     leased = _return_tat(tat, 0, c, T)  # max(TAT, c)
     return [
         Obligation("open", tuple(params + [P >= 0, cap >= P]), _bound_inv(tat, s, s, 0, 0, P, P, cap, T, tau)),
-        Obligation("lease", hyp + (want >= 1, _lease_count(n, want, tat, c, T, tau), P + n <= cap),
-                   _bound_inv(leased + n * T, c, s, k + n, D, P + n, P0, cap, T, tau)),
-        Obligation("return", hyp + (u >= 0, u <= P),
-                   _bound_inv(_return_tat(tat, u, c, T), c, s, k - u, D, P - u, P0, cap, T, tau)),
+        Obligation(
+            "lease",
+            hyp + (want >= 1, _lease_count(n, want, tat, c, T, tau), P + n <= cap),
+            _bound_inv(leased + n * T, c, s, k + n, D, P + n, P0, cap, T, tau),
+        ),
+        Obligation(
+            "return",
+            hyp + (u >= 0, u <= P),
+            _bound_inv(_return_tat(tat, u, c, T), c, s, k - u, D, P - u, P0, cap, T, tau),
+        ),
         Obligation("spend", hyp + (P >= 1,), _bound_inv(tat, c, s, k, D + 1, P - 1, P0, cap, T, tau)),
         Obligation("lose", hyp + (x >= 0, x <= P), _bound_inv(tat, c, s, k, D, P - x, P0, cap, T, tau)),
         Obligation("advance", hyp + (c2 >= c,), _bound_inv(tat, c2, s, k, D, P, P0, cap, T, tau)),
@@ -134,10 +145,16 @@ def _wc_obligations() -> list[Obligation]:
     params = [T > 0, tau >= 0, L >= 1, delta > 0, delta <= L * T, delta <= tau]
     inv = z3.And(tat >= c + delta, tat - t0 == G * T, c >= t0)
     return [
-        Obligation("first_request", tuple(params + [tat0 <= t0, _lease_count(n0, L, tat0, t0, T, tau)]),
-                   z3.And(_eff(tat0, t0) + n0 * T >= t0 + delta, n0 * T == _eff(tat0, t0) + n0 * T - t0)),
-        Obligation("next_request", tuple(params + [inv, c2 > c, c2 <= c + delta, _lease_count(n, L, tat, c2, T, tau)]),
-                   z3.And(_eff(tat, c2) + n * T >= c2 + delta, (G + n) * T == _eff(tat, c2) + n * T - t0)),
+        Obligation(
+            "first_request",
+            tuple(params + [tat0 <= t0, _lease_count(n0, L, tat0, t0, T, tau)]),
+            z3.And(_eff(tat0, t0) + n0 * T >= t0 + delta, n0 * T == _eff(tat0, t0) + n0 * T - t0),
+        ),
+        Obligation(
+            "next_request",
+            tuple(params + [inv, c2 > c, c2 <= c + delta, _lease_count(n, L, tat, c2, T, tau)]),
+            z3.And(_eff(tat, c2) + n * T >= c2 + delta, (G + n) * T == _eff(tat, c2) + n * T - t0),
+        ),
         Obligation("close", tuple(params + [inv, x >= c, x <= c + delta]), (x - t0) / T <= G),
     ]
 
@@ -165,11 +182,16 @@ def _fail_closed_obligations() -> list[Obligation]:
         Obligation("down_lose", hyp + (x >= 0, x <= P), z3.And(D + P - x <= P0, P - x >= 0)),
         Obligation("down_advance", hyp + (c2 >= c,), z3.And(c2 >= s, D + P <= P0, tat == tat1)),
         Obligation("down_close", hyp + (W >= 0, c <= s + W), (W + tau) / T + 1 + cap >= D),
-        Obligation("lead_after_lease", (T > 0, tau >= 0, L >= 1, _eff(tat1, t) - t <= tau + L * T,
-                                        _lease_count(n, L, tat1, t, T, tau)),
-                   _eff(tat1, t) + n * T - t <= tau + L * T),
-        Obligation("recovery", (T > 0, tau >= 0, L >= 1, tat - t <= tau + L * T, c >= t + L * T,
-                                _lease_count(n, L, tat, c, T, tau)), n >= 1),
+        Obligation(
+            "lead_after_lease",
+            (T > 0, tau >= 0, L >= 1, _eff(tat1, t) - t <= tau + L * T, _lease_count(n, L, tat1, t, T, tau)),
+            _eff(tat1, t) + n * T - t <= tau + L * T,
+        ),
+        Obligation(
+            "recovery",
+            (T > 0, tau >= 0, L >= 1, tat - t <= tau + L * T, c >= t + L * T, _lease_count(n, L, tat, c, T, tau)),
+            n >= 1,
+        ),
     ]
 
 
@@ -180,10 +202,16 @@ def _fail_closed_obligations() -> list[Obligation]:
 
 def _lease_life(rem, spent, returned, lost, live, holder, N):
     """One lease's ledger: held remainder, spent, returned, lost; record live; holder up."""
-    return z3.And(N >= 1, rem >= 0, spent >= 0, returned >= 0, lost >= 0,
-                  rem + spent + returned + lost == N,
-                  z3.Implies(returned > 0, z3.Not(live)),  # a return deletes the record
-                  z3.Implies(z3.Not(holder), rem == 0))  # a crashed incarnation holds nothing
+    return z3.And(
+        N >= 1,
+        rem >= 0,
+        spent >= 0,
+        returned >= 0,
+        lost >= 0,
+        rem + spent + returned + lost == N,
+        z3.Implies(returned > 0, z3.Not(live)),  # a return deletes the record
+        z3.Implies(z3.Not(holder), rem == 0),
+    )  # a crashed incarnation holds nothing
 
 
 def _crash_obligations() -> list[Obligation]:
@@ -203,17 +231,26 @@ def _crash_obligations() -> list[Obligation]:
     return [
         Obligation("lease", (N >= 1,), _lease_life(N, 0, 0, 0, True, True, N)),
         Obligation("spend", (inv, holder, rem >= 1), _lease_life(rem - 1, spent + 1, returned, lost, live, holder, N)),
-        Obligation("return_live", (inv, holder, live, u >= 0, u <= rem),
-                   _lease_life(rem - u, spent, returned + u, lost, False, holder, N)),
+        Obligation(
+            "return_live",
+            (inv, holder, live, u >= 0, u <= rem),
+            _lease_life(rem - u, spent, returned + u, lost, False, holder, N),
+        ),
         Obligation("return_not_live", (inv, z3.Not(live)), _lease_life(rem, spent, returned, lost, live, holder, N)),
         Obligation("crash", (inv,), _lease_life(0, spent, returned, lost + rem, live, False, N)),
         Obligation("expire", (inv,), _lease_life(rem, spent, returned, lost, False, holder, N)),
         Obligation("deadline", (inv,), _lease_life(0, spent, returned, lost + rem, live, holder, N)),
         Obligation("close", (inv,), spent + returned <= N),
-        Obligation("delay_nonexpansive", (T > 0, m >= 0, tat_a >= tat_b, tat_a - tat_b <= N * T, N >= 1),
-                   _eff(tat_a, c) + m * T - (_eff(tat_b, c) + m * T) <= N * T),
-        Obligation("delay_allowed", (T > 0, tau >= 0, N >= 1, tat_a - tat_b <= N * T, tat_b - c <= tau),
-                   tat_a - (c + N * T) <= tau),
+        Obligation(
+            "delay_nonexpansive",
+            (T > 0, m >= 0, tat_a >= tat_b, tat_a - tat_b <= N * T, N >= 1),
+            _eff(tat_a, c) + m * T - (_eff(tat_b, c) + m * T) <= N * T,
+        ),
+        Obligation(
+            "delay_allowed",
+            (T > 0, tau >= 0, N >= 1, tat_a - tat_b <= N * T, tat_b - c <= tau),
+            tat_a - (c + N * T) <= tau,
+        ),
     ]
 
 
@@ -237,10 +274,18 @@ class SharedProperty:
             vacuity_ok = vacuity_ok and vac
             if detail is not None:
                 failures.append(detail)
-        result = "proved" if all(s == "proved" for s in statuses) else (
-            "refuted" if "refuted" in statuses else "unknown")
-        return proof_record(self.name, self.rules, "z3", result, round(time.perf_counter() - start, 4),
-                            vacuity_ok=vacuity_ok, counterexample=failures[0] if failures else None)
+        result = (
+            "proved" if all(s == "proved" for s in statuses) else ("refuted" if "refuted" in statuses else "unknown")
+        )
+        return proof_record(
+            self.name,
+            self.rules,
+            "z3",
+            result,
+            round(time.perf_counter() - start, 4),
+            vacuity_ok=vacuity_ok,
+            counterexample=failures[0] if failures else None,
+        )
 
     @property
     def fn(self) -> Callable[..., dict]:

@@ -45,8 +45,17 @@ from typing import Any
 from vllm_output_rate.reference.limiter import parse_rate
 from vllm_output_rate.spec.limiter import BURST_NS
 
-KNOWN_KEYS = ("default_tokens_per_s", "user_tokens_per_s", "max_num_active_seqs", "burst_ms", "trace_path",
-              "shadow", "max_num_seqs_per_user", "rates_file", "shared_budget_url")
+KNOWN_KEYS = (
+    "default_tokens_per_s",
+    "user_tokens_per_s",
+    "max_num_active_seqs",
+    "burst_ms",
+    "trace_path",
+    "shadow",
+    "max_num_seqs_per_user",
+    "rates_file",
+    "shared_budget_url",
+)
 SECTION = "output_rate"  # the key of vLLM's additional_config that holds the section
 
 
@@ -84,9 +93,7 @@ def _parse_rates(section: Mapping[str, Any]) -> tuple[Fraction, dict[str, Fracti
     if overrides is None:
         overrides = {}
     if not isinstance(overrides, Mapping):
-        raise OutputRateConfigError(
-            f"user_tokens_per_s must be a JSON object of user -> tokens/s, got {overrides!r}"
-        )
+        raise OutputRateConfigError(f"user_tokens_per_s must be a JSON object of user -> tokens/s, got {overrides!r}")
     default = section.get("default_tokens_per_s")
     if default is None:
         raise OutputRateConfigError(
@@ -126,9 +133,7 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
             "section to turn it off"
         )
     if not isinstance(section, Mapping):
-        raise OutputRateConfigError(
-            f'additional_config["output_rate"] must be a JSON object, got {section!r}'
-        )
+        raise OutputRateConfigError(f'additional_config["output_rate"] must be a JSON object, got {section!r}')
     unknown = sorted(set(section) - set(KNOWN_KEYS), key=str)
     if unknown:
         raise OutputRateConfigError(
@@ -141,13 +146,15 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
         raise OutputRateConfigError(f"max_num_active_seqs must be an integer >= 1, got {active!r}")
     burst_ms = section.get("burst_ms", BURST_NS // 1_000_000)
     if isinstance(burst_ms, bool) or not isinstance(burst_ms, int) or burst_ms < 1:
-        raise OutputRateConfigError(f"burst_ms must be an integer number of milliseconds >= 1, got {burst_ms!r}; "
-                                     "set --burst-ms / output_rate.burst_ms to e.g. 100 (the default), or remove it")
+        raise OutputRateConfigError(
+            f"burst_ms must be an integer number of milliseconds >= 1, got {burst_ms!r}; "
+            "set --burst-ms / output_rate.burst_ms to e.g. 100 (the default), or remove it"
+        )
     trace_path = section.get("trace_path")
     if trace_path is not None and (not isinstance(trace_path, str) or not trace_path.strip()):
         raise OutputRateConfigError(
             f"trace_path must be a non-empty string naming the file the engine-side event trace is "
-            f"appended to, e.g. \"/tmp/outrate-trace.jsonl\", got {trace_path!r}; remove it to turn tracing off"
+            f'appended to, e.g. "/tmp/outrate-trace.jsonl", got {trace_path!r}; remove it to turn tracing off'
         )
     if trace_path is not None:
         _check_trace_path(trace_path)
@@ -188,7 +195,7 @@ def check_shared_budget_url(url: Any) -> str:
     if not isinstance(url, str) or not url.startswith(SHARED_BUDGET_SCHEMES) or len(url.split("://", 1)[1]) == 0:
         raise OutputRateConfigError(
             f"shared_budget_url must be the URL of the Redis or Valkey server the engines share budgets through, "
-            f"e.g. \"redis://127.0.0.1:6379/0\" (schemes: {', '.join(SHARED_BUDGET_SCHEMES)}), got {url!r}; "
+            f'e.g. "redis://127.0.0.1:6379/0" (schemes: {", ".join(SHARED_BUDGET_SCHEMES)}), got {url!r}; '
             "remove it for a budget per engine"
         )
     return url
@@ -216,7 +223,8 @@ def _check_trace_path(trace_path: str) -> None:
     if not os.path.isdir(parent):
         raise OutputRateConfigError(
             f"trace_path {trace_path!r}: {parent!r} exists and is not a directory, so the trace file cannot be "
-            f"created below it; {fix}")
+            f"created below it; {fix}"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputRateConfigError(f"trace_path {trace_path!r}: directory {parent!r} is not writable; {fix}")
 
@@ -227,7 +235,8 @@ def _with_rates_file(config: OutputRateConfig, rates_file: Any) -> OutputRateCon
     if not isinstance(rates_file, str) or not rates_file.strip():
         raise OutputRateConfigError(
             f"rates_file must be a non-empty string naming a JSON file of rates (watched for changes, R21), e.g. "
-            f"\"/etc/outrate/rates.json\", got {rates_file!r}; remove it to change limits only by a restart")
+            f'"/etc/outrate/rates.json", got {rates_file!r}; remove it to change limits only by a restart'
+        )
     from vllm_output_rate.reference.ratesfile import RatesFileWatcher
 
     table = RatesFileWatcher(rates_file).load_initial()
@@ -295,8 +304,10 @@ def section_duplicates_error(text: str) -> str | None:
         return None
     sections = [value for key, value in top if key == SECTION]
     if len(sections) > 1:
-        return (f'--additional-config: key "{SECTION}" is given twice; JSON keeps only the last one, '
-                f'so merge them into one "{SECTION}" object')
+        return (
+            f'--additional-config: key "{SECTION}" is given twice; JSON keeps only the last one, '
+            f'so merge them into one "{SECTION}" object'
+        )
     if sections:
         try:
             _check_pairs(sections[0], f'--additional-config "{SECTION}"')
@@ -334,8 +345,10 @@ def _check_pairs(value: Any, what: str) -> None:
 # and in the front end before the engine starts (``plugin.py``, fails faster).
 UNSUPPORTED_WHY = {
     "speculative decoding": "a step can emit several tokens per request but is charged once",
-    "data parallel > 1": ("every data-parallel rank has its own scheduler and would grant its own budget "
-                          "unless the ranks share it through a store (R23-R26)"),
+    "data parallel > 1": (
+        "every data-parallel rank has its own scheduler and would grant its own budget "
+        "unless the ranks share it through a store (R23-R26)"
+    ),
     "pipeline parallel > 1": "several batches are in flight per scheduler; not covered by the accounting",
     "multimodal model": "encoder inputs and their scheduling are not covered by the accounting",
     "encoder-decoder model": "encoder inputs and their scheduling are not covered by the accounting",
@@ -347,12 +360,16 @@ UNSUPPORTED_WHY = {
     "KV connector": "remote KV loads and deferred frees change when a request can run",
     "EC connector": "encoder-cache transfers are not covered by the accounting",
     "aux output connector": "auxiliary outputs are delivered per step, not per charged token",
-    "local prefill cadence": ("vLLM 0.33 (and 0.32's data-parallel engine core) holds prefill until prefill_schedule_interval executed steps have passed "
-                              "while any decode is resident; a throttled user's paused decodes leave steps empty, "
-                              "so every other user's prefill waits for the throttled user's next grant "
-                              "(docs/MODES.md)"),
-    "sleep mode": ("sleep and wake-up pause the engine and discard or offload the KV cache of paused requests, "
-                   "which the accounting does not cover and no test here exercises (docs/MODES.md)"),
+    "local prefill cadence": (
+        "vLLM 0.33 (and 0.32's data-parallel engine core) holds prefill until prefill_schedule_interval executed steps have passed "
+        "while any decode is resident; a throttled user's paused decodes leave steps empty, "
+        "so every other user's prefill waits for the throttled user's next grant "
+        "(docs/MODES.md)"
+    ),
+    "sleep mode": (
+        "sleep and wake-up pause the engine and discard or offload the KV cache of paused requests, "
+        "which the accounting does not cover and no test here exercises (docs/MODES.md)"
+    ),
 }
 
 
@@ -376,13 +393,18 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
     section = additional.get(SECTION) if isinstance(additional, Mapping) else None
     shared = isinstance(section, Mapping) and section.get("shared_budget_url") is not None
     if dp > 1 and not shared:  # R23-R26: with a shared store every rank leases from one budget per user
-        found.append(("data parallel > 1",
-                      f"give --shared-budget-url (output_rate.shared_budget_url, a Redis or Valkey URL) so "
-                      f"the ranks share each user's budget, or set --data-parallel-size 1 (got {dp})"))
+        found.append(
+            (
+                "data parallel > 1",
+                f"give --shared-budget-url (output_rate.shared_budget_url, a Redis or Valkey URL) so "
+                f"the ranks share each user's budget, or set --data-parallel-size 1 (got {dp})",
+            )
+        )
     pp = getattr(parallel, "pipeline_parallel_size", 1)
     if pp > 1:
-        found.append(("pipeline parallel > 1",
-                      f"set --pipeline-parallel-size 1 (got {pp}); tensor parallel is supported"))
+        found.append(
+            ("pipeline parallel > 1", f"set --pipeline-parallel-size 1 (got {pp}); tensor parallel is supported")
+        )
     model = getattr(vllm_config, "model_config", None)
     if model is not None:
         flags = (

@@ -222,8 +222,9 @@ class OutputRateLimiter:
             del self._tat[user]
         return len(idle)
 
-    def change_rates(self, default_rate_tokens_per_s: object, user_rates_tokens_per_s: Mapping[str, object] | None,
-                     now_ns: int) -> int:
+    def change_rates(
+        self, default_rate_tokens_per_s: object, user_rates_tokens_per_s: Mapping[str, object] | None, now_ns: int
+    ) -> int:
         """R21: replace the rate table at ``now_ns``, keeping every user's lead in tokens.
 
         For a user holding a TAT whose rate changes ``p/q -> p'/q'`` (override or default),

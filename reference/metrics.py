@@ -117,8 +117,9 @@ class MetricsRecorder:
         shadow: shadow mode (reported as ``vllm:output_rate_shadow``).
     """
 
-    def __init__(self, directory: str, user_rates: Mapping[str, Fraction], default_rate: Fraction,
-                 shadow: bool = False) -> None:
+    def __init__(
+        self, directory: str, user_rates: Mapping[str, Fraction], default_rate: Fraction, shadow: bool = False
+    ) -> None:
         self.path = os.path.join(directory, f"engine-{os.getpid()}.json")
         self.named = frozenset(user_rates)
         self.added_labels = 0  # labels named by rates-file changes (R21), <= MAX_ADDED_LABELS
@@ -152,14 +153,21 @@ class MetricsRecorder:
         on (at most ``MAX_ADDED_LABELS`` added per run; later ones stay in ``OTHER``); every
         label keeps its series, and its limit gauge shows the new table's rate (the default
         for a label whose user left the table)."""
-        added = [u for u in user_rates if u not in self.named][:max(0, MAX_ADDED_LABELS - self.added_labels)]
+        added = [u for u in user_rates if u not in self.named][: max(0, MAX_ADDED_LABELS - self.added_labels)]
         self.added_labels += len(added)
         self.named = self.named | frozenset(added)
         names = [u for u in self.rates if u != OTHER] + added
         self.rates = {**{u: float(user_rates.get(u, default_rate)) for u in names}, OTHER: float(default_rate)}
 
-    def step(self, now_ns: int, granted: Mapping[str, int], throttled: Collection[str],
-             user_of: Callable[[str], str | None], refunded_users: Iterable[str | None] = (), limiter: Any = None) -> None:
+    def step(
+        self,
+        now_ns: int,
+        granted: Mapping[str, int],
+        throttled: Collection[str],
+        user_of: Callable[[str], str | None],
+        refunded_users: Iterable[str | None] = (),
+        limiter: Any = None,
+    ) -> None:
         """One ``schedule()`` at ``now_ns``.
 
         ``granted``: user -> sampling dispatches charged in the step (before refunds);
@@ -213,8 +221,14 @@ class MetricsRecorder:
             }
             for key, rate in self.rates.items()
         }
-        return {"version": SNAPSHOT_VERSION, "pid": os.getpid(), "now_ns": now_ns, "shadow": self.shadow,
-                "throttled_requests": self.throttled_requests, "labels": labels}
+        return {
+            "version": SNAPSHOT_VERSION,
+            "pid": os.getpid(),
+            "now_ns": now_ns,
+            "shadow": self.shadow,
+            "throttled_requests": self.throttled_requests,
+            "labels": labels,
+        }
 
     def write(self, now_ns: int, limiter: Any = None) -> None:
         """Write the snapshot atomically (temporary file + ``os.replace``); never raises."""
@@ -247,8 +261,11 @@ def read_snapshots(directory: str) -> list[dict[str, Any]]:
 
 COUNTERS = (
     ("granted_tokens", "granted", "Output tokens granted (sampling dispatches charged and not refunded)."),
-    ("throttled_request_steps", "throttled_request_steps",
-     "Running requests skipped in one step because the user's budget was spent (shadow mode: would be)."),
+    (
+        "throttled_request_steps",
+        "throttled_request_steps",
+        "Running requests skipped in one step because the user's budget was spent (shadow mode: would be).",
+    ),
     ("refunds", "refunds", "Charges refunded because the charged request was not dispatched (R9)."),
     ("throttled_seconds", "throttled_seconds", "Seconds during which a request of the user was throttled."),
 )
@@ -297,13 +314,21 @@ class OutputRateCollector:
                 gauge.add_metric([key], merged[key].get(field, 0))
             yield gauge
         if snapshots:
-            yield GaugeMetricFamily(PREFIX + "throttled_requests", "Resident requests throttled in the last step.",
-                                    value=sum(s.get("throttled_requests", 0) for s in snapshots))
-            yield GaugeMetricFamily(PREFIX + "shadow", "1 in shadow mode (nothing is throttled), else 0.",
-                                    value=1 if any(s.get("shadow") for s in snapshots) else 0)
-            yield GaugeMetricFamily(PREFIX + "snapshot_age_seconds",
-                                    "Seconds since the engine core wrote its output-rate snapshot.",
-                                    value=max(0.0, (now - max(s["now_ns"] for s in snapshots)) / 1e9))
+            yield GaugeMetricFamily(
+                PREFIX + "throttled_requests",
+                "Resident requests throttled in the last step.",
+                value=sum(s.get("throttled_requests", 0) for s in snapshots),
+            )
+            yield GaugeMetricFamily(
+                PREFIX + "shadow",
+                "1 in shadow mode (nothing is throttled), else 0.",
+                value=1 if any(s.get("shadow") for s in snapshots) else 0,
+            )
+            yield GaugeMetricFamily(
+                PREFIX + "snapshot_age_seconds",
+                "Seconds since the engine core wrote its output-rate snapshot.",
+                value=max(0.0, (now - max(s["now_ns"] for s in snapshots)) / 1e9),
+            )
 
 
 _COLLECTOR: OutputRateCollector | None = None

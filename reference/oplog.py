@@ -75,19 +75,30 @@ def limits_message(scheduler: str, config: OutputRateConfig, active_cap: int, ma
     assert config.default_rate is not None, "limits_message is for a configuration with the feature on (R18)"
     named = ", ".join(f"{shown_user(u)} {shown_rate(r)} tok/s" for u, r in list(overrides.items())[:NAMES_SHOWN])
     more = len(overrides) - NAMES_SHOWN
-    users = f"{len(overrides)} override(s)" + (f": {named}" if named else "") + (f" and {more} more" if more > 0
-                                                                                 else "")
-    cap = (f"active cap {active_cap} of {max_num_seqs} resident requests (max_num_seqs)" if active_cap < max_num_seqs
-           else f"active cap = max_num_seqs = {max_num_seqs} (throttled requests cannot give their place away)")
+    users = (
+        f"{len(overrides)} override(s)" + (f": {named}" if named else "") + (f" and {more} more" if more > 0 else "")
+    )
+    cap = (
+        f"active cap {active_cap} of {max_num_seqs} resident requests (max_num_seqs)"
+        if active_cap < max_num_seqs
+        else f"active cap = max_num_seqs = {max_num_seqs} (throttled requests cannot give their place away)"
+    )
     trace = f"trace {config.trace_path}" if config.trace_path else "trace off"
     if config.shadow:  # Decision "Shadow mode": nothing is throttled, the cap is not applied
-        cap = (f"active cap {active_cap} of {max_num_seqs} not applied" if active_cap < max_num_seqs
-               else f"max_num_seqs {max_num_seqs}")
-        return (f"output-rate limiting in SHADOW mode ({scheduler}): would-be throttles are counted and reported, "
-                f"nothing is throttled; default {shown_rate(config.default_rate)} tok/s; {users}; "
-                f"burst {config.burst_ns / 1_000_000:g} ms; {cap}; {trace}")
-    return (f"output-rate limiting on ({scheduler}): default {shown_rate(config.default_rate)} tok/s; {users}; "
-            f"burst {config.burst_ns / 1_000_000:g} ms; {cap}; {trace}")
+        cap = (
+            f"active cap {active_cap} of {max_num_seqs} not applied"
+            if active_cap < max_num_seqs
+            else f"max_num_seqs {max_num_seqs}"
+        )
+        return (
+            f"output-rate limiting in SHADOW mode ({scheduler}): would-be throttles are counted and reported, "
+            f"nothing is throttled; default {shown_rate(config.default_rate)} tok/s; {users}; "
+            f"burst {config.burst_ns / 1_000_000:g} ms; {cap}; {trace}"
+        )
+    return (
+        f"output-rate limiting on ({scheduler}): default {shown_rate(config.default_rate)} tok/s; {users}; "
+        f"burst {config.burst_ns / 1_000_000:g} ms; {cap}; {trace}"
+    )
 
 
 def log_limits(scheduler: str, config: OutputRateConfig, active_cap: int, max_num_seqs: int) -> None:
@@ -98,8 +109,10 @@ def log_limits(scheduler: str, config: OutputRateConfig, active_cap: int, max_nu
 def log_feature_off(scheduler: str) -> None:
     """Write the start-up line of our class with the feature off (R18)."""
     logger.info(
-        "output-rate limiting off (%s): no additional_config[\"output_rate\"][\"default_tokens_per_s\"]; "
-        "the scheduler behaves exactly like vLLM's (R18)", scheduler)
+        'output-rate limiting off (%s): no additional_config["output_rate"]["default_tokens_per_s"]; '
+        "the scheduler behaves exactly like vLLM's (R18)",
+        scheduler,
+    )
 
 
 class ThrottleLog:
@@ -111,8 +124,9 @@ class ThrottleLog:
 
     __slots__ = ("counts", "interval_ns", "lines", "next_ns", "rate_of", "since_ns", "what")
 
-    def __init__(self, rate_of: Callable[[str], Fraction], interval_ns: int = SUMMARY_INTERVAL_NS,
-                 shadow: bool = False) -> None:
+    def __init__(
+        self, rate_of: Callable[[str], Fraction], interval_ns: int = SUMMARY_INTERVAL_NS, shadow: bool = False
+    ) -> None:
         self.counts: Counter[str | None] = Counter()  # user -> throttled request-steps this interval
         self.next_ns = 0  # the first step only starts the interval
         self.since_ns: int | None = None
@@ -160,9 +174,14 @@ class ThrottleLog:
             rest = len(self.counts) - len(top)
             if rest > 0:
                 parts.append(f"{rest} more user(s) {sum(self.counts.values()) - sum(n for _, n in top)}")
-            logger.info("output-rate: %d user(s) %s in the last %.1f s, by %s request-steps: %s",
-                        len(self.counts), self.what, (now_ns - self.since_ns) / 1e9, self.what.split(" (")[0],
-                        ", ".join(parts))
+            logger.info(
+                "output-rate: %d user(s) %s in the last %.1f s, by %s request-steps: %s",
+                len(self.counts),
+                self.what,
+                (now_ns - self.since_ns) / 1e9,
+                self.what.split(" (")[0],
+                ", ".join(parts),
+            )
             self.lines += 1
             self.counts.clear()
         self.since_ns = now_ns

@@ -63,22 +63,30 @@ def parse_rates_file(text: str, path: str = "rates file") -> RateTable:
     except OutputRateConfigError:
         raise
     except ValueError as exc:
-        raise OutputRateConfigError(f"{what}: not valid JSON ({exc}); write a JSON object such as "
-                                    '{"default_tokens_per_s": 100, "user_tokens_per_s": {"user-a": 20}}') from None
+        raise OutputRateConfigError(
+            f"{what}: not valid JSON ({exc}); write a JSON object such as "
+            '{"default_tokens_per_s": 100, "user_tokens_per_s": {"user-a": 20}}'
+        ) from None
     if not isinstance(data, Mapping):
-        raise OutputRateConfigError(f"{what}: must be a JSON object with default_tokens_per_s and "
-                                    f"user_tokens_per_s, got {data!r}")
+        raise OutputRateConfigError(
+            f"{what}: must be a JSON object with default_tokens_per_s and user_tokens_per_s, got {data!r}"
+        )
     restart = sorted(k for k in data if k in KNOWN_KEYS and k not in RATE_KEYS)
     if restart:
-        raise OutputRateConfigError(f"{what}: {', '.join(map(repr, restart))} cannot be changed without a restart; "
-                                    f"the rates file holds only {' and '.join(RATE_KEYS)}")
+        raise OutputRateConfigError(
+            f"{what}: {', '.join(map(repr, restart))} cannot be changed without a restart; "
+            f"the rates file holds only {' and '.join(RATE_KEYS)}"
+        )
     unknown = sorted((k for k in data if k not in RATE_KEYS), key=str)
     if unknown:
-        raise OutputRateConfigError(f"{what}: unknown key(s) {_suggest_keys(unknown, RATE_KEYS)}; "
-                                    f"known keys: {', '.join(RATE_KEYS)}")
+        raise OutputRateConfigError(
+            f"{what}: unknown key(s) {_suggest_keys(unknown, RATE_KEYS)}; known keys: {', '.join(RATE_KEYS)}"
+        )
     if data.get("default_tokens_per_s") is None:
-        raise OutputRateConfigError(f"{what}: no default_tokens_per_s; give the default rate too (the file "
-                                    "replaces the whole rate table, and the feature stays on: R18)")
+        raise OutputRateConfigError(
+            f"{what}: no default_tokens_per_s; give the default rate too (the file "
+            "replaces the whole rate table, and the feature stays on: R18)"
+        )
     try:
         config = parse_output_rate(dict(data))
     except OutputRateConfigError as exc:
@@ -136,8 +144,9 @@ class RatesFileWatcher:
 
     def _read(self, st: os.stat_result) -> RateTable:
         if st.st_size > MAX_RATES_FILE_BYTES:
-            raise OutputRateConfigError(f"rates file {self.path}: {st.st_size} bytes > {MAX_RATES_FILE_BYTES}; "
-                                        "this is not a rate table")
+            raise OutputRateConfigError(
+                f"rates file {self.path}: {st.st_size} bytes > {MAX_RATES_FILE_BYTES}; this is not a rate table"
+            )
         try:
             with open(self.path, encoding="utf-8") as handle:
                 text = handle.read()
@@ -158,8 +167,9 @@ class RatesFileWatcher:
             if not self._missing_logged:
                 self._missing_logged = True
                 what = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc})"
-                self.logger.warning("output-rate: rates file %s %s; the limits in force are kept until it is "
-                                    "written", self.path, what)
+                self.logger.warning(
+                    "output-rate: rates file %s %s; the limits in force are kept until it is written", self.path, what
+                )
             return None
         self._missing_logged = False
         signature = _signature(st)
@@ -180,5 +190,8 @@ def describe(table: RateTable) -> str:
     """A one-line description of a table for the operator log."""
     overrides = ", ".join(f"{u!r} {r} tok/s" for u, r in sorted(table.user_rates.items())[:5])
     more = len(table.user_rates) - 5
-    return (f"default {table.default_rate} tok/s; {len(table.user_rates)} override(s)"
-            + (f": {overrides}" if overrides else "") + (f" and {more} more" if more > 0 else ""))
+    return (
+        f"default {table.default_rate} tok/s; {len(table.user_rates)} override(s)"
+        + (f": {overrides}" if overrides else "")
+        + (f" and {more} more" if more > 0 else "")
+    )

@@ -105,9 +105,7 @@ class _RateLimitMixin(_SchedulerHost):
         # unsupported configuration stops start-up with one message saying what to change.
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         additional = vllm_config.additional_config or {}
-        output_rate_config = parse_output_rate(
-            additional.get("output_rate") if isinstance(additional, dict) else None
-        )
+        output_rate_config = parse_output_rate(additional.get("output_rate") if isinstance(additional, dict) else None)
         if output_rate_config.enabled:  # R18: feature off, no checks at all
             check_engine_supported(vllm_config)
         super().__init__(*args, **kwargs)
@@ -124,14 +122,16 @@ class _RateLimitMixin(_SchedulerHost):
         self._record_only = False  # see _reserve_prefill_lookahead
         self._throttle_log: ThrottleLog | None = None  # operator log of throttled users (oplog.py)
         # R20: resident (running) requests one user may hold; None: no cap (the default).
-        self._per_user_cap: int | None = (output_rate_config.max_num_seqs_per_user
-                                          if output_rate_config.enabled else None)
+        self._per_user_cap: int | None = (
+            output_rate_config.max_num_seqs_per_user if output_rate_config.enabled else None
+        )
         self._shadow: ShadowAccounting | None = None  # shadow mode (reference/shadow.py)
         self._metrics: MetricsRecorder | None = None  # /metrics snapshot (reference/metrics.py)
         self._step_taken: dict[str, int] = {}  # user -> charges of the last step (for the metrics)
         # R21: rate changes without a restart, applied at the start of schedule() only.
-        self._rates_watcher: RatesFileWatcher | None = (RatesFileWatcher(output_rate_config.rates_file)
-                                                        if output_rate_config.rates_file else None)
+        self._rates_watcher: RatesFileWatcher | None = (
+            RatesFileWatcher(output_rate_config.rates_file) if output_rate_config.rates_file else None
+        )
         self._pending_rates: RateTable | None = None  # queued by update_output_rates (any thread)
         self._rates_lock = threading.Lock()
         if not self.output_rate_config.enabled:
@@ -144,8 +144,13 @@ class _RateLimitMixin(_SchedulerHost):
         if cfg.shared_budget_url is not None:  # R23-R26: one budget per user across engines
             from vllm_output_rate.reference.shared_budget import SharedBudgetLimiter
 
-            self.rate_limiter = SharedBudgetLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns,
-                                                    url=cfg.shared_budget_url, clock_ns=lambda: self.clock_ns())
+            self.rate_limiter = SharedBudgetLimiter(
+                cfg.default_rate,
+                cfg.user_rates,
+                cfg.burst_ns,
+                url=cfg.shared_budget_url,
+                clock_ns=lambda: self.clock_ns(),
+            )
         else:
             self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
         # R12: with the feature on, max_num_active_seqs means "requests in a step's batch".
@@ -162,8 +167,9 @@ class _RateLimitMixin(_SchedulerHost):
             self._metrics.write(self.clock_ns())
         # The hook's short path: the active cap cannot bind, vLLM's hook only clamps at 0,
         # and ``_samples`` (R7) is ours, so it can be inlined.
-        self._hook_fast = (not self._cap_binds and not self._base_lookahead
-                           and type(self)._samples is _RateLimitMixin._samples)
+        self._hook_fast = (
+            not self._cap_binds and not self._base_lookahead and type(self)._samples is _RateLimitMixin._samples
+        )
         self._user_cache: dict[str, str] = {}  # request id -> user (R17, resolved once)
         self._user_requests: dict[str, int] = {}  # user -> requests in the scheduler (any state)
         # user -> spare grants at the last step's clock reading, minus ``_spare_taken`` (a
@@ -192,14 +198,17 @@ class _RateLimitMixin(_SchedulerHost):
         its header names the class, the scheduling mode, the rates and tau (``header``:
         more keys, e.g. ``shadow``)."""
         cfg = self.output_rate_config
-        self._trace = TraceWriter(rank_trace_path(trace_path, self.vllm_config), {
-            "scheduler": type(self).__name__,
-            "async_scheduling": isinstance(self, AsyncScheduler),
-            "default_tokens_per_s": str(cfg.default_rate),
-            "user_tokens_per_s": {u: str(r) for u, r in cfg.user_rates.items()},
-            "burst_ns": cfg.burst_ns,
-            **header,
-        })
+        self._trace = TraceWriter(
+            rank_trace_path(trace_path, self.vllm_config),
+            {
+                "scheduler": type(self).__name__,
+                "async_scheduling": isinstance(self, AsyncScheduler),
+                "default_tokens_per_s": str(cfg.default_rate),
+                "user_tokens_per_s": {u: str(r) for u, r in cfg.user_rates.items()},
+                "burst_ns": cfg.burst_ns,
+                **header,
+            },
+        )
 
     def _reset_step_state(self, now_ns: int) -> None:
         self._now_ns = now_ns
@@ -317,15 +326,22 @@ class _RateLimitMixin(_SchedulerHost):
         throttle_log.step(self._now_ns, self._throttled, self._user_cache)  # operator log (oplog.py)
         if self._metrics is not None:  # /metrics (reference/metrics.py); snapshot at most once per second
             cache = self._user_cache
-            self._metrics.step(self._now_ns, self._step_taken, self._throttled, cache.get,
-                               map(cache.get, refunded) if refunded else (), limiter)
+            self._metrics.step(
+                self._now_ns,
+                self._step_taken,
+                self._throttled,
+                cache.get,
+                map(cache.get, refunded) if refunded else (),
+                limiter,
+            )
         if self._trace is not None:
             self._trace_step(scheduler_output, refunded)
         return scheduler_output
 
     # -- R21: a rate change without a restart --------------------------------------------
-    def update_output_rates(self, default_tokens_per_s: object,
-                            user_tokens_per_s: Mapping[str, object] | None = None) -> None:
+    def update_output_rates(
+        self, default_tokens_per_s: object, user_tokens_per_s: Mapping[str, object] | None = None
+    ) -> None:
         """R21: queue a new rate table (tokens/s), applied at the start of the next
         ``schedule()`` at that step's clock reading, never in the middle of one.
 
@@ -341,9 +357,11 @@ class _RateLimitMixin(_SchedulerHost):
         if not self.output_rate_config.enabled:
             raise OutputRateConfigError(
                 "update_output_rates: output-rate limiting is off for this engine (no default_tokens_per_s at "
-                "start-up); a rate change cannot turn it on: restart with a default rate")
-        config = parse_output_rate({"default_tokens_per_s": default_tokens_per_s,
-                                    "user_tokens_per_s": dict(user_tokens_per_s or {})})
+                "start-up); a rate change cannot turn it on: restart with a default rate"
+            )
+        config = parse_output_rate(
+            {"default_tokens_per_s": default_tokens_per_s, "user_tokens_per_s": dict(user_tokens_per_s or {})}
+        )
         assert config.default_rate is not None
         with self._rates_lock:
             self._pending_rates = RateTable(config.default_rate, dict(config.user_rates))
@@ -369,14 +387,18 @@ class _RateLimitMixin(_SchedulerHost):
         changed = limiter.change_rates(table.default_rate, table.user_rates, now_ns)
         if self.rate_limiter is not None:
             self._spare, self._spare_taken = {}, {}  # lower bounds at the old rates
-        self.output_rate_config = replace(self.output_rate_config, default_rate=table.default_rate,
-                                          user_rates=dict(table.user_rates))
+        self.output_rate_config = replace(
+            self.output_rate_config, default_rate=table.default_rate, user_rates=dict(table.user_rates)
+        )
         if self._metrics is not None:  # users the table names get their own series (bounded)
             self._metrics.rates_changed(table.user_rates, table.default_rate)
         if self._trace is not None:
             self._trace.rates_changed(now_ns, table.default_rate, table.user_rates)
-        oplog_logger.info("output-rate limits changed without a restart (R21): %s; %d user(s) rescaled, "
-                          "lead kept in tokens", describe_rates(table), changed)
+        oplog_logger.info(
+            "output-rate limits changed without a restart (R21): %s; %d user(s) rescaled, lead kept in tokens",
+            describe_rates(table),
+            changed,
+        )
 
     # -- shadow mode (Decision "Shadow mode"; reference/shadow.py) ------------------------
     def _start_shadow(self) -> None:
@@ -385,8 +407,10 @@ class _RateLimitMixin(_SchedulerHost):
         cfg = self.output_rate_config
         self._base_lookahead = True  # _reserve_prefill_lookahead: vLLM's own (R18 path)
         self._shadow = ShadowAccounting(cfg, self._resolve_user)
-        would_cap = min(cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs
-                        or self.max_num_running_reqs, self.max_num_running_reqs)
+        would_cap = min(
+            cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs or self.max_num_running_reqs,
+            self.max_num_running_reqs,
+        )
         log_limits(type(self).__name__, cfg, would_cap, self.max_num_running_reqs)  # operator log
         self._throttle_log = ThrottleLog(self._shadow.limiter.rate_of, shadow=True)
         self._metrics = MetricsRecorder.from_env(cfg)  # None unless the front end set the directory
@@ -435,9 +459,18 @@ class _RateLimitMixin(_SchedulerHost):
                 "throttled": False,
                 "would_throttle": rid in would_set,
             }
-        trace.write_step(shadow.steps - 1, now_ns, requests, shadow.last_granted, [],
-                               sorted(scheduler_output.preempted_req_ids), len(self.running),
-                               len(self.waiting), len(shadow.limiter), extra={"would_throttle": would})
+        trace.write_step(
+            shadow.steps - 1,
+            now_ns,
+            requests,
+            shadow.last_granted,
+            [],
+            sorted(scheduler_output.preempted_req_ids),
+            len(self.running),
+            len(self.waiting),
+            len(shadow.limiter),
+            extra={"would_throttle": would},
+        )
 
     # -- the engine-side event trace (output_rate.trace_path; reference/trace.py) -------
     def _trace_step(self, scheduler_output, refunded: list[str]) -> None:
@@ -464,9 +497,17 @@ class _RateLimitMixin(_SchedulerHost):
                 "refunded": rid in refunded_set,
                 "throttled": rid in throttled,
             }
-        trace.write_step(self._steps - 1, self._now_ns, requests, charged, refunded,
-                         sorted(scheduler_output.preempted_req_ids), len(self.running),
-                         len(self.waiting), len(limiter))
+        trace.write_step(
+            self._steps - 1,
+            self._now_ns,
+            requests,
+            charged,
+            refunded,
+            sorted(scheduler_output.preempted_req_ids),
+            len(self.running),
+            len(self.waiting),
+            len(limiter),
+        )
 
     def _trace_if_idle(self) -> None:
         if self._trace is not None and not self.requests:
@@ -577,7 +618,8 @@ class _RateLimitMixin(_SchedulerHost):
         for user, mine in streams.items():
             grants = short[user]
             decoding = [
-                r for r in self._turn_order(mine)
+                r
+                for r in self._turn_order(mine)
                 if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
                 and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
             ]
@@ -700,8 +742,7 @@ class _RateLimitMixin(_SchedulerHost):
             self._scheduled_running.add(request.request_id)
         return num_new_tokens
 
-    def _refuse(self, request: Request, user: str, num_computed_tokens: int, num_new_tokens: int,
-                end: int) -> int:
+    def _refuse(self, request: Request, user: str, num_computed_tokens: int, num_new_tokens: int, end: int) -> int:
         """R10/R11: ``user`` is refused; advance a prefill to n-1 or skip the request (0)."""
         self._refused_users.add(user)
         # R10: with chunked prefill, advance to the position just before sampling.
@@ -803,8 +844,9 @@ class _RateLimitMixin(_SchedulerHost):
                 continue
             if not lora or r.num_computed_tokens >= room_end:
                 continue  # V4: no room left, it finishes on its output in flight
-            if r.num_output_placeholders > 0 and (r.num_computed_tokens + 2 - r.num_output_placeholders
-                                                  >= r.num_prompt_tokens + r.max_tokens):
+            if r.num_output_placeholders > 0 and (
+                r.num_computed_tokens + 2 - r.num_output_placeholders >= r.num_prompt_tokens + r.max_tokens
+            ):
                 continue  # V3: its placeholders already reach max_tokens
             counted.add(lora)
         return counted
@@ -860,8 +902,9 @@ class _RateLimitMixin(_SchedulerHost):
         at_start = {id(r) for r in self._throttled_at_start}
 
         def freeable(holders: list[Request]) -> bool:
-            return all(id(r) in at_start and short.get(self._user(r)) == 0 and self._user(r) != needing_user
-                       for r in holders)
+            return all(
+                id(r) in at_start and short.get(self._user(r)) == 0 and self._user(r) != needing_user for r in holders
+            )
 
         candidates = [r for r in self.running if (lora := self._lora_id(r)) and freeable(in_use[lora])]
         if not candidates:
@@ -920,7 +963,7 @@ class _RateLimitMixin(_SchedulerHost):
         if resident is None:
             resident = self._resident = Counter(map(self._user, running))
         else:
-            for admitted in running[self._resident_seen:]:
+            for admitted in running[self._resident_seen :]:
                 resident[self._user(admitted)] += 1
         self._resident_seen = len(running)
         cap = self._per_user_cap
@@ -970,6 +1013,7 @@ class _RateLimitMixin(_SchedulerHost):
         position = self._turn_position()
         late = len(position)
         admitted = {r.request_id: late + i for i, r in enumerate(self.running) if r.request_id not in position}
+
         def key(rid: str) -> int:  # a turn position; admitted in this step: after every turn
             return position[rid] if rid in position else admitted.get(rid, late)
 

@@ -144,16 +144,29 @@ class SharedBudgetLimiter(OutputRateLimiter):
     R23-R26.
     """
 
-    def __init__(self, default_rate_tokens_per_s: object, user_rates_tokens_per_s: Mapping[str, object] | None = None,
-                 burst_ns: int = BURST_NS, *, url: str, client: Any = None,
-                 clock_ns: Callable[[], int] = time.monotonic_ns, start_thread: bool = True) -> None:
+    def __init__(
+        self,
+        default_rate_tokens_per_s: object,
+        user_rates_tokens_per_s: Mapping[str, object] | None = None,
+        burst_ns: int = BURST_NS,
+        *,
+        url: str,
+        client: Any = None,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        start_thread: bool = True,
+    ) -> None:
         super().__init__(default_rate_tokens_per_s, user_rates_tokens_per_s, burst_ns)
         import redis  # the store client; only needed with the feature configured
 
-        url = "redis://" + url[len("valkey://"):] if url.startswith("valkey://") else url
+        url = "redis://" + url[len("valkey://") :] if url.startswith("valkey://") else url
         timeout_s = STORE_TIMEOUT_NS / NS_PER_S
-        self._client: Any = client if client is not None else redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False)
+        self._client: Any = (
+            client
+            if client is not None
+            else redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+            )
+        )
         self._lease = self._client.register_script(LEASE_LUA)
         self._return = self._client.register_script(RETURN_LUA)
         self.url = url
@@ -298,8 +311,11 @@ class SharedBudgetLimiter(OutputRateLimiter):
                             held.returning += grants
                             self._pending_return[(user, lease_id)] = grants
                     held.grants = {}
-                elif idle <= DEMAND_NS and not held.in_flight and \
-                        held.spendable(wall) + held.returning < self.lease_grants(user):
+                elif (
+                    idle <= DEMAND_NS
+                    and not held.in_flight
+                    and held.spendable(wall) + held.returning < self.lease_grants(user)
+                ):
                     held.in_flight = True
                     todo.append(("lease", user, 0))
                 elif idle > DEMAND_NS and not held.grants and not held.returning and not held.in_flight:
@@ -315,8 +331,10 @@ class SharedBudgetLimiter(OutputRateLimiter):
         want = self.lease_grants(user)
         try:
             self.round_trips += 1
-            n, lease_id = self._lease(keys=[user_key(user)], args=[
-                self.emission_ns(user), self.burst_ns, want, LEASE_TTL_NS // 1_000_000, self.engine_id])
+            n, lease_id = self._lease(
+                keys=[user_key(user)],
+                args=[self.emission_ns(user), self.burst_ns, want, LEASE_TTL_NS // 1_000_000, self.engine_id],
+            )
             ok = self._clock() - sent <= STORE_TIMEOUT_NS
             self._store_state(True)
         except Exception as exc:  # R25: any store failure: no lease, fail closed
@@ -335,8 +353,10 @@ class SharedBudgetLimiter(OutputRateLimiter):
             grants = self._pending_return.get((user, lease_id), 0)
         try:
             self.round_trips += 1
-            self._return(keys=[user_key(user), f"{user_key(user)}:lease:{lease_id}"],
-                         args=[self.emission_ns(user), grants, self.engine_id])
+            self._return(
+                keys=[user_key(user), f"{user_key(user)}:lease:{lease_id}"],
+                args=[self.emission_ns(user), grants, self.engine_id],
+            )
             confirmed = True
             self._store_state(True)
         except Exception as exc:  # R25: unconfirmed: counted as held until the record expired
@@ -371,8 +391,12 @@ class SharedBudgetLimiter(OutputRateLimiter):
         if ok and not self.store_ok:
             logger.warning("output_rate: shared budget store %s answers again; leases resume (R25)", self.url)
         elif not ok and self.store_ok:
-            logger.warning("output_rate: shared budget store %s unreachable (%s): no new leases, held grants "
-                           "are spent, then the users are throttled until it answers (R25)", self.url, exc)
+            logger.warning(
+                "output_rate: shared budget store %s unreachable (%s): no new leases, held grants "
+                "are spent, then the users are throttled until it answers (R25)",
+                self.url,
+                exc,
+            )
         self.store_ok = ok
 
     def close(self) -> None:

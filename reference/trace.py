@@ -129,8 +129,16 @@ class TraceWriter:
         file = self._file
         if file is None:
             return
-        self._write(file, {"rates": {"now_ns": now_ns, "default_tokens_per_s": str(default_rate),
-                                     "user_tokens_per_s": {u: str(r) for u, r in user_rates.items()}}})
+        self._write(
+            file,
+            {
+                "rates": {
+                    "now_ns": now_ns,
+                    "default_tokens_per_s": str(default_rate),
+                    "user_tokens_per_s": {u: str(r) for u, r in user_rates.items()},
+                }
+            },
+        )
         file.flush()
 
     def idle(self, now_ns: int) -> None:

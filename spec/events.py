@@ -70,8 +70,10 @@ class AddRequest:
     def __str__(self) -> str:
         eos = "" if self.eos_index is None else f" eos@{self.eos_index}"
         lora = f" lora={self.lora}" if self.lora else ""
-        return (f"add {self.request_id} user={self.user} prio={self.priority} prompt={self.prompt_len} "
-                f"max_tokens={self.max_tokens}{eos}{lora}")
+        return (
+            f"add {self.request_id} user={self.user} prio={self.priority} prompt={self.prompt_len} "
+            f"max_tokens={self.max_tokens}{eos}{lora}"
+        )
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,9 @@ class ChangeRates:
     user_rates_tokens_per_s: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "user_rates_tokens_per_s",
-                           tuple((str(u), str(r)) for u, r in self.user_rates_tokens_per_s))
+        object.__setattr__(
+            self, "user_rates_tokens_per_s", tuple((str(u), str(r)) for u, r in self.user_rates_tokens_per_s)
+        )
         rates = [self.default_rate_tokens_per_s] + [r for _, r in self.user_rates_tokens_per_s]
         assert all(Fraction(r) > 0 for r in rates), f"R21: rates must be positive, got {rates}"
         users = [u for u, _ in self.user_rates_tokens_per_s]
@@ -138,8 +141,10 @@ class ChangeRates:
 
     def rates(self) -> tuple[Fraction, tuple[tuple[str, Fraction], ...]]:
         """``(default, overrides)`` as exact Fractions."""
-        return (Fraction(self.default_rate_tokens_per_s),
-                tuple((u, Fraction(r)) for u, r in self.user_rates_tokens_per_s))
+        return (
+            Fraction(self.default_rate_tokens_per_s),
+            tuple((u, Fraction(r)) for u, r in self.user_rates_tokens_per_s),
+        )
 
     def __str__(self) -> str:
         users = " ".join(f"{u}={r}" for u, r in self.user_rates_tokens_per_s)

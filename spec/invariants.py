@@ -109,8 +109,10 @@ def i6_seats(after: SchedulerState, obs: Observation) -> str | None:
     if config.rate_limited and obs.admitted:
         throttled_running = len(set(obs.throttled) & set(after.running))
         if len(after.running) - throttled_running > config.active_cap:
-            return (f"I6 (R12): admitted {obs.admitted} with {len(after.running)} running, "
-                    f"{throttled_running} throttled > A={config.active_cap}")
+            return (
+                f"I6 (R12): admitted {obs.admitted} with {len(after.running)} running, "
+                f"{throttled_running} throttled > A={config.active_cap}"
+            )
     return None
 
 
@@ -144,8 +146,9 @@ class DispatchHistory:
         rest = tuple((u, t) for u, t in self.ledger_tat_ns if u != user)
         return replace(self, ledger_tat_ns=rest + ((user, new_tat),))
 
-    def rerate(self, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction],
-               now_ns: int) -> DispatchHistory:
+    def rerate(
+        self, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction], now_ns: int
+    ) -> DispatchHistory:
         """R21: the rate table changed at ``now_ns``. I13: each changed user's ledger TAT is
         rescaled as the limiter's is (``limiter.rescaled_tat_ns``). I7: a changed user's
         window history restarts, since I7 judges one rate; windows across the change are
@@ -154,7 +157,11 @@ class DispatchHistory:
         changed = {u for u, _ in self.times_ns + self.ledger_tat_ns if old_rate_of(u) != new_rate_of(u)}
         ledger = []
         for user, tat in self.ledger_tat_ns:
-            kept = spec_limiter.rescaled_tat_ns(tat, old_rate_of(user), new_rate_of(user), now_ns) if user in changed else tat
+            kept = (
+                spec_limiter.rescaled_tat_ns(tat, old_rate_of(user), new_rate_of(user), now_ns)
+                if user in changed
+                else tat
+            )
             if kept is not None:
                 ledger.append((user, kept))
         times = tuple((u, t) for u, t in self.times_ns if u not in changed)
@@ -170,8 +177,10 @@ def i7_window_bound(history: DispatchHistory, user: str, after: SchedulerState) 
     """I7 (R2): every window ending at the user's newest dispatch respects the bound."""
     excess = spec_properties.window_excess(history.of(user), after.config.rate_of(user), after.config.burst_ns)
     if excess is not None:
-        return (f"I7 (R2): user {user}: {excess.count} dispatches in [{excess.start_ns}, {excess.end_ns}] ns "
-                f"> bound {excess.bound}")
+        return (
+            f"I7 (R2): user {user}: {excess.count} dispatches in [{excess.start_ns}, {excess.end_ns}] ns "
+            f"> bound {excess.bound}"
+        )
     return None
 
 
@@ -182,8 +191,11 @@ def i8_pause_not_truncate(before: SchedulerState, obs: Observation) -> str | Non
         assert request is not None, f"{done.request_id} finished without being live"
         if done.reason == STOP and done.num_output_tokens != (request.eos_index or 0) + 1:
             return f"I8: {done.request_id} stopped with {done.num_output_tokens} outputs, EOS at {request.eos_index}"
-        if done.reason == LENGTH and done.num_output_tokens != request.max_tokens and (
-                request.prompt_len + done.num_output_tokens < before.config.max_model_len):
+        if (
+            done.reason == LENGTH
+            and done.num_output_tokens != request.max_tokens
+            and (request.prompt_len + done.num_output_tokens < before.config.max_model_len)
+        ):
             return f"I8 (P3): {done.request_id} cut at {done.num_output_tokens} < max_tokens {request.max_tokens}"
         if done.reason not in (STOP, LENGTH, ABORT):
             return f"I8: {done.request_id} finished with reason {done.reason!r}"
@@ -237,8 +249,10 @@ def i13_limiter_matches_ledger(history: DispatchHistory, after: SchedulerState) 
         effective_tat = now if tat is None else max(tat, now)
         effective_ledger = now if ledger is None else max(ledger, now)
         if effective_tat != effective_ledger:
-            return (f"I13 (R4/R7/R9): user {user}: limiter TAT {float(effective_tat):.0f} ns != "
-                    f"{float(effective_ledger):.0f} ns, the replay of its sampling dispatches (now {after.now_ns})")
+            return (
+                f"I13 (R4/R7/R9): user {user}: limiter TAT {float(effective_tat):.0f} ns != "
+                f"{float(effective_ledger):.0f} ns, the replay of its sampling dispatches (now {after.now_ns})"
+            )
     return None
 
 
@@ -294,8 +308,9 @@ def _blocks_after_schedule(before: SchedulerState, after: SchedulerState, obs: O
             held[rid] = live_after[rid].num_blocks
         else:
             request = get(before, rid)
-            held[rid] = max(request.num_blocks,
-                            blocks_for(request.num_computed_tokens + scheduled.get(rid, 0), before.config))
+            held[rid] = max(
+                request.num_blocks, blocks_for(request.num_computed_tokens + scheduled.get(rid, 0), before.config)
+            )
     return held
 
 
@@ -316,8 +331,10 @@ def i16_preemption_needed(before: SchedulerState, after: SchedulerState, obs: Ob
     last = get(before, obs.preempted[-1])
     peak = max(last.num_blocks, blocks_for(last.sampling_position, config))
     if held + peak <= config.num_usable_blocks:
-        return (f"I16 (R11/V6): preempted {list(obs.preempted)} although the survivors' {held} blocks plus the last "
-                f"victim's {peak} fit the {config.num_usable_blocks} usable blocks")
+        return (
+            f"I16 (R11/V6): preempted {list(obs.preempted)} although the survivors' {held} blocks plus the last "
+            f"victim's {peak} fit the {config.num_usable_blocks} usable blocks"
+        )
     return None
 
 
@@ -348,11 +365,17 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
         if rid in admitted:
             continue
         request = get(before, rid)
-        if (budget == 0 or num_running >= cap or (not config.chunked_prefill and request.num_tokens > budget)
-                or blocks_for(request.num_tokens, config) > free):
+        if (
+            budget == 0
+            or num_running >= cap
+            or (not config.chunked_prefill and request.num_tokens > budget)
+            or blocks_for(request.num_tokens, config) > free
+        ):
             return None  # admission may have stopped here; nothing behind it is owed a place
-        if (config.max_num_seqs_per_user is not None
-                and _resident_after_schedule(before, obs)[request.user] >= config.max_num_seqs_per_user):
+        if (
+            config.max_num_seqs_per_user is not None
+            and _resident_after_schedule(before, obs)[request.user] >= config.max_num_seqs_per_user
+        ):
             continue  # R20: its user holds its cap of running requests; skipped, the loop goes on
         if request.lora > 0:
             continue  # V8/R13: skipped when its adapter finds no slot (max_loras), the loop goes on
@@ -360,9 +383,11 @@ def i17_admission_not_held_back(before: SchedulerState, after: SchedulerState, o
         can_prefill = config.chunked_prefill and request.num_computed_tokens < request.num_tokens - 1
         if refused and not can_prefill:
             continue  # R10: skipped, the loop goes on
-        return (f"I17 (R10/R12/P4): {rid} (user {request.user}) waits although nothing stopped admission before "
-                f"it: budget {budget}, running {num_running} < cap {cap}, {free} free blocks, "
-                f"user {'refused' if refused else 'not refused'}")
+        return (
+            f"I17 (R10/R12/P4): {rid} (user {request.user}) waits although nothing stopped admission before "
+            f"it: budget {budget}, running {num_running} < cap {cap}, {free} free blocks, "
+            f"user {'refused' if refused else 'not refused'}"
+        )
     return None
 
 
@@ -385,13 +410,13 @@ def i19_residency_cap(before: SchedulerState, obs: Observation) -> str | None:
     held = _resident_after_schedule(before, obs)
     over = sorted(u for u, n in held.items() if n > cap)
     if over:
-        return (f"I19 (R20): user {over[0]} holds {held[over[0]]} running requests > "
-                f"max_num_seqs_per_user={cap}")
+        return f"I19 (R20): user {over[0]} holds {held[over[0]]} running requests > max_num_seqs_per_user={cap}"
     return None
 
 
-def i18_not_binding_is_stock(before: SchedulerState, event: Event, after: SchedulerState,
-                             obs: Observation) -> str | None:
+def i18_not_binding_is_stock(
+    before: SchedulerState, event: Event, after: SchedulerState, obs: Observation
+) -> str | None:
     """I18 (R19): a step in which no limit of the feature bound (``obs.limit_bound``
     False) is the base scheduler's step from the same state: the same batch in the same
     order, sampling dispatches, preemptions, admissions, deliveries and finishes, and the
@@ -403,8 +428,10 @@ def i18_not_binding_is_stock(before: SchedulerState, event: Event, after: Schedu
     for name in ("scheduled", "sampled", "preempted", "admitted", "delivered", "finished"):
         got, want = getattr(obs, name), getattr(base_obs, name)
         if got != want:
-            return (f"I18 (R19): no limit bound, but {name} {got} != the base scheduler's {want}: "
-                    "a rate limit that does not bind must not change the schedule")
+            return (
+                f"I18 (R19): no limit bound, but {name} {got} != the base scheduler's {want}: "
+                "a rate limit that does not bind must not change the schedule"
+            )
     for name in ("requests", "running", "waiting", "num_free_blocks", "in_flight"):
         got, want = getattr(after, name), getattr(base_after, name)
         if got != want:
@@ -413,7 +440,10 @@ def i18_not_binding_is_stock(before: SchedulerState, event: Event, after: Schedu
 
 
 def check(
-    before: SchedulerState, event: Event, after: SchedulerState, obs: Observation,
+    before: SchedulerState,
+    event: Event,
+    after: SchedulerState,
+    obs: Observation,
     history: DispatchHistory | None = None,
 ) -> str | None:
     """Run every invariant that applies to this event; the first violation, or None.
@@ -424,12 +454,16 @@ def check(
     found = i8_pause_not_truncate(before, obs) or i11_kv_conserved(after) or i12_feature_off(after, obs)
     if found or not isinstance(event, Step):
         return found
-    found = (i6_seats(after, obs) or i9_budget(after, obs) or i10_no_admission_after_preemption(obs))
+    found = i6_seats(after, obs) or i9_budget(after, obs) or i10_no_admission_after_preemption(obs)
     if found or not after.config.rate_limited:
         return found
-    found = (i1_charges_match_dispatches(after, obs) or i2_one_charge_per_request(obs)
-             or i3_refunds_only_undispatched_charges(obs) or i4_throttled_not_scheduled(obs)
-             or i5_active_cap(after, obs))
+    found = (
+        i1_charges_match_dispatches(after, obs)
+        or i2_one_charge_per_request(obs)
+        or i3_refunds_only_undispatched_charges(obs)
+        or i4_throttled_not_scheduled(obs)
+        or i5_active_cap(after, obs)
+    )
     if found:
         return found
     if history is not None:
@@ -440,9 +474,14 @@ def check(
         found = i13_limiter_matches_ledger(history, after)
         if found:
             return found
-    return (i14_wait_hint(before, after, obs) or i15_preferred_victims(before, obs)
-            or i16_preemption_needed(before, after, obs) or i17_admission_not_held_back(before, after, obs)
-            or i18_not_binding_is_stock(before, event, after, obs) or i19_residency_cap(before, obs))
+    return (
+        i14_wait_hint(before, after, obs)
+        or i15_preferred_victims(before, obs)
+        or i16_preemption_needed(before, after, obs)
+        or i17_admission_not_held_back(before, after, obs)
+        or i18_not_binding_is_stock(before, event, after, obs)
+        or i19_residency_cap(before, obs)
+    )
 
 
 def advance_history(history: DispatchHistory, before: SchedulerState, obs: Observation) -> DispatchHistory:

@@ -151,8 +151,9 @@ def window_bound_tokens(window_ns: int, rate_tokens_per_s: Fraction, burst_ns: i
 
 
 # -- R21: a rate changed without a restart ---------------------------------------------
-def rescaled_tat_ns(tat_ns: Fraction, old_rate_tokens_per_s: Fraction, new_rate_tokens_per_s: Fraction,
-                    now_ns: int) -> Fraction | None:
+def rescaled_tat_ns(
+    tat_ns: Fraction, old_rate_tokens_per_s: Fraction, new_rate_tokens_per_s: Fraction, now_ns: int
+) -> Fraction | None:
     """R21: a user's TAT when its rate changes from ``old`` to ``new`` at ``now_ns``.
 
     The lead over the clock is kept *in tokens*: ``lead_tokens = (TAT - now) / T_old``
@@ -171,7 +172,8 @@ def rescaled_tat_ns(tat_ns: Fraction, old_rate_tokens_per_s: Fraction, new_rate_
         AssertionError: a non-positive rate or a negative clock.
     """
     assert old_rate_tokens_per_s > 0 and new_rate_tokens_per_s > 0, (
-        f"R21: rates must be positive, got {old_rate_tokens_per_s!r} -> {new_rate_tokens_per_s!r}")
+        f"R21: rates must be positive, got {old_rate_tokens_per_s!r} -> {new_rate_tokens_per_s!r}"
+    )
     assert now_ns >= 0, f"now_ns must be >= 0, got {now_ns}"
     lead = tat_ns - now_ns
     if lead <= 0:
@@ -181,8 +183,9 @@ def rescaled_tat_ns(tat_ns: Fraction, old_rate_tokens_per_s: Fraction, new_rate_
     return Fraction(now_ns + math.ceil(lead * Fraction(old_rate_tokens_per_s) / Fraction(new_rate_tokens_per_s)))
 
 
-def change_rates(state: LimiterState, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction],
-                 now_ns: int) -> LimiterState:
+def change_rates(
+    state: LimiterState, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction], now_ns: int
+) -> LimiterState:
     """R21: every known user's TAT after the rate table changes at ``now_ns``.
 
     ``old_rate_of`` / ``new_rate_of``: ``user -> rate`` (tokens/s) before and after (the
@@ -202,8 +205,9 @@ def change_rates(state: LimiterState, old_rate_of: Callable[[str], Fraction], ne
     return LimiterState(MappingProxyType(tats))
 
 
-def grants_at(state: LimiterState, user: str, rate_tokens_per_s: Fraction, now_ns: int,
-              burst_ns: int = BURST_NS) -> int:
+def grants_at(
+    state: LimiterState, user: str, rate_tokens_per_s: Fraction, now_ns: int, burst_ns: int = BURST_NS
+) -> int:
     """R2: how many ``try_take(user, ...)`` at ``now_ns`` in a row would succeed (R21's
     "no burst from the change" compares it before and after a change)."""
     lead = max(tat_of(state, user, now_ns) - now_ns, Fraction(0))

@@ -66,8 +66,12 @@ class R2Window:
             self._min_a, self._min_index, self._min_ns = a, k, now_ns
         if a - self._min_a <= self._limit:
             return None
-        return WindowExcess(k - self._min_index + 1, self._min_ns, now_ns,
-                            window_bound_tokens(now_ns - self._min_ns, self.rate, self.burst_ns))
+        return WindowExcess(
+            k - self._min_index + 1,
+            self._min_ns,
+            now_ns,
+            window_bound_tokens(now_ns - self._min_ns, self.rate, self.burst_ns),
+        )
 
 
 def window_excess(times_ns: Sequence[int], rate: Fraction, burst_ns: int = BURST_NS) -> WindowExcess | None:
@@ -91,11 +95,16 @@ def accounting_error(charged: Sequence[str], refunded: Sequence[str], sampled: I
         return error
     net = sorted(net_charges(charged, refunded))
     if net != sorted(sampled):
-        return "R9", f"charges {list(charged)} minus refunds {list(refunded)} = {net} != sampling dispatches {sorted(sampled)}"
+        return (
+            "R9",
+            f"charges {list(charged)} minus refunds {list(refunded)} = {net} != sampling dispatches {sorted(sampled)}",
+        )
     return None
 
 
-def charge_refund_error(charged: Sequence[str], refunded: Sequence[str], sampled: Iterable[str]) -> tuple[str, str] | None:
+def charge_refund_error(
+    charged: Sequence[str], refunded: Sequence[str], sampled: Iterable[str]
+) -> tuple[str, str] | None:
     """R7/R9, the parts before the balance: charged at most once; each refund once, of a
     charge of this step, of a request that did not sample. ``(rule, message)`` or None."""
     sampled = set(sampled)
@@ -119,8 +128,9 @@ def net_charges(charged: Sequence[str], refunded: Sequence[str]) -> Counter[str]
     return Counter(charged) - Counter(refunded)
 
 
-def first_cut(finished: Mapping[str, tuple[str, int]],
-              expected: Mapping[str, int]) -> tuple[str, tuple[str, int] | None] | None:
+def first_cut(
+    finished: Mapping[str, tuple[str, int]], expected: Mapping[str, int]
+) -> tuple[str, tuple[str, int] | None] | None:
     """R11/P3: the first request of ``expected`` (request id -> the output tokens it must
     end with) that did not end with exactly that many, as ``(id, (finish status, output
     tokens) or None if it never finished)``; None when every one did. ``finished``: id ->

@@ -116,8 +116,9 @@ def decoding(request: RequestState) -> bool:
     return only_sampling_left and below_max
 
 
-def start_turns(state: SchedulerState, order: tuple[str, ...] | None = None
-                ) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
+def start_turns(
+    state: SchedulerState, order: tuple[str, ...] | None = None
+) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
     """R11, R13, R14: ``(throttled_at_start, refused_users, held_users)`` at ``state.now_ns``.
 
     A user granted ``g`` tokens now (``grants_now``) with ``n > g`` decoding streams gives
@@ -180,7 +181,8 @@ def try_charge(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
         return cycle, False
     config = cycle.state.config
     limiter, granted = spec_limiter.try_take(
-        cycle.state.limiter, user, config.rate_of(user), cycle.now_ns, config.burst_ns)
+        cycle.state.limiter, user, config.rate_of(user), cycle.now_ns, config.burst_ns
+    )
     if not granted:
         return replace(cycle, refused_users=cycle.refused_users | {user}), False
     state = replace(cycle.state, limiter=limiter)
@@ -329,19 +331,30 @@ def free_lora_slot(cycle: Cycle) -> Cycle:
             in_use.setdefault(lora, []).append(rid)
     if len(in_use) < limit:
         return cycle
-    needing = next((get(state, rid) for rid in state.waiting
-                    if (w := get(state, rid)).lora > 0 and w.lora not in in_use
-                    and w.user not in cycle.refused_users and allows(cycle, w.user)), None)
+    needing = next(
+        (
+            get(state, rid)
+            for rid in state.waiting
+            if (w := get(state, rid)).lora > 0
+            and w.lora not in in_use
+            and w.user not in cycle.refused_users
+            and allows(cycle, w.user)
+        ),
+        None,
+    )
     if needing is None:
         return cycle
     at_start = set(cycle.throttled_at_start)
 
     def freeable(rids: list[str]) -> bool:
-        return all(rid in at_start and get(state, rid).user in cycle.refused_users
-                   and get(state, rid).user != needing.user for rid in rids)
+        return all(
+            rid in at_start and get(state, rid).user in cycle.refused_users and get(state, rid).user != needing.user
+            for rid in rids
+        )
 
-    holders = [rid for rid in state.running if freeable(in_use.get(get(state, rid).lora, []))
-               and get(state, rid).lora > 0]
+    holders = [
+        rid for rid in state.running if freeable(in_use.get(get(state, rid).lora, [])) and get(state, rid).lora > 0
+    ]
     if not holders:
         return cycle
     from vllm_output_rate.spec.scheduler import preempt  # the V6 preemption, shared
@@ -397,8 +410,7 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
         last_served=tuple((u, p, rid) for (u, p), rid in served.items()),
     )
     waiting_users = cycle.refused_users | cycle.held_users
-    ready = [t for u in waiting_users
-             if (t := spec_limiter.ready_at_ns(limiter, u, state.config.burst_ns)) is not None]
+    ready = [t for u in waiting_users if (t := spec_limiter.ready_at_ns(limiter, u, state.config.burst_ns)) is not None]
     settled: dict[str, Any] = {
         "charged": cycle.charged,
         "refunded": tuple(refunded),
@@ -411,8 +423,9 @@ def end_cycle(cycle: Cycle, dispatched: frozenset[str]) -> tuple[SchedulerState,
     return state, settled
 
 
-def next_last_served(cycle: Cycle, served: dict[tuple[str, int], str],
-                     dispatched: list[str]) -> dict[tuple[str, int], str]:
+def next_last_served(
+    cycle: Cycle, served: dict[tuple[str, int], str], dispatched: list[str]
+) -> dict[tuple[str, int], str]:
     """R15: each group's last-served stream after a cycle that dispatched ``dispatched``
     (charged and not refunded): the group's dispatched stream that comes last in the
     cycle's turn order (R14), followed by the requests admitted in the cycle in admission
@@ -433,5 +446,10 @@ def limit_binds(cycle: Cycle) -> bool:
     cap gave a running request 0 tokens (R12), or a waiting request was skipped at its
     user's residency cap (R20). When none did, the cycle is the base
     scheduler's from the same state (R19)."""
-    return bool(cycle.refused_users or cycle.held_users or cycle.throttled or cycle.active_cap_reached
-                or cycle.residency_skipped)  # R20: a waiting request skipped at its user's cap
+    return bool(
+        cycle.refused_users
+        or cycle.held_users
+        or cycle.throttled
+        or cycle.active_cap_reached
+        or cycle.residency_skipped
+    )  # R20: a waiting request skipped at its user's cap

@@ -99,7 +99,8 @@ def add_request(state: SchedulerState, event: AddRequest) -> SchedulerState:
         lora=event.lora,
     )
     assert event.lora == 0 or state.config.max_loras is not None, (
-        f"V8: {event.request_id} names LoRA {event.lora} but LoRA is off (no max_loras)")
+        f"V8: {event.request_id} names LoRA {event.lora} but LoRA is off (no max_loras)"
+    )
     state = replace(state, requests=state.requests + (request,), num_arrivals=state.num_arrivals + 1)
     return replace(state, waiting=enqueue(state, request.request_id, front=False))
 
@@ -213,8 +214,7 @@ def max_tokens_in_flight(request: RequestState) -> bool:
     placeholder were a real token, no further step is needed)."""
     return (
         request.num_output_placeholders > 0
-        and request.num_computed_tokens + 2 - request.num_output_placeholders
-        >= request.prompt_len + request.max_tokens
+        and request.num_computed_tokens + 2 - request.num_output_placeholders >= request.prompt_len + request.max_tokens
     )
 
 
@@ -233,7 +233,9 @@ def allocate_running(cycle: Cycle, request_id: str, num_new_tokens: int) -> tupl
     """
     for _ in range(len(cycle.state.running) + 1):
         request = get(cycle.state, request_id)
-        needed = max(blocks_for(request.num_computed_tokens + num_new_tokens, cycle.state.config) - request.num_blocks, 0)
+        needed = max(
+            blocks_for(request.num_computed_tokens + num_new_tokens, cycle.state.config) - request.num_blocks, 0
+        )
         if needed <= cycle.state.num_free_blocks:
             state = with_blocks(cycle.state, request_id, request.num_blocks + needed)
             return replace(cycle, state=state), True
@@ -365,7 +367,7 @@ def waiting_loop(cycle: Cycle) -> Cycle:
         if not go_on:
             # The requests behind the one that stopped the loop are held back by the same rule.
             rule = cycle.decided[-1][1]
-            return replace(cycle, decided=cycle.decided + tuple((rid, rule) for rid in order[index + 1:]))
+            return replace(cycle, decided=cycle.decided + tuple((rid, rule) for rid in order[index + 1 :]))
     return cycle
 
 
@@ -447,7 +449,8 @@ def enqueue(state: SchedulerState, request_id: str, front: bool) -> tuple[str, .
 def sampling_dispatches(cycle: Cycle) -> frozenset[str]:
     """V9 / R7: scheduled requests whose chunk reaches the sampling position."""
     return frozenset(
-        rid for rid, n in cycle.scheduled
+        rid
+        for rid, n in cycle.scheduled
         if get(cycle.state, rid).num_computed_tokens + n >= get(cycle.state, rid).sampling_position
     )
 
@@ -464,13 +467,16 @@ def commit(state: SchedulerState, cycle: Cycle) -> tuple[SchedulerState, tuple[O
         samples = request.num_computed_tokens + num_tokens >= request.sampling_position
         eos = samples and request.num_sampling_dispatches == request.eos_index
         placeholders = 1 if samples and state.config.async_scheduling else 0
-        state = put_request(state, replace(
-            request,
-            num_computed_tokens=request.num_computed_tokens + num_tokens,
-            num_in_flight_tokens=request.num_in_flight_tokens + num_tokens,
-            num_output_placeholders=request.num_output_placeholders + placeholders,
-            num_sampling_dispatches=request.num_sampling_dispatches + (1 if samples else 0),
-        ))
+        state = put_request(
+            state,
+            replace(
+                request,
+                num_computed_tokens=request.num_computed_tokens + num_tokens,
+                num_in_flight_tokens=request.num_in_flight_tokens + num_tokens,
+                num_output_placeholders=request.num_output_placeholders + placeholders,
+                num_sampling_dispatches=request.num_sampling_dispatches + (1 if samples else 0),
+            ),
+        )
         output.append(OutputEntry(request_id, num_tokens, samples, eos))
     return state, tuple(output)
 
@@ -489,7 +495,9 @@ def deliver(state: SchedulerState, output: tuple[OutputEntry, ...]) -> tuple[Sch
     return state, tuple(finished)
 
 
-def deliver_one(state: SchedulerState, request: RequestState, entry: OutputEntry) -> tuple[SchedulerState, Finished | None]:
+def deliver_one(
+    state: SchedulerState, request: RequestState, entry: OutputEntry
+) -> tuple[SchedulerState, Finished | None]:
     """V10: one request's part of the output: settle in-flight tokens, append, check stop."""
     stale = request.num_stale_output_tokens > 0
     assert request.num_in_flight_tokens >= entry.num_scheduled_tokens, f"V9: in-flight underflow {request}"

@@ -95,8 +95,9 @@ def holding_cap(lease: int) -> int:
     return 2 * lease - 1
 
 
-def shared_window_bound_tokens(window_ns: int, rate_tokens_per_s: Fraction, engines: int, lease: int,
-                               burst_ns: int = BURST_NS) -> int:
+def shared_window_bound_tokens(
+    window_ns: int, rate_tokens_per_s: Fraction, engines: int, lease: int, burst_ns: int = BURST_NS
+) -> int:
     """R24: all engines together dispatch at most this many tokens in any closed window.
 
     ``floor((W + tau) x rate) + 1 + E x (2L - 1)``: R2's single-engine bound plus what the
@@ -153,8 +154,9 @@ class StoreState:
     next_id: int = 1
 
 
-def store_grants_at(store: StoreState, now_ns: int | Fraction, rate_tokens_per_s: Fraction,
-                    burst_ns: int = BURST_NS) -> int:
+def store_grants_at(
+    store: StoreState, now_ns: int | Fraction, rate_tokens_per_s: Fraction, burst_ns: int = BURST_NS
+) -> int:
     """R23 (R2 at the store): how many grants the store could make at ``now_ns``:
     ``floor((tau - lead) / T) + 1`` with ``lead = max(TAT, now) - now``, 0 when the lead
     exceeds tau."""
@@ -171,8 +173,15 @@ def expire(store: StoreState, now_ns: int | Fraction) -> StoreState:
     return replace(store, leases=MappingProxyType(kept))
 
 
-def lease(store: StoreState, engine: str, want: int, now_ns: int | Fraction, rate_tokens_per_s: Fraction,
-          burst_ns: int = BURST_NS, ttl_ns: int = LEASE_TTL_NS) -> tuple[StoreState, Lease | None]:
+def lease(
+    store: StoreState,
+    engine: str,
+    want: int,
+    now_ns: int | Fraction,
+    rate_tokens_per_s: Fraction,
+    burst_ns: int = BURST_NS,
+    ttl_ns: int = LEASE_TTL_NS,
+) -> tuple[StoreState, Lease | None]:
     """R23: one atomic lease at the store's ``now_ns``: ``n = min(want, grants_at)``
     grants, ``TAT := max(TAT, now) + n x T``, a record that expires at ``now + ttl``.
 
@@ -196,8 +205,9 @@ def lease(store: StoreState, engine: str, want: int, now_ns: int | Fraction, rat
     return StoreState(tat, MappingProxyType(leases), store.next_id + 1), new
 
 
-def return_unused(store: StoreState, lease_id: int, engine: str, unused: int, now_ns: int | Fraction,
-                  rate_tokens_per_s: Fraction) -> tuple[StoreState, int]:
+def return_unused(
+    store: StoreState, lease_id: int, engine: str, unused: int, now_ns: int | Fraction, rate_tokens_per_s: Fraction
+) -> tuple[StoreState, int]:
     """R23: give back ``unused`` grants of a live lease, atomically:
     ``TAT := max(TAT - u x T, now)`` with ``u = min(unused, n)``, and delete the record.
 

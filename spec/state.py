@@ -85,10 +85,12 @@ class EngineConfig:
         # The configuration is one that vLLM 0.32 accepts (SchedulerConfig validation).
         assert 1 <= self.max_num_seqs <= MAX_NUM_SEQS, f"max_num_seqs {self.max_num_seqs}"
         assert self.max_num_active_seqs is None or 1 <= self.max_num_active_seqs <= self.max_num_seqs, (
-            f"max_num_active_seqs {self.max_num_active_seqs} must be in [1, max_num_seqs={self.max_num_seqs}]")
+            f"max_num_active_seqs {self.max_num_active_seqs} must be in [1, max_num_seqs={self.max_num_seqs}]"
+        )
         assert self.max_num_batched_tokens >= 1, f"max_num_batched_tokens {self.max_num_batched_tokens}"
         assert self.chunked_prefill or self.max_num_batched_tokens >= self.max_model_len, (
-            "without chunked prefill vLLM requires max_num_batched_tokens >= max_model_len")
+            "without chunked prefill vLLM requires max_num_batched_tokens >= max_model_len"
+        )
         assert self.block_size >= 1, f"block_size {self.block_size}"
         assert NULL_BLOCKS < self.num_blocks <= MAX_NUM_BLOCKS, f"num_blocks {self.num_blocks}"
         assert self.policy in POLICIES, f"policy {self.policy!r}"
@@ -97,13 +99,16 @@ class EngineConfig:
         assert self.default_rate_tokens_per_s is None or self.default_rate_tokens_per_s > 0
         assert all(rate > 0 for _, rate in self.user_rates_tokens_per_s), self.user_rates_tokens_per_s
         assert self.default_rate_tokens_per_s is not None or not self.user_rates_tokens_per_s, (
-            "per-user rates need a default rate (the feature is off without one)")
+            "per-user rates need a default rate (the feature is off without one)"
+        )
         assert self.burst_ns > 0, f"burst_ns {self.burst_ns}"
         # R20: a cap in [1, max_num_seqs], only with the feature on (reference/config.py refuses the rest).
         assert self.max_num_seqs_per_user is None or (
-            self.rate_limited and 1 <= self.max_num_seqs_per_user <= self.max_num_seqs), (
+            self.rate_limited and 1 <= self.max_num_seqs_per_user <= self.max_num_seqs
+        ), (
             f"max_num_seqs_per_user {self.max_num_seqs_per_user} needs the feature on and must be in "
-            f"[1, max_num_seqs={self.max_num_seqs}]")
+            f"[1, max_num_seqs={self.max_num_seqs}]"
+        )
         assert self.max_loras is None or self.max_loras >= 1, f"max_loras {self.max_loras} must be >= 1"
 
     @property
@@ -133,13 +138,19 @@ class EngineConfig:
         the feature off (R18), and the active cap A as vLLM's own admission cap (with no
         throttled request, R12's admission cap ``min(M, A + 0)`` is upstream's ``A``)."""
         cap = self.active_cap if self.rate_limited else self.max_num_active_seqs
-        return replace(self, max_num_active_seqs=cap if cap is not None and cap < self.max_num_seqs else None,
-                       default_rate_tokens_per_s=None, user_rates_tokens_per_s=(),
-                       output_rate_max_num_active_seqs=None, burst_ns=spec_limiter.BURST_NS,
-                       max_num_seqs_per_user=None)
+        return replace(
+            self,
+            max_num_active_seqs=cap if cap is not None and cap < self.max_num_seqs else None,
+            default_rate_tokens_per_s=None,
+            user_rates_tokens_per_s=(),
+            output_rate_max_num_active_seqs=None,
+            burst_ns=spec_limiter.BURST_NS,
+            max_num_seqs_per_user=None,
+        )
 
-    def with_rates(self, default_rate_tokens_per_s: Fraction,
-                   user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...]) -> EngineConfig:
+    def with_rates(
+        self, default_rate_tokens_per_s: Fraction, user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...]
+    ) -> EngineConfig:
         """R21: the same engine with another rate table (default and overrides, tokens/s).
 
         Raises:
@@ -147,8 +158,11 @@ class EngineConfig:
                 or a rate is not positive.
         """
         assert self.rate_limited, "R21: rates can only change with the feature on (R18)"
-        return replace(self, default_rate_tokens_per_s=default_rate_tokens_per_s,
-                       user_rates_tokens_per_s=tuple(user_rates_tokens_per_s))
+        return replace(
+            self,
+            default_rate_tokens_per_s=default_rate_tokens_per_s,
+            user_rates_tokens_per_s=tuple(user_rates_tokens_per_s),
+        )
 
     def rate_of(self, user: str) -> Fraction:
         """R1: the user's rate in tokens/s (override, else the default)."""
@@ -190,8 +204,17 @@ class RequestState:
     def __post_init__(self) -> None:
         # Counters are never negative; a waiting request holds no KV and computed nothing.
         assert self.status in (WAITING, RUNNING, PREEMPTED), self.status
-        assert min(self.num_computed_tokens, self.num_output_tokens, self.num_output_placeholders,
-                   self.num_in_flight_tokens, self.num_stale_output_tokens, self.num_blocks) >= 0, self
+        assert (
+            min(
+                self.num_computed_tokens,
+                self.num_output_tokens,
+                self.num_output_placeholders,
+                self.num_in_flight_tokens,
+                self.num_stale_output_tokens,
+                self.num_blocks,
+            )
+            >= 0
+        ), self
         assert self.status == RUNNING or (self.num_blocks == 0 and self.num_computed_tokens == 0), self
         assert self.num_output_tokens <= self.max_tokens, self
 
@@ -271,8 +294,10 @@ class SchedulerState:
         # Bounded collections; every queued id is a live request; KV is conserved.
         assert len(self.requests) <= MAX_LIVE_REQUESTS, f"{len(self.requests)} live requests"
         assert len(self.running) <= self.config.max_num_seqs, f"V8: running {self.running} > max_num_seqs"
-        assert self.num_free_blocks == -1 or self.num_free_blocks + sum(
-            r.num_blocks for r in self.requests) == self.config.num_usable_blocks, "V5: KV blocks not conserved"
+        assert (
+            self.num_free_blocks == -1
+            or self.num_free_blocks + sum(r.num_blocks for r in self.requests) == self.config.num_usable_blocks
+        ), "V5: KV blocks not conserved"
         assert len(self.last_served) <= MAX_LIVE_REQUESTS, "R15: last_served unbounded"
         assert len(self.turns) <= self.config.max_num_seqs, "R14: turns hold running requests only"
 
@@ -300,7 +325,9 @@ def get(state: SchedulerState, request_id: str) -> RequestState:
     return request
 
 
-def with_request(state: SchedulerState, request_id: str, change: Callable[[RequestState], RequestState]) -> SchedulerState:
+def with_request(
+    state: SchedulerState, request_id: str, change: Callable[[RequestState], RequestState]
+) -> SchedulerState:
     """``state`` with ``change`` applied to the live request ``request_id``."""
     requests = tuple(change(r) if r.request_id == request_id else r for r in state.requests)
     return replace(state, requests=requests)

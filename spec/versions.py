@@ -87,7 +87,7 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         field="priority_self_preemption_stops_running_loop",
         rule="V6",
         what="PRIORITY: a running request that preempts itself ends the running loop (else the loop "
-             "continues with the next running request)",
+        "continues with the next running request)",
         modelled=True,
         values=(
             ("0.32.0", True, Source(SCHEDULER_PY, "Scheduler.schedule", "846-848")),
@@ -98,8 +98,8 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         field="zero_token_waiting_stops_admission",
         rule="V8",
         what="a waiting request given 0 tokens at the last cap (_reserve_prefill_lookahead) stops admission "
-             "(else only that request is skipped); never reached by stock vLLM in the modelled class, reached "
-             "by the rate-limited reference (R10)",
+        "(else only that request is skipped); never reached by stock vLLM in the modelled class, reached "
+        "by the rate-limited reference (R10)",
         modelled=True,
         values=(
             ("0.32.0", True, Source(SCHEDULER_PY, "Scheduler.schedule", "1214-1219")),
@@ -110,7 +110,7 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         field="loras_counted_over_all_running",
         rule="V8",
         what="max_loras admission check counts the LoRAs of every running request (else only of the running "
-             "requests scheduled in this step); modelled as adapter slots (EngineConfig.max_loras)",
+        "requests scheduled in this step); modelled as adapter slots (EngineConfig.max_loras)",
         modelled=True,
         values=(
             ("0.32.0", False, Source(SCHEDULER_PY, "Scheduler.schedule", "889-897")),
@@ -121,13 +121,16 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         field="local_prefill_cadence",
         rule="V2/V8",
         what="prefill_schedule_interval > 1 defers prefill inside the scheduler without data parallelism (else "
-             "only the DP engine core applies it); the modelled class keeps the default interval 1, and the reference "
-             "refuses interval > 1 where the scheduler applies it (docs/MODES.md)",
+        "only the DP engine core applies it); the modelled class keeps the default interval 1, and the reference "
+        "refuses interval > 1 where the scheduler applies it (docs/MODES.md)",
         modelled=False,
         values=(
             ("0.32.0", False, Source(ENGINE_CORE_PY, "DPEngineCoreProc._should_throttle_prefills", "2318-2325")),
-            ("0.33.0", True, Source(SCHEDULER_PY, "Scheduler.__init__ L404-421, Scheduler.schedule",
-                                    "771-792, 1621-1629")),
+            (
+                "0.33.0",
+                True,
+                Source(SCHEDULER_PY, "Scheduler.__init__ L404-421, Scheduler.schedule", "771-792, 1621-1629"),
+            ),
         ),
     ),
 )
@@ -176,14 +179,18 @@ def select_profile(version: str) -> tuple[VllmVersionProfile, str | None]:
         older = {v: r for v in SUPPORTED_VERSIONS if (r := release_of(v)) is not None and r <= release}
         if older:
             chosen = PROFILES[max(older, key=older.__getitem__)]
-    warning = (f"WARNING: vLLM {version} is not a supported version ({', '.join(SUPPORTED_VERSIONS)}); the base "
-               f"model uses the {chosen.version} rows. Run `outrate drift` to see where it diverges, per V-rule.")
+    warning = (
+        f"WARNING: vLLM {version} is not a supported version ({', '.join(SUPPORTED_VERSIONS)}); the base "
+        f"model uses the {chosen.version} rows. Run `outrate drift` to see where it diverges, per V-rule."
+    )
     return chosen, warning
 
 
 def version_table_markdown(rows: tuple[BehaviourRow, ...] = BEHAVIOUR_ROWS) -> str:
     """The table of docs/SPEC.md "vLLM versions" (one line per row, each version's value and source)."""
-    head = "| rule | profile field | behaviour | modelled | " + " | ".join(f"vLLM {v}" for v in SUPPORTED_VERSIONS) + " |"
+    head = (
+        "| rule | profile field | behaviour | modelled | " + " | ".join(f"vLLM {v}" for v in SUPPORTED_VERSIONS) + " |"
+    )
     sep = "|" + "---|" * (4 + len(SUPPORTED_VERSIONS))
     lines = [head, sep]
     for row in rows:
@@ -191,6 +198,9 @@ def version_table_markdown(rows: tuple[BehaviourRow, ...] = BEHAVIOUR_ROWS) -> s
         for version in SUPPORTED_VERSIONS:
             _, value, source = next(x for x in row.values if x[0] == version)
             cells.append(f"`{value}`: `{source}`")
-        lines.append(f"| {row.rule} | `{row.field}` | {row.what} | {'yes' if row.modelled else 'no'} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {row.rule} | `{row.field}` | {row.what} | {'yes' if row.modelled else 'no'} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)

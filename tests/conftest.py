@@ -19,8 +19,12 @@ from pathlib import Path
 import pytest
 
 # The expensive imports, paid once per session (the harness imports lazily).
-for _module in ("vllm.config", "vllm.v1.core.sched.async_scheduler", "vllm.v1.core.sched.scheduler",
-                "vllm_output_rate.reference.scheduler"):
+for _module in (
+    "vllm.config",
+    "vllm.v1.core.sched.async_scheduler",
+    "vllm.v1.core.sched.scheduler",
+    "vllm_output_rate.reference.scheduler",
+):
     importlib.import_module(_module)
 
 

@@ -64,6 +64,7 @@ def _article_style_installed():
     flags.uninstall()
     engine.uninstall()
 
+
 BLOCK = 16
 MS = 1_000_000
 S = 1_000_000_000
@@ -205,10 +206,7 @@ class Sim:
     def step(self) -> dict[str, int]:
         out = self.s.schedule()
         ids = list(out.num_scheduled_tokens)
-        sampled = [
-            [] if self.s.requests[r].is_prefill_chunk else [self.rng.randrange(1, 500)]
-            for r in ids
-        ]
+        sampled = [[] if self.s.requests[r].is_prefill_chunk else [self.rng.randrange(1, 500)] for r in ids]
         mro = ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -253,9 +251,7 @@ class Sim:
         raise AssertionError("workload did not finish")
 
     def user_times(self, user) -> list[int]:
-        return sorted(
-            t for rid, ts in self.tokens.items() if self.user_of[rid] == user for t in ts
-        )
+        return sorted(t for rid, ts in self.tokens.items() if self.user_of[rid] == user for t in ts)
 
 
 def count_in(times, start, end):
@@ -555,11 +551,21 @@ def test_flags_path_configures_the_scheduler(model_dir, clock):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(
         [
-            "--model", model_dir, "--skip-tokenizer-init", "--dtype", "float32",
-            "--max-num-seqs", "8", "--max-num-active-seqs", "4",
-            "--max-model-len", str(MAX_MODEL_LEN),
-            "--default-user-output-tokens-per-second", "10",
-            "--user-output-tokens-per-second", '{"a": 5}',
+            "--model",
+            model_dir,
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--max-num-seqs",
+            "8",
+            "--max-num-active-seqs",
+            "4",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--default-user-output-tokens-per-second",
+            "10",
+            "--user-output-tokens-per-second",
+            '{"a": 5}',
         ]
     )
     vc = EngineArgs.from_cli_args(args).create_engine_config()
@@ -584,22 +590,29 @@ def test_flags_path_configures_the_scheduler(model_dir, clock):
     # vllm serve's parser has them too and from_cli_args keeps them
     aparser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     aargs = aparser.parse_args(
-        ["--model", model_dir, "--default-user-output-tokens-per-second", "7",
-         "--user-output-tokens-per-second", '{"u": 3}']
+        [
+            "--model",
+            model_dir,
+            "--default-user-output-tokens-per-second",
+            "7",
+            "--user-output-tokens-per-second",
+            '{"u": 3}',
+        ]
     )
     ea = AsyncEngineArgs.from_cli_args(aargs)
     assert ea.default_user_output_tokens_per_second == 7
     assert ea.user_output_tokens_per_second == {"u": 3}
     # bad values are rejected by the parser
-    for bad in (["--default-user-output-tokens-per-second", "2.5"],
-                ["--user-output-tokens-per-second", "[1]"],
-                ["--user-output-tokens-per-second", '{"u": 0}']):
+    for bad in (
+        ["--default-user-output-tokens-per-second", "2.5"],
+        ["--user-output-tokens-per-second", "[1]"],
+        ["--user-output-tokens-per-second", '{"u": 0}'],
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(["--model", model_dir, *bad])
     # without the flags: nothing is configured, feature off
     plain = EngineArgs.from_cli_args(
-        parser.parse_args(["--model", model_dir, "--skip-tokenizer-init",
-                           "--max-model-len", str(MAX_MODEL_LEN)])
+        parser.parse_args(["--model", model_dir, "--skip-tokenizer-init", "--max-model-len", str(MAX_MODEL_LEN)])
     ).create_engine_config()
     assert getattr(plain.scheduler_config, "default_user_output_tokens_per_second", None) is None
     assert plain.scheduler_config.scheduler_cls is None
@@ -614,9 +627,12 @@ def test_flags_install_is_idempotent_and_reversible(model_dir):
     flags.install()
     flags.install()
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    assert parser.parse_args(
-        ["--model", model_dir, "--default-user-output-tokens-per-second", "3"]
-    ).default_user_output_tokens_per_second == 3
+    assert (
+        parser.parse_args(
+            ["--model", model_dir, "--default-user-output-tokens-per-second", "3"]
+        ).default_user_output_tokens_per_second
+        == 3
+    )
     flags.uninstall()
     try:
         with pytest.raises(SystemExit):
@@ -631,12 +647,14 @@ def test_hook_path_configures_the_scheduler(model_dir, clock):
     vc = make_config(model_dir, max_num_seqs=8)
     hook.configure(
         vc,
-        {"default_tokens_per_s": 20, "user_tokens_per_s": {"slow": 4.0},
-         "max_num_active_seqs": 3},
+        {"default_tokens_per_s": 20, "user_tokens_per_s": {"slow": 4.0}, "max_num_active_seqs": 3},
     )
     sc = vc.scheduler_config
-    assert (sc.default_user_output_tokens_per_second, sc.user_output_tokens_per_second,
-            sc.max_num_active_seqs) == (20, {"slow": 4}, 3)
+    assert (sc.default_user_output_tokens_per_second, sc.user_output_tokens_per_second, sc.max_num_active_seqs) == (
+        20,
+        {"slow": 4},
+        3,
+    )
     sim = Sim(build(ArticleScheduler, vc), clock)
     t0 = clock.ns
     for i in range(3):
@@ -705,9 +723,7 @@ def test_wait_seconds_and_engine_idle_wait(model_dir, clock):
         step_fn=lambda: ({}, False),
         output_queue=queue.Queue(),
         post_step=lambda executed: None,
-        scheduler=SimpleNamespace(
-            has_requests=lambda: False, get_output_rate_wait_seconds=lambda: 0.04
-        ),
+        scheduler=SimpleNamespace(has_requests=lambda: False, get_output_rate_wait_seconds=lambda: 0.04),
         input_queue=queue.Queue(),
         _handle_client_request=lambda *r: handled.append(r),
     )

@@ -135,8 +135,7 @@ def test_prefix_caching_defaults_off_for_old_counterexamples_and_survives_json()
     data = json.loads(scenario.to_json())
     del data["prefix_caching"]  # saved before the field existed
     assert Scenario.from_json(json.dumps(data)).prefix_caching is False
-    assert build_harness(REFERENCE_SCHEDULER, _cached_prompts(False)).scheduler.kv_cache_manager.enable_caching \
-        is False
+    assert build_harness(REFERENCE_SCHEDULER, _cached_prompts(False)).scheduler.kv_cache_manager.enable_caching is False
 
 
 def test_step_identity_checks_never_turn_prefix_caching_on():
@@ -163,9 +162,14 @@ def test_r12_a_pause_explained_only_by_throttled_requests_holding_active_seats_n
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
     style = parse_config_style("engine-args")  # article_flags: the article's flags on EngineArgs
-    scenario = Scenario({"u0": "1", "u1": "1000"},
-                        (RequestSpec("u0-r0", "u0", 4, 4), RequestSpec("u1-r0", "u1", 4, 8, at_step=1)),
-                        10 * MS, 20, max_num_active_seqs=1, num_blocks=num_blocks)
+    scenario = Scenario(
+        {"u0": "1", "u1": "1000"},
+        (RequestSpec("u0-r0", "u0", 4, 4), RequestSpec("u1-r0", "u1", 4, 8, at_step=1)),
+        10 * MS,
+        20,
+        max_num_active_seqs=1,
+        num_blocks=num_blocks,
+    )
     # num_blocks set: not ``ample``, so the under-grant is judged by the check under pressure.
     assert scenario.ample == (num_blocks is None)
     verdict = run_scenario("article_mutants.ArticleThrottledTakeActiveSeats", scenario, "should", style)

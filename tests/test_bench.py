@@ -46,7 +46,8 @@ def test_bench_quick_json_structure(tmp_path):
     shared = data["shared"]  # R23-R26: a redis-server is started for the run (.ci/run installs it)
     assert shared["skipped"] is None, shared["skipped"]
     assert {(r["running"], r["rate_tokens_per_s"]) for r in shared["rows"]} == {
-        (n, rate) for n in QUICK.sizes[:2] for rate in (10**9, 200)}
+        (n, rate) for n in QUICK.sizes[:2] for rate in (10**9, 200)
+    }
     for r in shared["rows"]:
         for key in ("single_us", "shared_us", "ratio", "round_trips_per_s", "round_trips_per_token", "tokens_per_s"):
             assert _positive_finite(r[key]), (key, r)

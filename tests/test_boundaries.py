@@ -59,8 +59,11 @@ def test_every_boundary_has_a_model_for_every_rate_of_its_pool(integer_rates):
 def test_boundary_scenarios_per_run_cover_every_boundary_with_seeded_rates():
     named = boundaries.boundary_scenarios(False, integer_rates=True, seed=0, per_boundary=3)
     assert [n.split("@")[0] for n, _ in named] == [b.name for b in boundaries.BOUNDARIES for _ in range(3)]
-    assert all(Fraction(r).denominator == 1 for _, s in named for r in [s.default_rate_tokens_per_s,
-                                                                         *s.rates_tokens_per_s.values()])
+    assert all(
+        Fraction(r).denominator == 1
+        for _, s in named
+        for r in [s.default_rate_tokens_per_s, *s.rates_tokens_per_s.values()]
+    )
     other = boundaries.boundary_scenarios(False, integer_rates=True, seed=1, per_boundary=3)
     assert [n for n, _ in named] != [n for n, _ in other], "the seed chooses the rates"
     fractional_t = {n for n, s in named if n.startswith(("ready-at", "fractional-interval"))}
@@ -149,8 +152,10 @@ def test_r6_cleanup_at_tat_equal_now_is_not_distinguishable(monkeypatch):
     # take (Z3 r6_cleanup_noop), so the slip at TAT = now + 1 ns passes this twin.
     monkeypatch.syspath_prepend(str(FIXTURES))
     for rate in ("2", "10"):
-        assert run_scenario("gate_candidates.CleanupNowPlusOne", _scenario("cleanup-tat-now", rate), "must").failure \
+        assert (
+            run_scenario("gate_candidates.CleanupNowPlusOne", _scenario("cleanup-tat-now", rate), "must").failure
             is None
+        )
 
 
 def test_check_boundaries_row_lists_scenarios_and_names_the_failing_boundary(monkeypatch, tmp_path):
@@ -178,8 +183,9 @@ def test_r13_fcfs_throttled_victim_kills_vllms_own_victim_choice(rate):
     assert "preempted v-r1" in verdict.failure and "u-r0" in verdict.failure
     assert run_scenario(REFERENCE_SCHEDULER, scenario, "should").failure is None
     # Below should the victim is not judged.
-    assert run_scenario("vllm_output_rate.adapter.mutants.ThrottledNotPreferredVictims", scenario, "must").failure \
-        is None
+    assert (
+        run_scenario("vllm_output_rate.adapter.mutants.ThrottledNotPreferredVictims", scenario, "must").failure is None
+    )
 
 
 @pytest.mark.rules("R13")
@@ -188,8 +194,9 @@ def test_r13_priority_variant_puts_the_throttled_request_above_the_victim_level(
     priority = {r.request_id: r.priority for r in scenario.requests}
     assert scenario.policy == "priority" and priority == {"u-r0": 0, "v-r0": 1, "v-r1": 1}
     for async_mode, cls in ((False, REFERENCE_SCHEDULER), (True, REFERENCE_ASYNC_SCHEDULER)):
-        assert run_scenario(cls, _scenario("priority-throttled-victim-above", "5", async_mode), "should").failure \
-            is None
+        assert (
+            run_scenario(cls, _scenario("priority-throttled-victim-above", "5", async_mode), "should").failure is None
+        )
 
 
 @pytest.mark.rules("R9")

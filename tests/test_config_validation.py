@@ -46,22 +46,63 @@ FEATURE_ON = {"output_rate": {"default_tokens_per_s": 100}}
 SYNC = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 ASYNC = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
 STOCK = "vllm.v1.core.sched.scheduler.Scheduler"
-TEXT = {k: CONFIG[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                               "rms_norm_eps")}
+TEXT = {
+    k: CONFIG[k]
+    for k in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+    )
+}
 
 # Tiny config.json of each model kind (dummy weights are never loaded here).
 MODEL_KINDS = {
-    "mamba": {"architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": 64, "state_size": 16,
-              "num_hidden_layers": 2, "vocab_size": 512, "expand": 2, "conv_kernel": 4},
-    "jamba": {"architectures": ["JambaForCausalLM"], "model_type": "jamba", **TEXT, "attn_layer_period": 2,
-              "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 1,
-              "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8},
-    "whisper": {"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper", "d_model": 64,
-                "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
-                "decoder_attention_heads": 2, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "vocab_size": 512,
-                "num_mel_bins": 80, "max_source_positions": 1500, "max_target_positions": 448,
-                "is_encoder_decoder": True},
+    "mamba": {
+        "architectures": ["MambaForCausalLM"],
+        "model_type": "mamba",
+        "hidden_size": 64,
+        "state_size": 16,
+        "num_hidden_layers": 2,
+        "vocab_size": 512,
+        "expand": 2,
+        "conv_kernel": 4,
+    },
+    "jamba": {
+        "architectures": ["JambaForCausalLM"],
+        "model_type": "jamba",
+        **TEXT,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 1,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 8,
+    },
+    "whisper": {
+        "architectures": ["WhisperForConditionalGeneration"],
+        "model_type": "whisper",
+        "d_model": 64,
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "vocab_size": 512,
+        "num_mel_bins": 80,
+        "max_source_positions": 1500,
+        "max_target_positions": 448,
+        "is_encoder_decoder": True,
+    },
     "diffusion": {**CONFIG, "canvas_length": 32},
 }
 
@@ -127,8 +168,14 @@ def _spec(d):
     from vllm.config import ParallelConfig, SpeculativeConfig, VllmConfig
 
     target = model_config(d["llama"])
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1,
-                             target_model_config=target, target_parallel_config=ParallelConfig())
+    spec = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=2,
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
+        target_model_config=target,
+        target_parallel_config=ParallelConfig(),
+    )
     config = VllmConfig(model_config=target, speculative_config=spec, additional_config=copy.deepcopy(FEATURE_ON))
     config.cache_config.num_gpu_blocks = 64
     return config
@@ -194,10 +241,21 @@ CASES = {
     "data-parallel": (_dp2, ["data parallel > 1"], "--data-parallel-size 1"),
     "speculative": (_spec, ["speculative decoding"], "remove --speculative-config"),
     "pooling": (_pooling, ["pooling model"], "--runner generate"),
-    "attention-free": (lambda d: vllm_config(d, model="mamba"), ["attention-free model"], "text-only decoder-only attention model (--model)"),
-    "hybrid": (lambda d: vllm_config(d, model="jamba"), ["hybrid (mamba) model"], "text-only decoder-only attention model (--model)"),
-    "encoder-decoder": (lambda d: vllm_config(d, model="whisper"),
-                        ["multimodal model", "encoder-decoder model"], "decoder-only attention model (--model)"),
+    "attention-free": (
+        lambda d: vllm_config(d, model="mamba"),
+        ["attention-free model"],
+        "text-only decoder-only attention model (--model)",
+    ),
+    "hybrid": (
+        lambda d: vllm_config(d, model="jamba"),
+        ["hybrid (mamba) model"],
+        "text-only decoder-only attention model (--model)",
+    ),
+    "encoder-decoder": (
+        lambda d: vllm_config(d, model="whisper"),
+        ["multimodal model", "encoder-decoder model"],
+        "decoder-only attention model (--model)",
+    ),
     "kv-connector": (_kv_connector, ["KV connector"], "remove --kv-transfer-config"),
     "kv-offload": (_kv_offload, ["KV offload"], "remove --kv-offloading-size"),
     "ec-connector": (_ec_connector, ["EC connector"], "remove --ec-transfer-config"),
@@ -261,8 +319,12 @@ def test_all_problems_listed_in_one_message(model_dirs):
     # Several unsupported modes at once: one error naming each (no fix-one-retry loop).
     from vllm.config import CacheConfig, ParallelConfig
 
-    config = vllm_config(model_dirs, model="jamba", parallel_config=ParallelConfig(pipeline_parallel_size=2),
-                         cache_config=CacheConfig(kv_offloading_size=1.0))
+    config = vllm_config(
+        model_dirs,
+        model="jamba",
+        parallel_config=ParallelConfig(pipeline_parallel_size=2),
+        cache_config=CacheConfig(kv_offloading_size=1.0),
+    )
     with pytest.raises(OutputRateConfigError) as err:
         check_engine_supported(config)
     message = str(err.value)
@@ -294,8 +356,14 @@ def test_bad_section_stops_before_vllm_builds_anything(model_dirs, monkeypatch):
 def _engine_args(model_dirs, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model_dirs["llama"], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      scheduler_cls=SYNC, **kw)
+    return EngineArgs(
+        model=model_dirs["llama"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        scheduler_cls=SYNC,
+        **kw,
+    )
 
 
 def test_front_end_refuses_unsupported_mode(model_dirs):
@@ -335,34 +403,63 @@ class MySubclassScheduler(load_class(SYNC)):
 @pytest.mark.parametrize(
     ("kw", "says"),
     [
-        ({"additional_config": {"output_rate": {"default_token_per_s": 100}}},
-         "'default_token_per_s' (did you mean 'default_tokens_per_s'?)"),
-        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100, "burst": 50}}},
-         "'burst' (did you mean 'burst_ms'?)"),
-        ({"additional_config": {"output_rate": {"user_tokens_per_s": {"a": 5}}}},
-         "output_rate is configured without default_tokens_per_s"),
-        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100, "max_num_active_seqs": 16}},
-          "max_num_seqs": 8},
-         'additional_config["output_rate"]["max_num_active_seqs"] (16) must be <= --max-num-seqs (8)'),
-        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100}}, "scheduler_cls": None},
-         "--scheduler-cls is vLLM's default scheduler, which does not implement it"),
-        ({"additional_config": {"output_rate": {"default_tokens_per_s": 100}}, "scheduler_cls": STOCK},
-         f"--scheduler-cls is {STOCK!r}, which does not implement it"),
-        ({"additional_config": {"output_rate": {"user_tokens_per_s": {"a": 5}}}, "scheduler_cls": STOCK},
-         "add --scheduler-cls vllm_output_rate.reference.scheduler.RateLimitedScheduler"),
-        ({"additional_config": {"output_rates": {"default_tokens_per_s": 100}}},
-         "has a key 'output_rates' but no 'output_rate': did you mean 'output_rate'?"),
+        (
+            {"additional_config": {"output_rate": {"default_token_per_s": 100}}},
+            "'default_token_per_s' (did you mean 'default_tokens_per_s'?)",
+        ),
+        (
+            {"additional_config": {"output_rate": {"default_tokens_per_s": 100, "burst": 50}}},
+            "'burst' (did you mean 'burst_ms'?)",
+        ),
+        (
+            {"additional_config": {"output_rate": {"user_tokens_per_s": {"a": 5}}}},
+            "output_rate is configured without default_tokens_per_s",
+        ),
+        (
+            {
+                "additional_config": {"output_rate": {"default_tokens_per_s": 100, "max_num_active_seqs": 16}},
+                "max_num_seqs": 8,
+            },
+            'additional_config["output_rate"]["max_num_active_seqs"] (16) must be <= --max-num-seqs (8)',
+        ),
+        (
+            {"additional_config": {"output_rate": {"default_tokens_per_s": 100}}, "scheduler_cls": None},
+            "--scheduler-cls is vLLM's default scheduler, which does not implement it",
+        ),
+        (
+            {"additional_config": {"output_rate": {"default_tokens_per_s": 100}}, "scheduler_cls": STOCK},
+            f"--scheduler-cls is {STOCK!r}, which does not implement it",
+        ),
+        (
+            {"additional_config": {"output_rate": {"user_tokens_per_s": {"a": 5}}}, "scheduler_cls": STOCK},
+            "add --scheduler-cls vllm_output_rate.reference.scheduler.RateLimitedScheduler",
+        ),
+        (
+            {"additional_config": {"output_rates": {"default_tokens_per_s": 100}}},
+            "has a key 'output_rates' but no 'output_rate': did you mean 'output_rate'?",
+        ),
     ],
-    ids=["misspelt-key", "misspelt-burst", "no-default", "active-above-seqs", "stock-default-class",
-         "stock-class-path", "stock-class-no-default", "misspelt-section"],
+    ids=[
+        "misspelt-key",
+        "misspelt-burst",
+        "no-default",
+        "active-above-seqs",
+        "stock-default-class",
+        "stock-class-path",
+        "stock-class-no-default",
+        "misspelt-section",
+    ],
 )
 def test_configuration_typo_refused_in_the_front_end(kw, says, model_dirs):
     from vllm_output_rate.reference import plugin
 
     plugin.register()
     kw = {"scheduler_cls": SYNC, **kw}
-    args = _engine_args(model_dirs, **{k: v for k, v in kw.items() if k != "scheduler_cls"}) \
-        if kw["scheduler_cls"] == SYNC else _stock_engine_args(model_dirs, **kw)
+    args = (
+        _engine_args(model_dirs, **{k: v for k, v in kw.items() if k != "scheduler_cls"})
+        if kw["scheduler_cls"] == SYNC
+        else _stock_engine_args(model_dirs, **kw)
+    )
     with pytest.raises(OutputRateConfigError) as err:
         args.create_engine_config()
     assert says in str(err.value), str(err.value)
@@ -372,8 +469,14 @@ def test_configuration_typo_refused_in_the_front_end(kw, says, model_dirs):
 def _stock_engine_args(model_dirs, scheduler_cls, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model_dirs["llama"], skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      scheduler_cls=scheduler_cls, **kw)
+    return EngineArgs(
+        model=model_dirs["llama"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        scheduler_cls=scheduler_cls,
+        **kw,
+    )
 
 
 def test_configuration_accepted_front_end_cases(model_dirs):
@@ -382,12 +485,16 @@ def test_configuration_accepted_front_end_cases(model_dirs):
     from vllm_output_rate.reference import plugin
 
     plugin.register()
-    _stock_engine_args(model_dirs, MySubclassScheduler, additional_config=copy.deepcopy(FEATURE_ON)) \
-        .create_engine_config()
+    _stock_engine_args(
+        model_dirs, MySubclassScheduler, additional_config=copy.deepcopy(FEATURE_ON)
+    ).create_engine_config()
     _stock_engine_args(model_dirs, None, additional_config={"output_rate": {}}).create_engine_config()
     _stock_engine_args(model_dirs, None, additional_config={"output_rates": {"x": 1}}).create_engine_config()
-    config = _engine_args(model_dirs, max_num_seqs=8, additional_config={
-        "output_rate": {"default_tokens_per_s": 100, "max_num_active_seqs": 8}}).create_engine_config()
+    config = _engine_args(
+        model_dirs,
+        max_num_seqs=8,
+        additional_config={"output_rate": {"default_tokens_per_s": 100, "max_num_active_seqs": 8}},
+    ).create_engine_config()
     assert config.additional_config["output_rate"]["max_num_active_seqs"] == 8
 
 
@@ -403,12 +510,18 @@ def test_active_cap_above_max_num_seqs_refused_by_the_scheduler_too(model_dirs):
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ('{"output_rate": {"default_tokens_per_s": 5, "default_tokens_per_s": 7}}',
-         "key 'default_tokens_per_s' is given twice"),
-        ('{"output_rate": {"default_tokens_per_s": 5, "user_tokens_per_s": {"a": 5, "a": 7}}}',
-         "key 'a' is given twice"),
-        ('{"output_rate": {"default_tokens_per_s": 5}, "output_rate": {"default_tokens_per_s": 7}}',
-         'key "output_rate" is given twice'),
+        (
+            '{"output_rate": {"default_tokens_per_s": 5, "default_tokens_per_s": 7}}',
+            "key 'default_tokens_per_s' is given twice",
+        ),
+        (
+            '{"output_rate": {"default_tokens_per_s": 5, "user_tokens_per_s": {"a": 5, "a": 7}}}',
+            "key 'a' is given twice",
+        ),
+        (
+            '{"output_rate": {"default_tokens_per_s": 5}, "output_rate": {"default_tokens_per_s": 7}}',
+            'key "output_rate" is given twice',
+        ),
     ],
     ids=["key", "user", "section"],
 )
@@ -446,8 +559,12 @@ def test_unknown_key_suggestion_and_duplicates_helpers():
 def _prefill_cadence(d, interval: int = 4):
     from vllm.config import SchedulerConfig
 
-    return vllm_config(d, scheduler_config=SchedulerConfig(max_model_len=2048, is_encoder_decoder=False,
-                                                           prefill_schedule_interval=interval))
+    return vllm_config(
+        d,
+        scheduler_config=SchedulerConfig(
+            max_model_len=2048, is_encoder_decoder=False, prefill_schedule_interval=interval
+        ),
+    )
 
 
 @pytest.mark.parametrize("cls_path", [SYNC, ASYNC], ids=["sync", "async"])
@@ -498,8 +615,11 @@ SHARED_URL = "redis://127.0.0.1:1/0"  # never reached: the refill thread absorbs
 def _dp2_shared(d, **scheduler_kw):
     from vllm.config import ParallelConfig, SchedulerConfig
 
-    kw = {"scheduler_config": SchedulerConfig(max_model_len=2048, is_encoder_decoder=False, **scheduler_kw)} \
-        if scheduler_kw else {}
+    kw = (
+        {"scheduler_config": SchedulerConfig(max_model_len=2048, is_encoder_decoder=False, **scheduler_kw)}
+        if scheduler_kw
+        else {}
+    )
     config = vllm_config(d, parallel_config=ParallelConfig(data_parallel_size=2), **kw)
     config.additional_config["output_rate"]["shared_budget_url"] = SHARED_URL
     return config

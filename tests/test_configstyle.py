@@ -117,10 +117,24 @@ def expected_view(shape: EngineShape) -> dict:
 
 SHAPES = [
     EngineShape(),
-    EngineShape(max_num_seqs=3, max_num_active_seqs=2, max_num_batched_tokens=32, block_size=8, num_blocks=40,
-                policy="priority", async_scheduling=True),
-    EngineShape(max_num_seqs=5, chunked_prefill=False, max_num_batched_tokens=512, max_model_len=512,
-                block_size=32, num_blocks=77, enable_prefix_caching=True),
+    EngineShape(
+        max_num_seqs=3,
+        max_num_active_seqs=2,
+        max_num_batched_tokens=32,
+        block_size=8,
+        num_blocks=40,
+        policy="priority",
+        async_scheduling=True,
+    ),
+    EngineShape(
+        max_num_seqs=5,
+        chunked_prefill=False,
+        max_num_batched_tokens=512,
+        max_model_len=512,
+        block_size=32,
+        num_blocks=77,
+        enable_prefix_caching=True,
+    ),
 ]
 SHAPE_IDS = ["default", "pressured-priority-async", "unchunked-prefix-caching"]
 
@@ -153,8 +167,9 @@ def test_every_style_carries_the_shape(style_text, shape):
         # vLLM's CPU platform forces async scheduling off; only engine-args restores it.
         want["async_scheduling"] = False
     assert scheduler_view(config) == want
-    scheduler = Harness(STOCK_ASYNC_SCHEDULER if shape.async_scheduling else STOCK_SCHEDULER, shape,
-                        style=style).scheduler
+    scheduler = Harness(
+        STOCK_ASYNC_SCHEDULER if shape.async_scheduling else STOCK_SCHEDULER, shape, style=style
+    ).scheduler
     assert scheduler.max_num_running_reqs == shape.max_num_seqs
     assert scheduler.max_num_active_reqs == (shape.max_num_active_seqs or shape.max_num_seqs)
     assert scheduler.max_num_scheduled_tokens == shape.max_num_batched_tokens
@@ -172,8 +187,11 @@ def test_engine_args_config_equals_direct_config(shape):
     direct = AdditionalConfigStyle().build_vllm_config(shape)
     for part in ("scheduler_config", "cache_config"):
         a, b = getattr(via_flags, part), getattr(direct, part)
-        differ = {f.name: (getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
-                  if getattr(a, f.name) != getattr(b, f.name)}
+        differ = {
+            f.name: (getattr(a, f.name), getattr(b, f.name))
+            for f in dataclasses.fields(a)
+            if getattr(a, f.name) != getattr(b, f.name)
+        }
         if part == "scheduler_config" and shape.async_scheduling:
             assert differ.pop("async_scheduling") == (True, False)
         assert differ == {}, part
@@ -187,15 +205,23 @@ def test_engine_argv_from_shape():
     assert pairs["--max-num-seqs"] == "3" and pairs["--max-num-active-seqs"] == "2"
     assert pairs["--max-num-batched-tokens"] == "32" and pairs["--block-size"] == "8"
     assert pairs["--scheduling-policy"] == "priority" and pairs["--dtype"] == "float32"
-    assert {"--skip-tokenizer-init", "--enable-chunked-prefill", "--no-enable-prefix-caching",
-            "--async-scheduling"} <= set(argv)
+    assert {
+        "--skip-tokenizer-init",
+        "--enable-chunked-prefill",
+        "--no-enable-prefix-caching",
+        "--async-scheduling",
+    } <= set(argv)
     # Feature off: no rate flags at all; no active cap: no --max-num-active-seqs.
     plain = engine_argv(EngineShape())
     assert not any("output-tokens-per-second" in a for a in plain)
     assert "--max-num-active-seqs" not in plain
     on = engine_argv(EngineShape(output_rate=RATES))
-    assert on[-4:] == ["--default-user-output-tokens-per-second", "10",
-                       "--user-output-tokens-per-second", '{"u0": 3.5, "u1": 20}']
+    assert on[-4:] == [
+        "--default-user-output-tokens-per-second",
+        "10",
+        "--user-output-tokens-per-second",
+        '{"u0": 3.5, "u1": 20}',
+    ]
     only_users = engine_argv(EngineShape(output_rate={"user_tokens_per_s": {"a": 2}}))
     assert "--default-user-output-tokens-per-second" not in only_users
     assert only_users[-2:] == ["--user-output-tokens-per-second", '{"a": 2}']
@@ -236,10 +262,13 @@ def test_engine_args_without_article_flags_says_what_to_do():
         Harness(STOCK_SCHEDULER, EngineShape(output_rate=RATES), style=EngineArgsStyle())
 
 
-@pytest.mark.parametrize("section, match", [
-    (dict(RATES, burst_ms=50), "burst_ms=50.*no burst flag"),
-    (dict(RATES, trace_path="/tmp/t.jsonl"), r"\['trace_path'\] have no engine flag"),
-])
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        (dict(RATES, burst_ms=50), "burst_ms=50.*no burst flag"),
+        (dict(RATES, trace_path="/tmp/t.jsonl"), r"\['trace_path'\] have no engine flag"),
+    ],
+)
 def test_engine_args_rejects_what_the_article_cannot_express(section, match):
     with pytest.raises(ValueError, match=match):
         EngineArgsStyle().build_vllm_config(EngineShape(output_rate=section))
@@ -252,8 +281,10 @@ def test_engine_args_rejects_two_active_caps():
 
 
 # -- engine-args with the flags: a test-only shim of the article's fork ----------------
-ARTICLE_FIELDS = {"--default-user-output-tokens-per-second": "default_user_output_tokens_per_second",
-                  "--user-output-tokens-per-second": "user_output_tokens_per_second"}
+ARTICLE_FIELDS = {
+    "--default-user-output-tokens-per-second": "default_user_output_tokens_per_second",
+    "--user-output-tokens-per-second": "user_output_tokens_per_second",
+}
 
 
 def install_flag_shim(monkeypatch, carry: bool) -> None:
@@ -349,10 +380,17 @@ def test_hook_gets_the_documented_rates():
 def test_hook_rates_burst_and_own_active_cap():
     section = {"default_tokens_per_s": 2.5, "max_num_active_seqs": 1, "burst_ms": 40}
     HookStyle(HOOK).build_vllm_config(EngineShape(output_rate=section))
-    assert HOOK_CALLS[-1][1] == {"default_tokens_per_s": 2.5, "user_tokens_per_s": {}, "max_num_active_seqs": 1,
-                                 "burst_ms": 40}
+    assert HOOK_CALLS[-1][1] == {
+        "default_tokens_per_s": 2.5,
+        "user_tokens_per_s": {},
+        "max_num_active_seqs": 1,
+        "burst_ms": 40,
+    }
     assert rates_of(EngineShape(output_rate={"user_tokens_per_s": {"a": "7/2"}})) == {
-        "default_tokens_per_s": None, "user_tokens_per_s": {"a": 3.5}, "max_num_active_seqs": None}
+        "default_tokens_per_s": None,
+        "user_tokens_per_s": {"a": 3.5},
+        "max_num_active_seqs": None,
+    }
 
 
 def test_hook_not_called_when_the_feature_is_off():
@@ -369,7 +407,8 @@ def test_hook_placing_the_section_matches_additional_config():
     scenario = Scenario(
         rates_tokens_per_s={"u0": "20", "u1": "3.5"},
         requests=tuple(RequestSpec(f"u{i % 2}-r{i}", f"u{i % 2}", 4 + i, 5) for i in range(4)),
-        step_interval_ns=20 * MS, num_steps=30,
+        step_interval_ns=20 * MS,
+        num_steps=30,
     )
     runs = []
     for style in (None, HookStyle(CARRY_HOOK)):
@@ -392,13 +431,16 @@ def test_hook_must_return_none():
         HookStyle(f"{__name__}.returning_hook").build_vllm_config(EngineShape(output_rate=RATES))
 
 
-@pytest.mark.parametrize("dotted, match", [
-    ("no_dots", "dotted path pkg.module.function"),
-    (f"{__name__}:record_hook", "dotted path pkg.module.function"),
-    ("no_such_pkg_xyz.mod.fn", "cannot import module 'no_such_pkg_xyz.mod'"),
-    (f"{__name__}.no_such_hook", "has no function 'no_such_hook'"),
-    (f"{__name__}.NOT_A_FUNCTION", "has no function 'NOT_A_FUNCTION'"),
-])
+@pytest.mark.parametrize(
+    "dotted, match",
+    [
+        ("no_dots", "dotted path pkg.module.function"),
+        (f"{__name__}:record_hook", "dotted path pkg.module.function"),
+        ("no_such_pkg_xyz.mod.fn", "cannot import module 'no_such_pkg_xyz.mod'"),
+        (f"{__name__}.no_such_hook", "has no function 'no_such_hook'"),
+        (f"{__name__}.NOT_A_FUNCTION", "has no function 'NOT_A_FUNCTION'"),
+    ],
+)
 def test_bad_hook_path(dotted, match):
     with pytest.raises(ValueError, match=match) as error:
         parse_config_style(f"hook:{dotted}")
@@ -412,10 +454,15 @@ def test_parse_config_style_forms():
     hook = parse_config_style(f"hook:{HOOK}")
     assert isinstance(hook, HookStyle) and hook.function is record_hook
     assert [parse_config_style(t).name for t in ("additional-config", "engine-args", f"hook:{HOOK}")] == [
-        "additional-config", "engine-args", f"hook:{HOOK}"]
+        "additional-config",
+        "engine-args",
+        f"hook:{HOOK}",
+    ]
 
 
-@pytest.mark.parametrize("bad", ["", "engine_args", "Additional-Config", "additional_config", "hooks:x.y", " engine-args"])
+@pytest.mark.parametrize(
+    "bad", ["", "engine_args", "Additional-Config", "additional_config", "hooks:x.y", " engine-args"]
+)
 def test_parse_config_style_rejects(bad):
     with pytest.raises(ValueError) as error:
         parse_config_style(bad)
@@ -444,13 +491,17 @@ def test_harness_default_style_is_additional_config(monkeypatch):
 
 # -- the independent implementation of the article, when present ------------------------
 FIXTURES = Path(__file__).parent / "fixtures"
-needs_article = pytest.mark.skipif(not (FIXTURES / "article_style" / "flags.py").exists(),
-                                   reason="tests/fixtures/article_style absent")
+needs_article = pytest.mark.skipif(
+    not (FIXTURES / "article_style" / "flags.py").exists(), reason="tests/fixtures/article_style absent"
+)
 
 
 def run_article(shape: EngineShape, style) -> tuple[Harness, list[str]]:
-    cls = "article_style.scheduler.ArticleAsyncScheduler" if shape.async_scheduling else \
-        "article_style.scheduler.ArticleScheduler"
+    cls = (
+        "article_style.scheduler.ArticleAsyncScheduler"
+        if shape.async_scheduling
+        else "article_style.scheduler.ArticleScheduler"
+    )
     h = Harness(cls, shape, style=style)
     for i in range(2):
         h.add_request(f"slow{i}", "slow", max_tokens=4)
@@ -516,11 +567,23 @@ def test_conform_refuses_a_style_the_candidate_cannot_take_as_a_usage_error():
 
     from vllm_output_rate.cli import main
 
-    result = CliRunner().invoke(main, ["conform", "--sync-only", "--level", "must", "--config-style", "engine-args",
-                                       "--scheduler-cls", REFERENCE_SCHEDULER])
+    result = CliRunner().invoke(
+        main,
+        [
+            "conform",
+            "--sync-only",
+            "--level",
+            "must",
+            "--config-style",
+            "engine-args",
+            "--scheduler-cls",
+            REFERENCE_SCHEDULER,
+        ],
+    )
     assert result.exit_code == 2, result.output
-    assert "--config-style" in result.output and "does not add --default-user-output-tokens-per-second" \
-        in " ".join(result.output.split())
+    assert "--config-style" in result.output and "does not add --default-user-output-tokens-per-second" in " ".join(
+        result.output.split()
+    )
     assert "REJECTED" not in result.output
 
 
@@ -529,7 +592,8 @@ def test_conform_refuses_a_class_that_is_not_a_scheduler():
 
     from vllm_output_rate.cli import main
 
-    result = CliRunner().invoke(main, ["conform", "--sync-only", "--scheduler-cls",
-                                       "vllm_output_rate.reference.limiter.OutputRateLimiter"])
+    result = CliRunner().invoke(
+        main, ["conform", "--sync-only", "--scheduler-cls", "vllm_output_rate.reference.limiter.OutputRateLimiter"]
+    )
     assert result.exit_code == 2, result.output
     assert "is not a vLLM scheduler class" in " ".join(result.output.split())

@@ -65,14 +65,16 @@ def test_async_obligations_not_applicable_without_an_async_class():
 
 
 def test_reference_reaches_every_obligation_at_the_quick_budget():
-    options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick",
-                                   spec_health=False)
+    options = registry.GateOptions(
+        REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick", spec_health=False
+    )
     results = _run_gate(options)
     assert [r.result for r in results] == ["pass"] * len(results), [(r.name, r.failure) for r in results]
     row = results[-1]
     assert row.name == "coverage" and row.coverage["k"] == 1
     assert all(r["status"] == "ok" for r in row.coverage["rows"]), [
-        r for r in row.coverage["rows"] if r["status"] != "ok"]
+        r for r in row.coverage["rows"] if r["status"] != "ok"
+    ]
 
 
 def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
@@ -80,8 +82,9 @@ def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
     # other checks never put a TAT at now + 1 ns on the 256th schedule() nor a refund after
     # a self-preemption, so the run must say those were not checked, and fail.
     monkeypatch.setitem(boundaries.PER_BOUNDARY, "quick", 0)
-    options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick",
-                                   spec_health=False)
+    options = registry.GateOptions(
+        REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick", spec_health=False
+    )
     results = _run_gate(options, names={"rate-limit/sync", "boundaries/sync", "boundaries/async", "coverage"})
     row = results[-1]
     assert row.name == "coverage" and row.result == "fail" and row.part == "candidate"
@@ -103,10 +106,27 @@ def test_k_per_profile_applies(monkeypatch):
 
 def test_cli_conform_lists_boundary_scenarios_and_prints_the_coverage_table(tmp_path):
     report = tmp_path / "conform.json"
-    run = subprocess.run([sys.executable, "-m", "vllm_output_rate.cli", "conform", "--level", "must",
-                          "--profile", "quick", "--no-spec-health", "--json", str(report),
-                          "--counterexamples", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, COLUMNS="200"))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_output_rate.cli",
+            "conform",
+            "--level",
+            "must",
+            "--profile",
+            "quick",
+            "--no-spec-health",
+            "--json",
+            str(report),
+            "--counterexamples",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, COLUMNS="200"),
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "boundaries/sync scenarios: burst-edge@" in run.stdout
     assert "coverage obligations (k = 1 per run, profile quick)" in run.stdout
@@ -124,22 +144,28 @@ def test_coverage_is_not_judged_after_another_check_failed_and_never_prints_a_co
     from vllm_output_rate.adapter.conform import CheckResult
 
     options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
-    coverage.record_check(options, "rate-limit/sync", CheckResult("rate-limit/sync", ["R2"], result="fail",
-                                                                  failure="[must] R2: over", counterexample=["e"]),
-                          Counter())
+    coverage.record_check(
+        options,
+        "rate-limit/sync",
+        CheckResult("rate-limit/sync", ["R2"], result="fail", failure="[must] R2: over", counterexample=["e"]),
+        Counter(),
+    )
     row = coverage.check_coverage(options)
     assert row.result == "not judged" and row.failure.startswith("not judged: run stopped by rate-limit/sync")
     assert {r["status"] for r in row.coverage["rows"]} == {"not judged"}  # nothing reached, nothing judged
     assert registry.exit_code([row]) == 0 and row.counterexample == []
-    judged = coverage.check_coverage(registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER,
-                                                          profile="quick"))
+    judged = coverage.check_coverage(
+        registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
+    )
     assert judged.result == "fail" and judged.counterexample == []
-    failed = CheckResult("rate-limit/sync", ["R2"], result="fail", failure="[must] R2: over",
-                         counterexample=["0 add r0"])
+    failed = CheckResult(
+        "rate-limit/sync", ["R2"], result="fail", failure="[must] R2: over", counterexample=["0 add r0"]
+    )
     after_failure, alone = _printed([failed, row]), _printed([judged])
     assert after_failure.count("counterexample (") == 1  # the rate-limit row's only
     assert "coverage NOT JUDGED (candidate): not judged: run stopped by rate-limit/sync" in " ".join(
-        after_failure.split())
+        after_failure.split()
+    )
     assert "counterexample" not in alone and "not reached: boundary: burst-edge (0/1)" in alone
 
 

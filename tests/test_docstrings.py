@@ -20,13 +20,21 @@ NOT_IN_THE_REPOSITORY = re.compile(r"semantics\.md|seed article", re.IGNORECASE)
 
 
 def _sources() -> list[Path]:
-    return [p for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))
-            if EXCLUDED not in p.parents and p != Path(__file__).resolve()]
+    return [
+        p
+        for folder in FOLDERS
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if EXCLUDED not in p.parents and p != Path(__file__).resolve()
+    ]
 
 
 def test_no_citation_of_documents_outside_the_repository() -> None:
-    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in _sources()
-             for n, line in enumerate(p.read_text().splitlines(), 1) if NOT_IN_THE_REPOSITORY.search(line)]
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in _sources()
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if NOT_IN_THE_REPOSITORY.search(line)
+    ]
     assert not found, "cite docs/SPEC.md instead:\n" + "\n".join(found)
 
 
@@ -37,8 +45,12 @@ def test_the_citation_check_sees_a_stale_source_line() -> None:
 
 def test_spec_package_names_the_current_invariant_range() -> None:
     tree = ast.parse((ROOT / "spec" / "invariants.py").read_text())
-    numbers = [int(m.group(1)) for node in tree.body if isinstance(node, ast.FunctionDef)
-               if (m := re.fullmatch(r"i(\d+)_\w+", node.name))]
+    numbers = [
+        int(m.group(1))
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        if (m := re.fullmatch(r"i(\d+)_\w+", node.name))
+    ]
     assert numbers, "no iN_* function in spec/invariants.py"
     highest = max(numbers)
     assert sorted(set(numbers)) == list(range(1, highest + 1)), sorted(set(numbers))

@@ -35,8 +35,11 @@ def cfg(**kw) -> EngineConfig:
 
 
 def rated(rate="1000", users=(), **kw) -> EngineConfig:
-    return cfg(default_rate_tokens_per_s=Fraction(rate),
-               user_rates_tokens_per_s=tuple((u, Fraction(r)) for u, r in users), **kw)
+    return cfg(
+        default_rate_tokens_per_s=Fraction(rate),
+        user_rates_tokens_per_s=tuple((u, Fraction(r)) for u, r in users),
+        **kw,
+    )
 
 
 def add(rid, user="u", prompt=4, max_tokens=16, eos=None, prio=0):
@@ -51,8 +54,9 @@ def test_v1_v12_base_fidelity_small_run(async_mode, examples, tmp_path):
 
 
 @pytest.mark.rules("R7", "R16")
-@pytest.mark.parametrize("cls, async_mode, examples", [(REFERENCE_SCHEDULER, False, 18),
-                                                       (REFERENCE_ASYNC_SCHEDULER, True, 12)])
+@pytest.mark.parametrize(
+    "cls, async_mode, examples", [(REFERENCE_SCHEDULER, False, 18), (REFERENCE_ASYNC_SCHEDULER, True, 12)]
+)
 def test_r7_r16_white_box_small_run(cls, async_mode, examples, tmp_path):
     result = gate.check_white_box(cls, async_mode, examples, seed=3, tick=_noop, save_dir=tmp_path)
     assert result.result == "pass", "\n".join([result.failure or ""] + result.counterexample)
@@ -62,15 +66,21 @@ HAND_BASE = {
     # tests/test_spec_step.py: test_v6_fcfs_resumed_request_recomputes_prompt_and_outputs
     "v6-fcfs": (cfg(num_blocks=5), [add("A", max_tokens=10), add("B", max_tokens=10)] + [Step()] * 11),
     # test_v6_priority_preempts_worst_and_returns_its_budget / self-preemption
-    "v6-priority": (cfg(num_blocks=4, policy="priority"),
-                    [add("A", prio=2), Step(), add("B", prompt=3), Step(), Step(), Step()]),
-    "v6-priority-self": (cfg(num_blocks=5, policy="priority"),
-                         [add("A", prio=2), Step(), add("B", prompt=3)] + [Step()] * 5),
+    "v6-priority": (
+        cfg(num_blocks=4, policy="priority"),
+        [add("A", prio=2), Step(), add("B", prompt=3), Step(), Step(), Step()],
+    ),
+    "v6-priority-self": (
+        cfg(num_blocks=5, policy="priority"),
+        [add("A", prio=2), Step(), add("B", prompt=3)] + [Step()] * 5,
+    ),
     # test_v4_async_chunk_capped_by_max_model_len
     "v4-async": (cfg(async_scheduling=True, max_model_len=8), [add("A", prompt=5, max_tokens=10)] + [Step()] * 4),
     # test_v10_async_stale_output_of_a_preempted_request_is_delivered
-    "v10-async-stale": (cfg(num_blocks=5, async_scheduling=True),
-                        [add("A", max_tokens=12), add("B", max_tokens=12)] + [Step()] * 12 + [Drain()]),
+    "v10-async-stale": (
+        cfg(num_blocks=5, async_scheduling=True),
+        [add("A", max_tokens=12), add("B", max_tokens=12)] + [Step()] * 12 + [Drain()],
+    ),
     # test_v12_async_dispatches_once_more_after_eos
     "v12-async-eos": (cfg(async_scheduling=True), [add("A", eos=1)] + [Step()] * 4),
 }
@@ -85,36 +95,81 @@ def test_v_rules_hand_scenarios_match_stock_vllm(name):
 
 HAND_RATED = {
     # test_r13_fcfs_throttled_request_is_preempted_before_the_last_running
-    "r13-fcfs": (rated("1000", users=(("a", "1"),), num_blocks=3),
-                 [add("a0", "a"), add("b0", "b"), Step(), AdvanceClock(10 * MS), Step()]),
+    "r13-fcfs": (
+        rated("1000", users=(("a", "1"),), num_blocks=3),
+        [add("a0", "a"), add("b0", "b"), Step(), AdvanceClock(10 * MS), Step()],
+    ),
     # test_r13_priority_prefers_throttled_only_within_the_victim_level
-    "r13-priority": (rated("1000", users=(("a", "1"),), num_blocks=4, policy="priority"),
-                     [add("a0", "a", prio=1), add("c0", "c", prio=1), add("b0", "b", prompt=3),
-                      Step(), AdvanceClock(10 * MS), Step()]),
+    "r13-priority": (
+        rated("1000", users=(("a", "1"),), num_blocks=4, policy="priority"),
+        [
+            add("a0", "a", prio=1),
+            add("c0", "c", prio=1),
+            add("b0", "b", prompt=3),
+            Step(),
+            AdvanceClock(10 * MS),
+            Step(),
+        ],
+    ),
     # test_r9_kv_shortage_preempts_a_charged_request_which_is_refunded
-    "r9-priority": (rated("1000", num_blocks=4, policy="priority"),
-                    [add("A", "a", prio=2), Step(), AdvanceClock(10 * MS), add("B", "b", prompt=3), Step(),
-                     AdvanceClock(10 * MS), Step(), AdvanceClock(10 * MS), Step()]),
+    "r9-priority": (
+        rated("1000", num_blocks=4, policy="priority"),
+        [
+            add("A", "a", prio=2),
+            Step(),
+            AdvanceClock(10 * MS),
+            add("B", "b", prompt=3),
+            Step(),
+            AdvanceClock(10 * MS),
+            Step(),
+            AdvanceClock(10 * MS),
+            Step(),
+        ],
+    ),
     # test_r11_r16_two_users_three_streams_throttle_and_wait_hint, test_r14_r15_...
-    "r14-two-users": (rated("10"), [add("a0", "a"), add("a1", "a"), add("b0", "b"), Step(), Step(),
-                                    AdvanceClock(100 * MS), Step(), AdvanceClock(100 * MS), Step()]),
+    "r14-two-users": (
+        rated("10"),
+        [
+            add("a0", "a"),
+            add("a1", "a"),
+            add("b0", "b"),
+            Step(),
+            Step(),
+            AdvanceClock(100 * MS),
+            Step(),
+            AdvanceClock(100 * MS),
+            Step(),
+        ],
+    ),
     # test_r10_refused_waiting_request_does_not_block_other_users
-    "r10-no-chunk": (rated("10", chunked_prefill=False, max_model_len=64),
-                     [add("a0", "a"), add("a1", "a"), add("a2", "a"), add("b0", "b"), Step(), Step()]),
+    "r10-no-chunk": (
+        rated("10", chunked_prefill=False, max_model_len=64),
+        [add("a0", "a"), add("a1", "a"), add("a2", "a"), add("b0", "b"), Step(), Step()],
+    ),
     # Two places where the reference (and so the spec) departs from the rules' plain reading
     # (docs/SPEC.md "Known consequences"); kept as
     # replayable agreement checks. R13: a1 is throttled earlier in the same running loop
     # (not at the step start) and keeps its KV while b0, an unthrottled stream, preempts
     # itself at t=100 ms.
-    "r13-gap-mid-loop-throttled": (rated("1000", users=(("a", "10"),), num_blocks=4),
-                                   [add("a0", "a", prompt=2), add("a1", "a", prompt=2), add("b0", "b"),
-                                    Step(), AdvanceClock(100 * MS), Step()]),
+    "r13-gap-mid-loop-throttled": (
+        rated("1000", users=(("a", "10"),), num_blocks=4),
+        [add("a0", "a", prompt=2), add("a1", "a", prompt=2), add("b0", "b"), Step(), AdvanceClock(100 * MS), Step()],
+    ),
     # R9 vs R2/P3: at t=200 ms Y is charged, X refused, then Y is preempted and refunded;
     # user a ends the step with TAT - now = tau (a grant would succeed) but dispatched nothing.
-    "r9-refund-after-refusal": (rated("1000", users=(("a", "10"),), num_blocks=4, policy="priority"),
-                                [add("X", "a", prompt=2, prio=2), add("Y", "a", prompt=2, prio=2), Step(),
-                                 AdvanceClock(100 * MS), add("B", "b", prio=0), Step(), AdvanceClock(100 * MS),
-                                 Step()]),
+    "r9-refund-after-refusal": (
+        rated("1000", users=(("a", "10"),), num_blocks=4, policy="priority"),
+        [
+            add("X", "a", prompt=2, prio=2),
+            add("Y", "a", prompt=2, prio=2),
+            Step(),
+            AdvanceClock(100 * MS),
+            add("B", "b", prio=0),
+            Step(),
+            AdvanceClock(100 * MS),
+            Step(),
+        ],
+    ),
 }
 
 

@@ -18,11 +18,11 @@ LIMIT = 70
 # "folder/module.py::function" -> why it is longer (kept as short as possible).
 ALLOWED = {
     "adapter/coverage.py::observe": "one pass over a step's trace that sets every coverage obligation; "
-                                    "its branches share the step's local state",
+    "its branches share the step's local state",
     "proofs/modelcheck_shared.py::step": "the shared-budget model checker's transition function (R23-R26, new "
-                                         "today), split with the model checker",
+    "today), split with the model checker",
     "reference/scheduler.py::__init__": "the reference scheduler's constructor: every piece of per-engine "
-                                        "state, in the order the hooks need it",
+    "state, in the order the hooks need it",
 }
 
 
@@ -42,8 +42,9 @@ def long_functions(root: Path = ROOT, folders: tuple[str, ...] = FOLDERS, limit:
 
 def test_no_function_over_the_limit_outside_the_allowlist() -> None:
     over = {name: n for name, n in long_functions().items() if name not in ALLOWED}
-    assert not over, (f"functions over {LIMIT} lines (split them into named helpers): "
-                      + ", ".join(f"{name} ({n})" for name, n in sorted(over.items(), key=lambda kv: -kv[1])))
+    assert not over, f"functions over {LIMIT} lines (split them into named helpers): " + ", ".join(
+        f"{name} ({n})" for name, n in sorted(over.items(), key=lambda kv: -kv[1])
+    )
 
 
 def test_the_allowlist_holds_only_functions_still_over_the_limit() -> None:
@@ -55,7 +56,8 @@ def test_the_allowlist_holds_only_functions_still_over_the_limit() -> None:
 def test_the_count_sees_a_long_nested_function(tmp_path: Path) -> None:
     body = "\n".join(f"        x{i} = {i}" for i in range(LIMIT))
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "m.py").write_text(f"def outer():\n    def inner():\n{body}\n    return inner\n\n"
-                                           "def short():\n    return 1\n")
+    (tmp_path / "pkg" / "m.py").write_text(
+        f"def outer():\n    def inner():\n{body}\n    return inner\n\ndef short():\n    return 1\n"
+    )
     found = long_functions(tmp_path, ("pkg",))
     assert found == {"pkg/m.py::outer": LIMIT + 3, "pkg/m.py::inner": LIMIT + 1}

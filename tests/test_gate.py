@@ -99,9 +99,19 @@ def _abort_in_flight_scenario() -> Scenario:
     # and is aborted before step 1 with that step still in flight; u0-r1 (same user, 2 tok/s,
     # tau 100 ms) waits for the seat. The GCRA grants u0-r1 its second token at t = 1.3 s,
     # a step that leaves budget, preempts nothing and fills no active cap.
-    return Scenario({}, (RequestSpec("u0-r0", "u0", 1, 1, abort_at_step=1), RequestSpec("u0-r1", "u0", 1, 2)),
-                    100_000_000, 20, chunked_prefill=False, async_scheduling=True, default_rate_tokens_per_s="2",
-                    max_num_seqs=1, max_num_active_seqs=1, num_blocks=15, block_size=4)
+    return Scenario(
+        {},
+        (RequestSpec("u0-r0", "u0", 1, 1, abort_at_step=1), RequestSpec("u0-r1", "u0", 1, 2)),
+        100_000_000,
+        20,
+        chunked_prefill=False,
+        async_scheduling=True,
+        default_rate_tokens_per_s="2",
+        max_num_seqs=1,
+        max_num_active_seqs=1,
+        num_blocks=15,
+        block_size=4,
+    )
 
 
 @pytest.mark.rules("R7", "R8", "R11")
@@ -123,27 +133,48 @@ def test_r8_async_under_grant_is_judged_under_pressure():
 def test_async_under_grant_under_pressure_passes_the_article_style_implementation(article_flags):
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
-    verdict = run_scenario("article_style.scheduler.ArticleAsyncScheduler", _abort_in_flight_scenario(), "should",
-                           parse_config_style("engine-args"))
+    verdict = run_scenario(
+        "article_style.scheduler.ArticleAsyncScheduler",
+        _abort_in_flight_scenario(),
+        "should",
+        parse_config_style("engine-args"),
+    )
     assert verdict.failure is None and verdict.sampled_per_user == {"u0": 3}
 
 
 def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     out = tmp_path / "conform.json"
-    ok = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--level", "exact", "--json", str(out),
-                                   "--counterexamples", str(tmp_path)], capture_output=True, text=True, env=env)
+    ok = subprocess.run(
+        OUTRATE
+        + ["conform", "--profile", "quick", "--level", "exact", "--json", str(out), "--counterexamples", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["vllm_version"].startswith(("0.32.", "0.33."))
     assert report["scheduler"] == REFERENCE_SCHEDULER
-    assert {"limiter-differential", "rate-limit/sync", "rate-limit/async", "base-fidelity/sync",
-            "base-fidelity/async", "white-box/sync", "white-box/async"} <= {c["name"] for c in report["checks"]}
+    assert {
+        "limiter-differential",
+        "rate-limit/sync",
+        "rate-limit/async",
+        "base-fidelity/sync",
+        "base-fidelity/async",
+        "white-box/sync",
+        "white-box/async",
+    } <= {c["name"] for c in report["checks"]}
     assert report["level"] == "exact" and report["exit_code"] == 0
     for check in report["checks"]:
         assert check["result"] == "pass"
         assert check["examples"] > 0 and check["seconds"] >= 0 and check["rules"]
-    bad = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--scheduler-cls", STOCK_SCHEDULER,
-                                    "--counterexamples", str(tmp_path)], capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        OUTRATE
+        + ["conform", "--profile", "quick", "--scheduler-cls", STOCK_SCHEDULER, "--counterexamples", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert bad.returncode == 1
     assert "FAILED" in bad.stdout and "counterexample" in bad.stdout

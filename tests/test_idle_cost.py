@@ -53,8 +53,18 @@ def originals(monkeypatch):
     return saved
 
 
-@pytest.mark.parametrize("config, env, parks", [(ON, None, True), (ON, "1", True), (ON, "", True), (ON, " 0 ", False),
-                                                (ON, "0", False), (OFF, None, False), (None, None, False)])
+@pytest.mark.parametrize(
+    "config, env, parks",
+    [
+        (ON, None, True),
+        (ON, "1", True),
+        (ON, "", True),
+        (ON, " 0 ", False),
+        (ON, "0", False),
+        (OFF, None, False),
+        (None, None, False),
+    ],
+)
 def test_r16_worker_parks_only_with_the_feature_on_unless_turned_off(monkeypatch, config, env, parks):
     if env is None:
         monkeypatch.delenv(plugin.WORKER_PARK_ENV, raising=False)
@@ -143,8 +153,9 @@ def test_r16_engine_core_pings_lossless_only_while_the_worker_may_be_parked(orig
     sent: list[tuple[str, bool]] = []
 
     def init_executor(self) -> None:  # vLLM's, reduced to the RPC queue it builds
-        self.rpc_broadcast_mq = SimpleNamespace(_spin_condition=SimpleNamespace(is_reader=False,
-                                                                                local_notify_socket=_Socket()))
+        self.rpc_broadcast_mq = SimpleNamespace(
+            _spin_condition=SimpleNamespace(is_reader=False, local_notify_socket=_Socket())
+        )
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, unique_reply_rank=None):
         sent.append((method, getattr(self, "_output_rate_lossless", False)))
@@ -157,16 +168,23 @@ def test_r16_engine_core_pings_lossless_only_while_the_worker_may_be_parked(orig
     executor.vllm_config = ON
     executor._init_executor()
     socket = executor.rpc_broadcast_mq._spin_condition.local_notify_socket
-    steps = [("execute_model", 5), ("sample_tokens", None), ("execute_model", 0), ("execute_model", 0),
-             ("execute_model", 2), ("sample_tokens", None), ("execute_model", 0), ("add_lora", None),
-             ("execute_model", 1)]
+    steps = [
+        ("execute_model", 5),
+        ("sample_tokens", None),
+        ("execute_model", 0),
+        ("execute_model", 0),
+        ("execute_model", 2),
+        ("sample_tokens", None),
+        ("execute_model", 0),
+        ("add_lora", None),
+        ("execute_model", 1),
+    ]
     for method, tokens in steps:
         args = (_step(tokens),) if tokens is not None else (None,)
         assert executor.collective_rpc(method, args=args, unique_reply_rank=0) == method  # vLLM's call, its result
     # Lossless exactly for the sends that follow an empty step (the worker parked after it).
     assert [lossless for _method, lossless in sent] == [False, False, False, True, True, False, False, True, False]
-    assert socket.options == [(zmq.XPUB_NODROP, 1), (zmq.XPUB_NODROP, 0), (zmq.XPUB_NODROP, 1),
-                              (zmq.XPUB_NODROP, 0)]
+    assert socket.options == [(zmq.XPUB_NODROP, 1), (zmq.XPUB_NODROP, 0), (zmq.XPUB_NODROP, 1), (zmq.XPUB_NODROP, 0)]
 
     executor_off = MultiprocExecutor.__new__(MultiprocExecutor)
     executor_off.vllm_config = OFF
@@ -179,8 +197,9 @@ def test_r16_engine_core_pings_lossless_only_while_the_worker_may_be_parked(orig
 
 def test_r16_park_reader_marks_only_a_reader():
     writer = MessageQueue(1, 1)
-    reader = SimpleNamespace(_spin_condition=SimpleNamespace(is_reader=True, last_read=time.monotonic(),
-                                                             busy_loop_s=1.0))
+    reader = SimpleNamespace(
+        _spin_condition=SimpleNamespace(is_reader=True, last_read=time.monotonic(), busy_loop_s=1.0)
+    )
     assert plugin.park_reader(reader) and not _spinning(reader._spin_condition)
     assert not plugin.park_reader(writer)
     assert not plugin.park_reader(SimpleNamespace(_spin_condition=None))

@@ -39,7 +39,7 @@ def imported_modules(path: Path, layer: str, root: Path = ROOT) -> list[tuple[in
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -72,9 +72,10 @@ def test_detector_sees_function_level_and_relative_imports(tmp_path: Path) -> No
     for layer in LAYERS:
         (tmp_path / layer).mkdir()
     (tmp_path / "adapter" / "up.py").write_text(
-        "from vllm_output_rate.spec import rate\n"          # downward: fine
-        "def f():\n    from vllm_output_rate.proofs import modelcheck\n"   # hidden in a function
-        "    import vllm_output_rate.cli\n")                # the top layer
+        "from vllm_output_rate.spec import rate\n"  # downward: fine
+        "def f():\n    from vllm_output_rate.proofs import modelcheck\n"  # hidden in a function
+        "    import vllm_output_rate.cli\n"
+    )  # the top layer
     (tmp_path / "spec" / "rel.py").write_text("from ..reference import limiter\n")  # relative
     (tmp_path / "reference" / "root.py").write_text("from vllm_output_rate import tinymodel\n")
     assert violations(tmp_path) == [

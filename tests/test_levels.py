@@ -20,8 +20,11 @@ from vllm_output_rate.adapter.levels import LEVELS, includes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OUTRATE = [sys.executable, "-m", "vllm_output_rate.cli"]
-ENV = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=os.pathsep.join(
-    filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")])))
+ENV = dict(
+    os.environ,
+    VLLM_LOGGING_LEVEL="ERROR",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")])),
+)
 
 
 def _noop() -> None:
@@ -36,8 +39,10 @@ def test_levels_are_ordered_and_bad_level_is_named():
 
 
 def test_plan_levels_and_parts():
-    names = {lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
-             for lvl in LEVELS}
+    names = {
+        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
+        for lvl in LEVELS
+    }
     assert "white-box/sync" in names["exact"] and "white-box/sync" not in names["should"]
     assert "feature-off/sync" in names["must"] and "rate-limit/async" in names["must"]
     parts = {p.spec.name: p.spec.part for p in gate_plan.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))}
@@ -71,39 +76,99 @@ def test_r18_candidate_that_rotates_with_feature_off_fails_must(tmp_path, monkey
 
 
 def test_cli_without_async_class_exits_2_and_says_not_tested(tmp_path):
-    run = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--level", "must", "--no-spec-health",
-                                    "--scheduler-cls", "gate_candidates.ReferenceSyncOnly",
-                                    "--counterexamples", str(tmp_path)], capture_output=True, text=True, env=ENV)
+    run = subprocess.run(
+        OUTRATE
+        + [
+            "conform",
+            "--profile",
+            "quick",
+            "--level",
+            "must",
+            "--no-spec-health",
+            "--scheduler-cls",
+            "gate_candidates.ReferenceSyncOnly",
+            "--counterexamples",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]
     assert "NOT TESTED" in last and "rate-limit/async" in last
-    only = subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--level", "must", "--no-spec-health",
-                                     "--sync-only", "--scheduler-cls", "gate_candidates.ReferenceSyncOnly",
-                                     "--counterexamples", str(tmp_path)], capture_output=True, text=True, env=ENV)
+    only = subprocess.run(
+        OUTRATE
+        + [
+            "conform",
+            "--profile",
+            "quick",
+            "--level",
+            "must",
+            "--no-spec-health",
+            "--sync-only",
+            "--scheduler-cls",
+            "gate_candidates.ReferenceSyncOnly",
+            "--counterexamples",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     assert only.returncode == 0, only.stdout[-3000:]
     assert only.stdout.strip().splitlines()[-1].endswith("ACCEPTED")
 
 
 def _plugin_verdicts(tmp_path, *args) -> dict[str, str]:
     (tmp_path / "test_patch.py").write_text("def test_own():\n    pass\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                          str(tmp_path / "test_patch.py"), *args], capture_output=True, text=True, cwd=tmp_path,
-                         env=ENV)
-    found = {name: verdict for verdict, name in re.findall(r"^(PASSED|FAILED) (?:\S*::)?outrate::(\S+)", run.stdout, re.M)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(tmp_path / "test_patch.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=ENV,
+    )
+    found = {
+        name: verdict for verdict, name in re.findall(r"^(PASSED|FAILED) (?:\S*::)?outrate::(\S+)", run.stdout, re.M)
+    }
     assert found, run.stdout[-3000:]
     return found
 
 
 def test_plugin_gives_the_cli_verdicts(tmp_path):
     out = tmp_path / "conform.json"
-    subprocess.run(OUTRATE + ["conform", "--profile", "quick", "--level", "must", "--no-spec-health", "--sync-only",
-                              "--scheduler-cls", STOCK_SCHEDULER, "--json", str(out), "--counterexamples",
-                              str(tmp_path)], capture_output=True, text=True, env=ENV)
+    subprocess.run(
+        OUTRATE
+        + [
+            "conform",
+            "--profile",
+            "quick",
+            "--level",
+            "must",
+            "--no-spec-health",
+            "--sync-only",
+            "--scheduler-cls",
+            STOCK_SCHEDULER,
+            "--json",
+            str(out),
+            "--counterexamples",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
     checks = json.loads(out.read_text())["checks"]
     # coverage is not judged in a run another check failed: the plugin reports it as skipped
     assert {c["name"]: c["result"] for c in checks}["coverage"] == "not judged"
     cli = {c["name"]: "PASSED" if c["result"] == "pass" else "FAILED" for c in checks if c["result"] != "not judged"}
-    plugin = _plugin_verdicts(tmp_path, f"--outrate-scheduler={STOCK_SCHEDULER}", "--outrate-level=must",
-                              "--outrate-sync-only", "--outrate-profile=quick")
+    plugin = _plugin_verdicts(
+        tmp_path,
+        f"--outrate-scheduler={STOCK_SCHEDULER}",
+        "--outrate-level=must",
+        "--outrate-sync-only",
+        "--outrate-profile=quick",
+    )
     assert plugin == cli
     assert cli["rate-limit/sync"] == "FAILED" and cli["feature-off/sync"] == "PASSED"

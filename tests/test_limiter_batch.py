@@ -15,8 +15,19 @@ from hypothesis import strategies as st
 
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 
-RATES = st.sampled_from([Fraction(1, 1000), Fraction(1, 3), Fraction(1, 2), Fraction(7), Fraction(10),
-                         Fraction(20), Fraction(100), Fraction(333333, 1000), Fraction(10**6)])
+RATES = st.sampled_from(
+    [
+        Fraction(1, 1000),
+        Fraction(1, 3),
+        Fraction(1, 2),
+        Fraction(7),
+        Fraction(10),
+        Fraction(20),
+        Fraction(100),
+        Fraction(333333, 1000),
+        Fraction(10**6),
+    ]
+)
 BURSTS = st.sampled_from([1, 1_000_000, 100_000_000, 250_000_000])
 HISTORY = st.lists(st.tuples(st.integers(0, 400_000_000), st.booleans()), max_size=12)
 
@@ -100,6 +111,7 @@ def test_r2_take_counts_equals_take_many_per_user(counts, history) -> None:
                 if lim.try_take(user, now) and refund:
                     lim.refund(user)
         return lim
+
     one, many = limiter(), limiter()
     now = 10**12 + sum(gap for gap, _ in history)
     for user, n in counts.items():

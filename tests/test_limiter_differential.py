@@ -162,8 +162,9 @@ def test_mutants_caught_by_generated_sequences() -> None:
     """Hypothesis finds each mutant from generated sequences too (not only by hand)."""
     search = settings(derandomize=True, max_examples=300, deadline=None, database=None, phases=[Phase.generate])
     for mutant, rule in ((_StrictLess, "R2"), (_NoRefund, "R4"), (_FloorReady, "R5"), (_CleanupStrict, "R6")):
-        seq = find(operations(80), lambda s, mutant=mutant: run_differential(s, make_impl=mutant) is not None,
-                   settings=search)
+        seq = find(
+            operations(80), lambda s, mutant=mutant: run_differential(s, make_impl=mutant) is not None, settings=search
+        )
         diff = run_differential(seq, make_impl=mutant)
         assert diff is not None and diff.startswith(rule + ":"), (mutant.__name__, diff)
 

@@ -232,8 +232,7 @@ def test_r2_window_bound_tokens_rejects_negative_window() -> None:
 def _max_grants_in_window(grant_times: list[int], window_ns: int) -> int:
     """Most grants in any closed window [s, s + window_ns]; s ranges over grant times."""
     return max(
-        bisect.bisect_right(grant_times, s + window_ns) - bisect.bisect_left(grant_times, s)
-        for s in grant_times
+        bisect.bisect_right(grant_times, s + window_ns) - bisect.bisect_left(grant_times, s) for s in grant_times
     )
 
 
@@ -414,7 +413,14 @@ def test_r4_take_then_refund_changes_no_later_decision(make: MakeLimiter, histor
         #  TAT 142_857_142 6/7 -> ready ceil(42_857_142 6/7) = 42_857_143
         #  TAT 285_714_285 5/7 -> ready ceil(185_714_285 5/7) = 185_714_286
         #  TAT 428_571_428 4/7 -> ready ceil(328_571_428 4/7) = 328_571_429
-        (7, [(Fraction(10**9, 7), 42_857_143), (Fraction(2 * 10**9, 7), 185_714_286), (Fraction(3 * 10**9, 7), 328_571_429)]),
+        (
+            7,
+            [
+                (Fraction(10**9, 7), 42_857_143),
+                (Fraction(2 * 10**9, 7), 185_714_286),
+                (Fraction(3 * 10**9, 7), 328_571_429),
+            ],
+        ),
     ],
 )
 def test_r5_ready_at_rounds_up(make: MakeLimiter, rate: int, expected: list[tuple[Fraction, int]]) -> None:

@@ -1,4 +1,5 @@
-"""``make test`` runs ruff and mypy (the settings of pyproject.toml) before pytest; both pass.
+"""``make test`` runs ruff (lint and format check) and mypy (the settings of pyproject.toml)
+before pytest; all pass.
 
 The checks that stop ``make test`` on a drifted design are pytest tests of their own:
 ``tests/test_layers.py`` (imports against the layers), ``tests/test_traceability.py``
@@ -16,13 +17,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = [sys.executable, "-m", "ruff", "check", "--no-cache", "--config", str(ROOT / "pyproject.toml")]
+RUFF_FORMAT = [
+    sys.executable,
+    "-m",
+    "ruff",
+    "format",
+    "--check",
+    "--no-cache",
+    "--config",
+    str(ROOT / "pyproject.toml"),
+]
+LINT_PATHS = ["spec", "reference", "adapter", "proofs", "outrate", "tests", "gpu_tests"]
 MYPY = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--no-incremental"]
 LAYERS = ("outrate", "spec", "reference", "adapter", "proofs")
 
 
 def test_the_tree_passes_ruff() -> None:
-    run = subprocess.run(RUFF + ["spec", "reference", "adapter", "proofs", "outrate", "tests", "gpu_tests"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(RUFF + LINT_PATHS, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:]
 
 
@@ -46,22 +57,25 @@ def test_make_test_runs_ruff_before_pytest() -> None:
 def _make_dry_run(*args: str) -> list[str]:
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
-    return subprocess.run(["make", "-n", "test", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60).stdout.splitlines()
+    return subprocess.run(
+        ["make", "-n", "test", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
 
 
 @pytest.mark.parametrize("vllm", ["0.32.0", "0.33.0"])
-def test_make_test_runs_mypy_after_ruff_before_pytest(vllm: str) -> None:
+def test_make_test_runs_ruff_the_format_check_and_mypy_before_pytest(vllm: str) -> None:
     lines = _make_dry_run(f"VLLM={vllm}")
-    ruff = next(i for i, line in enumerate(lines) if "-m ruff check" in line)
-    mypy = next(i for i, line in enumerate(lines) if "-m vllm_output_rate.typecheck" in line)
-    first_pytest = next(i for i, line in enumerate(lines) if "-m pytest" in line)
-    assert ruff < mypy < first_pytest
+    order = [
+        next(i for i, line in enumerate(lines) if command in line)
+        for command in ("-m ruff check", "-m ruff format --check", "-m vllm_output_rate.typecheck", "-m pytest")
+    ]
+    assert order == sorted(order), lines
 
 
 def test_the_package_passes_mypy() -> None:
-    run = subprocess.run([sys.executable, "-m", "vllm_output_rate.typecheck"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_output_rate.typecheck"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
 
 
@@ -82,12 +96,15 @@ def test_mypy_is_strict_on_spec_and_normal_elsewhere(tmp_path: Path) -> None:
     a wrong type fails anywhere. The error lines name the repository's paths."""
     from vllm_output_rate import typecheck
 
-    _fake_repository(tmp_path, {"spec/untyped.py": UNTYPED, "adapter/untyped.py": UNTYPED,
-                                "proofs/wrong.py": "count: int = 'three'\n"})
+    _fake_repository(
+        tmp_path,
+        {"spec/untyped.py": UNTYPED, "adapter/untyped.py": UNTYPED, "proofs/wrong.py": "count: int = 'three'\n"},
+    )
     tree = typecheck.build_tree(tmp_path, tmp_path / ".mypy_cache" / "tree")
     run = subprocess.run(MYPY + [str(tree)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    lines = [typecheck.to_repository(line, tmp_path, tmp_path / ".mypy_cache" / "tree")
-             for line in run.stdout.splitlines()]
+    lines = [
+        typecheck.to_repository(line, tmp_path, tmp_path / ".mypy_cache" / "tree") for line in run.stdout.splitlines()
+    ]
     assert run.returncode == 1, run.stdout
     errors = [line for line in lines if ": error:" in line]
     assert any(line.startswith("spec/untyped.py:1:") and "[no-untyped-def]" in line for line in errors), lines
@@ -100,10 +117,16 @@ def test_typecheck_maps_paths_both_ways(tmp_path: Path) -> None:
 
     tree = tmp_path / "t"
     assert typecheck.to_tree(str(ROOT / "spec" / "limiter.py"), ROOT, tree) == str(
-        tree / "vllm_output_rate" / "spec" / "limiter.py")
+        tree / "vllm_output_rate" / "spec" / "limiter.py"
+    )
     assert typecheck.to_tree(str(ROOT / "outrate" / "cli.py"), ROOT, tree) == str(tree / "vllm_output_rate" / "cli.py")
-    assert typecheck.to_repository(f"{tree}/vllm_output_rate/cli.py:3: error: x", ROOT, tree) == "outrate/cli.py:3: error: x"
-    assert typecheck.to_repository(f"{tree}/vllm_output_rate/spec/a.py:1: note: y", ROOT, tree) == "spec/a.py:1: note: y"
+    assert (
+        typecheck.to_repository(f"{tree}/vllm_output_rate/cli.py:3: error: x", ROOT, tree)
+        == "outrate/cli.py:3: error: x"
+    )
+    assert (
+        typecheck.to_repository(f"{tree}/vllm_output_rate/spec/a.py:1: note: y", ROOT, tree) == "spec/a.py:1: note: y"
+    )
     with pytest.raises(SystemExit, match="docs"):
         typecheck.to_tree(str(ROOT / "docs"), ROOT, tree)
 
@@ -114,3 +137,30 @@ def test_ruff_reports_a_bugbear_finding(tmp_path: Path) -> None:
     bad.write_text("def f(items=[]):\n    return items\n")
     run = subprocess.run(RUFF + [str(bad)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "B006" in run.stdout
+
+
+def test_the_tree_is_formatted() -> None:
+    run = subprocess.run(RUFF_FORMAT + LINT_PATHS, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
+
+
+def test_the_format_check_fails_on_an_unformatted_file(tmp_path: Path) -> None:
+    """Single quotes and a cramped dict: the check names the file and fails; formatted, it passes."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = {  'a':1 }\n")
+    run = subprocess.run(RUFF_FORMAT + [str(bad)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "bad.py" in run.stdout + run.stderr, run.stdout + run.stderr
+    bad.write_text('x = {"a": 1}\n')
+    assert subprocess.run(RUFF_FORMAT + [str(bad)], capture_output=True, text=True, timeout=60).returncode == 0
+
+
+def test_the_format_check_leaves_the_article_style_fixture_alone() -> None:
+    """tests/fixtures/article_style/ is an independent implementation: never reformatted."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--diff", "--no-cache", "tests/fixtures"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "article_style" not in run.stdout + run.stderr, run.stdout[-2000:]

@@ -32,7 +32,7 @@ def test_sse_reader_splits_on_newline_only(split):
     # U+2028 and U+0085 are line breaks for str.splitlines (httpx aiter_lines), not for SSE.
     payload = '{"choices":[{"delta":{"content":"a\u2028b\u0085c"}}]}'
     body = f"data: {payload}\n\ndata: [DONE]\n\n".encode()
-    chunks = [body[i:i + split] for i in range(0, len(body), split)]
+    chunks = [body[i : i + split] for i in range(0, len(body), split)]
 
     async def collect():
         return [d async for d in _sse_data(_Response(chunks))]

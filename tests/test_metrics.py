@@ -68,8 +68,7 @@ def test_snapshot_counts_granted_throttled_and_leads_per_label(metrics_dir):
 
 
 def test_throttled_seconds_and_lead_while_throttled(metrics_dir):
-    h = _run({"default_tokens_per_s": 1000, "user_tokens_per_s": {"slow": 10}}, ["slow", "slow"], tokens=50,
-             steps=150)
+    h = _run({"default_tokens_per_s": 1000, "user_tokens_per_s": {"slow": 10}}, ["slow", "slow"], tokens=50, steps=150)
     recorder = h.scheduler._metrics
     recorder.write(h.scheduler.clock_ns(), h.scheduler.rate_limiter)
     snap = _snapshot(metrics_dir)
@@ -100,8 +99,11 @@ def test_collector_yields_the_families_on_a_registry(metrics_dir):
     registry = CollectorRegistry()
     registry.register(metrics.OutputRateCollector(str(metrics_dir)))
     text = generate_latest(registry).decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     assert samples[("vllm:output_rate_granted_tokens_total", (("user", "slow"),))] == 40
     assert samples[("vllm:output_rate_granted_tokens_total", (("user", "other"),))] == 20
     assert samples[("vllm:output_rate_throttled_request_steps_total", (("user", "slow"),))] > 0
@@ -116,10 +118,27 @@ def test_collector_yields_the_families_on_a_registry(metrics_dir):
 
 
 def test_lead_decays_at_scrape_time(tmp_path):
-    (tmp_path / "engine-7.json").write_text(json.dumps({
-        "version": 1, "pid": 7, "now_ns": 10_000_000_000, "shadow": False, "throttled_requests": 1,
-        "labels": {"other": {"granted": 3, "throttled_request_steps": 1, "refunds": 0, "throttled_seconds": 0.5,
-                             "lead_seconds": 0.5, "limit_tokens_per_second": 2.0}}}))
+    (tmp_path / "engine-7.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "pid": 7,
+                "now_ns": 10_000_000_000,
+                "shadow": False,
+                "throttled_requests": 1,
+                "labels": {
+                    "other": {
+                        "granted": 3,
+                        "throttled_request_steps": 1,
+                        "refunds": 0,
+                        "throttled_seconds": 0.5,
+                        "lead_seconds": 0.5,
+                        "limit_tokens_per_second": 2.0,
+                    }
+                },
+            }
+        )
+    )
     collector = metrics.OutputRateCollector(str(tmp_path), clock_ns=lambda: 10_200_000_000)
     families = {f.name: f for f in collector.collect()}
     assert families["vllm:output_rate_lead_seconds"].samples[0].value == pytest.approx(0.3)
@@ -129,8 +148,13 @@ def test_lead_decays_at_scrape_time(tmp_path):
 
 
 def test_shadow_mode_counts_would_be_throttles_as_throttled(metrics_dir):
-    h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=3, output_rate={
-        "default_tokens_per_s": 1000, "user_tokens_per_s": {"slow": 10}, "shadow": True}))
+    h = Harness(
+        REFERENCE_SCHEDULER,
+        EngineShape(
+            max_num_seqs=3,
+            output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"slow": 10}, "shadow": True},
+        ),
+    )
     for i in range(2):
         h.add_request(f"r{i}", "slow", prompt_len=4, max_tokens=20)
     would = 0
@@ -185,8 +209,13 @@ def test_stat_logger_plugin_is_a_vllm_stat_logger_registered_by_entry_point():
 def test_snapshot_written_at_start_up_before_any_request(metrics_dir, shadow):
     # Dashboards and alerts on the limit or on shadow=1 see the series from start-up, not
     # only after the first request (it used to be empty until the first step).
-    Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=2, output_rate={
-        "default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "shadow": shadow}))
+    Harness(
+        REFERENCE_SCHEDULER,
+        EngineShape(
+            max_num_seqs=2,
+            output_rate={"default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "shadow": shadow},
+        ),
+    )
     snap = _snapshot(metrics_dir)
     assert snap["shadow"] is shadow
     assert {k: v["limit_tokens_per_second"] for k, v in snap["labels"].items()} == {"slow": 10.0, "other": 100.0}
@@ -200,8 +229,13 @@ def test_r21_a_named_user_moved_to_the_default_keeps_its_series_at_the_default_r
     from fractions import Fraction
 
     rates = tmp_path / "rates.json"
-    h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=3, output_rate={
-        "default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "rates_file": str(rates)}))
+    h = Harness(
+        REFERENCE_SCHEDULER,
+        EngineShape(
+            max_num_seqs=3,
+            output_rate={"default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "rates_file": str(rates)},
+        ),
+    )
     h.add_request("r0", "slow", prompt_len=4, max_tokens=20)
     h.step()
     h.advance(10 * MS)
@@ -221,8 +255,13 @@ def _rates_file_run(metrics_dir, tmp_path, new_users: list[str]) -> dict:
     from fractions import Fraction
 
     rates = tmp_path / "rates.json"
-    h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=len(new_users) + 2, output_rate={
-        "default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "rates_file": str(rates)}))
+    h = Harness(
+        REFERENCE_SCHEDULER,
+        EngineShape(
+            max_num_seqs=len(new_users) + 2,
+            output_rate={"default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 10}, "rates_file": str(rates)},
+        ),
+    )
     h.add_request("s0", "slow", prompt_len=4, max_tokens=200)
     h.step()
     h.advance(10 * MS)

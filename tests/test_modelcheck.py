@@ -28,15 +28,19 @@ from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.events import Abort, AddRequest, Step
 from vllm_output_rate.spec.state import Observation, initial_state
 
-UPDATE_HINT = ("the spec's state space changed. If that is intended, review the change and update the manifest "
-               "deliberately: python -m vllm_output_rate.proofs.modelcheck --profile quick --pin "
-               "(then commit proofs/modelcheck_scopes.json)")
+UPDATE_HINT = (
+    "the spec's state space changed. If that is intended, review the change and update the manifest "
+    "deliberately: python -m vllm_output_rate.proofs.modelcheck --profile quick --pin "
+    "(then commit proofs/modelcheck_scopes.json)"
+)
 
 
 def test_quick_profile_matches_pinned_counts_and_has_no_violation(tmp_path):
     out = tmp_path / "check.json"
-    result = CliRunner().invoke(main, ["check", "--profile", "quick", "--jobs", "2", "--json", str(out),
-                                       "--counterexamples", str(tmp_path / "cx")])
+    result = CliRunner().invoke(
+        main,
+        ["check", "--profile", "quick", "--jobs", "2", "--json", str(out), "--counterexamples", str(tmp_path / "cx")],
+    )
     doc = json.loads(out.read_text())
     scopes = {s.name: s for s in mc.profile_scopes("quick")}
     assert [r["name"] for r in doc["scopes"]] == list(scopes)
@@ -47,22 +51,41 @@ def test_quick_profile_matches_pinned_counts_and_has_no_violation(tmp_path):
         assert pinned is not None, f"{r['name']} has no pinned counts: {UPDATE_HINT}"
         assert (r["states"], r["transitions"]) == pinned, (
             f"{r['name']}: {r['states']} states / {r['transitions']} transitions, pinned {pinned[0]} / {pinned[1]}: "
-            f"{UPDATE_HINT}")
+            f"{UPDATE_HINT}"
+        )
         assert r["states_per_s"] > 0 and isinstance(r["states_per_s"], float)
     assert result.exit_code == 0, result.output
     assert "invariants checked" in result.output
     # Every rate-limit rule the scopes are meant to reach is reached somewhere.
     covered = {k for r in doc["scopes"] for k, n in r["coverage"].items() if n}
-    assert covered >= {"charged", "refunded", "throttled", "refused_prefill", "wait_hint", "preempted",
-                       "preempted_throttled", "admitted", "stop", "length", "stale_output", "rotation"}
+    assert covered >= {
+        "charged",
+        "refunded",
+        "throttled",
+        "refused_prefill",
+        "wait_hint",
+        "preempted",
+        "preempted_throttled",
+        "admitted",
+        "stop",
+        "length",
+        "stale_output",
+        "rotation",
+    }
 
 
 def _map_event(event, context):
     """The event of a concrete world, as seen from its canonical representative."""
     mapping, index = context[0], context[1]
     if isinstance(event, AddRequest):
-        return AddRequest("n", user=mapping[event.user], priority=event.priority, prompt_len=event.prompt_len,
-                          max_tokens=event.max_tokens, eos_index=event.eos_index)
+        return AddRequest(
+            "n",
+            user=mapping[event.user],
+            priority=event.priority,
+            prompt_len=event.prompt_len,
+            max_tokens=event.max_tokens,
+            eos_index=event.eos_index,
+        )
     if isinstance(event, Abort):
         return Abort(f"q{index[event.request_id]}")
     return event
@@ -84,7 +107,8 @@ def test_canonical_reduction_is_a_bisimulation_on_random_walks(name):
                 canonical = mc.transition(rep, _map_event(event, context), cs)
                 assert [c for c, _ in concrete.violations] == [c for c, _ in canonical.violations]
                 assert mc.canonical_key(concrete.world, cs)[0] == mc.canonical_key(canonical.world, cs)[0], (
-                    f"{name}: {event} from a concrete state and from its representative differ")
+                    f"{name}: {event} from a concrete state and from its representative differ"
+                )
             world = mc.transition(world, rng.choice(events), cs).world
 
 
@@ -135,9 +159,15 @@ def test_explored_paths_replay_on_real_vllm():
 
 def test_a_stuck_spec_is_a_liveness_violation():
     scope = mc.scope_by_name("sync-fcfs-kv")
-    never = mc.Mutation("NeverGrant", "R2", "the limiter never grants", lambda config: [
-        (spec_limiter, "allows", lambda state, user, now, burst=0: False),
-        (spec_limiter, "try_take", lambda state, user, rate, now, burst=0: (state, False))])
+    never = mc.Mutation(
+        "NeverGrant",
+        "R2",
+        "the limiter never grants",
+        lambda config: [
+            (spec_limiter, "allows", lambda state, user, now, burst=0: False),
+            (spec_limiter, "try_take", lambda state, user, rate, now, burst=0: (state, False)),
+        ],
+    )
     with mc.applied(never, scope.config):
         result = mc.explore(scope)
     assert {"liveness-a", "liveness-b"} <= set(result.violations)

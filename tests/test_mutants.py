@@ -79,18 +79,19 @@ def test_every_mutant_docstring_names_its_rule_and_slip(mutant):
 def test_catalogue_loader_puts_tests_fixtures_on_the_path_only_when_asked():
     import subprocess
 
-    code = ("import sys; from vllm_output_rate.adapter import mutation; "
-            "assert not any(p.endswith('tests/fixtures') for p in sys.path), 'early'; "
-            "assert 'article_style' not in sys.modules; "
-            "n = len(mutation.catalogue(article=False)); assert 'article_style' not in sys.modules; "
-            "print(n, len(mutation.catalogue()))")
+    code = (
+        "import sys; from vllm_output_rate.adapter import mutation; "
+        "assert not any(p.endswith('tests/fixtures') for p in sys.path), 'early'; "
+        "assert 'article_style' not in sys.modules; "
+        "n = len(mutation.catalogue(article=False)); assert 'article_style' not in sys.modules; "
+        "print(n, len(mutation.catalogue()))"
+    )
     fixtures = str(Path(__file__).resolve().parent / "fixtures")
     env_path = [p for p in sys.path if p and p != fixtures and not p.endswith("tests/fixtures")]
     import os
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(env_path))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240,
-                         cwd="/")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240, cwd="/")
     assert out.returncode == 0, out.stderr[-2000:]
     ref, total = map(int, out.stdout.split()[-2:])
     assert ref == len(MUTANTS) and total == len(CATALOGUE)
@@ -111,16 +112,16 @@ def test_hunt_plan_uses_the_registry_without_white_box_cheapest_first():
 
 # -- kills (a representative subset; the whole catalogue: outrate conform --mutants) ------------
 CI_SUBSET = (
-    "ArticleFirstTokenFree",        # R7, over-grant (invariants/sync)
-    "ArticleOverridesIgnored",      # R1
-    "ArticleAsyncInFlightFree",     # R8, async only
-    "ArticleIdLowercased",          # R17, under-grant (rate-limit/sync)
-    "ArticlePreemptThrottled",      # R11 should: preempted although KV is ample
+    "ArticleFirstTokenFree",  # R7, over-grant (invariants/sync)
+    "ArticleOverridesIgnored",  # R1
+    "ArticleAsyncInFlightFree",  # R8, async only
+    "ArticleIdLowercased",  # R17, under-grant (rate-limit/sync)
+    "ArticlePreemptThrottled",  # R11 should: preempted although KV is ample
     "ArticleRunningLoopIgnoresCap",  # R12 should: more than A running scheduled
-    "ArticleNoRotation",            # R14 should: bounded bypass
-    "ArticleRotatesWhenOff",        # R18: feature off differs from stock
-    "RollingWindow",                # reference, R2
-    "DropThrottled",                # reference, R11
+    "ArticleNoRotation",  # R14 should: bounded bypass
+    "ArticleRotatesWhenOff",  # R18: feature off differs from stock
+    "RollingWindow",  # reference, R2
+    "DropThrottled",  # reference, R11
 )
 
 
@@ -146,15 +147,21 @@ def test_r9_r2_discovery_at_least_95_of_100_seeds_in_profile_quick(name):
     from vllm_output_rate.adapter.scenarios import pressured_scenarios
 
     strategy = (pressured_scenarios if name == "RefundDispatched" else scenarios)(
-        async_scheduling=False, max_steps=QUICK["max_steps"])
+        async_scheduling=False, max_steps=QUICK["max_steps"]
+    )
     found = sum(first_failure(mutant, strategy, QUICK["pressured"], seed) is not None for seed in range(100))
     assert found >= 95, f"{name} found in only {found}/100 seeds"
 
 
 # The item-1 boundaries' own examples: T not a whole ns, ready_at rounded down by 1 ns,
 # cleanup at TAT = now + 1 ns (and within tau), `<` instead of `<=` at the burst edge.
-BOUNDARY_ONLY = ("ArticleTruncatedInterval", "ArticleReadyAtRoundedDown", "ArticleCleanupOneNsAhead",
-                 "ArticleCleanupWithinBurst", "ArticleBurstEdgeStrict")
+BOUNDARY_ONLY = (
+    "ArticleTruncatedInterval",
+    "ArticleReadyAtRoundedDown",
+    "ArticleCleanupOneNsAhead",
+    "ArticleCleanupWithinBurst",
+    "ArticleBurstEdgeStrict",
+)
 
 
 @pytest.mark.slow
@@ -206,9 +213,20 @@ def test_mutants_that_are_correct_below_exact_are_not_hunted_there():
 
 # Slips that break only a design rule (R5 through the engine wait, R10-R16) and none of the
 # article's promises: defects from level should, not hunted at must.
-SHOULD_ONLY = {"NoPrefillAdvance", "NoActiveCapInRunningLoop", "ThrottledNotPreferredVictims", "ReadyAtRoundedDown",
-               "WaitHintFromLatestUser", "ArticleRunningLoopIgnoresCap", "ArticleNoEngineWait", "ArticleOversleep",
-               "ArticleSleepsForBudget", "ArticleVictimAcrossPriorities", "ArticleNoRotation", "ArticleLastServedLost"}
+SHOULD_ONLY = {
+    "NoPrefillAdvance",
+    "NoActiveCapInRunningLoop",
+    "ThrottledNotPreferredVictims",
+    "ReadyAtRoundedDown",
+    "WaitHintFromLatestUser",
+    "ArticleRunningLoopIgnoresCap",
+    "ArticleNoEngineWait",
+    "ArticleOversleep",
+    "ArticleSleepsForBudget",
+    "ArticleVictimAcrossPriorities",
+    "ArticleNoRotation",
+    "ArticleLastServedLost",
+}
 
 
 def test_design_rule_only_mutants_are_should_level_and_not_hunted_at_must():
@@ -230,13 +248,15 @@ def test_r13_priority_variant_boundary_kills_a_throttled_victim_taken_across_lev
     mutant, style = BY_NAME["ArticleVictimAcrossPriorities"], parse_config_style("engine-args")
     for async_mode in (False, True):
         scenario = boundaries._solved("priority-throttled-victim-above", "5", async_mode, 0)
-        cls, base = ((mutant.async_cls, mutant.base_async_cls) if async_mode else (mutant.cls, mutant.base_cls))
+        cls, base = (mutant.async_cls, mutant.base_async_cls) if async_mode else (mutant.cls, mutant.base_cls)
         verdict = run_scenario(cls, scenario, "should", style)
         assert (verdict.rule, verdict.level) == ("R13", "should"), verdict
         assert "preempted u-r0 (priority 0)" in verdict.failure
         assert run_scenario(base, scenario, "should", style).failure is None
-        assert run_scenario(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, scenario,
-                            "should").failure is None
+        assert (
+            run_scenario(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, scenario, "should").failure
+            is None
+        )
 
 
 def test_verdict_line_says_gate_too_weak_when_a_judged_mutant_survives():
@@ -247,8 +267,11 @@ def test_verdict_line_says_gate_too_weak_when_a_judged_mutant_survives():
     from vllm_output_rate.cli import _verdict_line
 
     results = [SimpleNamespace(part="candidate", result="pass", name="rate-limit/sync")]
-    rows = [{"mutant": "A", "killed": True}, {"mutant": "B", "killed": False},
-            {"mutant": "C", "killed": False, "not_judged": "not a defect below should"}]
+    rows = [
+        {"mutant": "A", "killed": True},
+        {"mutant": "B", "killed": False},
+        {"mutant": "C", "killed": False, "not_judged": "not a defect below should"},
+    ]
     line = _verdict_line(results, "must", rows, 1.0)
     assert line.endswith("-- GATE TOO WEAK: 1 mutant(s) survived: B"), line
     assert "1/2 mutants killed (1 not a defect at this level)" in line
@@ -263,8 +286,15 @@ def test_a_mutant_rejected_only_by_coverage_is_a_survivor_with_the_shortfall(mon
     from vllm_output_rate.adapter.conform import CheckResult
     from vllm_output_rate.cli import _verdict_line
 
-    passing = registry.CheckSpec("rate-limit/sync", "candidate", "must", ("R2",), False, lambda o: 1,
-                                 lambda o, tick: CheckResult("rate-limit/sync", ["R2"]))
+    passing = registry.CheckSpec(
+        "rate-limit/sync",
+        "candidate",
+        "must",
+        ("R2",),
+        False,
+        lambda o: 1,
+        lambda o, tick: CheckResult("rate-limit/sync", ["R2"]),
+    )
     planned = [registry.PlannedCheck(passing), registry.PlannedCheck(registry._coverage_check())]
     options = registry.GateOptions("pkg.Mutant", sync_only=True, profile="quick", spec_health=False)
     monkeypatch.setattr(mutation, "hunt_plan", lambda *args, **kwargs: (options, planned))
@@ -273,5 +303,6 @@ def test_a_mutant_rejected_only_by_coverage_is_a_survivor_with_the_shortfall(mon
     assert row.coverage_shortfall and row.coverage_shortfall.startswith("[must] coverage: not reached: ")
     assert row.as_json()["coverage_shortfall"] == row.coverage_shortfall
     results = [CheckResult("rate-limit/sync", ["R2"])]
-    assert _verdict_line(results, "should", [row.as_json()], 1.0).endswith("GATE TOO WEAK: 1 mutant(s) survived: "
-                                                                           "NoRefund")
+    assert _verdict_line(results, "should", [row.as_json()], 1.0).endswith(
+        "GATE TOO WEAK: 1 mutant(s) survived: NoRefund"
+    )

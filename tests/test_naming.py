@@ -34,8 +34,14 @@ def _boundary(name: str, rate: str, async_mode: bool = False) -> Scenario:
 def _throttled_holder_and_newcomer() -> Scenario:
     # A = 1: u0-r0 samples at t = 0 (1 tok/s: its next grant is at 1 s) and is throttled
     # from t = 1 ns; u1-r0 arrives then. len(running) - throttled = 1 - 1 = 0 < A: admitted.
-    return Scenario({"u0": "1"}, (RequestSpec("u0-r0", "u0", 4, 3), RequestSpec("u1-r0", "u1", 4, 2, at_step=1)),
-                    1, 4, default_rate_tokens_per_s="1000", max_num_active_seqs=1)
+    return Scenario(
+        {"u0": "1"},
+        (RequestSpec("u0-r0", "u0", 4, 3), RequestSpec("u1-r0", "u1", 4, 2, at_step=1)),
+        1,
+        4,
+        default_rate_tokens_per_s="1000",
+        max_num_active_seqs=1,
+    )
 
 
 @pytest.mark.rules("R12")
@@ -51,8 +57,13 @@ def test_r12_admission_with_throttled_requests_out_of_the_active_cap_is_judged_b
 def _refused_prefill() -> Scenario:
     # u (1 tok/s) samples u-r0's first token at t = 0; u-r1 (8 prompt tokens) arrives at
     # t = 1 ns, its user refused: with chunked prefill it still advances to n - 1 = 7.
-    return Scenario({"u": "1"}, (RequestSpec("u-r0", "u", 4, 3), RequestSpec("u-r1", "u", 8, 2, at_step=1)),
-                    1, 4, default_rate_tokens_per_s="1000")
+    return Scenario(
+        {"u": "1"},
+        (RequestSpec("u-r0", "u", 4, 3), RequestSpec("u-r1", "u", 8, 2, at_step=1)),
+        1,
+        4,
+        default_rate_tokens_per_s="1000",
+    )
 
 
 @pytest.mark.rules("R10")
@@ -72,10 +83,19 @@ def test_r7_a_first_token_left_uncharged_after_a_prefix_cache_hit_is_named_r7():
     # starts at token 4 (SchedulerOutput's num_computed_tokens), where a charge placed at a
     # prompt's first chunk never comes. Before the chunk start was read, no one-rule change
     # fitted and the kill named R2.
-    scenario = Scenario({}, (RequestSpec("u0-r0", "u0", 4, 1), RequestSpec("u1-r0", "u1", 5, 1),
-                             RequestSpec("u1-r1", "u1", 1, 1)), 999_999, 3, chunked_prefill=False,
-                        default_rate_tokens_per_s="2", max_num_seqs=1, max_num_active_seqs=1, num_blocks=15,
-                        block_size=4, prefix_caching=True)
+    scenario = Scenario(
+        {},
+        (RequestSpec("u0-r0", "u0", 4, 1), RequestSpec("u1-r0", "u1", 5, 1), RequestSpec("u1-r1", "u1", 1, 1)),
+        999_999,
+        3,
+        chunked_prefill=False,
+        default_rate_tokens_per_s="2",
+        max_num_seqs=1,
+        max_num_active_seqs=1,
+        num_blocks=15,
+        block_size=4,
+        prefix_caching=True,
+    )
     verdict = named_verdict(f"{MUTANTS}.ChargeFirstChunkInstead", scenario, "should")
     assert verdict.rule == "R7", verdict.failure
     assert "first chunk" in verdict.failure
@@ -97,8 +117,9 @@ def test_r1_r17_one_bucket_for_every_request_is_named_by_both_rules(article_flag
     # it, like no limit at all; the probe at the slowest override as the default tells them
     # apart. One TAT for all users (R1) and every request keyed __anonymous__ (R17) are the
     # same limiter: both are named.
-    verdict = named_verdict("article_mutants.ArticleSharedBucket", _boundary("burst-edge", "3"), "should",
-                            _engine_args())
+    verdict = named_verdict(
+        "article_mutants.ArticleSharedBucket", _boundary("burst-edge", "3"), "should", _engine_args()
+    )
     assert verdict.rule == "R1/R17", verdict.failure
     assert names_rule(verdict.rule, "R1") and names_rule(verdict.rule, "R17") and not names_rule("R14/R15", "R1")
 
@@ -108,8 +129,9 @@ def test_r9_refunds_of_dispatched_charges_apply_at_the_end_of_schedule(article_f
     # Decode steps refunded at the end of schedule(): a stream's turn is decided while the
     # charge still stands. Applied at once, the refund left the hypothesis granting a paused
     # stream of the crowd probe, and the kill named R2 (no limit at all).
-    verdict = named_verdict("article_mutants.ArticleRefundsRunningDispatches", _boundary("burst-edge", "3"),
-                            "should", _engine_args())
+    verdict = named_verdict(
+        "article_mutants.ArticleRefundsRunningDispatches", _boundary("burst-edge", "3"), "should", _engine_args()
+    )
     assert verdict.rule == "R9" and "dispatched charges of running requests" in verdict.failure, verdict.failure
 
 
@@ -117,8 +139,9 @@ def test_r9_refunds_of_dispatched_charges_apply_at_the_end_of_schedule(article_f
 def test_r10_a_refusal_ignored_with_chunked_prefill_is_named_r10_not_no_limit(article_flags):
     # The n - 1 cap off by one lets every refused request sample with chunked prefill; the
     # probe without chunked prefill shows the limit, which stock vLLM does not have.
-    verdict = named_verdict("article_mutants.ArticleRefusedPrefillToN", _boundary("prefill-ends-n-1", "1"), "should",
-                            _engine_args())
+    verdict = named_verdict(
+        "article_mutants.ArticleRefusedPrefillToN", _boundary("prefill-ends-n-1", "1"), "should", _engine_args()
+    )
     assert verdict.rule == "R10", verdict.failure
     stock = named_verdict("vllm.v1.core.sched.scheduler.Scheduler", _boundary("prefill-ends-n-1", "1"), "should")
     assert stock.rule == "R2" and "no GCRA is applied" in stock.failure, stock.failure
@@ -139,8 +162,9 @@ def test_r6_a_cleanup_slip_at_the_start_of_schedule_is_named_r6(article_flags):
     # The article-style implementation cleans up at the start of the 256th schedule(): a
     # slip there (TAT <= now + 1 ns deleted) was named R2 (a burst edge 1 ns late) while the
     # cleanup was modelled at the end of the step only.
-    verdict = named_verdict("article_mutants.ArticleCleanupOneNsAhead", _boundary("cleanup-tat-now+1ns", "5"),
-                            "should", _engine_args())
+    verdict = named_verdict(
+        "article_mutants.ArticleCleanupOneNsAhead", _boundary("cleanup-tat-now+1ns", "5"), "should", _engine_args()
+    )
     assert verdict.rule == "R6" and "start of schedule()" in verdict.failure, verdict.failure
 
 
@@ -185,8 +209,9 @@ def test_r2_a_refusal_that_advances_the_tat_is_named_r2_from_prefills_held_at_n_
     # In the crowd probe five first tokens are refused at t = 0, each prefill held at n - 1
     # (R10): those refusals are recorded, and a limiter whose refusal advances the TAT then
     # explains the pauses that follow. Before, the kill was left at R11 (under-grant).
-    verdict = named_verdict("article_mutants.ArticleRefusalAdvancesTat", _boundary("burst-edge", "3"), "should",
-                            _engine_args())
+    verdict = named_verdict(
+        "article_mutants.ArticleRefusalAdvancesTat", _boundary("burst-edge", "3"), "should", _engine_args()
+    )
     assert verdict.rule == "R2" and "advances the TAT on a refused take" in verdict.failure, verdict.failure
 
 

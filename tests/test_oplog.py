@@ -47,8 +47,12 @@ def test_the_logger_is_under_vllms_logger():
 
 
 def test_startup_line_names_the_limits_in_force(lines):
-    section = {"default_tokens_per_s": 100, "user_tokens_per_s": {"user-a": 20, "user-b": 0.5},
-               "max_num_active_seqs": 2, "burst_ms": 250}
+    section = {
+        "default_tokens_per_s": 100,
+        "user_tokens_per_s": {"user-a": 20, "user-b": 0.5},
+        "max_num_active_seqs": 2,
+        "burst_ms": 250,
+    }
     Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=8, output_rate=section))
     assert lines == [
         "output-rate limiting on (RateLimitedScheduler): default 100 tok/s; 2 override(s): 'user-a' 20 tok/s, "
@@ -61,8 +65,9 @@ def test_startup_line_with_many_overrides_names_a_few_and_counts_the_rest():
     message = limits_message("RateLimitedScheduler", config, 64, 64)
     assert "12 override(s): 'u0' 1 tok/s, 'u1' 1 tok/s, 'u2' 1 tok/s, 'u3' 1 tok/s, 'u4' 1 tok/s and 7 more" in message
     assert "active cap = max_num_seqs = 64" in message
-    third = limits_message("X", parse_output_rate({"default_tokens_per_s": 10,
-                                                   "user_tokens_per_s": {"x" * 100: 1}}), 1, 1)
+    third = limits_message(
+        "X", parse_output_rate({"default_tokens_per_s": 10, "user_tokens_per_s": {"x" * 100: 1}}), 1, 1
+    )
     assert "'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... 1 tok/s" in third  # a long id is cut at 40 characters
 
 
@@ -96,8 +101,10 @@ def test_throttled_users_summary_at_most_once_per_interval_top_users_first(lines
     assert len(lines) == 2, lines
     for line, counted in zip(lines, per_line):
         assert counted["slow"] > counted["mid"] > 0
-        assert line == ("output-rate: 2 user(s) throttled in the last 10.0 s, by throttled request-steps: "
-                        f"'slow' {counted['slow']} (limit 2 tok/s), 'mid' {counted['mid']} (limit 5 tok/s)")
+        assert line == (
+            "output-rate: 2 user(s) throttled in the last 10.0 s, by throttled request-steps: "
+            f"'slow' {counted['slow']} (limit 2 tok/s), 'mid' {counted['mid']} (limit 5 tok/s)"
+        )
     assert h.scheduler._throttle_log.lines == 2
 
 
@@ -119,10 +126,16 @@ def _engine_core(h: Harness, section: dict, model_executed: bool):
     from types import SimpleNamespace
 
     core = SimpleNamespace(
-        scheduler=h.scheduler, input_queue=queue.Queue(), output_queue=queue.Queue(), batch_queue=None,
-        vllm_config=SimpleNamespace(additional_config={"output_rate": section},
-                                    parallel_config=SimpleNamespace(data_parallel_size=1)),
-        _idle_state_callbacks=[], post_step=lambda executed: None)
+        scheduler=h.scheduler,
+        input_queue=queue.Queue(),
+        output_queue=queue.Queue(),
+        batch_queue=None,
+        vllm_config=SimpleNamespace(
+            additional_config={"output_rate": section}, parallel_config=SimpleNamespace(data_parallel_size=1)
+        ),
+        _idle_state_callbacks=[],
+        post_step=lambda executed: None,
+    )
     core.step_fn = lambda: ({}, model_executed)
     return core
 
@@ -143,6 +156,7 @@ def fake_waits(monkeypatch):
 
         monkeypatch.setattr(plugin, "wait_for_input", wait_for_input)
         return waits
+
     return install
 
 
@@ -179,8 +193,9 @@ def test_last_interval_before_the_engine_goes_idle_is_logged_when_it_ends(lines,
     assert not h.scheduler.has_requests()
     lines[:] = [x for x in lines if x.startswith("output-rate: ")]  # not the start-up line
     assert len(lines) == 1, lines
-    assert lines[0].startswith("output-rate: 1 user(s) throttled in the last 10.0 s, by throttled request-steps: "
-                               "'slow' "), lines
+    assert lines[0].startswith(
+        "output-rate: 1 user(s) throttled in the last 10.0 s, by throttled request-steps: 'slow' "
+    ), lines
     assert h.clock.now_ns() == SUMMARY_INTERVAL_NS and len(waits) == 1
     # Nothing counted since: the next idle step neither waits nor logs.
     EngineCoreProc._process_engine_step(_engine_core(h, section, model_executed=True))
@@ -191,8 +206,9 @@ def test_last_interval_before_the_engine_goes_idle_is_logged_when_it_ends(lines,
 def test_line_is_logged_on_time_during_a_long_wait_for_budget(lines, fake_waits):
     # "slow" at 0.05 tok/s: after its burst its next token is 20 s away; the engine waits
     # for budget (R16) and wakes at 10 s for the line, not at the ready time.
-    h, waits = _throttled_then_engine_step({"default_tokens_per_s": 0.05}, fake_waits, model_executed=False,
-                                           until_ns=100 * MS)
+    h, waits = _throttled_then_engine_step(
+        {"default_tokens_per_s": 0.05}, fake_waits, model_executed=False, until_ns=100 * MS
+    )
     assert h.scheduler.next_ready_ns() > SUMMARY_INTERVAL_NS
     lines[:] = [x for x in lines if x.startswith("output-rate: ")]  # not the start-up line
     assert len(lines) == 1 and "'slow' " in lines[0], lines

@@ -38,8 +38,7 @@ def registered():
 
 
 def _config(additional, dp: int = 1):
-    return SimpleNamespace(additional_config=additional,
-                           parallel_config=SimpleNamespace(data_parallel_size=dp))
+    return SimpleNamespace(additional_config=additional, parallel_config=SimpleNamespace(data_parallel_size=dp))
 
 
 # -- beam search --------------------------------------------------------------------
@@ -149,8 +148,10 @@ def test_r16_wait_rechecks_every_50_ms_while_background_work_can_unblock_a_reque
     from vllm.v1.request import RequestStatus
 
     core = _core(ready_in_ns=10_000 * MS)
-    core.scheduler.requests = {"r1": SimpleNamespace(status=RequestStatus.RUNNING),
-                               "g1": SimpleNamespace(status=getattr(RequestStatus, status))}
+    core.scheduler.requests = {
+        "r1": SimpleNamespace(status=RequestStatus.RUNNING),
+        "g1": SimpleNamespace(status=getattr(RequestStatus, status)),
+    }
     assert plugin.engine_wait_timeout_ns(core) == plugin.BACKGROUND_RECHECK_NS
     core.scheduler.requests["g1"].status = RequestStatus.WAITING  # its grammar is ready
     assert plugin.engine_wait_timeout_ns(core) > 9_900 * MS
@@ -184,8 +185,7 @@ def test_r16_queued_input_means_no_wait():
         {"ready_in_ns": 30 * MS, "dp": 2},  # data-parallel engines step together
         {"ready_in_ns": 30 * MS, "model_executed": True},  # the step ran the model
         # A batch that computes tokens is in flight (async scheduling / batch queue).
-        {"ready_in_ns": 30 * MS,
-         "batch_queue": [(None, SimpleNamespace(total_num_scheduled_tokens=3), None)]},
+        {"ready_in_ns": 30 * MS, "batch_queue": [(None, SimpleNamespace(total_num_scheduled_tokens=3), None)]},
     ],
     ids=["none-refused", "already-ready", "feature-off", "data-parallel", "model-ran", "batch-in-flight"],
 )

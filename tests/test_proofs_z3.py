@@ -88,8 +88,9 @@ def test_r21_z3_encoding_is_the_spec_rule(old, new, lead):
     from vllm_output_rate.spec import limiter as spec_limiter
 
     now = 1_000
-    known, tat, side = zl._spec_rerate(z3.BoolVal(True), z3.RealVal(now + lead), z3.RealVal(now), z3.RealVal(old),
-                                       z3.RealVal(new))
+    known, tat, side = zl._spec_rerate(
+        z3.BoolVal(True), z3.RealVal(now + lead), z3.RealVal(now), z3.RealVal(old), z3.RealVal(new)
+    )
     want = spec_limiter.rescaled_tat_ns(Fraction(now + lead), Fraction(old), Fraction(new), now)
     solver = z3.Solver()
     solver.add(*side)

@@ -20,14 +20,19 @@ MS = 1_000_000
 
 
 def _brute_force_ok(times: list[int], rate: Fraction, burst_ns: int) -> bool:
-    return all(j - i + 1 <= window_bound_tokens(times[j] - times[i], rate, burst_ns)
-               for i in range(len(times)) for j in range(i, len(times)))
+    return all(
+        j - i + 1 <= window_bound_tokens(times[j] - times[i], rate, burst_ns)
+        for i in range(len(times))
+        for j in range(i, len(times))
+    )
 
 
 @settings(max_examples=300, deadline=None)
-@given(gaps=st.lists(st.sampled_from([0, 0, 1, 10, 33, 50, 100, 400]), min_size=1, max_size=40),
-       rate=st.sampled_from([Fraction(1, 3), Fraction(1), Fraction(7, 2), Fraction(10), Fraction(20)]),
-       burst_ms=st.sampled_from([20, 100, 250]))
+@given(
+    gaps=st.lists(st.sampled_from([0, 0, 1, 10, 33, 50, 100, 400]), min_size=1, max_size=40),
+    rate=st.sampled_from([Fraction(1, 3), Fraction(1), Fraction(7, 2), Fraction(10), Fraction(20)]),
+    burst_ms=st.sampled_from([20, 100, 250]),
+)
 def test_streaming_window_matches_every_pair(gaps: list[int], rate: Fraction, burst_ms: int) -> None:
     times, t = [], 0
     for gap in gaps:
@@ -38,8 +43,9 @@ def test_streaming_window_matches_every_pair(gaps: list[int], rate: Fraction, bu
     assert (first_excess is None) == _brute_force_ok(times, rate, burst_ms * MS)
     if first_excess is not None:  # the reported window really breaks the bound
         assert first_excess.count > first_excess.bound
-        assert first_excess.bound == window_bound_tokens(first_excess.end_ns - first_excess.start_ns, rate,
-                                                         burst_ms * MS)
+        assert first_excess.bound == window_bound_tokens(
+            first_excess.end_ns - first_excess.start_ns, rate, burst_ms * MS
+        )
 
 
 def test_window_excess_reports_the_window_ending_at_the_newest_grant() -> None:
@@ -67,5 +73,6 @@ def test_r11_first_cut_names_the_first_request_not_ending_with_its_tokens() -> N
     assert first_cut({"a": ("length", 3), "b": ("length", 2), "c": ("length", 4)}, expected) is None
     assert first_cut({"a": ("length", 3), "b": ("stop", 1), "c": ("length", 4)}, expected) == ("b", ("stop", 1))
     assert first_cut({"a": ("length", 3), "b": ("length", 2)}, expected) == ("c", None)  # never finished
-    assert first_cut({"a": ("length", 3), "b": ("length", 2), "c": ("length", 4), "d": ("length", 0)},
-                     expected) is None  # only the expected requests are judged
+    assert (
+        first_cut({"a": ("length", 3), "b": ("length", 2), "c": ("length", 4), "d": ("length", 0)}, expected) is None
+    )  # only the expected requests are judged

@@ -32,8 +32,12 @@ SUBPROCESS_TIMEOUT_S = 150
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     path = tmp_path_factory.mktemp("prove") / "prove.json"
-    proc = subprocess.run([sys.executable, "-m", "vllm_output_rate.cli", "prove", "--json", str(path)],
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_output_rate.cli", "prove", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
     assert path.exists(), proc.stdout + proc.stderr
     return proc, json.loads(path.read_text())
 
@@ -118,13 +122,33 @@ def test_broken_functions_are_off_for_plain_crosshair_check():
 
 def _canned(monkeypatch, crosshair_result: str) -> None:
     def z3_run_all(timeout_ms=5000, variant="correct"):
-        return [{"name": "z3_fake", "rules": ["R2"], "tool": "z3", "result": "proved", "seconds": 0.01,
-                 "vacuity_ok": True, "counterexample": None}]
+        return [
+            {
+                "name": "z3_fake",
+                "rules": ["R2"],
+                "tool": "z3",
+                "result": "proved",
+                "seconds": 0.01,
+                "vacuity_ok": True,
+                "counterexample": None,
+            }
+        ]
 
     def ch_run_all(per_condition_timeout, names, jobs, wall_timeout, on_record):
-        rec = {"name": "ch_fake", "rules": ["R5"], "tool": "crosshair", "result": crosshair_result,
-               "seconds": 0.5, "conditions": [{"line": 1, "status": "refuted" if crosshair_result == "refuted"
-                                                else "confirmed", "message": "false when calling f(1)"}]}
+        rec = {
+            "name": "ch_fake",
+            "rules": ["R5"],
+            "tool": "crosshair",
+            "result": crosshair_result,
+            "seconds": 0.5,
+            "conditions": [
+                {
+                    "line": 1,
+                    "status": "refuted" if crosshair_result == "refuted" else "confirmed",
+                    "message": "false when calling f(1)",
+                }
+            ],
+        }
         on_record(rec)
         return [rec]
 
@@ -148,7 +172,9 @@ def test_bare_json_flag_writes_json_to_stdout(monkeypatch):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert [(p["name"], p["tool"], p["result"]) for p in doc["properties"]] == [
-        ("z3_fake", "z3", "proved"), ("ch_fake", "crosshair", "proved")]
+        ("z3_fake", "z3", "proved"),
+        ("ch_fake", "crosshair", "proved"),
+    ]
     assert "outrate prove" in result.stderr  # the table went to stderr
 
 

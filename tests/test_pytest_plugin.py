@@ -12,20 +12,36 @@ from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENC
 
 def _pytest(tmp_path, *args):
     (tmp_path / "test_patch.py").write_text("def test_own():\n    assert sum([1, 1]) == 2\n")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           str(tmp_path / "test_patch.py"), *args],
-                          capture_output=True, text=True, cwd=tmp_path)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            str(tmp_path / "test_patch.py"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.rules("R2")
 def test_r2_plugin_passes_the_reference(tmp_path):
-    run = _pytest(tmp_path, f"--outrate-scheduler={REFERENCE_SCHEDULER}",
-                  f"--outrate-async-scheduler={REFERENCE_ASYNC_SCHEDULER}")
+    run = _pytest(
+        tmp_path, f"--outrate-scheduler={REFERENCE_SCHEDULER}", f"--outrate-async-scheduler={REFERENCE_ASYNC_SCHEDULER}"
+    )
     assert run.returncode == 0, run.stdout[-3000:]
     from vllm_output_rate.adapter import registry
 
-    planned = registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick",
-                                                 spec_health=False))
+    planned = registry.plan(
+        registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick", spec_health=False)
+    )
     assert f"{len(planned) + 1} passed" in run.stdout  # the patch's own test + every planned gate check
 
 
@@ -40,7 +56,14 @@ def test_r2_plugin_rejects_stock_vllm_with_counterexample(tmp_path):
 def test_plugin_adds_nothing_without_the_option_and_loads_no_vllm(tmp_path):
     run = _pytest(tmp_path)
     assert run.returncode == 0 and "1 passed" in run.stdout
-    probe = subprocess.run([sys.executable, "-c", "import sys, vllm_output_rate.pytest_plugin; "
-                            "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, vllm_output_rate.pytest_plugin; "
+            "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip() == "False"

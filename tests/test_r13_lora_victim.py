@@ -27,10 +27,20 @@ MS = 1_000_000
 
 
 def _shape(async_scheduling: bool, a_tokens: int = 6, b_tokens: int = 2, steps: int = 12) -> StepScenario:
-    config = EngineConfig(max_loras=1, async_scheduling=async_scheduling, default_rate_tokens_per_s=Fraction(10),
-                          user_rates_tokens_per_s=(("v", Fraction(1000)),))
-    events = [AddRequest("A", "u", prompt_len=4, max_tokens=a_tokens, lora=1), Step(), AdvanceClock(50 * MS),
-              Step(), AdvanceClock(50 * MS), AddRequest("B", "v", prompt_len=4, max_tokens=b_tokens, lora=2)]
+    config = EngineConfig(
+        max_loras=1,
+        async_scheduling=async_scheduling,
+        default_rate_tokens_per_s=Fraction(10),
+        user_rates_tokens_per_s=(("v", Fraction(1000)),),
+    )
+    events = [
+        AddRequest("A", "u", prompt_len=4, max_tokens=a_tokens, lora=1),
+        Step(),
+        AdvanceClock(50 * MS),
+        Step(),
+        AdvanceClock(50 * MS),
+        AddRequest("B", "v", prompt_len=4, max_tokens=b_tokens, lora=2),
+    ]
     events += [Step(), AdvanceClock(50 * MS)] * steps
     if async_scheduling:
         events.append(Drain())
@@ -73,11 +83,16 @@ def test_r13_lora_reference_matches_the_spec_step_for_step(async_scheduling):
 def test_r13_lora_holder_of_a_held_user_is_not_a_victim():
     # u has 2 streams on adapter 1 and grants for one of them (held, R14, not refused): its
     # other stream could take the slot back at once, so nothing is preempted and B waits.
-    config = EngineConfig(max_loras=1, default_rate_tokens_per_s=Fraction(20),
-                          user_rates_tokens_per_s=(("v", Fraction(1000)),))
-    events = [AddRequest("A1", "u", prompt_len=4, max_tokens=8, lora=1),
-              AddRequest("A2", "u", prompt_len=4, max_tokens=8, lora=1), Step(), AdvanceClock(50 * MS),
-              AddRequest("B", "v", prompt_len=4, max_tokens=2, lora=2)]
+    config = EngineConfig(
+        max_loras=1, default_rate_tokens_per_s=Fraction(20), user_rates_tokens_per_s=(("v", Fraction(1000)),)
+    )
+    events = [
+        AddRequest("A1", "u", prompt_len=4, max_tokens=8, lora=1),
+        AddRequest("A2", "u", prompt_len=4, max_tokens=8, lora=1),
+        Step(),
+        AdvanceClock(50 * MS),
+        AddRequest("B", "v", prompt_len=4, max_tokens=2, lora=2),
+    ]
     events += [Step(), AdvanceClock(50 * MS)] * 3
     _, steps = _spec_steps(StepScenario(config, tuple(events)))
     assert any(o.throttled for o in steps)
@@ -91,9 +106,12 @@ def test_v8_lora_base_fidelity_stock_counts_adapters_per_release(async_schedulin
     # 1) is admitted beside A, B once A and C have finished: the spec's V8 count agrees
     # with the installed release step for step.
     config = EngineConfig(max_loras=1, async_scheduling=async_scheduling)
-    events = (AddRequest("A", "u", prompt_len=4, max_tokens=6, lora=1), Step(),
-              AddRequest("B", "v", prompt_len=4, max_tokens=2, lora=2),
-              AddRequest("C", "v", prompt_len=4, max_tokens=2, lora=1)) + (Step(),) * 12
+    events = (
+        AddRequest("A", "u", prompt_len=4, max_tokens=6, lora=1),
+        Step(),
+        AddRequest("B", "v", prompt_len=4, max_tokens=2, lora=2),
+        AddRequest("C", "v", prompt_len=4, max_tokens=2, lora=1),
+    ) + (Step(),) * 12
     scenario = StepScenario(config, events)
     verdict = run_step_scenario(STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER, scenario)
     assert verdict.failure is None, verdict
@@ -106,8 +124,9 @@ def test_v8_lora_base_fidelity_stock_counts_adapters_per_release(async_schedulin
 def _hunt(strategy, run, examples: int) -> None:
     from hypothesis import HealthCheck, given, seed, settings
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, database=None, derandomize=False, suppress_health_check=list(HealthCheck)
+    )
     @seed(13)
     @given(scenario=strategy)
     def prop(scenario):
@@ -140,13 +159,29 @@ def test_r11_lora_a_request_done_at_max_model_len_does_not_hold_its_slot_async()
     # gives it 0 tokens (V4), so it is neither scheduled nor throttled and vLLM 0.32 does
     # not count its adapter; r4 (adapter 2) is admitted beside it, as by stock vLLM. The
     # reference once counted r3 (every running request but V3's) and kept r4 waiting.
-    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, chunked_prefill=False, block_size=4,
-                          num_blocks=5, async_scheduling=True, max_model_len=8, max_loras=1,
-                          default_rate_tokens_per_s=Fraction(1, 2),
-                          user_rates_tokens_per_s=(("u0", Fraction(1, 2)), ("u1", Fraction(50))))
-    events = [AddRequest("r0", "u0", 2, 1, 8, lora=1), AddRequest("r1", "u0", 1, 1, 8),
-              AddRequest("r2", "u0", 0, 1, 8), Step(), AdvanceClock(5 * MS), Step(), AdvanceClock(5 * MS),
-              AddRequest("r3", "u1", 0, 2, 8, lora=1), AddRequest("r4", "u1", 0, 1, 8, lora=2)]
+    config = EngineConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        chunked_prefill=False,
+        block_size=4,
+        num_blocks=5,
+        async_scheduling=True,
+        max_model_len=8,
+        max_loras=1,
+        default_rate_tokens_per_s=Fraction(1, 2),
+        user_rates_tokens_per_s=(("u0", Fraction(1, 2)), ("u1", Fraction(50))),
+    )
+    events = [
+        AddRequest("r0", "u0", 2, 1, 8, lora=1),
+        AddRequest("r1", "u0", 1, 1, 8),
+        AddRequest("r2", "u0", 0, 1, 8),
+        Step(),
+        AdvanceClock(5 * MS),
+        Step(),
+        AdvanceClock(5 * MS),
+        AddRequest("r3", "u1", 0, 2, 8, lora=1),
+        AddRequest("r4", "u1", 0, 1, 8, lora=2),
+    ]
     events += [Step(), AdvanceClock(5 * MS)] * 8
     scenario = StepScenario(config, tuple(events))
     _, steps = _spec_steps(scenario)

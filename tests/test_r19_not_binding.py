@@ -45,9 +45,16 @@ def _noop() -> None:
 def stall_on(cls: str, async_scheduling: bool, feature_on: bool) -> list[dict[str, int]]:
     """The stall scenario of the module docstring; the batch of each of the 10 steps after
     R3 arrives (request id -> tokens, in SchedulerOutput order)."""
-    h = Harness(cls, EngineShape(max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
-                                 async_scheduling=async_scheduling,
-                                 output_rate={"default_tokens_per_s": RATE} if feature_on else None))
+    h = Harness(
+        cls,
+        EngineShape(
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            block_size=16,
+            async_scheduling=async_scheduling,
+            output_rate={"default_tokens_per_s": RATE} if feature_on else None,
+        ),
+    )
     h.add_request("R2", "V", prompt_len=4, max_tokens=60)
     h.add_request("X", "W", prompt_len=4, max_tokens=60)
     for _ in range(3):  # both prefilled, both decoding
@@ -71,8 +78,9 @@ def test_r19_rotation_stall_other_user_gets_a_token_every_step(async_scheduling)
     assert [b.get("X", 0) for b in got] == [1] * 10  # the old R14: [1, 0, 0, 0, 0, 0, 1, 1, 1, 1]
     assert [b.get("R2", 0) for b in got] == [1] * 10
     # The whole schedule is stock vLLM's, batch order included (R19).
-    h = Harness(stock, EngineShape(max_num_seqs=4, max_num_batched_tokens=16, block_size=16,
-                                   async_scheduling=async_scheduling))
+    h = Harness(
+        stock, EngineShape(max_num_seqs=4, max_num_batched_tokens=16, block_size=16, async_scheduling=async_scheduling)
+    )
     h.add_request("R2", "V", prompt_len=4, max_tokens=60)
     h.add_request("X", "W", prompt_len=4, max_tokens=60)
     for _ in range(3):
@@ -131,17 +139,24 @@ def test_r19_gate_passes_the_reference(async_scheduling):
 @pytest.mark.rules("R19")
 def test_r19_gate_rejects_the_articles_swap_rotation(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
-    result = check_not_binding("gate_candidates.SwapRotation", False, 30, 30, seed=0, tick=_noop,
-                               save_dir=tmp_path)
+    result = check_not_binding("gate_candidates.SwapRotation", False, 30, 30, seed=0, tick=_noop, save_dir=tmp_path)
     assert result.result == "fail" and result.failed_level == "should"
     assert result.failure.startswith("[should] R19:")
     assert "a rate limit that does not bind must not change the schedule" in result.failure
     assert "the article's own rotation" in result.failure
     assert result.saved and Scenario.from_json(Path(result.saved).read_text()).default_rate_tokens_per_s == str(RATE)
     # The hand-written stall scenario itself is rejected with the stall shape.
-    stall = Scenario(rates_tokens_per_s={}, step_interval_ns=10 * MS, num_steps=14, max_num_batched_tokens=16,
-                     requests=(RequestSpec("R2", "V", 4, 30), RequestSpec("X", "W", 4, 30),
-                               RequestSpec("R3", "V", 100, 5, at_step=3)))
+    stall = Scenario(
+        rates_tokens_per_s={},
+        step_interval_ns=10 * MS,
+        num_steps=14,
+        max_num_batched_tokens=16,
+        requests=(
+            RequestSpec("R2", "V", 4, 30),
+            RequestSpec("X", "W", 4, 30),
+            RequestSpec("R3", "V", 100, 5, at_step=3),
+        ),
+    )
     assert run_not_binding(REFERENCE_SCHEDULER, stall).failure is None
     verdict = run_not_binding("gate_candidates.SwapRotation", stall)
     assert verdict.rule == "R19" and verdict.step == 4 and "[('R3', 16)]" in verdict.failure
@@ -149,12 +164,17 @@ def test_r19_gate_rejects_the_articles_swap_rotation(tmp_path, monkeypatch):
 
 @pytest.mark.rules("R19")
 def test_r19_never_binding_scenarios_cannot_be_refused():
-    scenario = Scenario(rates_tokens_per_s={"a": "2"}, requests=(RequestSpec("a0", "a", 3, 8),),
-                        step_interval_ns=1, num_steps=5)
+    scenario = Scenario(
+        rates_tokens_per_s={"a": "2"}, requests=(RequestSpec("a0", "a", 3, 8),), step_interval_ns=1, num_steps=5
+    )
     fast = never_binding(scenario)
     assert fast.default_rate_tokens_per_s == str(RATE) and fast.rates_tokens_per_s == {"a": str(RATE)}
-    too_many = Scenario(rates_tokens_per_s={}, step_interval_ns=1, num_steps=5,
-                        requests=tuple(RequestSpec(f"r{i}", "a", 1, 60_000) for i in range(2)))
+    too_many = Scenario(
+        rates_tokens_per_s={},
+        step_interval_ns=1,
+        num_steps=5,
+        requests=tuple(RequestSpec(f"r{i}", "a", 1, 60_000) for i in range(2)),
+    )
     with pytest.raises(AssertionError, match="may be refused"):
         never_binding(too_many)
 
@@ -165,8 +185,10 @@ def test_r19_registered_at_level_should():
     for mode in ("sync", "async"):
         check = specs[f"not-binding/{mode}"]
         assert (check.part, check.level, check.rules[0]) == ("candidate", "should", "R19")
-    names = {lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
-             for lvl in ("must", "should")}
+    names = {
+        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
+        for lvl in ("must", "should")
+    }
     assert "not-binding/sync" in names["should"] and "not-binding/sync" not in names["must"]
 
 
@@ -185,9 +207,15 @@ def test_r14_throttled_user_takes_turns_while_another_users_long_prompt_prefills
     # with V1 decoding and a 100-token prompt V2 arriving; budget 16. u's grant goes round
     # robin over its streams (R14 turns), V1 decodes every step, and V2 prefills with the
     # rest of the budget, never ahead of the others (running order is the admission order).
-    h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=5, max_num_batched_tokens=16, block_size=16,
-                                                 output_rate={"default_tokens_per_s": RATE,
-                                                              "user_tokens_per_s": {"u": 10}}))
+    h = Harness(
+        REFERENCE_SCHEDULER,
+        EngineShape(
+            max_num_seqs=5,
+            max_num_batched_tokens=16,
+            block_size=16,
+            output_rate={"default_tokens_per_s": RATE, "user_tokens_per_s": {"u": 10}},
+        ),
+    )
     for rid in ("U1", "U2", "U3"):
         h.add_request(rid, "u", prompt_len=2, max_tokens=30)
     h.add_request("V1", "v", prompt_len=2, max_tokens=30)

@@ -48,9 +48,14 @@ def flood_events(streams: int = 6) -> tuple:
 
 
 def flood_config(cap: int | None, async_scheduling: bool = False) -> EngineConfig:
-    return EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=async_scheduling,
-                        default_rate_tokens_per_s=Fraction(1000), user_rates_tokens_per_s=(("f", Fraction(2)),),
-                        max_num_seqs_per_user=cap)
+    return EngineConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+        default_rate_tokens_per_s=Fraction(1000),
+        user_rates_tokens_per_s=(("f", Fraction(2)),),
+        max_num_seqs_per_user=cap,
+    )
 
 
 def admitted_at(config: EngineConfig) -> tuple[int | None, tuple[str, ...]]:
@@ -103,8 +108,13 @@ def test_r20_reference_matches_the_spec_step_for_step(async_scheduling):
 
 @pytest.mark.rules("R20")
 def test_r20_reference_never_exceeds_the_cap_and_admits_other_users():
-    h = Harness(REFERENCE, EngineShape(max_num_seqs=4, output_rate={
-        "default_tokens_per_s": 1000, "user_tokens_per_s": {"f": 2}, "max_num_seqs_per_user": 2}))
+    h = Harness(
+        REFERENCE,
+        EngineShape(
+            max_num_seqs=4,
+            output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"f": 2}, "max_num_seqs_per_user": 2},
+        ),
+    )
     for i in range(6):
         h.add_request(f"f{i}", "f", prompt_len=3, max_tokens=20)
     h.step()
@@ -130,8 +140,12 @@ def test_r20_model_checker_flood_scopes_hold_with_pinned_counts():
 
 @pytest.mark.rules("R20")
 def test_r20_model_checker_catches_an_ignored_cap_with_i19_and_the_f2_bound():
-    ignored = mc.Mutation("NoResidencyCap", "R20", "the cap is ignored (the article's behaviour)",
-                          lambda config: [(spec_rate, "residency_gate", lambda cycle, request: (cycle, True))])
+    ignored = mc.Mutation(
+        "NoResidencyCap",
+        "R20",
+        "the cap is ignored (the article's behaviour)",
+        lambda config: [(spec_rate, "residency_gate", lambda cycle, request: (cycle, True))],
+    )
     for name in FLOOD_SCOPES:
         scope = mc.scope_by_name(name)
         with mc.applied(ignored, scope.config):
@@ -163,8 +177,9 @@ def test_r20_gate_passes_the_reference_and_rejects_the_ignored_cap(monkeypatch):
 def test_r20_gate_not_tested_for_a_style_without_the_cap():
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
-    result = check_residency(REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None,
-                             style=parse_config_style("engine-args"))
+    result = check_residency(
+        REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None, style=parse_config_style("engine-args")
+    )
     assert result.result == "not tested" and "max_num_seqs_per_user" in result.failure
 
 
@@ -176,8 +191,10 @@ def test_r20_registered_at_level_exact():
     for mode in ("sync", "async"):
         check = specs[f"fair-residency/{mode}"]
         assert (check.part, check.level, check.rules) == ("candidate", "exact", ("R20",))
-    names = {lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE, "x.Y", level=lvl))]
-             for lvl in ("should", "exact")}
+    names = {
+        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE, "x.Y", level=lvl))]
+        for lvl in ("should", "exact")
+    }
     assert "fair-residency/sync" in names["exact"] and "fair-residency/sync" not in names["should"]
 
 
@@ -201,8 +218,11 @@ def test_r20_cap_above_max_num_seqs_refused_at_start_up():
 
     from vllm_output_rate.adapter.tinymodel import default_model_dir
 
-    config = VllmConfig(model_config=ModelConfig(model=str(default_model_dir()), skip_tokenizer_init=True,
-                                                 dtype="float32", max_model_len=256))
+    config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(default_model_dir()), skip_tokenizer_init=True, dtype="float32", max_model_len=256
+        )
+    )
     config.scheduler_config.max_num_seqs = 8
     config.additional_config = {"output_rate": {"default_tokens_per_s": 100, "max_num_seqs_per_user": 9}}
     with pytest.raises(OutputRateConfigError, match=r"\(9\) must be <= --max-num-seqs \(8\).*--max-num-seqs-per-user"):

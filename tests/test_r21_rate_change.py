@@ -57,8 +57,9 @@ def test_r21_lead_is_kept_in_tokens() -> None:
 
 @pytest.mark.rules("R21")
 @settings(max_examples=300, deadline=None)
-@given(old=RATES, new=RATES, lead_ns=st.integers(0, 3 * 10**9), frac=st.integers(0, 6),
-       later_ns=st.integers(0, 2 * 10**9))
+@given(
+    old=RATES, new=RATES, lead_ns=st.integers(0, 3 * 10**9), frac=st.integers(0, 6), later_ns=st.integers(0, 2 * 10**9)
+)
 def test_r21_rounding_never_hands_out_a_token(old, new, lead_ns, frac, later_ns) -> None:
     # Against the exact (unrounded) rule: at the change and at every later instant the
     # rounded TAT grants at most as many tokens, and at most one ns of lead more.
@@ -111,8 +112,12 @@ def _greedy_grants(times: list[int], rate_at, change_ns: int, old: Fraction, new
 
 @pytest.mark.rules("R21")
 @settings(max_examples=150, deadline=None)
-@given(old=RATES, new=RATES, gaps=st.lists(st.integers(0, 400 * MS), min_size=2, max_size=25),
-       change_index=st.integers(0, 24))
+@given(
+    old=RATES,
+    new=RATES,
+    gaps=st.lists(st.integers(0, 400 * MS), min_size=2, max_size=25),
+    change_index=st.integers(0, 24),
+)
 def test_r21_piecewise_window_bound_holds_across_a_change(old, new, gaps, change_index) -> None:
     times = [sum(gaps[: i + 1]) for i in range(len(gaps))]
     change_ns = times[min(change_index, len(times) - 1)]
@@ -121,7 +126,8 @@ def test_r21_piecewise_window_bound_holds_across_a_change(old, new, gaps, change
         for end in granted[i:]:
             count = sum(1 for t in granted if start <= t <= end)
             segments = ([(min(end, change_ns) - start, old)] if start < change_ns else []) + (
-                [(end - max(start, change_ns), new)] if end >= change_ns else [])
+                [(end - max(start, change_ns), new)] if end >= change_ns else []
+            )
             assert count <= spec_limiter.piecewise_window_bound_tokens(segments), (start, end, count, segments)
             if start >= change_ns:  # from the moment of the change: R2's bound at the new rate
                 assert count <= spec_limiter.window_bound_tokens(end - start, new)
@@ -141,20 +147,30 @@ def test_r21_reset_to_now_would_break_the_piecewise_bound() -> None:
         state, ok = spec_limiter.try_take(state, "u", new, 0)
         granted += ok
     assert granted > spec_limiter.piecewise_window_bound_tokens([(0, old), (0, new)])
-    kept = spec_limiter.change_rates(spec_limiter.try_take(spec_limiter.try_take(spec_limiter.EMPTY, "u", old, 0)[0],
-                                                           "u", old, 0)[0], lambda u: old, lambda u: Fraction(20), 0)
+    kept = spec_limiter.change_rates(
+        spec_limiter.try_take(spec_limiter.try_take(spec_limiter.EMPTY, "u", old, 0)[0], "u", old, 0)[0],
+        lambda u: old,
+        lambda u: Fraction(20),
+        0,
+    )
     assert spec_limiter.grants_at(kept, "u", Fraction(20), 0) == 1  # 2 tokens ahead of 3 at 20 tok/s
 
 
 @pytest.mark.rules("R21")
 def test_r21_default_change_and_moves_to_and_from_the_default() -> None:
     # a: override 5 -> default (now 20); b: default 10 -> override 2; c: default 10 -> 20; d: override 4 -> 4.
-    old = EngineConfig(default_rate_tokens_per_s=Fraction(10),
-                       user_rates_tokens_per_s=(("a", Fraction(5)), ("d", Fraction(4))))
+    old = EngineConfig(
+        default_rate_tokens_per_s=Fraction(10), user_rates_tokens_per_s=(("a", Fraction(5)), ("d", Fraction(4)))
+    )
     new = old.with_rates(Fraction(20), (("b", Fraction(2)), ("d", Fraction(4))))
     now = 100 * MS
-    state = _state(a=Fraction(300 * MS), b=Fraction(300 * MS), c=Fraction(300 * MS), d=Fraction(10**9, 3) + now,
-                   e=Fraction(50 * MS))
+    state = _state(
+        a=Fraction(300 * MS),
+        b=Fraction(300 * MS),
+        c=Fraction(300 * MS),
+        d=Fraction(10**9, 3) + now,
+        e=Fraction(50 * MS),
+    )
     after = spec_limiter.change_rates(state, old.rate_of, new.rate_of, now).tat_ns
     assert after["a"] == now + 50 * MS  # 1 token at 5/s = 1 token at 20/s
     assert after["b"] == now + 1000 * MS  # 2 tokens at 10/s = 2 tokens at 2/s
@@ -168,8 +184,14 @@ def test_r21_step_model_applies_a_change_at_the_next_schedule_clock() -> None:
     config = EngineConfig(default_rate_tokens_per_s=Fraction(10), user_rates_tokens_per_s=(("a", Fraction(5)),))
     state = initial_state(config)
     history = invariants.DispatchHistory()
-    events = [AddRequest("r0", "a", max_tokens=30), Step(), AdvanceClock(20 * MS), Step(),
-              ChangeRates("10", (("a", "20"),)), AdvanceClock(30 * MS)]
+    events = [
+        AddRequest("r0", "a", max_tokens=30),
+        Step(),
+        AdvanceClock(20 * MS),
+        Step(),
+        ChangeRates("10", (("a", "20"),)),
+        AdvanceClock(30 * MS),
+    ]
     for event in events:
         before = state
         state, obs = spec.step(state, event)
@@ -204,11 +226,18 @@ DECIMAL_RATES = st.sampled_from([Fraction(r) for r in ("0.5", "1", "2", "3", "7"
 
 @pytest.mark.rules("R21", "R3")
 @settings(max_examples=200, deadline=None)
-@given(default=DECIMAL_RATES, override=st.none() | DECIMAL_RATES, new_default=DECIMAL_RATES,
-       new_override=st.none() | DECIMAL_RATES, takes=st.integers(0, 30), now=st.integers(0, 10**9),
-       later=st.integers(0, 3 * 10**8))
-def test_r21_reference_limiter_rescales_exactly_as_the_spec(default, override, new_default, new_override, takes,
-                                                            now, later) -> None:
+@given(
+    default=DECIMAL_RATES,
+    override=st.none() | DECIMAL_RATES,
+    new_default=DECIMAL_RATES,
+    new_override=st.none() | DECIMAL_RATES,
+    takes=st.integers(0, 30),
+    now=st.integers(0, 10**9),
+    later=st.integers(0, 3 * 10**8),
+)
+def test_r21_reference_limiter_rescales_exactly_as_the_spec(
+    default, override, new_default, new_override, takes, now, later
+) -> None:
     from types import MappingProxyType
 
     from vllm_output_rate.reference.limiter import OutputRateLimiter
@@ -222,8 +251,9 @@ def test_r21_reference_limiter_rescales_exactly_as_the_spec(default, override, n
     before = spec_limiter.LimiterState(MappingProxyType({u: limiter.tat_ns(u) for u in limiter.users()}))
     old_rate_of = OutputRateLimiter(default, old_users).rate_of
     limiter.change_rates(new_default, new_users, now + later)
-    want = spec_limiter.change_rates(before, old_rate_of, OutputRateLimiter(new_default, new_users).rate_of,
-                                     now + later)
+    want = spec_limiter.change_rates(
+        before, old_rate_of, OutputRateLimiter(new_default, new_users).rate_of, now + later
+    )
     assert {u: limiter.tat_ns(u) for u in limiter.users()} == dict(want.tat_ns)
     assert limiter.rate_of("a") == (new_default) and limiter.rate_of("b") == (new_override or new_default)
 
@@ -231,10 +261,16 @@ def test_r21_reference_limiter_rescales_exactly_as_the_spec(default, override, n
 def _change_scenario(async_scheduling: bool):
     from vllm_output_rate.adapter.fidelity import StepScenario
 
-    config = EngineConfig(default_rate_tokens_per_s=Fraction(10), user_rates_tokens_per_s=(("a", Fraction(5)),),
-                          async_scheduling=async_scheduling)
-    events: list = [AddRequest("r0", "a", max_tokens=30), AddRequest("r1", "b", max_tokens=30),
-                    AddRequest("r2", "a", max_tokens=30)]
+    config = EngineConfig(
+        default_rate_tokens_per_s=Fraction(10),
+        user_rates_tokens_per_s=(("a", Fraction(5)),),
+        async_scheduling=async_scheduling,
+    )
+    events: list = [
+        AddRequest("r0", "a", max_tokens=30),
+        AddRequest("r1", "b", max_tokens=30),
+        AddRequest("r2", "a", max_tokens=30),
+    ]
     for _ in range(8):
         events += [Step(), AdvanceClock(33 * MS)]
     events += [ChangeRates("20", (("b", "2.5"),))]  # a moves to the default (faster), b to an override (slower)
@@ -331,17 +367,20 @@ def test_r21_rates_file_reload_and_a_bad_file_keeps_the_limits(tmp_path) -> None
 
 
 @pytest.mark.rules("R21")
-@pytest.mark.parametrize(("text", "message"), [
-    ('{"default_tokens_per_s": 10, "default_tokens_per_s": 20}', "'default_tokens_per_s' is given twice"),
-    ('{"default_tokens_per_s": 10, "user_token_per_s": {}}', "did you mean 'user_tokens_per_s'?"),
-    ('{"default_tokens_per_s": 10, "burst_ms": 50}', "'burst_ms' cannot be changed without a restart"),
-    ('{"user_tokens_per_s": {"a": 5}}', "no default_tokens_per_s"),
-    ('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0}}', "user_tokens_per_s['a'] must be > 0"),
-    ('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0.1234567891}}', "at most 9 decimal places"),
-    ('{"default_tokens_per_s": "fast"}', "default_tokens_per_s must be a number"),
-    ("[10]", "must be a JSON object"),
-    ("{", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"default_tokens_per_s": 10, "default_tokens_per_s": 20}', "'default_tokens_per_s' is given twice"),
+        ('{"default_tokens_per_s": 10, "user_token_per_s": {}}', "did you mean 'user_tokens_per_s'?"),
+        ('{"default_tokens_per_s": 10, "burst_ms": 50}', "'burst_ms' cannot be changed without a restart"),
+        ('{"user_tokens_per_s": {"a": 5}}', "no default_tokens_per_s"),
+        ('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0}}', "user_tokens_per_s['a'] must be > 0"),
+        ('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0.1234567891}}', "at most 9 decimal places"),
+        ('{"default_tokens_per_s": "fast"}', "default_tokens_per_s must be a number"),
+        ("[10]", "must be a JSON object"),
+        ("{", "not valid JSON"),
+    ],
+)
 def test_r21_rates_file_is_validated_like_start_up(text, message) -> None:
     from vllm_output_rate.reference.config import OutputRateConfigError
     from vllm_output_rate.reference.ratesfile import parse_rates_file
@@ -436,8 +475,11 @@ def test_r21_gate_passes_the_reference_and_rejects_wrong_changes(monkeypatch) ->
     for cls, async_mode in ((REFERENCE, False), (REFERENCE_ASYNC, True)):
         result = check_rate_change(cls, async_mode, 6, seed=0, tick=_noop, save_dir=None)
         assert result.result == "pass", result.failure
-    expected = {"ResetOnChange": "an over-grant", "KeepTatOnChange": "an under-grant",
-                "IgnoreRateChanges": "an under-grant"}
+    expected = {
+        "ResetOnChange": "an over-grant",
+        "KeepTatOnChange": "an under-grant",
+        "IgnoreRateChanges": "an under-grant",
+    }
     for name, finding in expected.items():
         result = check_rate_change(f"r21_candidates.{name}", False, 30, seed=0, tick=_noop, save_dir=None)
         assert result.result == "fail" and result.failure.startswith("[exact] R21"), (name, result.failure)
@@ -468,15 +510,17 @@ def test_r21_gate_rows_at_exact_unless_the_candidate_opts_in() -> None:
     for name in ("rate-change/sync", "rate-change/async"):
         assert specs[name].level == "exact" and specs[name].rules == ("R21",) and specs[name].part == "candidate"
     plain = registry.GateOptions(scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False)
-    opted = registry.GateOptions(scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False,
-                                 rate_change=True)
+    opted = registry.GateOptions(
+        scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False, rate_change=True
+    )
     assert "rate-change/sync" not in [p.spec.name for p in registry.plan(plain)]
     assert "rate-change/sync" in [p.spec.name for p in registry.plan(opted)]
     assert specs["rate-change/sync"].level_for(opted) == "must"
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
-    result = check_rate_change(REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None,
-                               style=parse_config_style("engine-args"))
+    result = check_rate_change(
+        REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None, style=parse_config_style("engine-args")
+    )
     assert result.result == "not tested" and "rates_file" in result.failure
 
 
@@ -521,8 +565,9 @@ def test_r21_model_checker_explores_rate_changes_and_catches_a_reset(monkeypatch
     assert result.as_json()["violations"] == 0 and (result.states, result.transitions) == scope.pinned
 
     def reset(state, old_rate_of, new_rate_of, now_ns):  # the mutant: a changed user's TAT := now
-        return spec_limiter.LimiterState(MappingProxyType(
-            {u: t for u, t in state.tat_ns.items() if old_rate_of(u) == new_rate_of(u)}))
+        return spec_limiter.LimiterState(
+            MappingProxyType({u: t for u, t in state.tat_ns.items() if old_rate_of(u) == new_rate_of(u)})
+        )
 
     monkeypatch.setattr(spec_limiter, "change_rates", reset)
     found = mc.explore(mc.scope_by_name("sync-rate-change"), stop_at_first=True).as_json()

@@ -31,14 +31,14 @@ NO_ROTATION = "vllm_output_rate.adapter.mutants.NoRotation"
 # A stock-vLLM subclass that breaks V4 with the feature off: every chunk is cut to 1 token.
 # Written to a temporary module, as a third-party patch would be (no mutant of
 # adapter/mutants.py differs from stock vLLM with the feature off: they all defer to it).
-ONE_TOKEN_CHUNKS = '''
+ONE_TOKEN_CHUNKS = """
 from vllm.v1.core.sched.scheduler import Scheduler
 
 
 class OneTokenChunks(Scheduler):
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         return min(super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens), 1)
-'''
+"""
 
 
 def _noop() -> None:
@@ -59,8 +59,9 @@ def add(rid, user, prompt=4, max_tokens=16):
 def test_r2_rate_limit_counterexample_replays(tmp_path):
     # Rate 10 tok/s, one stream of 8 tokens, a step every 10 ms: stock vLLM samples every
     # step, the third one at t=20 ms is over the rate (the spec limiter refuses it, R2).
-    scenario = Scenario(rates_tokens_per_s={"a": "10"}, requests=(RequestSpec("a0", "a", 3, 8),),
-                        step_interval_ns=10 * MS, num_steps=61)
+    scenario = Scenario(
+        rates_tokens_per_s={"a": "10"}, requests=(RequestSpec("a0", "a", 3, 8),), step_interval_ns=10 * MS, num_steps=61
+    )
     path = tmp_path / "counterexample-rate-limit-sync.json"
     path.write_text(scenario.to_json())  # what adapter/conform.check_scheduler saves
     code, out = replay(path, "--scheduler-cls", STOCK_SCHEDULER)
@@ -75,10 +76,20 @@ def test_r2_rate_limit_counterexample_replays(tmp_path):
 def test_r14_white_box_counterexample_replays(tmp_path):
     # tests/test_spec_step.py two_users_three_streams: at t=200 ms rotation (R14) serves
     # a1 after the last-served a0; the NoRotation mutant schedules a0 again.
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65,
-                          default_rate_tokens_per_s=Fraction(10))
-    events = (add("a0", "a"), add("a1", "a"), add("b0", "b"), Step(), Step(), AdvanceClock(100 * MS), Step(),
-              AdvanceClock(100 * MS), Step())
+    config = EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65, default_rate_tokens_per_s=Fraction(10)
+    )
+    events = (
+        add("a0", "a"),
+        add("a1", "a"),
+        add("b0", "b"),
+        Step(),
+        Step(),
+        AdvanceClock(100 * MS),
+        Step(),
+        AdvanceClock(100 * MS),
+        Step(),
+    )
     path = tmp_path / "counterexample-white-box-sync.json"
     path.write_text(StepScenario(config, events).to_json())
     code, out = replay(path, "--scheduler-cls", NO_ROTATION)

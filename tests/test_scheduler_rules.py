@@ -99,8 +99,7 @@ def test_r7_prompt_chunks_never_charged_final_chunk_once(async_scheduling):
     #   t=40  decode 1 -> charged [r], TAT 41 ms; third output: finished ("length", 3)
     # Async: same dispatches (num_computed_tokens includes the in-flight placeholder and
     # vLLM skips the step after the max_tokens-th token).
-    h = make(async_scheduling, max_num_seqs=4, max_num_batched_tokens=8,
-             output_rate={"default_tokens_per_s": 1000})
+    h = make(async_scheduling, max_num_seqs=4, max_num_batched_tokens=8, output_rate={"default_tokens_per_s": 1000})
     h.add_request("r", "u", prompt_len=20, max_tokens=3)
     traces = [step(h, 10) for _ in range(5)]
     assert [t.scheduled for t in traces] == [{"r": 8}, {"r": 8}, {"r": 4}, {"r": 1}, {"r": 1}]
@@ -174,8 +173,7 @@ def test_r9_priority_scheduled_then_preempted_later_is_refunded(async_scheduling
     #         = A, already scheduled -> unscheduled and preempted later in the same
     #         schedule(). R9: A refunded -> a TAT back to 200 ms.
     #         charged [A, B], refunded [A], preempted [A], scheduled {B: 1}.
-    h = make(async_scheduling, num_blocks=3, policy="priority",
-             output_rate={"default_tokens_per_s": 10})
+    h = make(async_scheduling, num_blocks=3, policy="priority", output_rate={"default_tokens_per_s": 10})
     h.add_request("A", "a", prompt_len=8, max_tokens=3, priority=1)
     assert step(h, 50).white["charged"] == ["A"]
     h.add_request("B", "b", prompt_len=16, max_tokens=3, priority=0)
@@ -312,8 +310,11 @@ def test_r11_throttled_stay_resident_and_resume_without_recompute(async_scheduli
     h.add_request("A", "u", max_tokens=4)
     h.add_request("B", "u", max_tokens=4)
     expected_sampled = {0: ["A", "B"], 100: ["A"], 200: ["B"], 300: ["A"], 400: ["B"], 500: ["A"], 600: ["B"]}
-    expected_throttled = ({t: ["A", "B"] for t in range(50, 500, 100)} | {550: ["B"]}
-                          | {100: ["B"], 200: ["A"], 300: ["B"], 400: ["A"], 500: ["B"]})
+    expected_throttled = (
+        {t: ["A", "B"] for t in range(50, 500, 100)}
+        | {550: ["B"]}
+        | {100: ["B"], 200: ["A"], 300: ["B"], 400: ["A"], 500: ["B"]}
+    )
     kv = h.scheduler.kv_cache_manager
     before: dict[str, tuple] = {}
     scheduled_tokens = Counter()
@@ -346,13 +347,17 @@ def test_r11_pause_not_truncate_many_streams_and_eos(async_scheduling):
     # max_tokens outputs (or EOS), nothing aborted or truncated. Bound check (R2):
     # dispatches of a user in [0, W] <= (W + tau) * rate + 1.
     h = make(async_scheduling, output_rate={"default_tokens_per_s": 20})
-    spec = {"a1": ("a", 12, None), "a2": ("a", 7, None), "a3": ("a", 9, 5),
-            "b1": ("b", 10, None), "b2": ("b", 5, None)}
+    spec = {"a1": ("a", 12, None), "a2": ("a", 7, None), "a3": ("a", 9, 5), "b1": ("b", 10, None), "b2": ("b", 5, None)}
     for rid, (user, max_tokens, eos) in spec.items():
         h.add_request(rid, user, prompt_len=6, max_tokens=max_tokens, eos_index=eos)
     traces = run_until_done(h, 10)
-    assert h.finished == {"a1": ("length", 12), "a2": ("length", 7), "a3": ("stop", 6),
-                          "b1": ("length", 10), "b2": ("length", 5)}
+    assert h.finished == {
+        "a1": ("length", 12),
+        "a2": ("length", 7),
+        "a3": ("stop", 6),
+        "b1": ("length", 10),
+        "b2": ("length", 5),
+    }
     for user in ("a", "b"):
         times = [t.now_ns for t in traces for rid in t.sampled if spec[rid][0] == user]
         span_s = Fraction(times[-1] - times[0], 10**9)
@@ -414,9 +419,11 @@ def test_r12_throttled_behind_the_active_cap_are_still_throttled(async_schedulin
     #         (u TAT 250 ms). running [W1, V1, U1].
     #   t=100 W1 granted (w TAT 400), V1 granted: A reached. U1 refused (250-100 > 100):
     #         throttled [U1], wait hint = u ready_at = 150 ms.
-    h = make(async_scheduling, max_num_seqs=3,
-             output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"w": 5, "u": 5},
-                          "max_num_active_seqs": 2})
+    h = make(
+        async_scheduling,
+        max_num_seqs=3,
+        output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"w": 5, "u": 5}, "max_num_active_seqs": 2},
+    )
     h.add_request("W1", "w", max_tokens=5)
     h.add_request("V1", "v", max_tokens=5)
     h.add_request("U1", "u", max_tokens=5)
@@ -437,8 +444,12 @@ def _r13_harness(async_scheduling: bool, policy: str, v2_priority: int = 0) -> H
     # 4 KV blocks (3 usable). user u 1 tok/s (T 1 s), user v 1000 tok/s.
     # Admission order (FCFS and PRIORITY alike): U1 (prompt 4), V1 (prompt 16: its first
     # decode needs a 2nd block), V2 (prompt 4). At t=0 all three prefill: 3 blocks used.
-    h = make(async_scheduling, num_blocks=4, policy=policy,
-             output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"u": 1}})
+    h = make(
+        async_scheduling,
+        num_blocks=4,
+        policy=policy,
+        output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"u": 1}},
+    )
     h.add_request("U1", "u", prompt_len=4, max_tokens=2)
     h.add_request("V1", "v", prompt_len=16, max_tokens=3)
     h.add_request("V2", "v", prompt_len=4, max_tokens=3, priority=v2_priority)
@@ -518,11 +529,9 @@ def test_r14_r15_streams_of_one_user_are_served_round_robin(async_scheduling):
         assert "V1" in trace.sampled
         if i <= 7:
             assert [r.request_id for r in h.scheduler.running][1] == "V1", f"R14: V1 moved at t={100 * i}"
-    assert u_sampled == [["S1", "S2"], ["S3"], ["S1"], ["S2"], ["S3"], ["S1"], ["S2"], ["S3"],
-                         ["S1"], ["S2"], ["S3"]]
+    assert u_sampled == [["S1", "S2"], ["S3"], ["S1"], ["S2"], ["S3"], ["S1"], ["S2"], ["S3"], ["S1"], ["S2"], ["S3"]]
     run_until_done(h, 100)
-    assert h.finished == {"S1": ("length", 4), "S2": ("length", 4), "S3": ("length", 4),
-                          "V1": ("length", 11)}
+    assert h.finished == {"S1": ("length", 4), "S2": ("length", 4), "S3": ("length", 4), "V1": ("length", 11)}
 
 
 @pytest.mark.rules("R15")
@@ -557,10 +566,12 @@ def test_r16_wait_hint_is_earliest_ready_at_among_refused_users(async_scheduling
     h = make(async_scheduling, output_rate={"default_tokens_per_s": 10, "user_tokens_per_s": {"w": 4, "x": 3}})
     for rid in ("U1", "U2", "U3", "W1", "W2", "X1", "X2"):
         h.add_request(rid, rid[0].lower(), max_tokens=10)
-    expected = [(0, 120, ["U1", "U2", "W1", "X1"], 100 * MS),
-                (120, 30, ["U3"], 150 * MS),
-                (150, 90, ["W2"], 200 * MS),
-                (240, 0, None, 300 * MS)]
+    expected = [
+        (0, 120, ["U1", "U2", "W1", "X1"], 100 * MS),
+        (120, 30, ["U3"], 150 * MS),
+        (150, 90, ["W2"], 200 * MS),
+        (240, 0, None, 300 * MS),
+    ]
     for now_ms, dt_ms, charged, hint_ns in expected:
         trace = step(h, dt_ms)
         assert trace.now_ns == now_ms * MS
@@ -590,7 +601,9 @@ def test_r17_user_from_extra_args_anonymous_shared_bucket(async_scheduling):
 
 
 @pytest.mark.rules("R17")
-@pytest.mark.parametrize("bad", [42, True, "", "x" * 1000, "y" * 257], ids=["int", "bool", "empty", "1000chars", "257chars"])
+@pytest.mark.parametrize(
+    "bad", [42, True, "", "x" * 1000, "y" * 257], ids=["int", "bool", "empty", "1000chars", "257chars"]
+)
 def test_r17_bad_user_value_named_and_isolated(async_scheduling, bad, caplog):
     # Decision (reference/identity.py): a user id is a non-empty str of <= 256 characters.
     # The front end (plugin.py) refuses a bad one with a ValueError naming the value
@@ -620,8 +633,13 @@ def test_r17_bad_user_value_named_and_isolated(async_scheduling, bad, caplog):
 def _r18_scenario(h: Harness) -> list[tuple]:
     """Mixed load with chunked prefill, KV pressure (preemptions), EOS, an abort, late
     arrivals, priorities and a value that would be a bad user id with the feature on."""
-    specs = [("R0", "a", 40, 20, None, 0), ("R1", "b", 20, 30, 10, 0), ("R2", None, 8, 25, None, 1),
-             ("R3", "a", 30, 15, None, 0), ("R4", "c", 16, 12, None, 1)]
+    specs = [
+        ("R0", "a", 40, 20, None, 0),
+        ("R1", "b", 20, 30, 10, 0),
+        ("R2", None, 8, 25, None, 1),
+        ("R3", "a", 30, 15, None, 0),
+        ("R4", "c", 16, 12, None, 1),
+    ]
     for rid, user, prompt_len, max_tokens, eos, prio in specs:
         h.add_request(rid, user, prompt_len=prompt_len, max_tokens=max_tokens, eos_index=eos, priority=prio)
     out = []
@@ -648,8 +666,14 @@ def test_r18_feature_off_is_trace_identical_to_stock(async_scheduling, section, 
     # 4 seqs with vLLM's own max_num_active_seqs 3 (upstream meaning), 32-token batches,
     # 8 KV blocks (7 usable: preemptions happen). Same scenario on stock vLLM and on the
     # reference with the feature off: step-for-step identical traces and results.
-    shape = {"max_num_seqs": 4, "max_num_active_seqs": 3, "max_num_batched_tokens": 32, "num_blocks": 8,
-                 "policy": policy, "async_scheduling": async_scheduling}
+    shape = {
+        "max_num_seqs": 4,
+        "max_num_active_seqs": 3,
+        "max_num_batched_tokens": 32,
+        "num_blocks": 8,
+        "policy": policy,
+        "async_scheduling": async_scheduling,
+    }
     stock_cls = STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
     ref_cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
     stock = Harness(stock_cls, EngineShape(**shape))
@@ -670,13 +694,19 @@ def test_r18_feature_off_is_trace_identical_to_stock(async_scheduling, section, 
     ("section", "message"),
     [
         ({"default_tokens_per_s": -1}, "default_tokens_per_s must be > 0 tokens per second, got -1"),
-        ({"default_tokens_per_s": "fast"},
-         "default_tokens_per_s must be a number of tokens per second (int or float), got 'fast' of type str"),
+        (
+            {"default_tokens_per_s": "fast"},
+            "default_tokens_per_s must be a number of tokens per second (int or float), got 'fast' of type str",
+        ),
         ({"user_tokens_per_s": {"a": 5}}, "output_rate is configured without default_tokens_per_s"),
-        ({"default_tokens_per_s": 10, "burst": 5},
-         """unknown key(s) in additional_config["output_rate"]: 'burst' (did you mean 'burst_ms'?)"""),
-        ({"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0}},
-         "user_tokens_per_s['a'] must be > 0 tokens per second, got 0"),
+        (
+            {"default_tokens_per_s": 10, "burst": 5},
+            """unknown key(s) in additional_config["output_rate"]: 'burst' (did you mean 'burst_ms'?)""",
+        ),
+        (
+            {"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 0}},
+            "user_tokens_per_s['a'] must be > 0 tokens per second, got 0",
+        ),
         ({"default_tokens_per_s": 10, "max_num_active_seqs": 0}, "max_num_active_seqs must be an integer >= 1, got 0"),
         ({"default_tokens_per_s": 10, "burst_ms": 0}, "burst_ms must be an integer number of milliseconds >= 1, got 0"),
         ([10], 'additional_config["output_rate"] must be a JSON object, got [10]'),

@@ -33,32 +33,55 @@ def option(argv: list[str], name: str) -> str | None:
 
 
 def test_article_flags_become_scheduler_cls_and_additional_config():
-    argv = command_of("MODEL", "--max-num-seqs", "64", "--max-num-active-seqs", "16",
-                      "--default-user-output-tokens-per-second", "100",
-                      "--user-output-tokens-per-second", '{"user-a":100,"user-b":500}')
+    argv = command_of(
+        "MODEL",
+        "--max-num-seqs",
+        "64",
+        "--max-num-active-seqs",
+        "16",
+        "--default-user-output-tokens-per-second",
+        "100",
+        "--user-output-tokens-per-second",
+        '{"user-a":100,"user-b":500}',
+    )
     assert argv[argv.index("serve") + 1] == "MODEL"
     assert option(argv, "--scheduler-cls") == SCHEDULER_CLS
-    assert json.loads(option(argv, "--additional-config")) == {"output_rate": {
-        "default_tokens_per_s": 100,
-        "user_tokens_per_s": {"user-a": 100, "user-b": 500},
-        "max_num_active_seqs": 16,
-    }}
+    assert json.loads(option(argv, "--additional-config")) == {
+        "output_rate": {
+            "default_tokens_per_s": 100,
+            "user_tokens_per_s": {"user-a": 100, "user-b": 500},
+            "max_num_active_seqs": 16,
+        }
+    }
     assert option(argv, "--max-num-seqs") == "64"
     assert option(argv, "--max-num-active-seqs") == "16"
 
 
 def test_other_vllm_arguments_pass_through_in_order():
-    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "0.5", "--dtype", "float32",
-                      "--host", "127.0.0.1", "--port", "8123", "--enforce-eager")
+    argv = command_of(
+        "MODEL",
+        "--default-user-output-tokens-per-second",
+        "0.5",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+        "--enforce-eager",
+    )
     assert argv[-7:] == ["--dtype", "float32", "--host", "127.0.0.1", "--port", "8123", "--enforce-eager"]
     assert json.loads(option(argv, "--additional-config"))["output_rate"] == {"default_tokens_per_s": 0.5}
 
 
 def test_user_additional_config_is_merged():
-    argv = command_of("MODEL", "--default-user-output-tokens-per-second", "7",
-                      "--additional-config", '{"other": {"x": 1}}')
+    argv = command_of(
+        "MODEL", "--default-user-output-tokens-per-second", "7", "--additional-config", '{"other": {"x": 1}}'
+    )
     assert json.loads(option(argv, "--additional-config")) == {
-        "other": {"x": 1}, "output_rate": {"default_tokens_per_s": 7}}
+        "other": {"x": 1},
+        "output_rate": {"default_tokens_per_s": 7},
+    }
     assert argv.count("--additional-config") == 1
 
 
@@ -66,7 +89,9 @@ def test_trace_path_goes_into_the_section_as_an_absolute_path(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     argv = command_of("MODEL", "--default-user-output-tokens-per-second", "10", "--trace-path", "t/trace.jsonl")
     assert json.loads(option(argv, "--additional-config"))["output_rate"] == {
-        "default_tokens_per_s": 10, "trace_path": str(tmp_path / "t" / "trace.jsonl")}
+        "default_tokens_per_s": 10,
+        "trace_path": str(tmp_path / "t" / "trace.jsonl"),
+    }
     assert "--trace-path" not in argv  # ours, not vLLM's
 
 
@@ -95,7 +120,9 @@ def test_burst_ms_flag_goes_into_the_section():
     # R1: the burst tolerance, settable through outrate serve (issue 15).
     argv = command_of("MODEL", "--default-user-output-tokens-per-second", "10", "--burst-ms", "500")
     assert json.loads(option(argv, "--additional-config"))["output_rate"] == {
-        "default_tokens_per_s": 10, "burst_ms": 500}
+        "default_tokens_per_s": 10,
+        "burst_ms": 500,
+    }
     assert "--burst-ms" not in argv  # ours, not vLLM's
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
     assert "--burst-ms" in help_text
@@ -109,42 +136,80 @@ def test_burst_ms_flag_goes_into_the_section():
         (["--default-user-output-tokens-per-second", "-3"], "must be > 0"),
         (["--default-user-output-tokens-per-second", "nan"], "got 'nan'"),
         (["--default-user-output-tokens-per-second", "0.1234567891"], "at most 9 decimal places"),
-        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", "{user-a: 1}"],
-         "is not valid JSON"),
-        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", "[1, 2]"],
-         "must be a JSON object"),
-        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"user-a": "20"}'],
-         "rate of user 'user-a' must be a number"),
-        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"user-a": 0}'],
-         "rate of user 'user-a' must be > 0"),
-        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"": 5}'],
-         "non-empty strings"),
-        (["--user-output-tokens-per-second", '{"user-a": 5}'],
-         "needs --default-user-output-tokens-per-second"),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", "{user-a: 1}"],
+            "is not valid JSON",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", "[1, 2]"],
+            "must be a JSON object",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"user-a": "20"}'],
+            "rate of user 'user-a' must be a number",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"user-a": 0}'],
+            "rate of user 'user-a' must be > 0",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"": 5}'],
+            "non-empty strings",
+        ),
+        (["--user-output-tokens-per-second", '{"user-a": 5}'], "needs --default-user-output-tokens-per-second"),
         (["--trace-path", "/tmp/t.jsonl"], "--trace-path needs --default-user-output-tokens-per-second"),
         (["--default-user-output-tokens-per-second", "10", "--trace-path", " "], "trace_path must be a non-empty"),
-        (["--max-num-seqs", "4", "--max-num-active-seqs", "8"],
-         "--max-num-active-seqs (8) must be <= --max-num-seqs (4)"),
+        (
+            ["--max-num-seqs", "4", "--max-num-active-seqs", "8"],
+            "--max-num-active-seqs (8) must be <= --max-num-seqs (4)",
+        ),
         (["--max-num-active-seqs", "0"], "0 is not in the range x>=1"),
         (["--default-user-output-tokens-per-second", "10", "--scheduler-cls", "my.Sched"], "drop --scheduler-cls"),
-        (["--default-user-output-tokens-per-second", "10", "--additional-config", '{"output_rate": {}}'],
-         "not as an output_rate key"),
-        (["--default-user-output-tokens-per-second", "10", "--additional-config", "{oops"],
-         "--additional-config is not valid JSON"),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--additional-config", '{"output_rate": {}}'],
+            "not as an output_rate key",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--additional-config", "{oops"],
+            "--additional-config is not valid JSON",
+        ),
         # Configuration (issue 15): typos are refused, saying what to change.
-        (["--default-user-output-tokens-per-second", "10", "--additional-config", '{"output_rate": {"burst_ms": 500}}'],
-         "burst_ms -> --burst-ms"),
-        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"a": 5, "a": 7}'],
-         "--user-output-tokens-per-second: key 'a' is given twice (5 and 7)"),
-        (["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"a": 5}',
-          "--user-output-tokens-per-second", '{"b": 7}'],
-         """--user-output-tokens-per-second is given 2 times ('{"a": 5}', '{"b": 7}'); only one would take effect"""),
-        (["--default-user-output-tokens-per-second", "10", "--default-user-output-tokens-per-second", "20"],
-         "--default-user-output-tokens-per-second is given 2 times ('10', '20')"),
-        (["--default-user-output-tokens-per-second", "10", "--max-num-seqs", "8", "--max-num-seqs", "16"],
-         "--max-num-seqs is given 2 times"),
-        (["--default-user-output-tokens-per-second", "10", "--additional-config", "{}", "--additional-config={}"],
-         "--additional-config is given 2 times"),
+        (
+            [
+                "--default-user-output-tokens-per-second",
+                "10",
+                "--additional-config",
+                '{"output_rate": {"burst_ms": 500}}',
+            ],
+            "burst_ms -> --burst-ms",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", '{"a": 5, "a": 7}'],
+            "--user-output-tokens-per-second: key 'a' is given twice (5 and 7)",
+        ),
+        (
+            [
+                "--default-user-output-tokens-per-second",
+                "10",
+                "--user-output-tokens-per-second",
+                '{"a": 5}',
+                "--user-output-tokens-per-second",
+                '{"b": 7}',
+            ],
+            """--user-output-tokens-per-second is given 2 times ('{"a": 5}', '{"b": 7}'); only one would take effect""",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--default-user-output-tokens-per-second", "20"],
+            "--default-user-output-tokens-per-second is given 2 times ('10', '20')",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--max-num-seqs", "8", "--max-num-seqs", "16"],
+            "--max-num-seqs is given 2 times",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10", "--additional-config", "{}", "--additional-config={}"],
+            "--additional-config is given 2 times",
+        ),
         (["--default-user-output-tokens-per-second", "10", "--burst-ms", "0"], "burst_ms must be an integer"),
         (["--default-user-output-tokens-per-second", "10", "--burst-ms", "0.5"], "'0.5' is not a valid integer"),
         (["--burst-ms", "50"], "--burst-ms needs --default-user-output-tokens-per-second"),
@@ -156,12 +221,15 @@ def test_bad_flags_stop_start_up_saying_what_to_change(args, says):
     assert says in result.output, result.output
 
 
-@pytest.mark.parametrize("typo, near", [
-    ("--user-output-token-per-second", "--user-output-tokens-per-second"),
-    ("--default-user-output-token-per-second=5", "--default-user-output-tokens-per-second"),
-    ("--max-num-seq-per-user", "--max-num-seqs-per-user"),
-    ("--rate-file", "--rates-file"),
-])
+@pytest.mark.parametrize(
+    "typo, near",
+    [
+        ("--user-output-token-per-second", "--user-output-tokens-per-second"),
+        ("--default-user-output-token-per-second=5", "--default-user-output-tokens-per-second"),
+        ("--max-num-seq-per-user", "--max-num-seqs-per-user"),
+        ("--rate-file", "--rates-file"),
+    ],
+)
 def test_misspelt_flag_is_named_with_the_flag_it_looks_like(typo, near):
     # It used to pass through to vLLM, which refused it 20 s later without naming ours.
     result = run("MODEL", "--default-user-output-tokens-per-second", "10", typo, "x")

@@ -62,7 +62,9 @@ def test_shadow_key_parsed_default_off():
 
 @pytest.mark.parametrize("bad", ["true", 1, 0, None, [True]])
 def test_shadow_must_be_a_json_boolean_naming_the_value(bad):
-    with pytest.raises(OutputRateConfigError, match=r"shadow must be true or false.*got " + repr(bad).replace("[", r"\[")):
+    with pytest.raises(
+        OutputRateConfigError, match=r"shadow must be true or false.*got " + repr(bad).replace("[", r"\[")
+    ):
         parse_output_rate({"default_tokens_per_s": 5, "shadow": bad})
 
 
@@ -82,8 +84,10 @@ def test_shadow_registered_at_level_exact_candidate_part():
     for mode in ("sync", "async"):
         check = specs[f"shadow/{mode}"]
         assert (check.part, check.level, check.rules) == ("candidate", "exact", ("shadow",))
-    names = {lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
-             for lvl in ("should", "exact")}
+    names = {
+        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
+        for lvl in ("should", "exact")
+    }
     assert "shadow/sync" in names["exact"] and "shadow/sync" not in names["should"]
 
 
@@ -96,9 +100,13 @@ def test_shadow_check_accepts_the_reference(async_scheduling):
 
 def _over_limit_scenario(async_scheduling: bool = False) -> Scenario:
     """User u at 10 tok/s with 3 streams of 30 tokens, 10 ms steps: 300 tok/s of demand."""
-    return Scenario(rates_tokens_per_s={"u": "10"}, step_interval_ns=10 * MS, num_steps=40,
-                    requests=tuple(RequestSpec(f"u{i}", "u", 4, 30) for i in range(3)),
-                    async_scheduling=async_scheduling)
+    return Scenario(
+        rates_tokens_per_s={"u": "10"},
+        step_interval_ns=10 * MS,
+        num_steps=40,
+        requests=tuple(RequestSpec(f"u{i}", "u", 4, 30) for i in range(3)),
+        async_scheduling=async_scheduling,
+    )
 
 
 def test_shadow_check_rejects_a_scheduler_that_still_enforces(tmp_path):
@@ -112,8 +120,7 @@ def test_shadow_check_rejects_a_scheduler_that_still_enforces(tmp_path):
 def test_shadow_check_not_tested_for_a_style_that_cannot_express_it():
     from vllm_output_rate.adapter.configstyle import EngineArgsStyle
 
-    result = check_shadow(REFERENCE_SCHEDULER, False, 5, 10, seed=0, tick=_noop, save_dir=None,
-                          style=EngineArgsStyle())
+    result = check_shadow(REFERENCE_SCHEDULER, False, 5, 10, seed=0, tick=_noop, save_dir=None, style=EngineArgsStyle())
     assert result.result == "not tested" and "cannot express" in result.failure
 
 
@@ -140,8 +147,9 @@ def test_shadow_grants_everything_and_counts_exactly_the_tokens_above_the_limit(
     cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
     stock = "vllm.v1.core.sched.async_scheduler.AsyncScheduler" if async_scheduling else STOCK_SCHEDULER
     trace = tmp_path / "trace.jsonl"
-    h, batches, would = _run_over_limit(cls, {"default_tokens_per_s": 10, **SHADOW}, trace=trace,
-                                        async_scheduling=async_scheduling)
+    h, batches, would = _run_over_limit(
+        cls, {"default_tokens_per_s": 10, **SHADOW}, trace=trace, async_scheduling=async_scheduling
+    )
     _, stock_batches, _ = _run_over_limit(stock, None, async_scheduling=async_scheduling)
     assert batches == stock_batches  # nothing throttled: the base class's schedule
     assert h.scheduler.last_step_observation is None and h.scheduler.next_ready_ns() is None  # no R16 wait
@@ -183,8 +191,12 @@ def test_shadow_log_line_says_would_be_throttled(caplog):
     caplog.set_level(logging.INFO, logger="vllm.output_rate")
     oplog.logger.propagate = True
     try:
-        h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=4, output_rate={
-            "default_tokens_per_s": 10, "user_tokens_per_s": {"u": 5}, **SHADOW}))
+        h = Harness(
+            REFERENCE_SCHEDULER,
+            EngineShape(
+                max_num_seqs=4, output_rate={"default_tokens_per_s": 10, "user_tokens_per_s": {"u": 5}, **SHADOW}
+            ),
+        )
         for i in range(3):
             h.add_request(f"u{i}", "u", prompt_len=4, max_tokens=400)
         for _ in range(120):
@@ -205,8 +217,9 @@ def test_serve_shadow_flag_goes_into_the_section():
 
     from vllm_output_rate.cli import main
 
-    result = CliRunner().invoke(main, ["serve", "MODEL", "--default-user-output-tokens-per-second", "10", "--shadow",
-                                       "--print-command"])
+    result = CliRunner().invoke(
+        main, ["serve", "MODEL", "--default-user-output-tokens-per-second", "10", "--shadow", "--print-command"]
+    )
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.output.strip())
     section = json.loads(argv[argv.index("--additional-config") + 1])["output_rate"]
@@ -214,6 +227,16 @@ def test_serve_shadow_flag_goes_into_the_section():
     assert "--shadow" not in argv  # ours, not vLLM's
     refused = CliRunner().invoke(main, ["serve", "MODEL", "--shadow", "--print-command"])
     assert refused.exit_code == 2 and "--shadow needs --default-user-output-tokens-per-second" in refused.output
-    inside = CliRunner().invoke(main, ["serve", "MODEL", "--default-user-output-tokens-per-second", "10",
-                                       "--additional-config", '{"output_rate": {"shadow": true}}', "--print-command"])
+    inside = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            "MODEL",
+            "--default-user-output-tokens-per-second",
+            "10",
+            "--additional-config",
+            '{"output_rate": {"shadow": true}}',
+            "--print-command",
+        ],
+    )
     assert inside.exit_code == 2 and "shadow -> --shadow" in inside.output

@@ -156,15 +156,35 @@ def test_r24_outrate_serve_flag_puts_the_url_in_the_section() -> None:
     from vllm_output_rate.cli import main
 
     url = "redis://10.0.0.5:6379/0"
-    result = CliRunner().invoke(main, ["serve", "MODEL", "--default-user-output-tokens-per-second", "10",
-                                       "--shared-budget-url", url, "--print-command"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            "MODEL",
+            "--default-user-output-tokens-per-second",
+            "10",
+            "--shared-budget-url",
+            url,
+            "--print-command",
+        ],
+    )
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.output.strip())
     section = json.loads(argv[argv.index("--additional-config") + 1])["output_rate"]
     assert section == {"default_tokens_per_s": 10, "shared_budget_url": url}
     assert "--shared-budget-url" not in argv  # ours, not vLLM's
-    bad = CliRunner().invoke(main, ["serve", "MODEL", "--default-user-output-tokens-per-second", "10",
-                                    "--shared-budget-url", "http://x", "--print-command"])
+    bad = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            "MODEL",
+            "--default-user-output-tokens-per-second",
+            "10",
+            "--shared-budget-url",
+            "http://x",
+            "--print-command",
+        ],
+    )
     assert bad.exit_code != 0 and "shared_budget_url" in bad.output and "http://x" in bad.output
     alone = CliRunner().invoke(main, ["serve", "MODEL", "--shared-budget-url", url, "--print-command"])
     assert alone.exit_code != 0 and "--shared-budget-url needs --default-user-output-tokens-per-second" in alone.output
@@ -180,5 +200,6 @@ def test_r24_engine_args_style_carries_the_store_url() -> None:
     assert argv[argv.index(SHARED_BUDGET_FLAG) + 1] == url
     # Stock vLLM's engine arguments have no such flag: the style says so instead of dropping it.
     with pytest.raises(ValueError, match="the candidate does not add --"):
-        EngineArgsStyle().build_vllm_config(EngineShape(output_rate={"default_tokens_per_s": 5,
-                                                                     "shared_budget_url": url}))
+        EngineArgsStyle().build_vllm_config(
+            EngineShape(output_rate={"default_tokens_per_s": 5, "shared_budget_url": url})
+        )

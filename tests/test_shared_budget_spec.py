@@ -57,8 +57,10 @@ def test_r23_grants_at_is_r2_at_the_store() -> None:
 def test_r24_bound_formulas() -> None:
     assert sb.lease_size(Fraction(20)) == 1 and sb.lease_size(Fraction(1000)) == 50
     assert sb.holding_cap(1) == 1 and sb.holding_cap(50) == 99
-    assert sb.shared_window_bound_tokens(1_000 * MS, Fraction(20), 2, 1) == limiter.window_bound_tokens(
-        1_000 * MS, Fraction(20)) + 2
+    assert (
+        sb.shared_window_bound_tokens(1_000 * MS, Fraction(20), 2, 1)
+        == limiter.window_bound_tokens(1_000 * MS, Fraction(20)) + 2
+    )
     assert sb.shared_ledger_burst_ns(Fraction(20), 2, 3) == limiter.BURST_NS + 2 * 5 * 50 * MS
     assert sb.work_conservation_floor(1_010 * MS, Fraction(100)) == 100
     with pytest.raises(AssertionError):

@@ -47,8 +47,9 @@ def test_predicates() -> None:
     assert not is_under("vllm_output_rate.spec.limiter", FORBIDDEN_FOR_SPEC)
 
 
-@pytest.mark.parametrize("module", ["vllm_output_rate.spec", "vllm_output_rate.spec.limiter",
-                                    "vllm_output_rate.spec.versions"])
+@pytest.mark.parametrize(
+    "module", ["vllm_output_rate.spec", "vllm_output_rate.spec.limiter", "vllm_output_rate.spec.versions"]
+)
 def test_spec_imports_no_vllm_and_nothing_else_of_the_project(module: str) -> None:
     mods = loaded_modules(module)
     assert module in mods  # the import really happened

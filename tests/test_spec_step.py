@@ -38,8 +38,11 @@ def cfg(**kw) -> EngineConfig:
 
 def rated(rate="10", users=(), **kw) -> EngineConfig:
     """Feature on: default rate ``rate`` tok/s, per-user overrides ``users``."""
-    return cfg(default_rate_tokens_per_s=Fraction(rate),
-               user_rates_tokens_per_s=tuple((u, Fraction(r)) for u, r in users), **kw)
+    return cfg(
+        default_rate_tokens_per_s=Fraction(rate),
+        user_rates_tokens_per_s=tuple((u, Fraction(r)) for u, r in users),
+        **kw,
+    )
 
 
 def play(config, events):
@@ -99,8 +102,9 @@ def test_v5_admission_needs_the_whole_sequence_to_fit():
     # blocks 4x4, budget 8. A (prompt 4) holds 1 block, 3 free. B (prompt 16) needs 4
     # blocks for its whole sequence: refused although its first chunk (8 tokens, 2 blocks)
     # would fit; FCFS: C behind it is not admitted either.
-    state, obs = play(cfg(num_blocks=5, max_num_batched_tokens=8),
-                      [add("A"), Step(), add("B", prompt=16), add("C", prompt=1), Step()])
+    state, obs = play(
+        cfg(num_blocks=5, max_num_batched_tokens=8), [add("A"), Step(), add("B", prompt=16), add("C", prompt=1), Step()]
+    )
     assert sched(obs[1]) == [("A", 1)]
     assert state.waiting == ("B", "C") and state.num_free_blocks == 2  # A now holds 2 blocks (5 tokens)
 
@@ -156,8 +160,9 @@ def test_v8_without_chunked_prefill_a_prompt_waits_for_room():
 
 
 def test_v8_priority_queue_pops_by_priority_then_arrival():
-    _, obs = play(cfg(policy="priority", max_num_seqs=1),
-                  [add("A", prio=1), add("B", prio=0), add("C", prio=0), Step()])
+    _, obs = play(
+        cfg(policy="priority", max_num_seqs=1), [add("A", prio=1), add("B", prio=0), add("C", prio=0), Step()]
+    )
     assert obs[0].admitted == ("B",)
 
 
@@ -188,7 +193,11 @@ def test_v10_async_stale_output_of_a_preempted_request_is_delivered():
             b_after = find(state, "B")
             assert b_before.num_in_flight_tokens == 1 and b_before.num_output_placeholders == 1
             assert b_after.num_output_tokens == b_before.num_output_tokens + 1
-            assert (b_after.num_output_placeholders, b_after.num_in_flight_tokens, b_after.num_computed_tokens) == (0, 0, 0)
+            assert (b_after.num_output_placeholders, b_after.num_in_flight_tokens, b_after.num_computed_tokens) == (
+                0,
+                0,
+                0,
+            )
             assert b_after.status == "preempted" and "B" in state.waiting
             return
     pytest.fail("B was never preempted")
@@ -215,8 +224,17 @@ def two_users_three_streams():
     # (TAT_b 200). step 2 (t=100): a0 charged (TAT_a 300), a1 refused (300-100 > 100),
     # b0 charged (300). step 3 (t=200): R14 puts a1 (after the last served a0) first:
     # a1 charged (400), a0 refused; b0 charged (400).
-    events = [add("a0", "a"), add("a1", "a"), add("b0", "b"), Step(), Step(), AdvanceClock(100 * MS), Step(),
-              AdvanceClock(100 * MS), Step()]
+    events = [
+        add("a0", "a"),
+        add("a1", "a"),
+        add("b0", "b"),
+        Step(),
+        Step(),
+        AdvanceClock(100 * MS),
+        Step(),
+        AdvanceClock(100 * MS),
+        Step(),
+    ]
     return play(rated("10"), events)
 
 
@@ -277,8 +295,10 @@ def test_r10_chunked_prefill_advances_refused_request_to_n_minus_1():
 
 @pytest.mark.rules("R10")
 def test_r10_refused_waiting_request_does_not_block_other_users():
-    state, obs = burst_then(rated("10", chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64),
-                            [add("a2", "a"), add("b0", "b")])
+    state, obs = burst_then(
+        rated("10", chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64),
+        [add("a2", "a"), add("b0", "b")],
+    )
     assert obs[0].admitted == ("a0", "a1", "b0") and state.waiting == ("a2",)
 
 
@@ -298,8 +318,9 @@ def test_r12_running_loop_serves_at_most_a_running_requests():
     # A = 1; a0 and b0 both running and both granted: only the first is in the batch,
     # b0 gets 0 tokens without being throttled (no refusal involved).
     config = rated("1000", output_rate_max_num_active_seqs=1, max_num_active_seqs=2)
-    _state, obs = play(config, [add("a0", "a"), Step(), add("b0", "b"), AdvanceClock(10 * MS), Step(),
-                               AdvanceClock(10 * MS), Step()])
+    _state, obs = play(
+        config, [add("a0", "a"), Step(), add("b0", "b"), AdvanceClock(10 * MS), Step(), AdvanceClock(10 * MS), Step()]
+    )
     assert obs[0].admitted == ("a0",) and obs[1].admitted == ()  # 1 running, 0 throttled = A
     assert sched(obs[2]) == [("a0", 1)] and obs[2].throttled == ()
 
@@ -324,8 +345,14 @@ def test_r13_priority_prefers_throttled_only_within_the_victim_level():
     # the throttled a0 goes first, so c0 decodes. In stock vLLM a0 is not throttled and
     # needs the block itself; its victim is c0, the max (priority, arrival).
     config = rated("1000", users=(("a", "1"),), num_blocks=4, policy="priority")
-    events = [add("a0", "a", prio=1), add("c0", "c", prio=1), add("b0", "b", prompt=3, prio=0),
-              Step(), AdvanceClock(10 * MS), Step()]
+    events = [
+        add("a0", "a", prio=1),
+        add("c0", "c", prio=1),
+        add("b0", "b", prompt=3, prio=0),
+        Step(),
+        AdvanceClock(10 * MS),
+        Step(),
+    ]
     _, obs = play(config, events)
     assert obs[0].admitted == ("b0", "a0", "c0")
     assert obs[1].preempted == ("a0",) and sched(obs[1]) == [("b0", 1), ("c0", 1)]
@@ -338,8 +365,14 @@ def test_r13_priority_never_crosses_levels():
     # Same, but the throttled a0 has priority 0: the victim level is 1 and holds only c0,
     # so vLLM's own victim c0 (itself) is preempted; the throttled a0 stays resident.
     config = rated("1000", users=(("a", "1"),), num_blocks=4, policy="priority")
-    events = [add("a0", "a", prio=0), add("c0", "c", prio=1), add("b0", "b", prompt=3, prio=0),
-              Step(), AdvanceClock(10 * MS), Step()]
+    events = [
+        add("a0", "a", prio=0),
+        add("c0", "c", prio=1),
+        add("b0", "b", prompt=3, prio=0),
+        Step(),
+        AdvanceClock(10 * MS),
+        Step(),
+    ]
     state, obs = play(config, events)
     assert obs[1].throttled == ("a0",) and obs[1].preempted == ("c0",)
     assert "a0" in state.running
@@ -370,8 +403,16 @@ def test_r18_feature_off_observes_no_rate_decisions():
 # -- invariants catch what they claim to ------------------------------------------------------
 def test_invariants_report_bad_observations():
     state = initial_state(rated("10", output_rate_max_num_active_seqs=1))
-    bad = Observation("step", 0, scheduled=(("x", 1),), sampled=("x",), charged=("x", "x"), throttled=("x",),
-                      refunded=("y",), scheduled_running=2)
+    bad = Observation(
+        "step",
+        0,
+        scheduled=(("x", 1),),
+        sampled=("x",),
+        charged=("x", "x"),
+        throttled=("x",),
+        refunded=("y",),
+        scheduled_running=2,
+    )
     assert invariants.i1_charges_match_dispatches(state, bad).startswith("I1")
     assert invariants.i2_one_charge_per_request(bad).startswith("I2")
     assert invariants.i3_refunds_only_undispatched_charges(bad).startswith("I3")
@@ -379,7 +420,8 @@ def test_invariants_report_bad_observations():
     assert invariants.i5_active_cap(state, bad).startswith("I5")
     assert invariants.i9_budget(state, Observation("step", 0, scheduled=(("x", 0),))).startswith("I9")
     assert invariants.i10_no_admission_after_preemption(
-        Observation("step", 0, preempted=("x",), admitted=("y",))).startswith("I10")
+        Observation("step", 0, preempted=("x",), admitted=("y",))
+    ).startswith("I10")
     history = invariants.DispatchHistory()
     for _ in range(3):  # 3 dispatches at one instant > floor(0.1 x 10) + 1 = 2
         history = history.add("a", 0)
@@ -387,9 +429,11 @@ def test_invariants_report_bad_observations():
 
 
 def test_spec_step_modules_import_nothing_of_vllm_or_the_project():
-    code = ("import sys, vllm_output_rate.spec.scheduler, vllm_output_rate.spec.invariants\n"
-            "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.') or "
-            "m.startswith(('vllm_output_rate.reference', 'vllm_output_rate.adapter', 'vllm_output_rate.proofs'))]\n"
-            "print(bad)\n")
+    code = (
+        "import sys, vllm_output_rate.spec.scheduler, vllm_output_rate.spec.invariants\n"
+        "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.') or "
+        "m.startswith(('vllm_output_rate.reference', 'vllm_output_rate.adapter', 'vllm_output_rate.proofs'))]\n"
+        "print(bad)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

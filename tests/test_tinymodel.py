@@ -26,8 +26,9 @@ def test_outrate_tiny_model_writes_a_servable_directory(tmp_path):
     assert len(tok) == config["vocab_size"] == VOCAB_SIZE
     assert (tok.bos_token_id, tok.eos_token_id) == (config["bos_token_id"], config["eos_token_id"])
     assert (tok.bos_token_id, tok.eos_token_id) == (BOS_TOKEN_ID, EOS_TOKEN_ID)
-    text = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hello there"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<s>user: Hello there\nassistant:"
     ids = tok(text, add_special_tokens=False).input_ids
     assert ids[0] == BOS_TOKEN_ID and max(ids) < VOCAB_SIZE

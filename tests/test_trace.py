@@ -109,23 +109,41 @@ def test_trace_off_costs_nothing(tmp_path):
 
 
 # -- the checker on synthetic traces ------------------------------------------------
-HEADER = {"header": {"version": 1, "async_scheduling": False, "default_tokens_per_s": "10",
-                     "user_tokens_per_s": {"slow": "1"}, "burst_ns": 100 * MS}}
+HEADER = {
+    "header": {
+        "version": 1,
+        "async_scheduling": False,
+        "default_tokens_per_s": "10",
+        "user_tokens_per_s": {"slow": "1"},
+        "burst_ns": 100 * MS,
+    }
+}
 
 
 def _step(step, now_ms, reqs, charges=None, refunds=(), finished=None, preempted=()):
     """reqs: {rid: (user, tokens, sampled, throttled)}; charges default: the sampled ones."""
-    requests = {rid: {"user": u, "tokens": t, "sampled": s, "charged": False, "refunded": False, "throttled": th}
-                for rid, (u, t, s, th) in reqs.items()}
+    requests = {
+        rid: {"user": u, "tokens": t, "sampled": s, "charged": False, "refunded": False, "throttled": th}
+        for rid, (u, t, s, th) in reqs.items()
+    }
     if charges is None:
         charges = [rid for rid, (_, _, s, _) in reqs.items() if s]
     for rid in charges:
         requests.setdefault(rid, {"user": "u", "tokens": 0, "sampled": False, "throttled": False})["charged"] = True
     for rid in refunds:
         requests[rid]["refunded"] = True
-    return {"step": step, "now_ns": now_ms * MS, "requests": requests, "charges": list(charges),
-            "refunds": list(refunds), "preempted": list(preempted), "running": len(reqs), "waiting": 0,
-            "limiter_users": 1, "finished": finished or {}}
+    return {
+        "step": step,
+        "now_ns": now_ms * MS,
+        "requests": requests,
+        "charges": list(charges),
+        "refunds": list(refunds),
+        "preempted": list(preempted),
+        "running": len(reqs),
+        "waiting": 0,
+        "limiter_users": 1,
+        "finished": finished or {},
+    }
 
 
 def _lines(*records, header=HEADER):
@@ -140,8 +158,15 @@ def test_checker_accepts_a_paced_user():
     # rate 10/s, tau 100 ms: grants at 0, 0 (burst: floor(0.1 x 10) + 1 = 2), then every 100 ms.
     recs = [_step(0, 0, {"a": ("u", 4, True, False), "b": ("u", 4, True, False)})]
     recs += [_step(k, 100 * k, {"a": ("u", 1, True, False)}) for k in range(1, 10)]
-    recs.append({"now_ns": None, "finished": {"a": {"status": "FINISHED_LENGTH_CAPPED", "output_tokens": 10},
-                                              "b": {"status": "FINISHED_ABORTED", "output_tokens": 1}}})
+    recs.append(
+        {
+            "now_ns": None,
+            "finished": {
+                "a": {"status": "FINISHED_LENGTH_CAPPED", "output_tokens": 10},
+                "b": {"status": "FINISHED_ABORTED", "output_tokens": 1},
+            },
+        }
+    )
     report = check_records(_lines(*recs), completions={"a": 10})
     assert report.ok, report.summary()
     assert report.runs[0].users["u"].dispatches == 11
@@ -153,7 +178,8 @@ def test_checker_window_bound_violation():
     report = check_records(_lines(*recs))
     assert _rules(report) == ["R2-gcra", "R2-window"]
     assert "3 sampling dispatches in a window of 0.000 ms (bound 2" in str(report.violations[0]) + str(
-        report.violations[1])
+        report.violations[1]
+    )
 
 
 def test_checker_accounting_double_charge_refund_and_throttled():
@@ -206,8 +232,11 @@ def test_window_check_matches_brute_force(seed):
     for _ in range(rnd.randint(2, 40)):
         t += rnd.choice([0, 0, 10, 30, 50, 100, 400]) * MS
         times.append(t)
-    brute_ok = all(j - i + 1 <= window_bound_tokens(times[j] - times[i], rate)
-                   for i in range(len(times)) for j in range(i, len(times)))
+    brute_ok = all(
+        j - i + 1 <= window_bound_tokens(times[j] - times[i], rate)
+        for i in range(len(times))
+        for j in range(i, len(times))
+    )
     header = {"header": {**HEADER["header"], "default_tokens_per_s": str(rate)}}
     recs = [_step(k, t // MS, {f"r{k}": ("u", 1, True, False)}) for k, t in enumerate(times)]
     report = check_records(_lines(*recs, header=header))
@@ -217,8 +246,15 @@ def test_window_check_matches_brute_force(seed):
 
 
 # -- the command line (outrate check-trace FILE, python -m ...trace_check FILE; issue 15) ----
-FAST_HEADER = {"header": {**HEADER["header"], "pid": 7, "scheduler": "RateLimitedScheduler",
-                          "default_tokens_per_s": "100", "user_tokens_per_s": {}}}
+FAST_HEADER = {
+    "header": {
+        **HEADER["header"],
+        "pid": 7,
+        "scheduler": "RateLimitedScheduler",
+        "default_tokens_per_s": "100",
+        "user_tokens_per_s": {},
+    }
+}
 
 
 def _client_run(first_step: int, start_ms: int, rid: str, n: int = 200) -> list[dict]:
@@ -238,8 +274,12 @@ def _cli(*args: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "vllm_output_rate.adapter.trace_check", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_output_rate.adapter.trace_check", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_rate_over_busy_periods_not_diluted_by_idle_time_between_client_runs():
@@ -258,15 +298,17 @@ def test_rate_over_busy_periods_not_diluted_by_idle_time_between_client_runs():
 
 def test_check_trace_command_reports_per_run_and_exits_0(tmp_path):
     # Two engine runs (two headers) of the same user: one row per run, never merged.
-    lines = _lines(*_client_run(0, 0, "a"), header=FAST_HEADER) + \
-        _lines(*_client_run(0, 600_000, "b"), header={"header": {**FAST_HEADER["header"], "pid": 8}})
+    lines = _lines(*_client_run(0, 0, "a"), header=FAST_HEADER) + _lines(
+        *_client_run(0, 600_000, "b"), header={"header": {**FAST_HEADER["header"], "pid": 8}}
+    )
     path = _write(tmp_path, lines)
     proc = _cli(str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout.splitlines()
     assert out[0] == f"{path}: 2 run(s), 400 steps, 0 violation(s)"
-    assert out[1].startswith("run 0: RateLimitedScheduler pid 7, sync, default 100 tok/s, 0 override(s), "
-                             "burst 100 ms; 200 steps over 1.99 s")
+    assert out[1].startswith(
+        "run 0: RateLimitedScheduler pid 7, sync, default 100 tok/s, 0 override(s), burst 100 ms; 200 steps over 1.99 s"
+    )
     assert out[2].split() == ["user", "limit", "tok/s", "dispatches", "busy", "periods", "busy", "s", "tok/s"]
     assert out[3].split() == ["u", "100", "200", "1", "1.99", "100.50"]
     assert out[4].startswith("run 1: RateLimitedScheduler pid 8")
@@ -275,8 +317,11 @@ def test_check_trace_command_reports_per_run_and_exits_0(tmp_path):
 
 
 def test_check_trace_command_exits_1_on_a_violation_2_unreadable_never_silent(tmp_path):
-    bad = _write(tmp_path, _lines(_step(0, 0, {"a": ("u", 1, True, False), "b": ("u", 1, True, False),
-                                               "c": ("u", 1, True, False)})), "bad.jsonl")
+    bad = _write(
+        tmp_path,
+        _lines(_step(0, 0, {"a": ("u", 1, True, False), "b": ("u", 1, True, False), "c": ("u", 1, True, False)})),
+        "bad.jsonl",
+    )
     proc = _cli(str(bad))
     assert proc.returncode == 1
     assert "violations:" in proc.stdout and "R2-window: run 0 user 'u': 3 sampling dispatches" in proc.stdout
@@ -296,8 +341,11 @@ def test_outrate_check_trace_is_the_same_command(tmp_path):
     good = _write(tmp_path, _lines(*_client_run(0, 0, "a"), header=FAST_HEADER))
     result = CliRunner().invoke(main, ["check-trace", str(good)])
     assert result.exit_code == 0 and result.output.splitlines()[-1] == "OK: every check passed in 1 run(s)"
-    bad = _write(tmp_path, _lines(_step(0, 0, {"a": ("u", 1, True, False), "b": ("u", 1, True, False),
-                                               "c": ("u", 1, True, False)})), "bad.jsonl")
+    bad = _write(
+        tmp_path,
+        _lines(_step(0, 0, {"a": ("u", 1, True, False), "b": ("u", 1, True, False), "c": ("u", 1, True, False)})),
+        "bad.jsonl",
+    )
     result = CliRunner().invoke(main, ["check-trace", str(bad)])
     assert result.exit_code == 1 and "FAIL: 2 violation(s)" in result.output
 

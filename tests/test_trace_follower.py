@@ -37,8 +37,9 @@ STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", ABORTED)
 
 
 # -- helpers -----------------------------------------------------------------------
-def _follow(path: Path, data: bytes, cuts: list[int], completions=None, cancelled=(),
-            **kwargs) -> tuple[TraceReport, list[TraceReport]]:
+def _follow(
+    path: Path, data: bytes, cuts: list[int], completions=None, cancelled=(), **kwargs
+) -> tuple[TraceReport, list[TraceReport]]:
     """Append ``data`` to ``path`` in pieces cut at ``cuts``, polling after each piece."""
     path.write_bytes(b"")
     follower = TraceFollower(path, **kwargs)
@@ -60,7 +61,7 @@ def _assert_same(streamed: TraceReport, batch: TraceReport) -> None:
 def _assert_listed_once(final: TraceReport, polls: list[TraceReport]) -> None:
     """Each poll's violations are a prefix of the final ones: none repeated, none retracted."""
     for report in polls:
-        assert final.violations[:len(report.violations)] == report.violations
+        assert final.violations[: len(report.violations)] == report.violations
 
 
 # -- a generator of valid and broken traces -------------------------------------------
@@ -84,8 +85,13 @@ def _finished(draw, clean: bool, done: set[str], sampled: Counter, busy=()) -> d
     """Requests freed; ``clean``: each once, with output tokens == its dispatches so far."""
     pool = [r for r in RIDS if r not in done and r not in busy] if clean else list(RIDS)
     freed = draw(st.lists(st.sampled_from(pool), unique=True, max_size=2)) if pool else []
-    out = {rid: {"status": draw(st.sampled_from(STATUSES)),
-                 "output_tokens": sampled[rid] if clean else draw(st.integers(0, 6))} for rid in freed}
+    out = {
+        rid: {
+            "status": draw(st.sampled_from(STATUSES)),
+            "output_tokens": sampled[rid] if clean else draw(st.integers(0, 6)),
+        }
+        for rid in freed
+    }
     if clean:
         done.update(out)
     return out
@@ -132,7 +138,7 @@ def traces(draw) -> list[str]:
             line, step, now_ms = draw(_record_lines(step, now_ms, clean, done, sampled))
             lines.append(line)
     if draw(st.booleans()):  # the engine is still writing the last line
-        lines[-1] = lines[-1][:draw(st.integers(1, max(1, len(lines[-1]) - 1)))]
+        lines[-1] = lines[-1][: draw(st.integers(1, max(1, len(lines[-1]) - 1)))]
     return lines
 
 
@@ -174,8 +180,9 @@ def _broken_traces() -> dict[str, list[str]]:
         "R11-throttled": _lines(*paced[:2], _step(2, 200, {"a": ("u", 1, True, True)})),
         "R17-identity": _lines(*paced[:2], _step(2, 200, {"a": ("v", 1, True, False)})),
         "clock": _lines(*paced[:2], _step(3, 150, {"a": ("u", 1, True, False)})),
-        "tokens": _lines(*paced, {"now_ns": None, "finished": {
-            "a": {"status": "FINISHED_STOPPED", "output_tokens": 5}}}),
+        "tokens": _lines(
+            *paced, {"now_ns": None, "finished": {"a": {"status": "FINISHED_STOPPED", "output_tokens": 5}}}
+        ),
     }
 
 
@@ -194,17 +201,22 @@ def test_rule_streaming_equals_batch(tmp_path, rule, piece):
 
 @pytest.mark.rules("R2")
 @SETTINGS
-@given(rate=st.sampled_from([Fraction(1), Fraction(3, 2), Fraction(10), Fraction(20, 3)]),
-       gaps=st.lists(st.sampled_from([0, 0, 10, 30, 50, 100, 400]), min_size=1, max_size=40),
-       data=st.data())
+@given(
+    rate=st.sampled_from([Fraction(1), Fraction(3, 2), Fraction(10), Fraction(20, 3)]),
+    gaps=st.lists(st.sampled_from([0, 0, 10, 30, 50, 100, 400]), min_size=1, max_size=40),
+    data=st.data(),
+)
 def test_r2_window_and_gcra_streaming_equal_brute_force(tmp_path_factory, rate, gaps, data):
     """R2-window against every window [t_i, t_j]; R2-gcra against a full spec replay."""
     times, t = [], 0
     for gap in gaps:
         t += gap * MS
         times.append(t)
-    window_ok = all(j - i + 1 <= window_bound_tokens(times[j] - times[i], rate)
-                    for i in range(len(times)) for j in range(i, len(times)))
+    window_ok = all(
+        j - i + 1 <= window_bound_tokens(times[j] - times[i], rate)
+        for i in range(len(times))
+        for j in range(i, len(times))
+    )
     state, gcra_ok = EMPTY, True
     for t in times:
         state, granted = try_take(state, "u", rate, t)
@@ -261,8 +273,11 @@ def test_tokens_freed_request_touched_again_is_rechecked_at_run_end(tmp_path):
     """tokens: a request sampled after it was freed (a broken trace) is checked again when
     its run ends, as a one-shot check of the whole run would."""
     freed = {"a": {"status": "FINISHED_STOPPED", "output_tokens": 1}}
-    recs = [_step(0, 0, {"a": ("u", 1, True, False)}), _step(1, 100, {}, finished=freed),
-            _step(2, 200, {"a": ("u", 1, True, False)})]
+    recs = [
+        _step(0, 0, {"a": ("u", 1, True, False)}),
+        _step(1, 100, {}, finished=freed),
+        _step(2, 200, {"a": ("u", 1, True, False)}),
+    ]
     raw = "".join(_lines(*recs) + _lines()).encode()  # a second run starts after
     final, polls = _follow(tmp_path / "trace.jsonl", raw, [len("".join(_lines(*recs[:2])))])
     assert polls[0].ok
@@ -308,14 +323,27 @@ def test_follower_truncated_or_missing_file_raises(tmp_path):
 
 # -- tokens: client ids matched through an index ---------------------------------------
 def test_tokens_client_id_matching_indexed():
-    recs = [_step(0, 0, {"a": ("u", 1, True, False), "a-12345678": ("u", 1, True, False),
-                         "b-1234567": ("u", 1, True, False), "c-x-abcdefgh": ("v", 1, True, False)})]
+    recs = [
+        _step(
+            0,
+            0,
+            {
+                "a": ("u", 1, True, False),
+                "a-12345678": ("u", 1, True, False),
+                "b-1234567": ("u", 1, True, False),
+                "c-x-abcdefgh": ("v", 1, True, False),
+            },
+        )
+    ]
     header = {"header": {**HEADER["header"], "default_tokens_per_s": "1000"}}
-    report = check_records(_lines(*recs, header=header),
-                           completions={"a": 1, "b": 1, "b-1234567": 1, "c-x": 1, "c-x-abcdefgh": 1})
+    report = check_records(
+        _lines(*recs, header=header), completions={"a": 1, "b": 1, "b-1234567": 1, "c-x": 1, "c-x-abcdefgh": 1}
+    )
     messages = sorted(v.message for v in report.violations)
-    assert messages == ["client request 'a': 2 engine requests match it",
-                        "client request 'b': 0 engine requests match it"]
+    assert messages == [
+        "client request 'a': 2 engine requests match it",
+        "client request 'b': 0 engine requests match it",
+    ]
 
 
 def test_tokens_many_clients_linear():

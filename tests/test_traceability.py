@@ -31,8 +31,9 @@ def test_committed_table_matches_the_declarations(cover, spec_text) -> None:
 def test_a_hand_edited_row_fails(cover, spec_text) -> None:
     _before, block, _after = traceability.split(spec_text)
     row = next(line for line in block.splitlines() if line.startswith("| [R4]"))
-    edited = spec_text.replace(row, row.replace("| none |", "| `r4_by_hand` |", 1) if "| none |" in row
-                               else row + " hand note |")
+    edited = spec_text.replace(
+        row, row.replace("| none |", "| `r4_by_hand` |", 1) if "| none |" in row else row + " hand note |"
+    )
     assert edited != spec_text
     assert any("differs from the declarations" in p for p in traceability.problems(edited, cover))
 
@@ -45,8 +46,10 @@ def test_a_rule_without_test_or_gate_check_fails(cover, spec_text) -> None:
 
 
 def test_an_entry_naming_missing_code_fails(cover, spec_text, monkeypatch) -> None:
-    broken = tuple(Rule(r.rule_id, r.title, r.spec + ("rate.no_such_function",), r.reference)
-                   if r.rule_id == "R7" else r for r in RULES)
+    broken = tuple(
+        Rule(r.rule_id, r.title, r.spec + ("rate.no_such_function",), r.reference) if r.rule_id == "R7" else r
+        for r in RULES
+    )
     monkeypatch.setattr(traceability, "RULES", broken)
     found = traceability.problems(spec_text, cover)
     assert any(p.startswith("R7: rate.no_such_function") for p in found)
@@ -63,7 +66,8 @@ def test_markers_are_read_from_decorators_not_names(tmp_path) -> None:
     (tmp_path / "gpu_tests").mkdir()
     (tmp_path / "tests" / "test_m.py").write_text(
         "import pytest\n\n@pytest.mark.rules('R2', 'R9')\ndef test_anything():\n    pass\n\n"
-        "def test_r7_named_only():\n    pass\n")
+        "def test_r7_named_only():\n    pass\n"
+    )
     refs = traceability.declared_tests(tmp_path)
     assert [(r.name, r.rules, r.line) for r in refs] == [("test_anything", ("R2", "R9"), 4)]
 
@@ -72,7 +76,8 @@ def test_a_drifted_snippet_fails() -> None:
     text = "```python\ndef ready_at_ns(state, user):\n    return math.floor(tat - burst_ns)\n```\n"
     assert traceability.snippet_problems(text) == [
         "docs/SPEC.md:1: snippet of ready_at_ns: 'return math.floor(tat - burst_ns)' is not in spec/'s "
-        "ready_at_ns (in this order)"]
+        "ready_at_ns (in this order)"
+    ]
     faithful = "```python\ndef ready_at_ns(state, user):\n    tat = state.tat_ns.get(user)\n```\n"
     assert traceability.snippet_problems(faithful) == []
 

@@ -61,11 +61,19 @@ def test_spec_md_has_the_versions_table_as_spec_versions_renders_it() -> None:
     assert version_table_markdown() in text, "docs/SPEC.md's table differs from spec/versions.py"
 
 
-@pytest.mark.parametrize("version, chosen, warned", [
-    ("0.32.0", "0.32.0", False), ("0.32.0+cpu", "0.32.0", False), ("0.33.0", "0.33.0", False),
-    ("0.33.1", "0.33.0", True), ("0.34.0rc1", "0.32.0", True), ("0.31.2", "0.32.0", True),
-    ("0.40.0", "0.33.0", True), ("dev", "0.32.0", True),
-])
+@pytest.mark.parametrize(
+    "version, chosen, warned",
+    [
+        ("0.32.0", "0.32.0", False),
+        ("0.32.0+cpu", "0.32.0", False),
+        ("0.33.0", "0.33.0", False),
+        ("0.33.1", "0.33.0", True),
+        ("0.34.0rc1", "0.32.0", True),
+        ("0.31.2", "0.32.0", True),
+        ("0.40.0", "0.33.0", True),
+        ("dev", "0.32.0", True),
+    ],
+)
 def test_select_profile_supported_or_nearest_older_with_a_warning(version, chosen, warned) -> None:
     profile, warning = select_profile(version)
     assert profile.version == chosen
@@ -83,8 +91,7 @@ def test_installed_vllm_selects_its_own_profile() -> None:
 
 # -- V6 in the spec, both releases ----------------------------------------------------------
 def _play(base: VllmVersionProfile, events):
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=5,
-                          policy="priority")
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=5, policy="priority")
     state, out = initial_state(config, base), []
     for event in events:
         before = state
@@ -209,7 +216,7 @@ def test_v6_drift_against_the_other_releases_rows_reports_v6_within_a_minute() -
 
     scenario = found["V6"].scenario
     for i in range(len(scenario.events)):
-        assert _diverges(replace(scenario, events=scenario.events[:i] + scenario.events[i + 1:]), OTHER, "V6") is None
+        assert _diverges(replace(scenario, events=scenario.events[:i] + scenario.events[i + 1 :]), OTHER, "V6") is None
 
 
 @pytest.mark.slow
@@ -229,8 +236,22 @@ def test_drift_counterexample_replays_with_the_base_model_it_was_found_against(t
     from vllm_output_rate.cli import main
 
     runner = CliRunner()
-    found = runner.invoke(main, ["drift", "--base-model", OTHER.version, "--mode", "sync", "--examples", "600",
-                                 "--time-budget", "60", "--counterexamples", str(tmp_path)])
+    found = runner.invoke(
+        main,
+        [
+            "drift",
+            "--base-model",
+            OTHER.version,
+            "--mode",
+            "sync",
+            "--examples",
+            "600",
+            "--time-budget",
+            "60",
+            "--counterexamples",
+            str(tmp_path),
+        ],
+    )
     assert found.exit_code == 1, found.output
     saved = tmp_path / "drift-V6-sync.json"
     assert f"outrate replay {saved} --base-model {OTHER.version}" in found.output.replace("\n", "")

@@ -1,5 +1,4 @@
-"""The ``outrate bench`` command: runs the parts asked for, prints the tables, writes JSON and the plot.
-"""
+"""The ``outrate bench`` command: runs the parts asked for, prints the tables, writes JSON and the plot."""
 
 from __future__ import annotations
 
@@ -57,20 +56,47 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
 
 @click.command()
 @json_option()
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a PNG plot of per-step cost against running requests here.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG plot of per-step cost against running requests here.",
+)
 @click.option("--quick", is_flag=True, help="Tiny sizes and few repetitions (for tests); numbers are rough.")
 @click.option("--sizes", default=None, metavar="N,N,...", help="Numbers of running requests to time.")
-@click.option("--rounds", type=click.IntRange(1, 200), default=None,
-              help="Interleaved rounds per configuration (default 41; --quick 3).")
-@click.option("--clock", type=click.Choice(sorted(CLOCKS)), default="cpu", show_default=True,
-              help="Step clock: this thread's CPU time (robust on a shared machine) or wall time.")
-@click.option("--only", type=click.Choice(["scheduler", "shared", "limiter", "gate", "live"]), multiple=True,
-              help="Run only these parts (repeatable); default: all.")
-@click.option("--live/--no-live", default=None,
-              help="Also start a real vLLM engine (tiny model) for the live section; default: on, off with --quick.")
-@click.option("--profile", "profile_n", type=click.IntRange(1), default=None, metavar="N",
-              help="Instead of the benchmark: cProfile the reference's schedule() at N running requests.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(1, 200),
+    default=None,
+    help="Interleaved rounds per configuration (default 41; --quick 3).",
+)
+@click.option(
+    "--clock",
+    type=click.Choice(sorted(CLOCKS)),
+    default="cpu",
+    show_default=True,
+    help="Step clock: this thread's CPU time (robust on a shared machine) or wall time.",
+)
+@click.option(
+    "--only",
+    type=click.Choice(["scheduler", "shared", "limiter", "gate", "live"]),
+    multiple=True,
+    help="Run only these parts (repeatable); default: all.",
+)
+@click.option(
+    "--live/--no-live",
+    default=None,
+    help="Also start a real vLLM engine (tiny model) for the live section; default: on, off with --quick.",
+)
+@click.option(
+    "--profile",
+    "profile_n",
+    type=click.IntRange(1),
+    default=None,
+    metavar="N",
+    help="Instead of the benchmark: cProfile the reference's schedule() at N running requests.",
+)
 def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile_n) -> None:
     """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -98,12 +124,17 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
     env = machine()
     env["load_average_at_start"] = load_at_start
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    console.print(f"{when}; {env['cores']} cores, {env['cpu']}; vLLM {vllm.__version__}; Python {env['python']}; "
-                  f"load average at the end {env['load_average']}; command: {command}")
+    console.print(
+        f"{when}; {env['cores']} cores, {env['cpu']}; vLLM {vllm.__version__}; Python {env['python']}; "
+        f"load average at the end {env['load_average']}; command: {command}"
+    )
     _print_tables(scheduler_rows, shared, limiter, gate, live_result, clock)
     if plot_path is not None and scheduler_rows:
-        write_plot(scheduler_rows, plot_path,
-                   f"outrate bench, vLLM {vllm.__version__}, {env['cores']} cores {env['cpu']}, {when}")
+        write_plot(
+            scheduler_rows,
+            plot_path,
+            f"outrate bench, vLLM {vllm.__version__}, {env['cores']} cores {env['cpu']}, {when}",
+        )
         console.print(f"wrote {plot_path}")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,13 +176,16 @@ def _profile(profile_n: int, steps: int, json_path: Path | None, command: str) -
         console.print(table)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"profile": prof, "running": profile_n, "steps": steps,
-                                         "command": command}, indent=2))
+        json_path.write_text(
+            json.dumps({"profile": prof, "running": profile_n, "steps": steps, "command": command}, indent=2)
+        )
 
 
-def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow], dict[str, Any] | None,
-                                                               dict[str, Any] | None, dict[str, Any] | None,
-                                                               dict[str, Any] | None]:
+def _measure(
+    parts: set[str], plan: Plan, clock: str
+) -> tuple[
+    list[SchedulerRow], dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None
+]:
     """Run the parts asked for, each with its progress bar: scheduler rows, shared budget,
     limiter, gate, live."""
     configs = [(n, f, m) for n in plan.sizes for m in plan.modes for f in plan.fractions]
@@ -166,8 +200,9 @@ def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow
             task = progress.add_task("scheduler", total=len(configs) * plan.rounds)
             for n, fraction, mode in configs:
                 progress.update(task, description=f"scheduler {mode} N={n} throttled {fraction:.0%}")
-                scheduler_rows.append(measure_scheduler(n, fraction, mode, plan,
-                                                        functools.partial(progress.advance, task), clock))
+                scheduler_rows.append(
+                    measure_scheduler(n, fraction, mode, plan, functools.partial(progress.advance, task), clock)
+                )
             progress.update(task, description="scheduler")
         if "shared" in parts:
             task = progress.add_task("shared budget (Redis)", total=len(shared_configs(plan)) * plan.rounds)
@@ -184,8 +219,14 @@ def _measure(parts: set[str], plan: Plan, clock: str) -> tuple[list[SchedulerRow
     return scheduler_rows, shared, limiter, gate, live_result
 
 
-def _print_tables(scheduler_rows: list[SchedulerRow], shared: dict[str, Any] | None, limiter: dict[str, Any] | None,
-                  gate: dict[str, Any] | None, live_result: dict[str, Any] | None, clock: str) -> None:
+def _print_tables(
+    scheduler_rows: list[SchedulerRow],
+    shared: dict[str, Any] | None,
+    limiter: dict[str, Any] | None,
+    gate: dict[str, Any] | None,
+    live_result: dict[str, Any] | None,
+    clock: str,
+) -> None:
     """The table of each part that ran (shared budget and gate: why a part or row was skipped)."""
     if scheduler_rows:
         console.print(_scheduler_table(scheduler_rows, clock))

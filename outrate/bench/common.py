@@ -48,12 +48,33 @@ class Plan:
     live_ping_steps: int = 150
 
 
-FULL = Plan(sizes=(16, 64, 256, 1024), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=41,
-            steps_per_round=16, limiter_batches=15, gate_scenarios=40, gate_max_steps=40)
-QUICK = Plan(sizes=(8, 16), fractions=(0.0, 0.5, 0.9), modes=("sync", "async"), rounds=3,
-             steps_per_round=2, limiter_batches=3, gate_scenarios=3, gate_max_steps=10,
-             live_rounds=2, live_streams=4, live_tokens=8, live_throttled_users=2, live_throttled_tokens=2,
-             live_throttled_rate=4.0, live_ping_steps=20)
+FULL = Plan(
+    sizes=(16, 64, 256, 1024),
+    fractions=(0.0, 0.5, 0.9),
+    modes=("sync", "async"),
+    rounds=41,
+    steps_per_round=16,
+    limiter_batches=15,
+    gate_scenarios=40,
+    gate_max_steps=40,
+)
+QUICK = Plan(
+    sizes=(8, 16),
+    fractions=(0.0, 0.5, 0.9),
+    modes=("sync", "async"),
+    rounds=3,
+    steps_per_round=2,
+    limiter_batches=3,
+    gate_scenarios=3,
+    gate_max_steps=10,
+    live_rounds=2,
+    live_streams=4,
+    live_tokens=8,
+    live_throttled_users=2,
+    live_throttled_tokens=2,
+    live_throttled_rate=4.0,
+    live_ping_steps=20,
+)
 # Targets of the live section (reported, not asserted).
 LIVE_RATIO_TARGET = 0.98  # on-but-not-binding tokens/s within 2% of off
 # A read of vLLM's RPC queue that waits this long missed its wake-up ping (ping_round_trips).

@@ -24,8 +24,13 @@ def seeded_draws(strategy, count: int, seed: int = 0) -> list:
 
     drawn: list = []
 
-    @settings(max_examples=count, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=count,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @hseed(seed)
     @given(example=strategy)
     def collect(example):
@@ -43,12 +48,19 @@ def _step_model() -> tuple[dict[str, Any] | None, str]:
         from vllm_output_rate.spec.events import Step
         from vllm_output_rate.spec.state import initial_state
 
-        parts = {"run": spec_scheduler.run, "initial_state": initial_state, "Step": Step,
-                 "scenarios": fidelity.base_scenarios, "run_step_scenario": fidelity.run_step_scenario,
-                 "stock_cls": fidelity.base_scheduler_cls}
+        parts = {
+            "run": spec_scheduler.run,
+            "initial_state": initial_state,
+            "Step": Step,
+            "scenarios": fidelity.base_scenarios,
+            "run_step_scenario": fidelity.run_step_scenario,
+            "stock_cls": fidelity.base_scheduler_cls,
+        }
     except (ImportError, AttributeError) as exc:
-        return None, (f"not available: the spec step model (vllm_output_rate.spec.scheduler.run) with its "
-                      f"scenarios (vllm_output_rate.adapter.fidelity.base_scenarios) cannot be used: {exc}")
+        return None, (
+            f"not available: the spec step model (vllm_output_rate.spec.scheduler.run) with its "
+            f"scenarios (vllm_output_rate.adapter.fidelity.base_scenarios) cannot be used: {exc}"
+        )
     return parts, "vllm_output_rate.spec.scheduler.run"
 
 
@@ -67,8 +79,15 @@ def _find_entry(package: str, modules: tuple[str, ...], attr: str) -> tuple[Call
 
 
 def _rate_row(check: str, what: str, scenarios: int, steps: int, seconds: float) -> dict[str, Any]:
-    return {"check": check, "what": what, "scenarios": scenarios, "steps": steps, "seconds": seconds,
-            "scenarios_per_s": scenarios / seconds, "steps_per_s": steps / seconds}
+    return {
+        "check": check,
+        "what": what,
+        "scenarios": scenarios,
+        "steps": steps,
+        "seconds": seconds,
+        "scenarios_per_s": scenarios / seconds,
+        "steps_per_s": steps / seconds,
+    }
 
 
 def measure_gate(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
@@ -99,8 +118,15 @@ def measure_gate(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
             skipped["model-checker"] = f"not measured: {type(exc).__name__}: {exc}"
         else:
             seconds = time.perf_counter() - started
-            rows.append({"check": "model-checker", "what": mc_where, "states": states, "seconds": seconds,
-                         "states_per_s": states / seconds})
+            rows.append(
+                {
+                    "check": "model-checker",
+                    "what": mc_where,
+                    "states": states,
+                    "seconds": seconds,
+                    "states_per_s": states / seconds,
+                }
+            )
     else:
         skipped["model-checker"] = mc_where
     return {"rows": rows, "skipped": skipped}
@@ -112,16 +138,22 @@ def _differential_row(plan: Plan, mode: str, cls: str, tick: Callable[[], None])
     after each."""
     from vllm_output_rate.adapter.scenarios import run_scenario, scenarios
 
-    drawn = seeded_draws(scenarios(async_scheduling=mode == "async", max_steps=plan.gate_max_steps),
-                         plan.gate_scenarios)
+    drawn = seeded_draws(
+        scenarios(async_scheduling=mode == "async", max_steps=plan.gate_max_steps), plan.gate_scenarios
+    )
     run_scenario(cls, drawn[0])  # warm-up, untimed: first harness of this class
     steps = 0
     started = time.perf_counter()
     for scenario in drawn:
         steps += run_scenario(cls, scenario).steps
         tick()
-    return _rate_row(f"differential/{mode}", f"adapter.scenarios.run_scenario on {cls.rsplit('.', 1)[1]}",
-                     len(drawn), steps, time.perf_counter() - started)
+    return _rate_row(
+        f"differential/{mode}",
+        f"adapter.scenarios.run_scenario on {cls.rsplit('.', 1)[1]}",
+        len(drawn),
+        steps,
+        time.perf_counter() - started,
+    )
 
 
 def _step_model_rows(plan: Plan, mode: str, model: dict[str, Any]) -> list[dict[str, Any]]:
@@ -129,24 +161,38 @@ def _step_model_rows(plan: Plan, mode: str, model: dict[str, Any]) -> list[dict[
     scenarios (``model``: the step model's entry points, ``_step_model``), each after one
     untimed warm-up."""
     async_mode = mode == "async"
-    step_scenarios = seeded_draws(model["scenarios"](async_scheduling=async_mode,
-                                                     max_steps=plan.gate_max_steps), plan.gate_scenarios)
+    step_scenarios = seeded_draws(
+        model["scenarios"](async_scheduling=async_mode, max_steps=plan.gate_max_steps), plan.gate_scenarios
+    )
     steps = sum(sum(isinstance(e, model["Step"]) for e in sc.events) for sc in step_scenarios)
     model["run"](model["initial_state"](step_scenarios[0].config), step_scenarios[0].events)  # warm-up
     started = time.perf_counter()
     for sc in step_scenarios:
         model["run"](model["initial_state"](sc.config), sc.events)
-    rows = [_rate_row(f"spec-only/{mode}", "spec.scheduler.run on adapter.fidelity.base_scenarios",
-                      len(step_scenarios), steps, time.perf_counter() - started)]
+    rows = [
+        _rate_row(
+            f"spec-only/{mode}",
+            "spec.scheduler.run on adapter.fidelity.base_scenarios",
+            len(step_scenarios),
+            steps,
+            time.perf_counter() - started,
+        )
+    ]
     stock_cls = model["stock_cls"](async_mode)
     model["run_step_scenario"](stock_cls, step_scenarios[0])  # warm-up, untimed
     steps = 0
     started = time.perf_counter()
     for sc in step_scenarios:
         steps += model["run_step_scenario"](stock_cls, sc).steps
-    rows.append(_rate_row(f"fidelity/{mode}", f"adapter.fidelity.run_step_scenario, spec vs "
-                          f"{stock_cls.rsplit('.', 1)[1]}", len(step_scenarios), steps,
-                          time.perf_counter() - started))
+    rows.append(
+        _rate_row(
+            f"fidelity/{mode}",
+            f"adapter.fidelity.run_step_scenario, spec vs {stock_cls.rsplit('.', 1)[1]}",
+            len(step_scenarios),
+            steps,
+            time.perf_counter() - started,
+        )
+    )
     return rows
 
 

@@ -1,5 +1,4 @@
-"""Limiter: ``OutputRateLimiter`` operations per second over 4096 users (``vllm_output_rate.bench``, "Limiter").
-"""
+"""Limiter: ``OutputRateLimiter`` operations per second over 4096 users (``vllm_output_rate.bench``, "Limiter")."""
 
 from __future__ import annotations
 

@@ -37,10 +37,17 @@ def measure_live(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     wake-up pings of vLLM's RPC queue (module docstring)."""
     from vllm_output_rate.livebench import ping_round_trips, run_child
 
-    throughput = run_child({"part": "throughput", "streams": plan.live_streams, "tokens": plan.live_tokens,
-                            "rounds": plan.live_rounds}, tick=tick)
-    throttled_cfg = {"part": "throttled", "users": plan.live_throttled_users, "streams_per_user": 2,
-                     "tokens": plan.live_throttled_tokens, "rate": plan.live_throttled_rate}
+    throughput = run_child(
+        {"part": "throughput", "streams": plan.live_streams, "tokens": plan.live_tokens, "rounds": plan.live_rounds},
+        tick=tick,
+    )
+    throttled_cfg = {
+        "part": "throttled",
+        "users": plan.live_throttled_users,
+        "streams_per_user": 2,
+        "tokens": plan.live_throttled_tokens,
+        "rate": plan.live_throttled_rate,
+    }
     runs: dict[str, dict[str, Any]] = {}
     for name, env in THROTTLED_RUNS.items():
         runs[name] = run_child(throttled_cfg, env)
@@ -55,6 +62,7 @@ def measure_live(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
 
     def total(run: dict[str, Any]) -> float:
         return run["engine_and_workers_cpu_percent"]
+
     return {
         "tokens_per_s_off": throughput["tokens_per_s_off"],
         "tokens_per_s_on": throughput["tokens_per_s_on"],
@@ -65,8 +73,9 @@ def measure_live(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
         "engine_worker_cpu_throttled_with_wait": total(runs["with_wait"]),
         "engine_worker_cpu_throttled_wait_worker_spins": total(runs["wait_worker_spins"]),
         "engine_worker_cpu_throttled_without_wait": total(runs["without_wait"]),
-        "engine_worker_cpu_idle": sum(v for role, v in runs["with_wait"]["idle_cpu_percent"].items()
-                                      if role != "front_end"),
+        "engine_worker_cpu_idle": sum(
+            v for role, v in runs["with_wait"]["idle_cpu_percent"].items() if role != "front_end"
+        ),
         "cpu_unit": "percent of one core",
         "ratio_target": LIVE_RATIO_TARGET,
         "engine_cpu_target": LIVE_CPU_TARGET_PERCENT,

@@ -1,5 +1,4 @@
-"""``outrate bench --profile N``: cProfile of the reference's ``schedule()``.
-"""
+"""``outrate bench --profile N``: cProfile of the reference's ``schedule()``."""
 
 from __future__ import annotations
 
@@ -33,16 +32,27 @@ def profile_schedule(n: int, steps: int, top: int) -> dict[str, Any]:
         driver.harness.clock.advance(STEP_NS)
     # One entry per function as pstats labels it (file, first line, name; builtins: "~", 0):
     # calls, time in the function itself, and with its callees (seconds).
-    stats = {(("~", 0, e.code) if isinstance(e.code, str) else (e.code.co_filename, e.code.co_firstlineno,
-                                                                 e.code.co_name)): e for e in profiler.getstats()}
+    stats = {
+        (
+            ("~", 0, e.code) if isinstance(e.code, str) else (e.code.co_filename, e.code.co_firstlineno, e.code.co_name)
+        ): e
+        for e in profiler.getstats()
+    }
     total = sum(e.inlinetime for e in stats.values())
     rows: list[dict[str, Any]] = []
     for (path, line, func), entry in stats.items():
         ncalls, tottime, cumtime = entry.callcount, entry.inlinetime, entry.totaltime
-        rows.append({"function": f"{_short(path)}:{line}({func})", "calls_per_step": ncalls / steps,
-                     "self_share": tottime / total, "cum_share": cumtime / total,
-                     "self_us_per_step": tottime / steps * 1e6, "cum_us_per_step": cumtime / steps * 1e6,
-                     "project": _is_project(path)})
+        rows.append(
+            {
+                "function": f"{_short(path)}:{line}({func})",
+                "calls_per_step": ncalls / steps,
+                "self_share": tottime / total,
+                "cum_share": cumtime / total,
+                "self_us_per_step": tottime / steps * 1e6,
+                "cum_us_per_step": cumtime / steps * 1e6,
+                "project": _is_project(path),
+            }
+        )
     by_self = sorted(rows, key=lambda r: r["self_share"], reverse=True)[:top]
     project = sorted((r for r in rows if r["project"]), key=lambda r: r["cum_share"], reverse=True)[:top]
     return {"total_us_per_step": total / steps * 1e6, "top_self": by_self, "project_cumulative": project}
@@ -58,4 +68,4 @@ def _is_project(path: str) -> bool:
 def _short(path: str) -> str:
     if "site-packages/" in path:
         return path.split("site-packages/", 1)[1]
-    return path[len(_REPO_ROOT):] if path.startswith(_REPO_ROOT) else path
+    return path[len(_REPO_ROOT) :] if path.startswith(_REPO_ROOT) else path

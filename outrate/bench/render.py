@@ -1,5 +1,4 @@
-"""The report of ``outrate bench``: the machine, the tables of each benchmark and the plot.
-"""
+"""The report of ``outrate bench``: the machine, the tables of each benchmark and the plot."""
 
 from __future__ import annotations
 
@@ -28,39 +27,78 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
 
 
 def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
     table = Table(title=f"scheduler step: schedule() + update_from_output(), {clock} µs per step (median of rounds)")
-    for col in ("mode", "running", "throttled", "stock µs", "reference µs", "ratio", "ratio range",
-                "article-style µs", "article-style ratio"):
+    for col in (
+        "mode",
+        "running",
+        "throttled",
+        "stock µs",
+        "reference µs",
+        "ratio",
+        "ratio range",
+        "article-style µs",
+        "article-style ratio",
+    ):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in rows:
         style = "green" if r.ratio <= 1.03 else ("yellow" if r.ratio <= 1.10 else "red")
-        table.add_row(r.mode, str(r.running), f"{r.throttled_fraction:.0%} ({r.throttled_requests})",
-                      f"{r.stock_us:,.0f}", f"{r.reference_us:,.0f}", f"[{style}]{r.ratio:.3f}[/]",
-                      f"{r.ratio_min:.2f}-{r.ratio_max:.2f}",
-                      "-" if r.article_us is None else f"{r.article_us:,.0f}",
-                      "-" if r.article_ratio is None else f"{r.article_ratio:.3f}")
+        table.add_row(
+            r.mode,
+            str(r.running),
+            f"{r.throttled_fraction:.0%} ({r.throttled_requests})",
+            f"{r.stock_us:,.0f}",
+            f"{r.reference_us:,.0f}",
+            f"[{style}]{r.ratio:.3f}[/]",
+            f"{r.ratio_min:.2f}-{r.ratio_max:.2f}",
+            "-" if r.article_us is None else f"{r.article_us:,.0f}",
+            "-" if r.article_ratio is None else f"{r.article_ratio:.3f}",
+        )
     return table
 
 
 def _shared_table(shared: dict[str, Any], clock: str) -> Table:
     """R23-R26: the shared-budget reference against the single-engine reference, per row."""
-    table = Table(title=f"shared budget (Redis, R23-R26) vs single-engine reference: schedule() + "
-                        f"update_from_output(), {clock} µs per step (median of rounds); store round trips")
-    for col in ("running", "users x rate", "single µs", "shared µs", "ratio", "ratio range", "round trips/s",
-                "round trips/token", "tokens/s single", "tokens/s shared"):
+    table = Table(
+        title=f"shared budget (Redis, R23-R26) vs single-engine reference: schedule() + "
+        f"update_from_output(), {clock} µs per step (median of rounds); store round trips"
+    )
+    for col in (
+        "running",
+        "users x rate",
+        "single µs",
+        "shared µs",
+        "ratio",
+        "ratio range",
+        "round trips/s",
+        "round trips/token",
+        "tokens/s single",
+        "tokens/s shared",
+    ):
         table.add_column(col, justify="right")
     for r in shared["rows"]:
         rate = "not binding" if r["rate_tokens_per_s"] >= 10**9 else f"{r['rate_tokens_per_s']:g} tok/s"
         style = "green" if r["ratio"] <= 1.05 else ("yellow" if r["ratio"] <= 1.15 else "red")
-        table.add_row(str(r["running"]), f"{r['users']} x {rate}", f"{r['single_us']:,.0f}", f"{r['shared_us']:,.0f}",
-                      f"[{style}]{r['ratio']:.3f}[/]", f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
-                      f"{r['round_trips_per_s']:,.0f}", f"{r['round_trips_per_token']:.4f}",
-                      f"{r['single_tokens_per_s']:,.0f}", f"{r['tokens_per_s']:,.0f}")
+        table.add_row(
+            str(r["running"]),
+            f"{r['users']} x {rate}",
+            f"{r['single_us']:,.0f}",
+            f"{r['shared_us']:,.0f}",
+            f"[{style}]{r['ratio']:.3f}[/]",
+            f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+            f"{r['round_trips_per_s']:,.0f}",
+            f"{r['round_trips_per_token']:.4f}",
+            f"{r['single_tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s']:,.0f}",
+        )
     return table
 
 
@@ -70,79 +108,125 @@ def _limiter_table(lim: dict[str, Any]) -> Table:
     table.add_column("ops/s", justify="right")
     table.add_column("ns/op", justify="right")
     table.add_column("target >= 1e6/s")
-    for name, key in (("try_take (granted)", "try_take_per_s"), ("try_take (refused)", "try_take_refused_per_s"),
-                      ("refund", "refund_per_s")):
+    for name, key in (
+        ("try_take (granted)", "try_take_per_s"),
+        ("try_take (refused)", "try_take_refused_per_s"),
+        ("refund", "refund_per_s"),
+    ):
         rate = lim[key]
-        table.add_row(name, f"{rate:,.0f}", f"{1e9 / rate:.0f}",
-                      "[green]met[/]" if rate >= lim["target_per_s"] else "[red]missed[/]")
+        table.add_row(
+            name,
+            f"{rate:,.0f}",
+            f"{1e9 / rate:.0f}",
+            "[green]met[/]" if rate >= lim["target_per_s"] else "[red]missed[/]",
+        )
     return table
 
 
 def _live_table(live: dict[str, Any]) -> Table:
     t = live["throughput"]
-    table = Table(title=f"live engine (tiny model): {t['streams']} streams x {t['tokens_per_stream']} tokens, "
-                        f"median of {t['rounds']} interleaved rounds; engine-core CPU with every user throttled")
+    table = Table(
+        title=f"live engine (tiny model): {t['streams']} streams x {t['tokens_per_stream']} tokens, "
+        f"median of {t['rounds']} interleaved rounds; engine-core CPU with every user throttled"
+    )
     for col in ("measure", "value", "target", "result"):
         table.add_column(col, justify="left" if col in ("measure", "target") else "right")
     ok = live["ratio"] >= LIVE_RATIO_TARGET
     table.add_row("tokens/s, feature off", f"{live['tokens_per_s_off']:,.0f}", "", "")
     table.add_row("tokens/s, on, not binding", f"{live['tokens_per_s_on']:,.0f}", "", "")
-    table.add_row("ratio on / off (median of per-round ratios; min-max)",
-                  f"{live['ratio']:.3f} ({t['ratio_min']:.2f}-{t['ratio_max']:.2f})",
-                  f">= {LIVE_RATIO_TARGET}", "[green]met[/]" if ok else "[red]missed[/]")
+    table.add_row(
+        "ratio on / off (median of per-round ratios; min-max)",
+        f"{live['ratio']:.3f} ({t['ratio_min']:.2f}-{t['ratio_max']:.2f})",
+        f">= {LIVE_RATIO_TARGET}",
+        "[green]met[/]" if ok else "[red]missed[/]",
+    )
     if "ratio_quartiles" in t:
         q1, q3 = t["ratio_quartiles"]
         table.add_row("per-round ratio, quartiles", f"{q1:.3f}-{q3:.3f}", "", "")
     table.add_row("ratio of the median tokens/s", f"{live['tokens_per_s_on'] / live['tokens_per_s_off']:.3f}", "", "")
     if "worker_fix_ratio" in t:
-        table.add_row("worker idle fix while decoding: tokens/s fix on / off (median of per-round ratios; "
-                      "min-max)", f"{t['worker_fix_ratio']:.3f} ({t['worker_fix_ratio_min']:.2f}-"
-                      f"{t['worker_fix_ratio_max']:.2f})", "~1", "")
-        table.add_row("worker idle fix while decoding: engine CPU per token, fix on / off",
-                      f"{t['worker_fix_cpu_ratio']:.3f}", "~1", "")
+        table.add_row(
+            "worker idle fix while decoding: tokens/s fix on / off (median of per-round ratios; min-max)",
+            f"{t['worker_fix_ratio']:.3f} ({t['worker_fix_ratio_min']:.2f}-{t['worker_fix_ratio_max']:.2f})",
+            "~1",
+            "",
+        )
+        table.add_row(
+            "worker idle fix while decoding: engine CPU per token, fix on / off",
+            f"{t['worker_fix_cpu_ratio']:.3f}",
+            "~1",
+            "",
+        )
     cpu_ok = live["engine_cpu_throttled_with_wait"] < LIVE_CPU_TARGET_PERCENT
-    table.add_row("engine CPU % throttled, wait plugin", f"{live['engine_cpu_throttled_with_wait']:.1f}",
-                  f"< {LIVE_CPU_TARGET_PERCENT:g}", "[green]met[/]" if cpu_ok else "[red]missed[/]")
-    table.add_row('engine CPU % throttled, VLLM_PLUGINS=""', f"{live['engine_cpu_throttled_without_wait']:.1f}",
-                  "", "")
+    table.add_row(
+        "engine CPU % throttled, wait plugin",
+        f"{live['engine_cpu_throttled_with_wait']:.1f}",
+        f"< {LIVE_CPU_TARGET_PERCENT:g}",
+        "[green]met[/]" if cpu_ok else "[red]missed[/]",
+    )
+    table.add_row('engine CPU % throttled, VLLM_PLUGINS=""', f"{live['engine_cpu_throttled_without_wait']:.1f}", "", "")
     if live.get("engine_worker_cpu_throttled_with_wait") is not None:
         both_ok = live["engine_worker_cpu_throttled_with_wait"] < LIVE_CPU_TARGET_PERCENT
-        table.add_row("engine core + worker CPU % throttled, plugin",
-                      f"{live['engine_worker_cpu_throttled_with_wait']:.1f}", f"< {LIVE_CPU_TARGET_PERCENT:g}",
-                      "[green]met[/]" if both_ok else "[red]missed[/]")
-        table.add_row('engine core + worker CPU % throttled, VLLM_PLUGINS=""',
-                      f"{live['engine_worker_cpu_throttled_without_wait']:.1f}", "", "")
+        table.add_row(
+            "engine core + worker CPU % throttled, plugin",
+            f"{live['engine_worker_cpu_throttled_with_wait']:.1f}",
+            f"< {LIVE_CPU_TARGET_PERCENT:g}",
+            "[green]met[/]" if both_ok else "[red]missed[/]",
+        )
+        table.add_row(
+            'engine core + worker CPU % throttled, VLLM_PLUGINS=""',
+            f"{live['engine_worker_cpu_throttled_without_wait']:.1f}",
+            "",
+            "",
+        )
     return table
 
 
 def _idle_table(live: dict[str, Any]) -> Table:
     """Idle cost (R16; issue 15 item 6): the throttled runs and the ping run side by side."""
-    table = Table(title="every user throttled: CPU in percent of one core over the run's wall time "
-                        "(engine core / worker / both), and the R2 minimum wall time")
+    table = Table(
+        title="every user throttled: CPU in percent of one core over the run's wall time "
+        "(engine core / worker / both), and the R2 minimum wall time"
+    )
     for col in ("set-up", "engine core", "worker", "both", "worker wake-ups/s", "wall s (min)", "stock idle (both)"):
         table.add_column(col, justify="left" if col == "set-up" else "right")
-    names = {"with_wait": "plugin: R16 wait + worker idle fix",
-             "wait_worker_spins": "R16 wait, worker spins (VLLM_OUTPUT_RATE_WORKER_PARK=0)",
-             "without_wait": 'no plugin (VLLM_PLUGINS="")'}
+    names = {
+        "with_wait": "plugin: R16 wait + worker idle fix",
+        "wait_worker_spins": "R16 wait, worker spins (VLLM_OUTPUT_RATE_WORKER_PARK=0)",
+        "without_wait": 'no plugin (VLLM_PLUGINS="")',
+    }
     for key, label in names.items():
         run = live.get(f"throttled_{key}")
         if run is None:
             continue
         cpu, idle = run["cpu_percent"], run["idle_cpu_percent"]
-        table.add_row(label, f"{cpu['engine_core']:.1f}", f"{cpu.get('worker', 0.0):.1f}",
-                      f"{run['engine_and_workers_cpu_percent']:.1f}",
-                      f"{run.get('wakeups_per_s', {}).get('worker', float('nan')):.0f}",
-                      f"{run['wall_s']:.2f} ({run['min_wall_s']:.2f})",
-                      f"{sum(v for role, v in idle.items() if role != 'front_end'):.1f}")
+        table.add_row(
+            label,
+            f"{cpu['engine_core']:.1f}",
+            f"{cpu.get('worker', 0.0):.1f}",
+            f"{run['engine_and_workers_cpu_percent']:.1f}",
+            f"{run.get('wakeups_per_s', {}).get('worker', float('nan')):.0f}",
+            f"{run['wall_s']:.2f} ({run['min_wall_s']:.2f})",
+            f"{sum(v for role, v in idle.items() if role != 'front_end'):.1f}",
+        )
     pings = live.get("pings")
     if pings:
-        labels = {"lossless_park": "pings: worker parks, lossless pings (plugin)",
-                  "vllm_park": "pings: worker parks, vLLM's pings (SNDHWM 1)",
-                  "vllm_spin": "pings: vLLM's 1 s spin"}
+        labels = {
+            "lossless_park": "pings: worker parks, lossless pings (plugin)",
+            "vllm_park": "pings: worker parks, vLLM's pings (SNDHWM 1)",
+            "vllm_spin": "pings: vLLM's 1 s spin",
+        }
         for key, label in labels.items():
             r = pings[key]
-            table.add_row(label, "", "", "", "", f"lost {r['lost']} of {r['messages']}",
-                          f"round trip p50 {r['round_trip_us_p50']:.0f} µs, p99 {r['round_trip_us_p99']:.0f} µs")
+            table.add_row(
+                label,
+                "",
+                "",
+                "",
+                "",
+                f"lost {r['lost']} of {r['messages']}",
+                f"round trip p50 {r['round_trip_us_p50']:.0f} µs, p99 {r['round_trip_us_p99']:.0f} µs",
+            )
     return table
 
 
@@ -155,8 +239,14 @@ def _gate_table(gate: dict[str, Any]) -> Table:
             rate = f"{r['states_per_s']:,.0f} states/s"
         else:
             rate = f"{r['scenarios_per_s']:,.1f} scenarios/s, {r['steps_per_s']:,.0f} steps/s"
-        table.add_row(r["check"], r["what"], str(r.get("scenarios", "-")), str(r.get("steps", r.get("states", "-"))),
-                      f"{r['seconds']:.1f}", rate)
+        table.add_row(
+            r["check"],
+            r["what"],
+            str(r.get("scenarios", "-")),
+            str(r.get("steps", r.get("states", "-"))),
+            f"{r['seconds']:.1f}",
+            rate,
+        )
     for name, _why in gate["skipped"].items():
         table.add_row(name, "skipped: not available (reason below)", "-", "-", "-", "-")
     return table
@@ -164,18 +254,27 @@ def _gate_table(gate: dict[str, Any]) -> Table:
 
 def profile_tables(prof: dict[str, Any], profile_n: int, steps: int) -> list[Table]:
     """``--profile``: the functions by self time, and the project's by cumulative time."""
-    head = (f"cProfile: RateLimitedScheduler.schedule() at {profile_n} running, limit not binding, {steps} steps, "
-            f"{prof['total_us_per_step']:,.0f} µs/step under the profiler")
+    head = (
+        f"cProfile: RateLimitedScheduler.schedule() at {profile_n} running, limit not binding, {steps} steps, "
+        f"{prof['total_us_per_step']:,.0f} µs/step under the profiler"
+    )
     tables = []
-    for title, key in ((f"{head}; by self time", "top_self"),
-                       ("project functions (vllm_output_rate) by cumulative time", "project_cumulative")):
+    for title, key in (
+        (f"{head}; by self time", "top_self"),
+        ("project functions (vllm_output_rate) by cumulative time", "project_cumulative"),
+    ):
         table = Table(title=title)
         for col in ("function", "calls/step", "self %", "cum %", "self µs/step", "cum µs/step"):
             table.add_column(col, justify="left" if col == "function" else "right")
         for r in prof[key]:
-            table.add_row(r["function"], f"{r['calls_per_step']:.0f}", f"{100 * r['self_share']:.1f}",
-                          f"{100 * r['cum_share']:.1f}", f"{r['self_us_per_step']:.0f}",
-                          f"{r['cum_us_per_step']:.0f}")
+            table.add_row(
+                r["function"],
+                f"{r['calls_per_step']:.0f}",
+                f"{100 * r['self_share']:.1f}",
+                f"{100 * r['cum_share']:.1f}",
+                f"{r['self_us_per_step']:.0f}",
+                f"{r['cum_us_per_step']:.0f}",
+            )
         tables.append(table)
     return tables
 
@@ -199,10 +298,22 @@ def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
         for fraction in sorted({r.throttled_fraction for r in mine}):
             sel = sorted((r for r in mine if r.throttled_fraction == fraction), key=lambda r: r.running)
             label = f"reference, {fraction:.0%} throttled ({mode})"
-            ax_cost.plot([r.running for r in sel], [r.reference_us for r in sel], dash,
-                         color=colors.get(fraction, "tab:green"), marker="s", label=label)
-            ax_ratio.plot([r.running for r in sel], [r.ratio for r in sel], dash,
-                          color=colors.get(fraction, "tab:green"), marker="s", label=label)
+            ax_cost.plot(
+                [r.running for r in sel],
+                [r.reference_us for r in sel],
+                dash,
+                color=colors.get(fraction, "tab:green"),
+                marker="s",
+                label=label,
+            )
+            ax_ratio.plot(
+                [r.running for r in sel],
+                [r.ratio for r in sel],
+                dash,
+                color=colors.get(fraction, "tab:green"),
+                marker="s",
+                label=label,
+            )
     for ax in (ax_cost, ax_ratio):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("running requests")
@@ -212,8 +323,14 @@ def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
     ax_cost.set_title("per-step cost")
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
     ax_ratio.axhline(1.03, color="grey", linewidth=0.8, linestyle=":")
-    ax_ratio.annotate("1.03 (target, limit not binding)", (ax_ratio.get_xlim()[0], 1.03), xytext=(4, 3),
-                      textcoords="offset points", fontsize=7, color="grey")
+    ax_ratio.annotate(
+        "1.03 (target, limit not binding)",
+        (ax_ratio.get_xlim()[0], 1.03),
+        xytext=(4, 3),
+        textcoords="offset points",
+        fontsize=7,
+        color="grey",
+    )
     ax_ratio.set_ylabel("reference / stock")
     ax_ratio.set_title("ratio to stock vLLM")
     ax_cost.legend(fontsize=7)

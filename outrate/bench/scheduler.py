@@ -35,9 +35,18 @@ def throttled_indices(n: int, fraction: float) -> set[int]:
 class _Driver:
     """One scheduler on a ``Harness``; ``step()`` returns the seconds spent in vLLM's calls."""
 
-    def __init__(self, cls_path: str, n: int, fraction: float, async_mode: bool, total_steps: int,
-                 limited: bool, clock: Callable[[], float] = time.thread_time, style: Any = None,
-                 tiny_rate: float = TINY_RATE) -> None:
+    def __init__(
+        self,
+        cls_path: str,
+        n: int,
+        fraction: float,
+        async_mode: bool,
+        total_steps: int,
+        limited: bool,
+        clock: Callable[[], float] = time.thread_time,
+        style: Any = None,
+        tiny_rate: float = TINY_RATE,
+    ) -> None:
         from vllm_output_rate.adapter.harness import EngineShape, Harness
 
         self.max_tokens = total_steps + 64
@@ -89,8 +98,9 @@ class _Driver:
         requests = self.scheduler.requests
         ids = list(so.num_scheduled_tokens)
         tokens = [[] if requests[r].is_prefill_chunk else [NON_EOS_TOKEN_ID] for r in ids]
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=tokens)
+        return ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens
+        )
 
     def step(self) -> float:
         clock = self.clock
@@ -133,7 +143,8 @@ class _Driver:
                 raise RuntimeError(
                     f"{self.harness.cls_path} with {self.n} requests: no decode steady state after "
                     f"{self.steps} steps (running {len(self.scheduler.running)}, throttled "
-                    f"{self.throttled_now()} of {self.expected_throttled})")
+                    f"{self.throttled_now()} of {self.expected_throttled})"
+                )
             self.step()
         for _ in range(4):
             self.step()
@@ -176,8 +187,9 @@ def article_style(async_mode: bool) -> tuple[str, Any] | None:
     return (ARTICLE_ASYNC_SCHEDULER if async_mode else ARTICLE_SCHEDULER), parse_config_style(ARTICLE_HOOK)
 
 
-def _drivers(n: int, fraction: float, async_mode: bool, plan: Plan,
-             clock: str) -> tuple[_Driver, _Driver, _Driver | None]:
+def _drivers(
+    n: int, fraction: float, async_mode: bool, plan: Plan, clock: str
+) -> tuple[_Driver, _Driver, _Driver | None]:
     """The stock, reference and (where its fixture is importable) article-style drivers at
     ``n`` running requests, ``fraction`` of them throttled, each sized for the plan's
     warm-up and timed rounds, all on the clock named ``clock``."""
@@ -189,18 +201,46 @@ def _drivers(n: int, fraction: float, async_mode: bool, plan: Plan,
     )
 
     total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_per_round + 8
-    stock = _Driver(STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER, n, fraction, async_mode, total,
-                    limited=False, clock=CLOCKS[clock])
-    reference = _Driver(REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER, n, fraction,
-                        async_mode, total, limited=True, clock=CLOCKS[clock])
+    stock = _Driver(
+        STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER,
+        n,
+        fraction,
+        async_mode,
+        total,
+        limited=False,
+        clock=CLOCKS[clock],
+    )
+    reference = _Driver(
+        REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER,
+        n,
+        fraction,
+        async_mode,
+        total,
+        limited=True,
+        clock=CLOCKS[clock],
+    )
     peer = article_style(async_mode)
-    article = (_Driver(peer[0], n, fraction, async_mode, total, limited=True, clock=CLOCKS[clock], style=peer[1],
-                       tiny_rate=TINY_RATE_INTEGER) if peer is not None else None)
+    article = (
+        _Driver(
+            peer[0],
+            n,
+            fraction,
+            async_mode,
+            total,
+            limited=True,
+            clock=CLOCKS[clock],
+            style=peer[1],
+            tiny_rate=TINY_RATE_INTEGER,
+        )
+        if peer is not None
+        else None
+    )
     return stock, reference, article
 
 
-def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None],
-                      clock: str = "cpu") -> SchedulerRow:
+def measure_scheduler(
+    n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None], clock: str = "cpu"
+) -> SchedulerRow:
     """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
     stock, reference, article = _drivers(n, fraction, mode == "async", plan, clock)
     drivers = [d for d in (stock, reference, article) if d is not None]
@@ -210,7 +250,7 @@ def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Call
     means: dict[int, list[float]] = {id(d): [] for d in drivers}
     throttled_seen: set[int] = set()
     for k in range(plan.rounds):
-        order = drivers[k % len(drivers):] + drivers[:k % len(drivers)]  # rotate who goes first
+        order = drivers[k % len(drivers) :] + drivers[: k % len(drivers)]  # rotate who goes first
         for driver in order:
             spent = sum(driver.step() for _ in range(plan.steps_per_round))
             means[id(driver)].append(spent / plan.steps_per_round)
@@ -218,8 +258,10 @@ def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Call
         tick()
     stock_means, ref_means = means[id(stock)], means[id(reference)]
     if throttled_seen != {reference.expected_throttled}:
-        raise RuntimeError(f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, "
-                           f"planned {reference.expected_throttled}")
+        raise RuntimeError(
+            f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, "
+            f"planned {reference.expected_throttled}"
+        )
     ratios = [r / s for r, s in zip(ref_means, stock_means)]
     return SchedulerRow(
         running=n,
@@ -234,6 +276,7 @@ def measure_scheduler(n: int, fraction: float, mode: str, plan: Plan, tick: Call
         ratio_min=min(ratios),
         ratio_max=max(ratios),
         article_us=statistics.median(means[id(article)]) * 1e6 if article is not None else None,
-        article_ratio=(statistics.median([a / s for a, s in zip(means[id(article)], stock_means)])
-                       if article is not None else None),
+        article_ratio=(
+            statistics.median([a / s for a, s in zip(means[id(article)], stock_means)]) if article is not None else None
+        ),
     )

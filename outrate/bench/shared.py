@@ -48,8 +48,12 @@ class _RealClockDriver(_Driver):
         old = self.harness
         self.harness = Harness(REFERENCE_SCHEDULER, dataclasses.replace(old.shape, output_rate=section))
         for rid, request in old.scheduler.requests.items():
-            self.harness.add_request(rid, request.sampling_params.extra_args["output_rate_user"],
-                                     prompt_len=request.num_prompt_tokens, max_tokens=self.max_tokens)
+            self.harness.add_request(
+                rid,
+                request.sampling_params.extra_args["output_rate_user"],
+                prompt_len=request.num_prompt_tokens,
+                max_tokens=self.max_tokens,
+            )
         self.scheduler = self.harness.scheduler
         self.scheduler.clock_ns = time.monotonic_ns
         self.started = time.monotonic()
@@ -64,15 +68,20 @@ class _RealClockDriver(_Driver):
     def steady(self) -> bool:
         """Every request resident and past its first token, and the warm-up time spent."""
         scheduler = self.scheduler
-        return (len(scheduler.running) == self.n and not scheduler.waiting
-                and time.monotonic() - self.started >= WARMUP_S
-                and all(r.num_output_tokens >= 1 for r in scheduler.running))
+        return (
+            len(scheduler.running) == self.n
+            and not scheduler.waiting
+            and time.monotonic() - self.started >= WARMUP_S
+            and all(r.num_output_tokens >= 1 for r in scheduler.running)
+        )
 
     def warm_up(self) -> None:
         while not self.steady():
             if self.steps >= MAX_WARMUP:
-                raise RuntimeError(f"shared-budget bench with {self.n} requests: no steady state after "
-                                   f"{self.steps} steps (running {len(self.scheduler.running)})")
+                raise RuntimeError(
+                    f"shared-budget bench with {self.n} requests: no steady state after "
+                    f"{self.steps} steps (running {len(self.scheduler.running)})"
+                )
             self.step()
 
     def tokens(self) -> int:
@@ -102,8 +111,9 @@ class SharedRow:
     steps_per_round: int
 
 
-def measure_shared(n: int, rate: float, url: str, plan: Plan, tick: Callable[[], None],
-                   clock: str = "cpu") -> SharedRow:
+def measure_shared(
+    n: int, rate: float, url: str, plan: Plan, tick: Callable[[], None], clock: str = "cpu"
+) -> SharedRow:
     """Interleaved rounds of the single-engine and the shared-budget reference (module docstring)."""
     total = MAX_WARMUP + plan.rounds * plan.steps_per_round + 8
     single = _RealClockDriver(n, rate, None, total, CLOCKS[clock])
@@ -118,7 +128,7 @@ def measure_shared(n: int, rate: float, url: str, plan: Plan, tick: Callable[[],
         trips0, tokens0, single0 = limiter.round_trips, shared.tokens(), single.tokens()
         wall0 = time.monotonic()
         for k in range(plan.rounds):
-            for driver in (drivers if k % 2 == 0 else drivers[::-1]):
+            for driver in drivers if k % 2 == 0 else drivers[::-1]:
                 spent = sum(driver.step() for _ in range(plan.steps_per_round))
                 means[id(driver)].append(spent / plan.steps_per_round)
             tick()
@@ -130,14 +140,20 @@ def measure_shared(n: int, rate: float, url: str, plan: Plan, tick: Callable[[],
             driver.close()
     ratios = [s / r for s, r in zip(means[id(shared)], means[id(single)])]
     return SharedRow(
-        running=n, rate_tokens_per_s=rate,
+        running=n,
+        rate_tokens_per_s=rate,
         single_us=statistics.median(means[id(single)]) * 1e6,
         shared_us=statistics.median(means[id(shared)]) * 1e6,
-        ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-        round_trips_per_s=trips / wall, round_trips_per_token=trips / tokens if tokens else float("nan"),
+        ratio=statistics.median(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        round_trips_per_s=trips / wall,
+        round_trips_per_token=trips / tokens if tokens else float("nan"),
         users=len({r.sampling_params.extra_args["output_rate_user"] for r in shared.scheduler.requests.values()}),
-        tokens_per_s=tokens / wall, single_tokens_per_s=single_tokens / wall,
-        rounds=plan.rounds, steps_per_round=plan.steps_per_round,
+        tokens_per_s=tokens / wall,
+        single_tokens_per_s=single_tokens / wall,
+        rounds=plan.rounds,
+        steps_per_round=plan.steps_per_round,
     )
 
 
