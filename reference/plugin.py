@@ -398,7 +398,7 @@ def log_on_time(core) -> bool:
     scheduler = getattr(core, "scheduler", None)
     flush = getattr(scheduler, "flush_operator_log", None)
     due_ns = _operator_log_due_ns(scheduler)
-    if flush is None or due_ns is None:
+    if scheduler is None or flush is None or due_ns is None:
         return False
     clock_ns = getattr(scheduler, "clock_ns", time.monotonic_ns)
     if not scheduler.has_requests() and not getattr(core, "_idle_state_callbacks", None):
