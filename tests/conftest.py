@@ -46,12 +46,32 @@ def article_flags(monkeypatch):
 
     article_style.flags.install()
     yield article_style.flags
+    _restore_engine_args(before)
+    assert dict(vars(EngineArgs)) == before
+
+
+def _restore_engine_args(before: dict) -> None:
+    """vLLM's ``EngineArgs`` class attributes back to ``before`` (a ``vars()`` copy)."""
+    from vllm.engine.arg_utils import EngineArgs
+
     for name in set(vars(EngineArgs)) - set(before):
         delattr(EngineArgs, name)
     for name, value in before.items():
         if vars(EngineArgs).get(name) is not value:
             setattr(EngineArgs, name, value)
-    assert dict(vars(EngineArgs)) == before
+
+
+@pytest.fixture(autouse=True)
+def _engine_args_kept():
+    """vLLM's ``EngineArgs`` as it was before the test: importing the article-style
+    scheduler (``outrate bench`` times it, the mutant catalogue loads it) installs the
+    article's engine flags on the class for good, and the engine-args tests that follow
+    would see them (``test_configstyle`` then failed, one case ending the process)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    before = dict(vars(EngineArgs))
+    yield
+    _restore_engine_args(before)
 
 
 @pytest.fixture(autouse=True)
