@@ -71,8 +71,10 @@ class StepRecord:
     sample, ``first_chunks`` those of them that start the prompt; ``finished_in_flight``:
     requests that the delivered output finished in this step although this step dispatched
     them again (async: the post-stop token of a stop not yet seen, R8); ``held``: requests
-    whose final chunk was held at n - 1 (R10: refused at their charge point); ``pauses``: requests whose pause the judge attributes to the
-    limiter (their user must be refused after the step's dispatches).
+    whose final chunk was held at n - 1 (R10: refused at their charge point);
+    ``aborted_in_flight``: requests aborted before the step with a step still in flight;
+    ``pauses``: requests whose pause the judge attributes to the limiter (their user must be
+    refused after the step's dispatches).
     """
 
     count: int
@@ -82,6 +84,7 @@ class StepRecord:
     chunks: list[str] = field(default_factory=list)
     first_chunks: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
+    aborted_in_flight: list[str] = field(default_factory=list)
     finished_in_flight: list[str] = field(default_factory=list)
     pauses: list[str] = field(default_factory=list)
 
@@ -121,6 +124,7 @@ class Hypothesis:
     / ``skipped_refused``: what a skipped request's bucket undergoes ("take", "refund",
     "forget") when the limiter would grant / refuse it; ``chunk_takes``: a non-sampling
     chunk is charged (``first_chunk_charged``: only one that starts a prompt);
+    ``abort_takes``: a take for each request aborted with a step in flight;
     ``refund_finished_in_flight``: a refund when a request with a step
     in flight finishes; ``refused_prefill_samples``: a refused final prefill chunk
     samples anyway, uncharged (R10), and ``refused_samples``: with chunked prefill any refused
@@ -149,6 +153,7 @@ class Hypothesis:
     refused_prefill_samples: bool = False
     refused_samples: bool = False
     cleanup_at_start: bool = False
+    abort_takes: bool = False
     unasked_in_flight: bool = False
     first_chunk_charged: bool = False
 
@@ -214,6 +219,13 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
         "R2",
         "grants a take with TAT - now = tau + 1 ns (R2 refuses it: TAT - now <= tau)",
         allows=lambda tat, now, tau: tat - now <= tau + 1,
+    ),
+    # Narrower than a kept charge (it acts only at an abort with a step in flight), so first.
+    Hypothesis(
+        "R7",
+        "charges a request aborted with a step in flight once more, at the abort (R7: one charge per dispatch; "
+        "R8: that step stays charged, once)",
+        abort_takes=True,
     ),
     Hypothesis(
         "R9",
@@ -383,6 +395,9 @@ class _Replay:
     def step(self, rec: StepRecord) -> str | None:
         """Replay one step; the first recorded fact the hypothesis contradicts, or None."""
         hyp, now = self.hyp, rec.now_ns
+        if hyp.abort_takes:
+            for rid in rec.aborted_in_flight:
+                self.take(hyp.key(self.ctx, rid), now)
         if hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
             self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
         at_start = dict(self.tat)

@@ -429,7 +429,7 @@ def run_scenario(
     aborts = scenario.abort_schedule()
     rate_failure: tuple[tuple[str, str, str], int] | None = None  # kept while the rest is recorded
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
-        _arrivals_and_aborts(harness, pending, aborts, step)
+        judge.aborted_in_flight = _arrivals_and_aborts(harness, pending, aborts, step)
         if step >= scenario.num_steps and not pending and not aborts and len(harness.finished) == len(judge.by_id):
             break
         unfinished = [rid for rid in harness.num_outputs if rid not in harness.finished]
@@ -454,14 +454,21 @@ def run_scenario(
 
 def _arrivals_and_aborts(
     harness: Any, pending: list[RequestSpec], aborts: list[tuple[int, RequestSpec]], step: int
-) -> None:
+) -> list[str]:
     """Before ``step``: add the requests that arrive by then and abort the ones due (a
-    request is never aborted in the step it arrives); both lists are consumed in order."""
+    request is never aborted in the step it arrives); both lists are consumed in order.
+    Returns the requests aborted with a step still in flight (vLLM's output placeholders)."""
     while pending and pending[0].at_step <= step:
         r = pending.pop(0)
         harness.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
+    in_flight = []
     while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
-        harness.abort(aborts.pop(0)[1].request_id)
+        rid = aborts.pop(0)[1].request_id
+        request = harness.scheduler.requests.get(rid)
+        if request is not None and getattr(request, "num_output_placeholders", 0) > 0:
+            in_flight.append(rid)
+        harness.abort(rid)
+    return in_flight
 
 
 def _final_verdict(
@@ -746,6 +753,7 @@ class _Judge:
         self.start: _StepStart | None = None  # what vLLM's requests looked like before this step
         self.records: list[attribution.StepRecord] = []  # the black-box history, for naming a rule
         self.nameable = False  # the failure is one of the dispatch replay (``_named``)
+        self.aborted_in_flight: list[str] = []  # aborted before this step with a step in flight
 
     def before_step(self) -> None:
         """Record, from vLLM's own ``Request`` fields, the state the next ``schedule()``
@@ -1063,6 +1071,7 @@ class _Judge:
                     rid for rid in trace.finished if rid in in_flight and rid in sampled and rid in self.by_id
                 ],
                 held=self._held_at_n_minus_1(trace, fresh),
+                aborted_in_flight=[rid for rid in self.aborted_in_flight if rid in self.by_id],
             )
         )
 

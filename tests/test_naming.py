@@ -225,3 +225,14 @@ def test_r2_idle_time_banked_is_told_apart_from_a_cleanup_slip(article_flags):
     assert verdict.rule == "R2" and "without clamping" in verdict.failure, verdict.failure
     other = named_verdict("article_mutants.ArticleCleanupOneNsAhead", scenario, "should", _engine_args())
     assert other.rule == "R6", other.failure
+
+
+@pytest.mark.rules("R7", "R8")
+def test_r7_an_abort_that_charges_the_step_in_flight_again_is_named_r7():
+    # Aborted with its step in flight, u0-r0 is charged once more at the abort: the extra
+    # take is recorded where the abort happens, so the kill no longer reads as a charge kept
+    # at the refund point (R9), which fits the same run one step later.
+    from test_gate import _abort_in_flight_scenario
+
+    verdict = named_verdict(f"{MUTANTS}.ChargeAbortInFlight", _abort_in_flight_scenario(), "must")
+    assert verdict.rule == "R7" and "aborted with a step in flight" in verdict.failure, verdict.failure
