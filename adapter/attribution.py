@@ -124,7 +124,8 @@ class Hypothesis:
     / ``skipped_refused``: what a skipped request's bucket undergoes ("take", "refund",
     "forget") when the limiter would grant / refuse it; ``chunk_takes``: a non-sampling
     chunk is charged (``first_chunk_charged``: only one that starts a prompt);
-    ``abort_takes``: a take for each request aborted with a step in flight;
+    ``abort_takes``: a take for each request aborted with a step in flight; ``asks(dispatch)``:
+    the limiter is asked about it at all (False: neither judged nor charged);
     ``refund_finished_in_flight``: a refund when a request with a step
     in flight finishes; ``refused_prefill_samples``: a refused final prefill chunk
     samples anyway, uncharged (R10), and ``refused_samples``: with chunked prefill any refused
@@ -153,6 +154,7 @@ class Hypothesis:
     refused_prefill_samples: bool = False
     refused_samples: bool = False
     cleanup_at_start: bool = False
+    asks: Callable[[Dispatch], bool] = lambda d: True
     abort_takes: bool = False
     unasked_in_flight: bool = False
     first_chunk_charged: bool = False
@@ -249,6 +251,12 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
         "R7",
         "does not charge a final prefill chunk that follows earlier chunks (R7 charges the chunk that samples)",
         charges=lambda d: 1 if d.whole_prompt or not d.first_token else 0,
+    ),
+    Hypothesis(
+        "R7",
+        "never asks about a final prefill chunk that follows earlier chunks, so it samples uncharged even when its "
+        "user is refused (R7 charges the chunk that samples)",
+        asks=lambda d: d.whole_prompt or not d.first_token,
     ),
     Hypothesis(
         "R7",
@@ -404,8 +412,8 @@ class _Replay:
         refunds: list[str] = []
         for i, d in enumerate(rec.dispatches):
             bucket = hyp.key(self.ctx, d.request_id)
-            if hyp.unasked_in_flight and d.in_flight:
-                continue  # taken as charged already: not asked, not charged
+            if (hyp.unasked_in_flight and d.in_flight) or not hyp.asks(d):
+                continue  # taken as charged already, or never asked: not judged, not charged
             if not self.allowed(bucket, now, at_start if hyp.decide_at_start else None):
                 if self.ctx.chunked_prefill and (
                     hyp.refused_samples or (hyp.refused_prefill_samples and d.first_token)

@@ -236,3 +236,13 @@ def test_r7_an_abort_that_charges_the_step_in_flight_again_is_named_r7():
 
     verdict = named_verdict(f"{MUTANTS}.ChargeAbortInFlight", _abort_in_flight_scenario(), "must")
     assert verdict.rule == "R7" and "aborted with a step in flight" in verdict.failure, verdict.failure
+
+
+@pytest.mark.rules("R7")
+def test_r7_a_final_prefill_chunk_never_asked_is_named_r7_not_r10():
+    # Charged at its first chunk (then refunded: that chunk did not sample), the prompt's
+    # final chunk is never asked about and samples even when its user is refused; without
+    # that slip in the catalogue of changes, only "any refusal ignored with chunked prefill"
+    # (R10) fitted.
+    verdict = named_verdict(f"{MUTANTS}.ChargeFirstChunkInstead", _boundary("prefill-reaches-n", "12.5"), "should")
+    assert verdict.rule == "R7" and "never asks about a final prefill chunk" in verdict.failure, verdict.failure
