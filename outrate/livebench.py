@@ -180,6 +180,14 @@ def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     return _throughput_summary(rates, cpu_us, rounds, streams, tokens)
 
 
+def _median_ratio(numerators: list[float], denominators: list[float]) -> float | None:
+    """Median of the per-round ratios over the rounds whose denominator is above 0 (an
+    engine whose processes' CPU time did not move in a short round measures 0 µs per
+    token); None when no round has one."""
+    ratios = [a / b for a, b in zip(numerators, denominators, strict=True) if b > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def _throughput_summary(
     rates: dict[str, list[float]], cpu_us: dict[str, list[float]], rounds: int, streams: int, tokens: int
 ) -> dict[str, Any]:
@@ -205,8 +213,8 @@ def _throughput_summary(
         "engine_cpu_us_per_token_off": statistics.median(cpu_us["off"]),
         "engine_cpu_us_per_token_on": statistics.median(cpu_us["on"]),
         "engine_cpu_us_per_token_on_worker_spin": statistics.median(cpu_us["on_spin"]),
-        "engine_cpu_ratio": statistics.median(b / a for a, b in zip(cpu_us["off"], cpu_us["on"])),
-        "worker_fix_cpu_ratio": statistics.median(a / b for a, b in zip(cpu_us["on"], cpu_us["on_spin"])),
+        "engine_cpu_ratio": _median_ratio(cpu_us["on"], cpu_us["off"]),
+        "worker_fix_cpu_ratio": _median_ratio(cpu_us["on"], cpu_us["on_spin"]),
         "rounds": rounds,
         "streams": streams,
         "tokens_per_stream": tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 from click.testing import CliRunner
 
@@ -84,3 +85,18 @@ def test_bench_quick_json_structure(tmp_path):
     assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
     assert data["command"].startswith("outrate bench --quick")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_live_throughput_summary_takes_a_round_whose_engine_cpu_did_not_move():
+    # A short round can read 0 µs of CPU per token for an engine (its processes' CPU time
+    # did not tick): the per-round CPU ratios skip it instead of dividing by 0, which made
+    # the live bench part fail (ZeroDivisionError) on a fresh clone's make test.
+    from vllm_output_rate.livebench import _throughput_summary
+
+    rates = {"off": [100.0, 110.0], "on": [99.0, 108.0], "on_spin": [98.0, 109.0]}
+    cpu_us = {"off": [500.0, 520.0], "on": [510.0, 530.0], "on_spin": [0.0, 530.0]}
+    summary = _throughput_summary(rates, cpu_us, 2, 4, 8)
+    assert summary["worker_fix_cpu_ratio"] == 1.0  # only the second round counts
+    assert summary["engine_cpu_ratio"] == statistics.median([510 / 500, 530 / 520])
+    none = _throughput_summary(rates, cpu_us | {"on_spin": [0.0, 0.0]}, 2, 4, 8)
+    assert none["worker_fix_cpu_ratio"] is None

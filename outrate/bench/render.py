@@ -153,7 +153,7 @@ def _live_table(live: dict[str, Any]) -> Table:
         )
         table.add_row(
             "worker idle fix while decoding: engine CPU per token, fix on / off",
-            f"{t['worker_fix_cpu_ratio']:.3f}",
+            "-" if t["worker_fix_cpu_ratio"] is None else f"{t['worker_fix_cpu_ratio']:.3f}",
             "~1",
             "",
         )
