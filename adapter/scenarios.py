@@ -899,10 +899,9 @@ class _Judge:
         ):
             return None
         now, burst = trace.now_ns, scenario.burst_ns
-        for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
-            r = self.by_id.get(rid)
-            if r is None or rid in trace.scheduled or rid in start.running:
-                continue
+        rid = self._first_left_waiting(trace, unfinished, set(start.running))
+        if rid is not None:
+            r = self.by_id[rid]
             if (
                 rid not in start.untouched
                 or r.prompt_len < 2
@@ -921,6 +920,14 @@ class _Judge:
                 ),
             )
         return None
+
+    def _first_left_waiting(self, trace, unfinished: list[str], resident: set[str]) -> str | None:
+        """The first request, in arrival order (= vLLM's FCFS waiting order), that was not
+        running at the step start and was not scheduled in it; None if there is none."""
+        return next(
+            (rid for rid in unfinished if rid in self.by_id and rid not in resident and rid not in trace.scheduled),
+            None,
+        )
 
     def _admission_cap_check(self, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
         """R12 black-box at admission (level must), ample sync FCFS scenarios with an active
@@ -943,9 +950,8 @@ class _Judge:
         if counted >= cap:
             return None
         now, burst = trace.now_ns, scenario.burst_ns
-        for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
-            if rid in resident or rid in trace.scheduled or rid not in self.by_id:
-                continue
+        rid = self._first_left_waiting(trace, unfinished, resident)
+        if rid is not None:
             user = self.user_of(rid)
             if not spec_limiter.allows(self.state, user, now, burst):
                 return None  # the first left waiting is refused: it and those behind it are not judged
