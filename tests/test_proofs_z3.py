@@ -38,44 +38,23 @@ def _assert_proved(results: dict[str, dict], name: str, rules: set[str]) -> None
     assert record["seconds"] < MAX_PROOF_SECONDS, record
 
 
-@pytest.mark.rules("R2")
-def test_r2_window_bound_proved(results):
-    _assert_proved(results, "r2_window_bound", {"R2", "R4", "R6"})
+# Each limiter proof and the rules its record must declare (at least those).
+PROVED = {
+    "r2_window_bound": {"R2", "R4", "R6"},
+    "r2_idle_burst": {"R2"},
+    "r3_integer_scaling_simulates_spec": {"R3"},
+    "r5_ready_at_exact": {"R5"},
+    "r4_take_refund_noop": {"R4"},
+    "r6_cleanup_noop": {"R6"},
+    "r21_window_bound_across_change": {"R21"},
+    "r21_no_burst_from_change": {"R21"},
+}
 
 
-@pytest.mark.rules("R2")
-def test_r2_idle_burst_proved(results):
-    _assert_proved(results, "r2_idle_burst", {"R2"})
-
-
-@pytest.mark.rules("R3")
-def test_r3_integer_scaling_simulates_spec(results):
-    _assert_proved(results, "r3_integer_scaling_simulates_spec", {"R3"})
-
-
-@pytest.mark.rules("R5")
-def test_r5_ready_at_exact(results):
-    _assert_proved(results, "r5_ready_at_exact", {"R5"})
-
-
-@pytest.mark.rules("R4")
-def test_r4_take_refund_noop(results):
-    _assert_proved(results, "r4_take_refund_noop", {"R4"})
-
-
-@pytest.mark.rules("R6")
-def test_r6_cleanup_noop(results):
-    _assert_proved(results, "r6_cleanup_noop", {"R6"})
-
-
-@pytest.mark.rules("R21")
-def test_r21_window_bound_across_change(results):
-    _assert_proved(results, "r21_window_bound_across_change", {"R21"})
-
-
-@pytest.mark.rules("R21")
-def test_r21_no_burst_from_change(results):
-    _assert_proved(results, "r21_no_burst_from_change", {"R21"})
+@pytest.mark.rules("R2", "R3", "R4", "R5", "R6", "R21")
+@pytest.mark.parametrize(("name", "rules"), PROVED.items(), ids=list(PROVED))
+def test_r2_r3_r4_r5_r6_r21_limiter_property_proved(results, name, rules):
+    _assert_proved(results, name, rules)
 
 
 @pytest.mark.rules("R21")
