@@ -75,47 +75,28 @@ def test_r18_candidate_that_rotates_with_feature_off_fails_must(tmp_path, monkey
     assert good.result == "pass" and good.examples == 20
 
 
-def test_cli_without_async_class_exits_2_and_says_not_tested(tmp_path):
-    run = subprocess.run(
+def _conform_quick_must(scheduler_cls: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run ``outrate conform`` at the quick profile and level must without spec health.
+
+    ``extra`` (CLI words) go before ``--scheduler-cls``; counterexamples are saved under
+    ``tmp_path``. Returns the finished process (stdout and stderr as text).
+    """
+    return subprocess.run(
         OUTRATE
-        + [
-            "conform",
-            "--profile",
-            "quick",
-            "--level",
-            "must",
-            "--no-spec-health",
-            "--scheduler-cls",
-            "gate_candidates.ReferenceSyncOnly",
-            "--counterexamples",
-            str(tmp_path),
-        ],
+        + ["conform", "--profile", "quick", "--level", "must", "--no-spec-health", *extra]
+        + ["--scheduler-cls", scheduler_cls, "--counterexamples", str(tmp_path)],
         capture_output=True,
         text=True,
         env=ENV,
     )
+
+
+def test_cli_without_async_class_exits_2_and_says_not_tested(tmp_path):
+    run = _conform_quick_must("gate_candidates.ReferenceSyncOnly", tmp_path)
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]
     assert "NOT TESTED" in last and "rate-limit/async" in last
-    only = subprocess.run(
-        OUTRATE
-        + [
-            "conform",
-            "--profile",
-            "quick",
-            "--level",
-            "must",
-            "--no-spec-health",
-            "--sync-only",
-            "--scheduler-cls",
-            "gate_candidates.ReferenceSyncOnly",
-            "--counterexamples",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
+    only = _conform_quick_must("gate_candidates.ReferenceSyncOnly", tmp_path, "--sync-only")
     assert only.returncode == 0, only.stdout[-3000:]
     assert only.stdout.strip().splitlines()[-1].endswith("ACCEPTED")
 
@@ -138,27 +119,7 @@ def _plugin_verdicts(tmp_path, *args) -> dict[str, str]:
 
 def test_plugin_gives_the_cli_verdicts(tmp_path):
     out = tmp_path / "conform.json"
-    subprocess.run(
-        OUTRATE
-        + [
-            "conform",
-            "--profile",
-            "quick",
-            "--level",
-            "must",
-            "--no-spec-health",
-            "--sync-only",
-            "--scheduler-cls",
-            STOCK_SCHEDULER,
-            "--json",
-            str(out),
-            "--counterexamples",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
+    _conform_quick_must(STOCK_SCHEDULER, tmp_path, "--sync-only", "--json", str(out))
     checks = json.loads(out.read_text())["checks"]
     # coverage is not judged in a run another check failed: the plugin reports it as skipped
     assert {c["name"]: c["result"] for c in checks}["coverage"] == "not judged"
