@@ -35,6 +35,24 @@ def async_scheduling(request) -> bool:
 
 
 @pytest.fixture
+def reference_cls(async_scheduling: bool) -> str:
+    """The reference scheduler (dotted class path) of the mode ``async_scheduling`` gives:
+    RateLimitedAsyncScheduler in async mode, RateLimitedScheduler in sync mode."""
+    from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
+
+    return REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
+
+
+@pytest.fixture
+def stock_cls(async_scheduling: bool) -> str:
+    """Stock vLLM's scheduler (dotted class path) of the mode ``async_scheduling`` gives:
+    AsyncScheduler in async mode, Scheduler in sync mode."""
+    from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
+
+    return STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
+
+
+@pytest.fixture
 def article_flags(monkeypatch):
     """``article_style.flags.install()`` on vLLM's EngineArgs, undone after the test
     (install() patches the class for good, and importing the scheduler module runs it)."""

@@ -10,6 +10,7 @@ every step, and so must a rate limit that does not bind (R19).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -17,14 +18,7 @@ import pytest
 
 from vllm_output_rate.adapter import registry
 from vllm_output_rate.adapter.conform import check_scheduler
-from vllm_output_rate.adapter.harness import (
-    REFERENCE_ASYNC_SCHEDULER,
-    REFERENCE_SCHEDULER,
-    STOCK_ASYNC_SCHEDULER,
-    STOCK_SCHEDULER,
-    EngineShape,
-    Harness,
-)
+from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness, StepTrace
 from vllm_output_rate.adapter.not_binding import check_not_binding, never_binding, run_not_binding
 from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 from vllm_output_rate.proofs import modelcheck as mc
@@ -42,6 +36,15 @@ def _noop() -> None:
     pass
 
 
+def steps(h: Harness, count: int, dt_ns: int) -> Iterator[StepTrace]:
+    """``count`` steps of ``h``, its fake clock advanced ``dt_ns`` (ns) after each; yields
+    each step's trace as it is taken (so a loop body sees ``h`` right after that step)."""
+    for _ in range(count):
+        trace = h.step()
+        h.advance(dt_ns)
+        yield trace
+
+
 def stall_on(cls: str, async_scheduling: bool, feature_on: bool) -> list[dict[str, int]]:
     """The stall scenario of the module docstring; the batch of each of the 10 steps after
     R3 arrives (request id -> tokens, in SchedulerOutput order)."""
@@ -57,29 +60,24 @@ def stall_on(cls: str, async_scheduling: bool, feature_on: bool) -> list[dict[st
     )
     h.add_request("R2", "V", prompt_len=4, max_tokens=60)
     h.add_request("X", "W", prompt_len=4, max_tokens=60)
-    for _ in range(3):  # both prefilled, both decoding
-        h.step()
-        h.advance(10 * MS)
+    list(steps(h, 3, 10 * MS))  # both prefilled, both decoding
     h.add_request("R3", "V", prompt_len=100, max_tokens=5)
     batches = []
-    for _ in range(10):
-        trace = h.step()
-        h.advance(10 * MS)
+    for trace in steps(h, 10, 10 * MS):
         batches.append(dict(trace.scheduled))
         assert trace.white["throttled"] == [] and trace.white["refunded"] == []  # nothing binds
     return batches
 
 
 @pytest.mark.rules("R19")
-def test_r19_rotation_stall_other_user_gets_a_token_every_step(async_scheduling):
-    cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
-    stock = STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
-    got = stall_on(cls, async_scheduling, True)
+def test_r19_rotation_stall_other_user_gets_a_token_every_step(async_scheduling, reference_cls, stock_cls):
+    got = stall_on(reference_cls, async_scheduling, True)
     assert [b.get("X", 0) for b in got] == [1] * 10  # the old R14: [1, 0, 0, 0, 0, 0, 1, 1, 1, 1]
     assert [b.get("R2", 0) for b in got] == [1] * 10
     # The whole schedule is stock vLLM's, batch order included (R19).
     h = Harness(
-        stock, EngineShape(max_num_seqs=4, max_num_batched_tokens=16, block_size=16, async_scheduling=async_scheduling)
+        stock_cls,
+        EngineShape(max_num_seqs=4, max_num_batched_tokens=16, block_size=16, async_scheduling=async_scheduling),
     )
     h.add_request("R2", "V", prompt_len=4, max_tokens=60)
     h.add_request("X", "W", prompt_len=4, max_tokens=60)
@@ -129,9 +127,8 @@ def test_r19_model_checker_scopes_hold_and_catch_the_articles_rotation():
 
 
 @pytest.mark.rules("R19")
-def test_r19_gate_passes_the_reference(async_scheduling):
-    cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
-    result = check_not_binding(cls, async_scheduling, 12, 30, seed=0, tick=_noop, save_dir=None)
+def test_r19_gate_passes_the_reference(async_scheduling, reference_cls):
+    result = check_not_binding(reference_cls, async_scheduling, 12, 30, seed=0, tick=_noop, save_dir=None)
     assert result.result == "pass", result.failure
     assert result.examples == 12 and result.steps > 0
 
@@ -193,11 +190,10 @@ def test_r19_registered_at_level_should():
 
 
 @pytest.mark.rules("R14")
-def test_r14_bounded_bypass_still_holds_for_throttled_users(async_scheduling):
+def test_r14_bounded_bypass_still_holds_for_throttled_users(async_scheduling, reference_cls):
     # The rate-limit gate check at level should judges R14 as bounded bypass (sync: a
     # stream of a throttled user waits at most 2 x its user's streams grants).
-    cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
-    result = check_scheduler(cls, async_scheduling, 20, 30, seed=3, tick=_noop, save_dir=None, level="should")
+    result = check_scheduler(reference_cls, async_scheduling, 20, 30, seed=3, tick=_noop, save_dir=None, level="should")
     assert result.result == "pass", result.failure
 
 
@@ -219,14 +215,10 @@ def test_r14_throttled_user_takes_turns_while_another_users_long_prompt_prefills
     for rid in ("U1", "U2", "U3"):
         h.add_request(rid, "u", prompt_len=2, max_tokens=30)
     h.add_request("V1", "v", prompt_len=2, max_tokens=30)
-    for _ in range(2):
-        h.step()
-        h.advance(100 * MS)
+    list(steps(h, 2, 100 * MS))
     h.add_request("V2", "v", prompt_len=100, max_tokens=3)
     served = []
-    for _ in range(9):
-        trace = h.step()
-        h.advance(100 * MS)
+    for trace in steps(h, 9, 100 * MS):
         served.append([rid for rid in trace.sampled if rid.startswith("U")])
         assert "V1" in trace.sampled
         assert [r.request_id for r in h.scheduler.running] == ["U1", "U2", "U3", "V1", "V2"]

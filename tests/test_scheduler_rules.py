@@ -26,8 +26,6 @@ from vllm_output_rate.adapter import harness as harness_module
 from vllm_output_rate.adapter.harness import (
     REFERENCE_ASYNC_SCHEDULER,
     REFERENCE_SCHEDULER,
-    STOCK_ASYNC_SCHEDULER,
-    STOCK_SCHEDULER,
     EngineShape,
     Harness,
     StepTrace,
@@ -134,6 +132,23 @@ def test_r7_decode_charges_one_per_request_per_step(async_scheduling):
 
 
 # -- R9: single refund point ---------------------------------------------------------
+def _r9_next_step_preempts_and_refunds(h: Harness, kept: str, victim: str, tat_ms: dict[str, int]) -> None:
+    """R9: the next step (then 50 ms on) charges A and B and preempts ``victim``.
+
+    Only ``kept`` is scheduled (1 decode token) and exactly the victim's charge is
+    refunded; afterwards each user of ``tat_ms`` has that TAT (ms), and A and B (3 output
+    tokens each) both finish by length.
+    """
+    trace = step(h, 50)
+    assert trace.scheduled == {kept: 1}
+    assert trace.preempted == [victim]
+    assert trace.white["charged"] == ["A", "B"]
+    assert trace.white["refunded"] == [victim]
+    assert {user: tat(h, user) for user in tat_ms} == {user: ms * MS for user, ms in tat_ms.items()}
+    run_until_done(h, 50)
+    assert h.finished == {"A": ("length", 3), "B": ("length", 3)}
+
+
 @pytest.mark.rules("R9")
 def test_r9_charged_then_self_preempted_is_refunded_once(async_scheduling):
     # FCFS, 3 KV blocks (1 null + 2 usable) of 16 tokens. Users a, b at 10 tok/s (T 100 ms).
@@ -150,15 +165,7 @@ def test_r9_charged_then_self_preempted_is_refunded_once(async_scheduling):
     t0 = step(h, 50)
     assert t0.white["charged"] == ["A", "B"]
     assert tat(h, "b") == 100 * MS
-    t1 = step(h, 50)
-    assert t1.scheduled == {"A": 1}
-    assert t1.preempted == ["B"]
-    assert t1.white["charged"] == ["A", "B"]
-    assert t1.white["refunded"] == ["B"]
-    assert tat(h, "a") == 200 * MS
-    assert tat(h, "b") == 100 * MS  # the limiter TAT went back
-    run_until_done(h, 50)
-    assert h.finished == {"A": ("length", 3), "B": ("length", 3)}
+    _r9_next_step_preempts_and_refunds(h, kept="A", victim="B", tat_ms={"a": 200, "b": 100})  # b's TAT went back
 
 
 @pytest.mark.rules("R9")
@@ -180,14 +187,7 @@ def test_r9_priority_scheduled_then_preempted_later_is_refunded(async_scheduling
     t1 = step(h, 50)
     assert t1.white["charged"] == ["A", "B"]
     assert tat(h, "a") == 200 * MS
-    t2 = step(h, 50)
-    assert t2.scheduled == {"B": 1}
-    assert t2.preempted == ["A"]
-    assert t2.white["charged"] == ["A", "B"]
-    assert t2.white["refunded"] == ["A"]
-    assert tat(h, "a") == 200 * MS
-    run_until_done(h, 50)
-    assert h.finished == {"A": ("length", 3), "B": ("length", 3)}
+    _r9_next_step_preempts_and_refunds(h, kept="B", victim="A", tat_ms={"a": 200})  # a's TAT went back
 
 
 # -- R10: throttled prefill ------------------------------------------------------------
@@ -199,6 +199,19 @@ def _r10_scenario(h: Harness) -> None:
     h.add_request("X2", "u", prompt_len=4, max_tokens=1)
     h.add_request("X3", "u", prompt_len=10, max_tokens=2)
     h.add_request("Y", "v", prompt_len=4, max_tokens=1)
+
+
+def _r10_x3_granted_at_100_and_200_ms(h: Harness, first_tokens: int) -> None:
+    """From t=100 ms of ``_r10_scenario`` (steps every 50 ms): X3 is granted, scheduled
+    ``first_tokens`` tokens and charged; refused at t=150; granted its second output at
+    t=200 and finished by length with 2 tokens."""
+    t2 = step(h, 50)
+    assert t2.scheduled == {"X3": first_tokens}
+    assert t2.white["charged"] == ["X3"]
+    assert step(h, 50).scheduled == {}
+    assert step(h, 50).scheduled == {"X3": 1}
+    run_until_done(h, 50)
+    assert h.finished["X3"] == ("length", 2)
 
 
 @pytest.mark.rules("R10")
@@ -218,13 +231,7 @@ def test_r10_chunked_refused_prefill_advances_to_n_minus_1(async_scheduling):
     assert t1.scheduled == {}
     assert t1.white["throttled"] == ["X3"]
     assert h.scheduler.requests["X3"].num_computed_tokens == 9
-    t2 = step(h, 50)
-    assert t2.scheduled == {"X3": 1}
-    assert t2.white["charged"] == ["X3"]
-    assert step(h, 50).scheduled == {}
-    assert step(h, 50).scheduled == {"X3": 1}
-    run_until_done(h, 50)
-    assert h.finished["X3"] == ("length", 2)
+    _r10_x3_granted_at_100_and_200_ms(h, 1)
 
 
 @pytest.mark.rules("R10")
@@ -244,13 +251,7 @@ def test_r10_no_chunked_prefill_whole_prefill_waits(async_scheduling):
     assert t1.scheduled == {}
     assert t1.white["throttled"] == []
     assert t1.white["wait_hint_ns"] == 100 * MS
-    t2 = step(h, 50)
-    assert t2.scheduled == {"X3": 10}
-    assert t2.white["charged"] == ["X3"]
-    assert step(h, 50).scheduled == {}
-    assert step(h, 50).scheduled == {"X3": 1}
-    run_until_done(h, 50)
-    assert h.finished["X3"] == ("length", 2)
+    _r10_x3_granted_at_100_and_200_ms(h, 10)
 
 
 @pytest.mark.rules("R10")
@@ -662,7 +663,7 @@ def _r18_scenario(h: Harness) -> list[tuple]:
 @pytest.mark.rules("R18")
 @pytest.mark.parametrize("section", [None], ids=["no_section"])  # an empty section on our class is refused
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_r18_feature_off_is_trace_identical_to_stock(async_scheduling, section, policy):
+def test_r18_feature_off_is_trace_identical_to_stock(async_scheduling, stock_cls, reference_cls, section, policy):
     # 4 seqs with vLLM's own max_num_active_seqs 3 (upstream meaning), 32-token batches,
     # 8 KV blocks (7 usable: preemptions happen). Same scenario on stock vLLM and on the
     # reference with the feature off: step-for-step identical traces and results.
@@ -674,10 +675,8 @@ def test_r18_feature_off_is_trace_identical_to_stock(async_scheduling, section, 
         "policy": policy,
         "async_scheduling": async_scheduling,
     }
-    stock_cls = STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
-    ref_cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
     stock = Harness(stock_cls, EngineShape(**shape))
-    ref = Harness(ref_cls, EngineShape(**shape, output_rate=section))
+    ref = Harness(reference_cls, EngineShape(**shape, output_rate=section))
     stock_trace, ref_trace = _r18_scenario(stock), _r18_scenario(ref)
     assert ref.scheduler.rate_limiter is None
     assert any(step_[3] for step_ in stock_trace), "the scenario must exercise preemption"
