@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
@@ -259,7 +259,7 @@ def _suggest_keys(unknown: list, known: tuple[str, ...]) -> str:
     return ", ".join(parts)
 
 
-def _no_duplicate_keys(what: str) -> Any:
+def _no_duplicate_keys(what: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
     """A ``json`` ``object_pairs_hook`` refusing a key given twice in one object of ``what``."""
 
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -310,7 +310,7 @@ def section_duplicates_error(text: str) -> str | None:
         )
     if sections:
         try:
-            _check_pairs(sections[0], f'--additional-config "{SECTION}"')
+            _rebuild(sections[0], _no_duplicate_keys(f'--additional-config "{SECTION}"'))
         except OutputRateConfigError as exc:
             return str(exc)
     return None
@@ -320,21 +320,15 @@ class _Pairs(list):
     """A JSON object decoded as its list of (key, value) pairs, duplicates kept."""
 
 
-def _check_pairs(value: Any, what: str) -> None:
-    """Refuse a key given twice in any object inside ``value`` (objects decoded as ``_Pairs``)."""
+def _rebuild(value: Any, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any]) -> Any:
+    """``value`` (its objects decoded as ``_Pairs``) with every object rebuilt by
+    ``object_pairs_hook``, innermost first, as ``json.loads`` with that hook would have
+    decoded it; errors the hook raises propagate."""
     if isinstance(value, _Pairs):
-        seen: dict[str, Any] = {}
-        for key, item in value:
-            if key in seen:
-                raise OutputRateConfigError(
-                    f"{what}: key {key!r} is given twice; JSON keeps only the last one, "
-                    "so give it once with the value you mean"
-                )
-            seen[key] = item
-            _check_pairs(item, what)
-    elif isinstance(value, list):
-        for item in value:
-            _check_pairs(item, what)
+        return object_pairs_hook([(key, _rebuild(item, object_pairs_hook)) for key, item in value])
+    if isinstance(value, list):
+        return [_rebuild(item, object_pairs_hook) for item in value]
+    return value
 
 
 # Start-up validation of the engine configuration (feature on only).

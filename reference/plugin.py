@@ -318,31 +318,27 @@ def _refuse_beam_search_if_on(vllm_config) -> None:
         raise OutputRateRequestError(BEAM_SEARCH_REFUSED, parameter="use_beam_search")
 
 
+def _refusing_beam_search(beam_search: Callable[..., Any], engine_attr: str) -> Callable[..., Any]:
+    """``beam_search`` wrapped to refuse first when the feature is on in the engine config
+    found at ``self.<engine_attr>.vllm_config`` (``engine_client`` online, ``llm_engine``
+    offline). A plain function, so an async generator's refusal is raised at the call in the
+    serving code, before any response starts, and becomes an HTTP 400 there."""
+
+    @functools.wraps(beam_search)
+    def refusing(self, *args: Any, **kwargs: Any):
+        engine = getattr(self, engine_attr, None)
+        _refuse_beam_search_if_on(getattr(engine, "vllm_config", None))
+        return beam_search(self, *args, **kwargs)
+
+    return refusing
+
+
 def _install_beam_search_refusal() -> None:
     from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
     from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
 
-    online = BeamSearchOnlineMixin.beam_search
-
-    # A plain function returning vLLM's async generator: the refusal is raised at the call
-    # in the serving code, before any response starts, and becomes an HTTP 400 there.
-    @functools.wraps(online)
-    def beam_search_online(self, *args: Any, **kwargs: Any):
-        engine_client = getattr(self, "engine_client", None)
-        _refuse_beam_search_if_on(getattr(engine_client, "vllm_config", None))
-        return online(self, *args, **kwargs)
-
-    BeamSearchOnlineMixin.beam_search = beam_search_online
-
-    offline = BeamSearchOfflineMixin.beam_search
-
-    @functools.wraps(offline)
-    def beam_search_offline(self, *args: Any, **kwargs: Any):
-        llm_engine = getattr(self, "llm_engine", None)
-        _refuse_beam_search_if_on(getattr(llm_engine, "vllm_config", None))
-        return offline(self, *args, **kwargs)
-
-    BeamSearchOfflineMixin.beam_search = beam_search_offline
+    BeamSearchOnlineMixin.beam_search = _refusing_beam_search(BeamSearchOnlineMixin.beam_search, "engine_client")
+    BeamSearchOfflineMixin.beam_search = _refusing_beam_search(BeamSearchOfflineMixin.beam_search, "llm_engine")
 
 
 # -- R16: the engine core waits for budget instead of spinning -------------------------

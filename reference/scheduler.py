@@ -509,24 +509,24 @@ class _RateLimitMixin(_SchedulerHost):
             len(limiter),
         )
 
-    def _trace_if_idle(self) -> None:
-        if self._trace is not None and not self.requests:
+    def _note_if_idle(self) -> None:
+        """No request left (after outputs or a finish): mark the trace idle and write the
+        metrics snapshot, each only if it is on."""
+        if self.requests:
+            return
+        if self._trace is not None:
             self._trace.idle(self.clock_ns())
+        if self._metrics is not None:
+            self._metrics_idle()
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         outputs = super().update_from_output(*args, **kwargs)
-        if self._trace is not None:
-            self._trace_if_idle()
-        if self._metrics is not None and not self.requests:
-            self._metrics_idle()
+        self._note_if_idle()
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):
         result = super().finish_requests(*args, **kwargs)
-        if self._trace is not None:
-            self._trace_if_idle()
-        if self._metrics is not None and not self.requests:
-            self._metrics_idle()
+        self._note_if_idle()
         return result
 
     def _metrics_idle(self) -> None:
