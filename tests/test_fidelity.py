@@ -8,17 +8,17 @@ must find with a short counterexample.
 
 from __future__ import annotations
 
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from test_spec_step import TWO_USERS_THREE_STREAMS, add, cfg, rated
 
 from vllm_output_rate.adapter import conform as gate
 from vllm_output_rate.adapter.fidelity import StepScenario, run_base, run_step_scenario
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.whitebox import compare_white, run_white_box
 from vllm_output_rate.spec import scheduler as spec_scheduler
-from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Step
+from vllm_output_rate.spec.events import AdvanceClock, Drain, Step
 from vllm_output_rate.spec.state import EngineConfig
 
 MS = 1_000_000
@@ -26,24 +26,6 @@ MS = 1_000_000
 
 def _noop() -> None:
     pass
-
-
-def cfg(**kw) -> EngineConfig:
-    base = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 65}
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-def rated(rate="1000", users=(), **kw) -> EngineConfig:
-    return cfg(
-        default_rate_tokens_per_s=Fraction(rate),
-        user_rates_tokens_per_s=tuple((u, Fraction(r)) for u, r in users),
-        **kw,
-    )
-
-
-def add(rid, user="u", prompt=4, max_tokens=16, eos=None, prio=0):
-    return AddRequest(rid, user=user, priority=prio, prompt_len=prompt, max_tokens=max_tokens, eos_index=eos)
 
 
 @pytest.mark.parametrize("async_mode, examples", [(False, 24), (True, 16)])
@@ -127,20 +109,7 @@ HAND_RATED = {
         ],
     ),
     # test_r11_r16_two_users_three_streams_throttle_and_wait_hint, test_r14_r15_...
-    "r14-two-users": (
-        rated("10"),
-        [
-            add("a0", "a"),
-            add("a1", "a"),
-            add("b0", "b"),
-            Step(),
-            Step(),
-            AdvanceClock(100 * MS),
-            Step(),
-            AdvanceClock(100 * MS),
-            Step(),
-        ],
-    ),
+    "r14-two-users": (rated("10"), list(TWO_USERS_THREE_STREAMS)),
     # test_r10_refused_waiting_request_does_not_block_other_users
     "r10-no-chunk": (
         rated("10", chunked_prefill=False, max_model_len=64),

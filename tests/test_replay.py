@@ -16,13 +16,14 @@ from fractions import Fraction
 
 import pytest
 from click.testing import CliRunner
+from test_spec_step import TWO_USERS_THREE_STREAMS
 
 from vllm_output_rate.adapter import conform as gate
 from vllm_output_rate.adapter.fidelity import StepScenario
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 from vllm_output_rate.cli import main
-from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Step
+from vllm_output_rate.spec.events import AddRequest, Step
 from vllm_output_rate.spec.state import EngineConfig
 
 MS = 1_000_000
@@ -51,6 +52,18 @@ def replay(path, *args):
     return result.exit_code, result.output
 
 
+def assert_fails_then_passes(path, failing_cls: str, failure: tuple[str, ...], passed: str) -> None:
+    """Replaying the counterexample ``path`` on ``failing_cls`` exits 1, its output holding
+    every string of ``failure``; replayed on the file's default class it exits 0, printing
+    ``passed``."""
+    code, out = replay(path, "--scheduler-cls", failing_cls)
+    assert code == 1, out
+    assert all(part in out for part in failure), out
+    code, out = replay(path)
+    assert code == 0, out
+    assert passed in out
+
+
 def add(rid, user, prompt=4, max_tokens=16):
     return AddRequest(rid, user=user, prompt_len=prompt, max_tokens=max_tokens)
 
@@ -64,12 +77,9 @@ def test_r2_rate_limit_counterexample_replays(tmp_path):
     )
     path = tmp_path / "counterexample-rate-limit-sync.json"
     path.write_text(scenario.to_json())  # what adapter/conform.check_scheduler saves
-    code, out = replay(path, "--scheduler-cls", STOCK_SCHEDULER)
-    assert code == 1, out
-    assert "rate-limit scenario" in out and "FAIL [must] R2" in out
-    code, out = replay(path)
-    assert code == 0, out
-    assert f"PASS 61 steps on {REFERENCE_SCHEDULER}" in out
+    assert_fails_then_passes(
+        path, STOCK_SCHEDULER, ("rate-limit scenario", "FAIL [must] R2"), f"PASS 61 steps on {REFERENCE_SCHEDULER}"
+    )
 
 
 @pytest.mark.rules("R14")
@@ -79,25 +89,14 @@ def test_r14_white_box_counterexample_replays(tmp_path):
     config = EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65, default_rate_tokens_per_s=Fraction(10)
     )
-    events = (
-        add("a0", "a"),
-        add("a1", "a"),
-        add("b0", "b"),
-        Step(),
-        Step(),
-        AdvanceClock(100 * MS),
-        Step(),
-        AdvanceClock(100 * MS),
-        Step(),
-    )
     path = tmp_path / "counterexample-white-box-sync.json"
-    path.write_text(StepScenario(config, events).to_json())
-    code, out = replay(path, "--scheduler-cls", NO_ROTATION)
-    assert code == 1, out
-    assert "white box" in out and "FAIL event 8: scheduled: vLLM [('a0', 1), ('b0', 1)]" in out
-    code, out = replay(path)
-    assert code == 0, out
-    assert f"PASS 9 events, 4 steps: {REFERENCE_SCHEDULER} agrees with the spec" in out
+    path.write_text(StepScenario(config, TWO_USERS_THREE_STREAMS).to_json())
+    assert_fails_then_passes(
+        path,
+        NO_ROTATION,
+        ("white box", "FAIL event 8: scheduled: vLLM [('a0', 1), ('b0', 1)]"),
+        f"PASS 9 events, 4 steps: {REFERENCE_SCHEDULER} agrees with the spec",
+    )
 
 
 def test_white_box_counterexample_saved_by_the_gate_replays_from_the_command_line(tmp_path):

@@ -218,24 +218,28 @@ def test_r7_charge_only_at_the_sampling_chunk():
     assert obs[2].tat_ns == (("a", Fraction(100 * MS)),)
 
 
+# Users a (a0, a1) and b (b0); at rate 10 (T = 100 ms), see two_users_three_streams. The
+# gate's fidelity and replay tests run the same events on vLLM.
+TWO_USERS_THREE_STREAMS = (
+    add("a0", "a"),
+    add("a1", "a"),
+    add("b0", "b"),
+    Step(),
+    Step(),
+    AdvanceClock(100 * MS),
+    Step(),
+    AdvanceClock(100 * MS),
+    Step(),
+)
+
+
 def two_users_three_streams():
     # rate 10 (T = 100 ms). t=0: a0, a1, b0 admitted and charged: TAT_a = 200, TAT_b = 100.
     # step 1 (t=0): a refused at the start (200 - 0 > 100): a0, a1 throttled; b0 charged
     # (TAT_b 200). step 2 (t=100): a0 charged (TAT_a 300), a1 refused (300-100 > 100),
     # b0 charged (300). step 3 (t=200): R14 puts a1 (after the last served a0) first:
     # a1 charged (400), a0 refused; b0 charged (400).
-    events = [
-        add("a0", "a"),
-        add("a1", "a"),
-        add("b0", "b"),
-        Step(),
-        Step(),
-        AdvanceClock(100 * MS),
-        Step(),
-        AdvanceClock(100 * MS),
-        Step(),
-    ]
-    return play(rated("10"), events)
+    return play(rated("10"), TWO_USERS_THREE_STREAMS)
 
 
 @pytest.mark.rules("R11", "R16")
@@ -337,6 +341,25 @@ def test_r13_fcfs_throttled_request_is_preempted_before_the_last_running():
     assert stock[1].preempted == ("b0",)
 
 
+def priority_victim_level_events(a0_priority: int) -> tuple[EngineConfig, list]:
+    """The R13 priority scenarios: (config, events).
+
+    PRIORITY policy, 4 KV blocks of 4 tokens, default 1000 tok/s and user a at 1 tok/s.
+    a0 (user a, priority ``a0_priority``), c0 (priority 1) and b0 (3-token prompt,
+    priority 0) arrive; one step at t=0, one at t=10 ms.
+    """
+    config = rated("1000", users=(("a", "1"),), num_blocks=4, policy="priority")
+    events = [
+        add("a0", "a", prio=a0_priority),
+        add("c0", "c", prio=1),
+        add("b0", "b", prompt=3, prio=0),
+        Step(),
+        AdvanceClock(10 * MS),
+        Step(),
+    ]
+    return config, events
+
+
 @pytest.mark.rules("R13")
 def test_r13_priority_prefers_throttled_only_within_the_victim_level():
     # PRIORITY, blocks 4x3. Admission by (priority, arrival): b0 (prio 0), a0, c0 (prio 1),
@@ -344,15 +367,7 @@ def test_r13_priority_prefers_throttled_only_within_the_victim_level():
     # b0 decodes within its block; c0 needs a 2nd block: vLLM's victim level is 1, and in it
     # the throttled a0 goes first, so c0 decodes. In stock vLLM a0 is not throttled and
     # needs the block itself; its victim is c0, the max (priority, arrival).
-    config = rated("1000", users=(("a", "1"),), num_blocks=4, policy="priority")
-    events = [
-        add("a0", "a", prio=1),
-        add("c0", "c", prio=1),
-        add("b0", "b", prompt=3, prio=0),
-        Step(),
-        AdvanceClock(10 * MS),
-        Step(),
-    ]
+    config, events = priority_victim_level_events(a0_priority=1)
     _, obs = play(config, events)
     assert obs[0].admitted == ("b0", "a0", "c0")
     assert obs[1].preempted == ("a0",) and sched(obs[1]) == [("b0", 1), ("c0", 1)]
@@ -364,15 +379,7 @@ def test_r13_priority_prefers_throttled_only_within_the_victim_level():
 def test_r13_priority_never_crosses_levels():
     # Same, but the throttled a0 has priority 0: the victim level is 1 and holds only c0,
     # so vLLM's own victim c0 (itself) is preempted; the throttled a0 stays resident.
-    config = rated("1000", users=(("a", "1"),), num_blocks=4, policy="priority")
-    events = [
-        add("a0", "a", prio=0),
-        add("c0", "c", prio=1),
-        add("b0", "b", prompt=3, prio=0),
-        Step(),
-        AdvanceClock(10 * MS),
-        Step(),
-    ]
+    config, events = priority_victim_level_events(a0_priority=0)
     state, obs = play(config, events)
     assert obs[1].throttled == ("a0",) and obs[1].preempted == ("c0",)
     assert "a0" in state.running
