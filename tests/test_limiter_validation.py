@@ -84,29 +84,25 @@ def _rid(v: object) -> str:
 # parse_rate and OutputRateLimiter rates
 
 
+# Each way a rate comes in: the call given the bad value, and what its error must name
+# besides the value's repr.
+RATE_ENTRIES = {
+    "parse_rate": (lambda bad: parse_rate(bad, "my_rate"), ("my_rate",)),
+    "limiter_default": (lambda bad: OutputRateLimiter(bad), ()),
+    "limiter_override": (lambda bad: OutputRateLimiter(10, {"alice": 5, "bob": bad}), ("'bob'",)),
+}
+
+
+@pytest.mark.parametrize("entry", RATE_ENTRIES)
 @pytest.mark.parametrize("bad", BAD_RATES, ids=_rid)
-def test_parse_rate_rejects_bad_value_naming_it(bad: object) -> None:
+def test_bad_rate_rejected_naming_value_and_where(bad: object, entry: str) -> None:
+    take, named = RATE_ENTRIES[entry]
     with pytest.raises(ValueError) as info:
-        parse_rate(bad, "my_rate")
+        take(bad)
     msg = str(info.value)
     assert repr(bad) in msg
-    assert "my_rate" in msg
-
-
-@pytest.mark.parametrize("bad", BAD_RATES, ids=_rid)
-def test_limiter_rejects_bad_default_rate(bad: object) -> None:
-    with pytest.raises(ValueError) as info:
-        OutputRateLimiter(bad)
-    assert repr(bad) in str(info.value)
-
-
-@pytest.mark.parametrize("bad", BAD_RATES, ids=_rid)
-def test_limiter_rejects_bad_override_rate_naming_user(bad: object) -> None:
-    with pytest.raises(ValueError) as info:
-        OutputRateLimiter(10, {"alice": 5, "bob": bad})
-    msg = str(info.value)
-    assert repr(bad) in msg
-    assert "'bob'" in msg
+    for word in named:
+        assert word in msg
 
 
 @pytest.mark.parametrize("bad", TOO_MANY_DECIMALS, ids=_rid)
@@ -244,15 +240,6 @@ def test_config_bad_override_rate_names_user_and_value(bad: object) -> None:
     assert repr(bad) in msg
 
 
-@pytest.mark.parametrize("bad", [0, -5, "10", math.nan, True, [10]], ids=_rid)
-def test_config_bad_default_rate(bad: object) -> None:
-    with pytest.raises(OutputRateConfigError) as info:
-        parse_output_rate({"default_tokens_per_s": bad})
-    msg = str(info.value)
-    assert "default_tokens_per_s" in msg
-    assert repr(bad) in msg
-
-
 @pytest.mark.parametrize("bad_user", ["", 3], ids=_rid)
 def test_config_bad_user_id(bad_user: object) -> None:
     with pytest.raises(OutputRateConfigError) as info:
@@ -262,37 +249,32 @@ def test_config_bad_user_id(bad_user: object) -> None:
     assert repr(bad_user) in msg
 
 
-@pytest.mark.parametrize("bad", [[["a", 5]], "a=5", 5, [], "", 0, False], ids=_rid)
-def test_config_overrides_must_be_an_object(bad: object) -> None:
-    with pytest.raises(OutputRateConfigError) as info:
-        parse_output_rate({"default_tokens_per_s": 10, "user_tokens_per_s": bad})
-    msg = str(info.value)
-    assert "user_tokens_per_s" in msg
-    assert repr(bad) in msg
-
-
 def test_config_null_overrides_mean_none() -> None:
     cfg = parse_output_rate({"default_tokens_per_s": 10, "user_tokens_per_s": None})
     assert dict(cfg.user_rates) == {}
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, False, "4", [4]], ids=_rid)
-def test_config_bad_max_num_active_seqs(bad: object) -> None:
-    with pytest.raises(OutputRateConfigError) as info:
-        parse_output_rate({"default_tokens_per_s": 10, "max_num_active_seqs": bad})
-    msg = str(info.value)
-    assert "max_num_active_seqs" in msg
-    assert "integer >= 1" in msg
-    assert repr(bad) in msg
+# Keys of the section, bad values for each, and what the refusal must name besides the key
+# and the value's repr.
+BAD_VALUES_BY_KEY = [
+    ("default_tokens_per_s", [0, -5, "10", math.nan, True, [10]], ()),
+    ("user_tokens_per_s", [[["a", 5]], "a=5", 5, [], "", 0, False], ()),  # must be an object
+    ("max_num_active_seqs", [0, -1, 1.5, True, False, "4", [4]], ("integer >= 1",)),
+    ("burst_ms", [0, -1, 1.5, True, "100", None], ()),
+]
+BAD_VALUE_CASES = [(key, bad, words) for key, bads, words in BAD_VALUES_BY_KEY for bad in bads]
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "100", None], ids=_rid)
-def test_config_bad_burst_ms(bad: object) -> None:
+@pytest.mark.parametrize(("key", "bad", "words"), BAD_VALUE_CASES, ids=[f"{k}={b!r}" for k, b, _ in BAD_VALUE_CASES])
+def test_config_bad_value_refused_naming_key_and_value(key: str, bad: object, words: tuple[str, ...]) -> None:
+    # A valid section with ``key`` set to the bad value (for the default rate: replaced).
     with pytest.raises(OutputRateConfigError) as info:
-        parse_output_rate({"default_tokens_per_s": 10, "burst_ms": bad})
+        parse_output_rate({"default_tokens_per_s": 10, key: bad})
     msg = str(info.value)
-    assert "burst_ms" in msg
+    assert key in msg
     assert repr(bad) in msg
+    for word in words:
+        assert word in msg
 
 
 @pytest.mark.parametrize("bad", ["10", [1], 10, "default_tokens_per_s=10"], ids=_rid)
