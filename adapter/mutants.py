@@ -52,17 +52,27 @@ class ChargeFirstChunkInstead(RateLimitedScheduler):
         return super()._samples(request, num_computed_tokens, num_new_tokens)
 
 
-class ChargeOnModelOutput(RateLimitedScheduler):
-    """R7 broken: the limiter is only asked at dispatch; the charge happens on model output.
+class ChargeOnModelOutput(RateLimitedAsyncScheduler):
+    """R7 broken (async): the limiter is only asked at dispatch; the charge happens on model
+    output. In sync mode that is the spec's outcome (the output arrives before the next
+    ``schedule()``); with async scheduling the next step is decided before the last one's
+    charges are taken, so a user gets more than its rate.
 
-    Slip: charging settled in update_from_output (after the model ran), as a synchronous patch would.
+    Slip: charging settled in update_from_output (after the model ran), as a patch written
+    for synchronous scheduling would, run with async scheduling.
     """
 
     def _commit_grants(self):
         return None  # decided at dispatch, but nothing taken there
 
     def _settle(self, scheduler_output):
-        self._charged = []  # nothing was taken, nothing to refund
+        # Nothing was taken, so nothing to refund; R15's last-served streams are kept as the
+        # reference keeps them (the slip is the charge point alone).
+        scheduled = scheduler_output.num_scheduled_tokens
+        self._record_last_served(
+            [r.request_id for r in self._charged if r.request_id in scheduled and not r.is_prefill_chunk]
+        )
+        self._charged = []
         return []
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -309,17 +319,30 @@ class NoRotation(RateLimitedScheduler):
 
 
 # -- R1/R2/R3/R5/R6: the limiter ----------------------------------------------------------------
-class BurstOneSecond(RateLimitedScheduler):
+class _LimiterSlip(RateLimitedScheduler):
+    """A mutant whose slip is all in its limiter: the reference's set-up, then (with the
+    feature on) ``rate_limiter`` replaced by ``_limiter(output_rate_config)``, by default
+    ``limiter_cls`` built with the configured default rate, overrides and burst (ns)."""
+
+    limiter_cls: type[OutputRateLimiter] = OutputRateLimiter
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rate_limiter is not None:
+            self.rate_limiter = self._limiter(self.output_rate_config)
+
+    def _limiter(self, cfg: Any) -> OutputRateLimiter:
+        return self.limiter_cls(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+
+
+class BurstOneSecond(_LimiterSlip):
     """R1 broken: burst tolerance tau of 1 s instead of 100 ms.
 
     Slip: the burst configured in the wrong unit (1 s instead of 100 ms).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.rate_limiter is not None:
-            cfg = self.output_rate_config
-            self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, 1_000_000_000)
+    def _limiter(self, cfg: Any) -> OutputRateLimiter:
+        return OutputRateLimiter(cfg.default_rate, cfg.user_rates, 1_000_000_000)
 
 
 class _RollingWindowLimiter(OutputRateLimiter):
@@ -351,17 +374,13 @@ class _RollingWindowLimiter(OutputRateLimiter):
                 self.try_take(user, now_ns)
 
 
-class RollingWindow(RateLimitedScheduler):
+class RollingWindow(_LimiterSlip):
     """R2 broken: a rolling one-second window (bursty) instead of GCRA pacing.
 
     Slip: a rolling one-second window counter instead of GCRA.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.rate_limiter is not None:
-            cfg = self.output_rate_config
-            self.rate_limiter = _RollingWindowLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+    limiter_cls = _RollingWindowLimiter
 
 
 class _FloorReadyLimiter(OutputRateLimiter):
@@ -373,17 +392,13 @@ class _FloorReadyLimiter(OutputRateLimiter):
         return (tat - s.burst) // s.p
 
 
-class ReadyAtRoundedDown(RateLimitedScheduler):
+class ReadyAtRoundedDown(_LimiterSlip):
     """R5 broken: ready_at (and so the wait hint) rounded down instead of up.
 
     Slip: floor division in ready_at (the wait hint names an instant 1 ns early).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.rate_limiter is not None:
-            cfg = self.output_rate_config
-            self.rate_limiter = _FloorReadyLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+    limiter_cls = _FloorReadyLimiter
 
 
 class _EagerCleanupLimiter(OutputRateLimiter):
@@ -394,17 +409,13 @@ class _EagerCleanupLimiter(OutputRateLimiter):
         return len(doomed)
 
 
-class CleanupActiveUsers(RateLimitedScheduler):
+class CleanupActiveUsers(_LimiterSlip):
     """R6 broken: cleanup deletes users whose TAT is still ahead of now (within tau).
 
     Slip: "idle" taken as "allowed now" (TAT - now <= tau) instead of TAT <= now.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.rate_limiter is not None:
-            cfg = self.output_rate_config
-            self.rate_limiter = _EagerCleanupLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+    limiter_cls = _EagerCleanupLimiter
 
 
 class BudgetPerRequest(RateLimitedScheduler):
@@ -431,18 +442,15 @@ class IdentityFromOpenAIUserField(RateLimitedScheduler):
         return user if isinstance(user, str) else "__anonymous__"
 
 
-class OverridesIgnored(RateLimitedScheduler):
+class OverridesIgnored(_LimiterSlip):
     """R1 broken: per-user overrides ignored; everyone gets the default rate (R1: a user's
     rate is its override or the default).
 
     Slip: the per-user override map parsed but never passed to the limiter.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.rate_limiter is not None:
-            cfg = self.output_rate_config
-            self.rate_limiter = OutputRateLimiter(cfg.default_rate, None, cfg.burst_ns)
+    def _limiter(self, cfg: Any) -> OutputRateLimiter:
+        return OutputRateLimiter(cfg.default_rate, None, cfg.burst_ns)
 
 
 # -- R16: wait hint --------------------------------------------------------------------------------
@@ -502,7 +510,7 @@ def _entry(cls: type, rule: str, async_only: bool = False, boundary: str | None 
 MUTANTS: tuple[Mutant, ...] = (
     _entry(ChargePromptChunks, "R7", level="exact"),  # black-box equivalent to the reference
     _entry(ChargeFirstChunkInstead, "R7"),
-    _entry(ChargeOnModelOutput, "R7"),
+    _entry(ChargeOnModelOutput, "R7", async_only=True),
     _entry(TwoChargesInAsync, "R7", async_only=True),
     _entry(ChargeAbortInFlight, "R7", async_only=True),
     _entry(NoRefund, "R9"),
