@@ -10,6 +10,7 @@ engine core, worker): TERM, then KILL. ``scrape(base_url)`` reads ``/metrics`` i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -48,31 +49,24 @@ def shutdown(proc: subprocess.Popen) -> None:
         pass
 
 
-def _start(work: Path, flags: list[str], env_extra: dict[str, str] | None) -> tuple[subprocess.Popen, str, Path]:
-    """Start ``outrate serve`` (tiny model in ``work``, log ``work/serve.log``) without waiting."""
-    from vllm_output_rate.adapter.tinymodel import write_config
+def server_env(**overrides: str) -> dict[str, str]:
+    """This process's environment for a vLLM server on loopback: offline (no model hub, no
+    usage stats), INFO logging; ``overrides`` (e.g. ``VLLM_LOGGING_LEVEL="WARNING"``) win."""
+    return {
+        **os.environ,
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        **overrides,
+    }
 
-    model = write_config(work / "model", tokenizer=True)
-    port = free_port()
-    log_path = work / "serve.log"
-    env = dict(
-        os.environ,
-        VLLM_HOST_IP="127.0.0.1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_LOGGING_LEVEL="INFO",
-        **(env_extra or {}),
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_output_rate.cli",
-        "serve",
-        str(model),
-        *flags,
-        "--max-num-seqs",
-        "8",
+
+def tiny_engine_flags(port: int | str) -> list[str]:
+    """The vLLM server flags for the project's tiny model on ``127.0.0.1:port``: dummy
+    weights, float32, 512-token context, eager (no graph capture)."""
+    return [
         "--host",
         "127.0.0.1",
         "--port",
@@ -84,10 +78,47 @@ def _start(work: Path, flags: list[str], env_extra: dict[str, str] | None) -> tu
         "--max-model-len",
         "512",
         "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.2",
-        "--kv-cache-memory-bytes",
-        str(128 * 2**20),
+    ]
+
+
+# The KV cache of a tiny-model server: a fixed 128 MiB (vLLM's CPU default would take GiBs).
+TINY_MEMORY_FLAGS = ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(128 * 2**20)]
+
+
+def rate_flags(default: float, users: dict[str, float] | None = None) -> list[str]:
+    """``outrate serve`` flags: every user at ``default`` tokens/s, each user of ``users``
+    (``{user: tokens/s}``) at its own rate."""
+    flags = ["--default-user-output-tokens-per-second", str(default)]
+    if users:
+        flags += ["--user-output-tokens-per-second", json.dumps(users)]
+    return flags
+
+
+def shared_budget_flags(rate: int, url: str, trace: Path) -> list[str]:
+    """``outrate serve`` flags: every user at ``rate`` tokens/s, one shared budget in the
+    store at ``url`` (R23-R26), the engine-side trace written to ``trace``."""
+    return [*rate_flags(rate), "--shared-budget-url", url, "--trace-path", str(trace)]
+
+
+def _start(work: Path, flags: list[str], env_extra: dict[str, str] | None) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``outrate serve`` (tiny model in ``work``, log ``work/serve.log``) without waiting."""
+    from vllm_output_rate.adapter.tinymodel import write_config
+
+    model = write_config(work / "model", tokenizer=True)
+    port = free_port()
+    log_path = work / "serve.log"
+    env = server_env(**(env_extra or {}))
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_output_rate.cli",
+        "serve",
+        str(model),
+        *flags,
+        "--max-num-seqs",
+        "8",
+        *tiny_engine_flags(port),
+        *TINY_MEMORY_FLAGS,
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

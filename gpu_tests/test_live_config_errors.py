@@ -12,11 +12,11 @@ The in-process cases of every typo are in ``tests/test_config_validation.py``. A
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
+from live_server import server_env, tiny_engine_flags
 
 from vllm_output_rate.adapter.tinymodel import write_config
 from vllm_output_rate.reference.config import KNOWN_KEYS
@@ -28,14 +28,6 @@ REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler
 
 def test_configuration_plain_vllm_serve_typo_is_the_last_stderr_line(tmp_path):
     model = write_config(tmp_path / "model", tokenizer=True)
-    env = dict(
-        os.environ,
-        VLLM_HOST_IP="127.0.0.1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_LOGGING_LEVEL="INFO",
-    )
     command = [
         sys.executable,
         "-m",
@@ -46,19 +38,11 @@ def test_configuration_plain_vllm_serve_typo_is_the_last_stderr_line(tmp_path):
         REFERENCE_SCHEDULER,
         "--additional-config",
         '{"output_rate": {"default_token_per_s": 100}}',
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "1",  # never bound: start-up must stop before
-        "--load-format",
-        "dummy",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
+        *tiny_engine_flags(port=1),  # port 1: never bound, start-up must stop before
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240, start_new_session=True)
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=server_env(), timeout=240, start_new_session=True
+    )
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines, proc.stdout[-2000:]

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import live_server
 import pytest
-from live_server import serving
+from live_server import serving, shared_budget_flags
 
 from vllm_output_rate.loadtest import run_measurement
 from vllm_output_rate.spec import shared_budget as sb
@@ -41,12 +41,7 @@ def test_r24_live_data_parallel_two_ranks_share_one_budget(tmp_path, redis_serve
     monkeypatch.setattr(live_server, "READY_TIMEOUT_S", 300)  # two engine cores start on two cores
     trace = tmp_path / "trace.jsonl"
     flags = [
-        "--default-user-output-tokens-per-second",
-        str(RATE),
-        "--shared-budget-url",
-        redis_server.url,
-        "--trace-path",
-        str(trace),
+        *shared_budget_flags(RATE, redis_server.url, trace),
         "--data-parallel-size",
         "2",
         "--api-server-count",

@@ -22,8 +22,11 @@ About 60 s on a 2-core CPU (two engine start-ups of ~20 s each).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -69,10 +72,12 @@ def _finish(engine, request_ids: list[str], timeout_s: float = 30.0) -> None:
     assert not left, f"not finished: {sorted(left)}"
 
 
-def _baseline(engine, sampling) -> list[float]:
+def _ttfts(engine, sampling, name: str) -> list[float]:
+    """SAMPLES times to first token of "other" requests ``other-<name>-<i>``, one at a time
+    (each finished before the next)."""
     times = []
     for i in range(SAMPLES):
-        rid = f"other-alone-{i}"
+        rid = f"other-{name}-{i}"
         times.append(_ttft(engine, sampling, rid))
         _finish(engine, [rid])
     return times
@@ -92,14 +97,25 @@ def _start_flood(engine, sampling) -> list[str]:
     return ids
 
 
-@pytest.mark.rules("R20")
-@pytest.mark.rules("R20")
-def test_r20_live_flood_without_cap_other_user_waits_for_the_flood(tiny_llm, sampling):
-    llm = _engine(tiny_llm, None)
+@contextlib.contextmanager
+def _flooded(tiny_llm, sampling, per_user_cap: int | None) -> Iterator[tuple[Any, list[float]]]:
+    """An engine (``per_user_cap``: its ``max_num_seqs_per_user``, None: no cap) with the
+    flood holding its slots: yields ``(LLMEngine, "other"'s TTFTs in s before the flood)``;
+    aborts the flood when the body passed, always drops the engine."""
+    llm = _engine(tiny_llm, per_user_cap)
     try:
         engine = llm.llm_engine
-        alone = _baseline(engine, sampling)
+        alone = _ttfts(engine, sampling, "alone")
         flood = _start_flood(engine, sampling)
+        yield engine, alone
+        engine.abort_request(flood)
+    finally:
+        del llm
+
+
+@pytest.mark.rules("R20")
+def test_r20_live_flood_without_cap_other_user_waits_for_the_flood(tiny_llm, sampling):
+    with _flooded(tiny_llm, sampling, None) as (engine, alone):
         flooded = _ttft(engine, sampling, "other-flooded")
         print(
             f"\nno cap (article): other's TTFT alone median {statistics.median(alone) * 1000:.1f} ms "
@@ -107,24 +123,12 @@ def test_r20_live_flood_without_cap_other_user_waits_for_the_flood(tiny_llm, sam
         )
         # The flood's streams end after about 16 x 12 / 20 = 9.6 s (minus the 0.5 s above).
         assert flooded > 5.0, (flooded, alone)
-        engine.abort_request(flood)
-    finally:
-        del llm
 
 
-@pytest.mark.rules("R20")
 @pytest.mark.rules("R20")
 def test_r20_live_flood_with_cap_other_user_first_token_within_2x(tiny_llm, sampling):
-    llm = _engine(tiny_llm, CAP)
-    try:
-        engine = llm.llm_engine
-        alone = _baseline(engine, sampling)
-        flood = _start_flood(engine, sampling)
-        flooded = []
-        for i in range(SAMPLES):
-            rid = f"other-flooded-{i}"
-            flooded.append(_ttft(engine, sampling, rid))
-            _finish(engine, [rid])
+    with _flooded(tiny_llm, sampling, CAP) as (engine, alone):
+        flooded = _ttfts(engine, sampling, "flooded")
         base, under = statistics.median(alone), statistics.median(flooded)
         print(
             f"\ncap {CAP} (R20): other's TTFT alone median {base * 1000:.1f} ms "
@@ -132,6 +136,3 @@ def test_r20_live_flood_with_cap_other_user_first_token_within_2x(tiny_llm, samp
             f"({', '.join(f'{t * 1000:.0f}' for t in flooded)}), ratio {under / base:.2f}"
         )
         assert under <= 2 * base, (alone, flooded)
-        engine.abort_request(flood)
-    finally:
-        del llm

@@ -11,11 +11,10 @@ About 40-60 s on a 2-core CPU machine, most of it server start-up.
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
-from live_server import scrape, serving
+from live_server import rate_flags, scrape, serving
 
 from vllm_output_rate.loadtest import run_measurement
 
@@ -29,13 +28,7 @@ def _series(samples, name):
 
 
 def test_metrics_live_per_label_series_match_the_client(tmp_path):
-    flags = [
-        "--default-user-output-tokens-per-second",
-        str(DEFAULT_RATE),
-        "--user-output-tokens-per-second",
-        json.dumps({"slow": SLOW_RATE}),
-    ]
-    with serving(tmp_path, flags) as url:
+    with serving(tmp_path, rate_flags(DEFAULT_RATE, {"slow": SLOW_RATE})) as url:
         during = {}
         _reports, streams = run_measurement(url, [("slow", 2), ("fast", 1)], 30, timeout_s=120)
         # The engine core writes its snapshot when it goes idle; the API server may get the

@@ -28,7 +28,7 @@ import time
 from fractions import Fraction
 
 import pytest
-from live_server import serving
+from live_server import rate_flags, serving
 
 from vllm_output_rate.loadtest import run_measurement
 from vllm_output_rate.spec import limiter as spec_limiter
@@ -54,7 +54,7 @@ def test_r21_live_rate_change_takes_effect_within_the_gcra_bound(tmp_path):
 
     trace, rates = tmp_path / "trace.jsonl", tmp_path / "rates.json"
     _write_rates(rates, BEFORE)  # read at start-up (the section's own rates are replaced)
-    flags = ["--default-user-output-tokens-per-second", "1", "--rates-file", str(rates), "--trace-path", str(trace)]
+    flags = [*rate_flags(1), "--rates-file", str(rates), "--trace-path", str(trace)]
     with serving(tmp_path, flags) as url:
         changer = threading.Timer(CHANGE_AFTER_S, _write_rates, (rates, AFTER))
         started = time.monotonic()

@@ -21,16 +21,11 @@ About 60-90 s on a 2-core CPU machine, most of it server start-up.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from live_server import free_port, shutdown, wait_ready
+from live_server import rate_flags, serving
 
-from vllm_output_rate.adapter.tinymodel import write_config
 from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
 
 pytestmark = pytest.mark.live
@@ -55,58 +50,16 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(work):
-    model = write_config(work / "model", tokenizer=True)
-    port = free_port()
-    log_path = work / "serve.log"
-    env = dict(
-        os.environ,
-        VLLM_HOST_IP="127.0.0.1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_LOGGING_LEVEL="WARNING",
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "vllm_output_rate.cli",
-        "serve",
-        str(model),
-        "--default-user-output-tokens-per-second",
-        str(DEFAULT_RATE),
-        "--user-output-tokens-per-second",
-        json.dumps({"slow": SLOW_RATE}),
-        "--max-num-seqs",
-        "8",
+    """``outrate serve`` with a fast default user, a slow one and the engine trace in ``work``
+    (vLLM logging at WARNING, per-request metrics on); yields its URL."""
+    flags = [
+        *rate_flags(DEFAULT_RATE, {"slow": SLOW_RATE}),
         "--trace-path",
         str(work / "trace.jsonl"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--load-format",
-        "dummy",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.2",
-        "--kv-cache-memory-bytes",
-        str(128 * 2**20),
         "--enable-per-request-metrics",
     ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )  # own process group: shut down as one
-    try:
-        base_url = f"http://127.0.0.1:{port}"
-        wait_ready(proc, base_url, log_path)
+    with serving(work, flags, env_extra={"VLLM_LOGGING_LEVEL": "WARNING"}) as base_url:
         yield base_url
-    finally:
-        shutdown(proc)
 
 
 @pytest.mark.rules("R2")

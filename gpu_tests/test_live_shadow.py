@@ -15,10 +15,8 @@ About 40-60 s on a 2-core CPU machine, most of it server start-up.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from live_server import scrape, serving
+from live_server import rate_flags, scrape, serving
 
 from vllm_output_rate.loadtest import gcra_min_span_s, run_measurement
 
@@ -33,10 +31,7 @@ def test_shadow_live_counts_would_be_throttles_and_pauses_nothing(tmp_path, requ
 
     trace = tmp_path / "trace.jsonl"
     flags = [
-        "--default-user-output-tokens-per-second",
-        str(FREE_RATE),
-        "--user-output-tokens-per-second",
-        json.dumps({"capped": CAPPED_RATE}),
+        *rate_flags(FREE_RATE, {"capped": CAPPED_RATE}),
         "--shadow",
         "--trace-path",
         str(trace),

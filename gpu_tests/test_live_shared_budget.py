@@ -29,7 +29,7 @@ import time
 from fractions import Fraction
 
 import pytest
-from live_server import serving_all
+from live_server import serving_all, shared_budget_flags
 
 from vllm_output_rate.loadtest import run_measurement
 from vllm_output_rate.spec import shared_budget as sb
@@ -66,17 +66,7 @@ def test_r24_r25_live_two_replicas_one_budget_and_redis_killed_mid_run(tmp_path,
     traces = [w / "trace.jsonl" for w in works]
     for w in works:
         w.mkdir()
-    flags = [
-        [
-            "--default-user-output-tokens-per-second",
-            str(RATE),
-            "--shared-budget-url",
-            redis_server.url,
-            "--trace-path",
-            str(trace),
-        ]
-        for trace in traces
-    ]
+    flags = [shared_budget_flags(RATE, redis_server.url, trace) for trace in traces]
     with serving_all(list(zip(works, flags))) as urls:
         results: dict[int, list] = {}
 
