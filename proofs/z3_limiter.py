@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -334,6 +334,35 @@ def _check(ob: Obligation, timeout_ms: int) -> tuple[str, bool, str | None]:
 
 
 @dataclass(frozen=True)
+class Checked:
+    """A property's obligations, each checked by Z3 (``check_obligations``).
+
+    ``statuses``: per obligation, in order, ``"proved"``, ``"refuted"`` or ``"unknown"``;
+    ``vacuity_ok``: every obligation's hypotheses alone are satisfiable; ``failures``: per
+    obligation not proved, its name with Z3's model (refuted) or reason (unknown).
+    """
+
+    statuses: tuple[str, ...]
+    vacuity_ok: bool
+    failures: tuple[str, ...]
+
+    @property
+    def all_proved(self) -> bool:
+        """Every obligation proved (an empty list of obligations counts as proved)."""
+        return all(s == "proved" for s in self.statuses)
+
+
+def check_obligations(obligations: Iterable[Obligation], timeout_ms: int) -> Checked:
+    """Check each of ``obligations`` with a Z3 timeout of ``timeout_ms`` ms per check."""
+    results = [_check(ob, timeout_ms) for ob in obligations]
+    return Checked(
+        statuses=tuple(status for status, _, _ in results),
+        vacuity_ok=all(vac for _, vac, _ in results),
+        failures=tuple(detail for _, _, detail in results if detail is not None),
+    )
+
+
+@dataclass(frozen=True)
 class Property:
     """A named property: its rules, its proof obligations and a refutation search.
 
@@ -349,15 +378,9 @@ class Property:
     def run(self, timeout_ms: int = 5000, variant: Semantics | str = CORRECT) -> dict:
         sem = VARIANTS[variant] if isinstance(variant, str) else variant
         start = time.perf_counter()
-        statuses, vacuity_ok, failures = [], True, []
-        for ob in self.obligations(sem):
-            status, vac, detail = _check(ob, timeout_ms)
-            statuses.append(status)
-            vacuity_ok = vacuity_ok and vac
-            if detail is not None:
-                failures.append(detail)
+        checked = check_obligations(self.obligations(sem), timeout_ms)
         counterexample = None
-        if all(s == "proved" for s in statuses):
+        if checked.all_proved:
             result = "proved"
         else:
             # A failed inductive step may be unreachable: refute only with a concrete trace.
@@ -369,7 +392,7 @@ class Property:
             "z3",
             result,
             round(time.perf_counter() - start, 4),
-            vacuity_ok=vacuity_ok,
+            vacuity_ok=checked.vacuity_ok,
             counterexample=counterexample,
         )
 
@@ -492,6 +515,30 @@ def _window_inv(known, tat, c, s, k, pend, T, tau):
     )
 
 
+def _window_step_obligations(sem: Semantics, hyp: tuple, after, known, tat, c, s, k, pend, T, tau) -> list[Obligation]:
+    """The limiter's own steps in a window-bound induction (R2, and R21 across rate changes):
+    a try_take, a refund of a pending grant, a cleanup, each from a state satisfying ``hyp``.
+
+    ``after(known, tat, k, pend, counted)`` is the invariant after a step, given the user's
+    limiter entry, the net grants ``k`` in the window opened at ``s`` (ns) and the step's
+    pending grants; ``counted`` is the Z3 condition that the step made a grant counted in
+    the window (a take at ``c >= s``), or None for a step that grants nothing.
+    """
+    in_window = c >= s
+    g, k_t, t_t = sem.spec_take(known, tat, c, T, tau)
+    counted = z3.And(g, in_window)
+    after_take = after(k_t, t_t, z3.If(counted, k + 1, k), z3.If(g, pend + 1, pend), counted)
+    k_r, t_r = sem.spec_refund(known, tat, T)
+    after_refund = after(k_r, t_r, z3.If(in_window, k - 1, k), pend - 1, None)
+    after_clean = after(sem.spec_cleanup(known, tat, c, tau), tat, k, pend, None)
+    return [
+        Obligation("step_take", hyp, after_take),
+        # R4/R9: a refund undoes a grant of the same step; the user must still be known.
+        Obligation("step_refund", hyp + (pend > 0,), z3.And(known, after_refund)),
+        Obligation("step_cleanup", hyp, after_clean),
+    ]
+
+
 def _window_obligations(sem: Semantics) -> list[Obligation]:
     """R2 window bound, all times in ns (reals), T = 10**9/rate ns > 0, tau >= 0 ns.
 
@@ -508,30 +555,14 @@ def _window_obligations(sem: Semantics) -> list[Obligation]:
     params = [T > 0, tau >= 0]
     inv = _window_inv(known, tat, c, s, k, pend, T, tau)
     hyp = tuple(params + [inv])
-    in_window = c >= s
 
-    g, k_t, t_t = sem.spec_take(known, tat, c, T, tau)
-    after_take = _window_inv(
-        k_t,
-        t_t,
-        c,
-        s,
-        z3.If(z3.And(g, in_window), k + 1, k),
-        z3.If(g, pend + 1, pend),
-        T,
-        tau,
-    )
-    k_r, t_r = sem.spec_refund(known, tat, T)
-    after_refund = _window_inv(k_r, t_r, c, s, z3.If(in_window, k - 1, k), pend - 1, T, tau)
-    k_c = sem.spec_cleanup(known, tat, c, tau)
-    after_clean = _window_inv(k_c, tat, c, s, k, pend, T, tau)
+    def after(known_, tat_, k_, pend_, counted):  # counted: already in k_ (R2 tracks no rate)
+        return _window_inv(known_, tat_, c, s, k_, pend_, T, tau)
+
     return [
         Obligation("init", tuple(params), _window_inv(known, tat, c, s, 0, 0, T, tau)),
         Obligation("step_advance", hyp + (c2 >= c,), _window_inv(known, tat, c2, s, k, 0, T, tau)),
-        Obligation("step_take", hyp, after_take),
-        # R4/R9: a refund undoes a grant of the same step; the user must still be known.
-        Obligation("step_refund", hyp + (pend > 0,), z3.And(known, after_refund)),
-        Obligation("step_cleanup", hyp, after_clean),
+        *_window_step_obligations(sem, hyp, after, known, tat, c, s, k, pend, T, tau),
         Obligation(
             "close",
             hyp + (W >= 0, c <= s + W, rate > 0, T * rate == NS_PER_S),
@@ -975,24 +1006,12 @@ def _rerate_window_obligations(sem: Semantics) -> list[Obligation]:
     params = [R > 0, T * R == NS_PER_S, tau >= 0]
     inv = _rerate_inv(known, tat, c, s, k, pend, R, T, tau, A, M)
     hyp = tuple(params + [inv])
-    in_window = c >= s
-    g, k_t, t_t = sem.spec_take(known, tat, c, T, tau)
-    after_take = _rerate_inv(
-        k_t,
-        t_t,
-        c,
-        s,
-        z3.If(z3.And(g, in_window), k + 1, k),
-        z3.If(g, pend + 1, pend),
-        R,
-        T,
-        tau,
-        A,
-        z3.If(z3.And(g, in_window), _zmax(M, R), M),
-    )
-    k_r, t_r = sem.spec_refund(known, tat, T)
-    after_refund = _rerate_inv(k_r, t_r, c, s, z3.If(in_window, k - 1, k), pend - 1, R, T, tau, A, M)
-    after_clean = _rerate_inv(sem.spec_cleanup(known, tat, c, tau), tat, c, s, k, pend, R, T, tau, A, M)
+
+    def after(known_, tat_, k_, pend_, counted):
+        # A counted grant is made at the rate in force: M := max(M, R).
+        M_ = M if counted is None else z3.If(counted, _zmax(M, R), M)
+        return _rerate_inv(known_, tat_, c, s, k_, pend_, R, T, tau, A, M_)
+
     accrued = A + (_zmax(c2, s) - _zmax(c, s)) * R
     after_advance = _rerate_inv(known, tat, c2, s, k, 0, R, T, tau, accrued, M)
     k_n, t_n, side = sem.spec_rerate(known, tat, c, R, R2)
@@ -1000,9 +1019,7 @@ def _rerate_window_obligations(sem: Semantics) -> list[Obligation]:
     return [
         Obligation("init", tuple(params), _rerate_inv(known, tat, c, s, 0, 0, R, T, tau, 0, 0)),
         Obligation("step_advance", hyp + (c2 >= c,), after_advance),
-        Obligation("step_take", hyp, after_take),
-        Obligation("step_refund", hyp + (pend > 0,), z3.And(known, after_refund)),
-        Obligation("step_cleanup", hyp, after_clean),
+        *_window_step_obligations(sem, hyp, after, known, tat, c, s, k, pend, T, tau),
         # R21: a change at a step boundary (no grant of the step pending), any new rate.
         Obligation("step_rate_change", hyp + (pend == 0, R2 > 0, T2 * R2 == NS_PER_S, *side), after_change),
         Obligation("close", hyp, k <= (A + tau * M) / NS_PER_S + 1),

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import z3
 
 from vllm_output_rate.proofs.records import proof_record
-from vllm_output_rate.proofs.z3_limiter import NS_PER_S, Obligation, _check
+from vllm_output_rate.proofs.z3_limiter import NS_PER_S, Obligation, check_obligations
 
 
 def _zmax(a, b):
@@ -267,24 +267,16 @@ class SharedProperty:
 
     def run(self, timeout_ms: int = 5000) -> dict:
         start = time.perf_counter()
-        statuses, vacuity_ok, failures = [], True, []
-        for ob in self.obligations():
-            status, vac, detail = _check(ob, timeout_ms)
-            statuses.append(status)
-            vacuity_ok = vacuity_ok and vac
-            if detail is not None:
-                failures.append(detail)
-        result = (
-            "proved" if all(s == "proved" for s in statuses) else ("refuted" if "refuted" in statuses else "unknown")
-        )
+        checked = check_obligations(self.obligations(), timeout_ms)
+        result = "proved" if checked.all_proved else ("refuted" if "refuted" in checked.statuses else "unknown")
         return proof_record(
             self.name,
             self.rules,
             "z3",
             result,
             round(time.perf_counter() - start, 4),
-            vacuity_ok=vacuity_ok,
-            counterexample=failures[0] if failures else None,
+            vacuity_ok=checked.vacuity_ok,
+            counterexample=checked.failures[0] if checked.failures else None,
         )
 
     @property
