@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import queue
 import random
 import subprocess
@@ -267,6 +268,18 @@ def assert_gcra_bound(times, limit):
             assert n <= (w + _BURST_NS / S) * limit + 1 + 1e-9, (n, w, limit)
 
 
+def three_streams_of_a_and_b(sim: Sim, a_tokens: int, b_tokens: int, steps: int) -> tuple[int, list[int], list[int]]:
+    """Users a and b send three streams each (a0-a2 of ``a_tokens`` max tokens, b0-b2 of
+    ``b_tokens``), then ``sim`` runs ``steps`` steps. Returns (fake time in ns before the
+    first step, a's dispatch times, b's dispatch times)."""
+    t0 = sim.clock.ns
+    for i in range(3):
+        sim.add(f"a{i}", "a", max_tokens=a_tokens)
+        sim.add(f"b{i}", "b", max_tokens=b_tokens)
+    sim.run(steps)
+    return t0, sim.user_times("a"), sim.user_times("b")
+
+
 def with_rates(vc, default, users=None, max_active="unset"):
     rates = {"default_tokens_per_s": default, "user_tokens_per_s": users or {}}
     if max_active != "unset":
@@ -334,12 +347,7 @@ def test_one_user_rate_is_limit_and_evenly_paced(model_dir, clock):
 def test_two_users_different_limits(model_dir, clock):
     vc = with_rates(make_config(model_dir), 10, {"b": 50})
     sim = Sim(build(ArticleScheduler, vc), clock)
-    t0 = clock.ns
-    for i in range(3):
-        sim.add(f"a{i}", "a", max_tokens=500)
-        sim.add(f"b{i}", "b", max_tokens=500)
-    sim.run(400)
-    a, b = sim.user_times("a"), sim.user_times("b")
+    t0, a, b = three_streams_of_a_and_b(sim, 500, 500, 400)
     for k in (1, 2, 3):
         assert count_in(a, t0 + k * S, t0 + (k + 1) * S) == 10
         assert count_in(b, t0 + k * S, t0 + (k + 1) * S) == 50
@@ -544,6 +552,17 @@ def test_feature_off_schedules_are_identical_to_stock(model_dir, clock, mode, kw
 
 
 # ------------------------------------------------------- configuration
+def rate_flags(default: int, users: dict[str, int]) -> list[str]:
+    """The article's two engine flags: the default rate (tok/s) and the per-user rates
+    (tok/s, as the JSON object the flag takes)."""
+    return [
+        "--default-user-output-tokens-per-second",
+        str(default),
+        "--user-output-tokens-per-second",
+        json.dumps(users),
+    ]
+
+
 def test_flags_path_configures_the_scheduler(model_dir, clock):
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -562,10 +581,7 @@ def test_flags_path_configures_the_scheduler(model_dir, clock):
             "4",
             "--max-model-len",
             str(MAX_MODEL_LEN),
-            "--default-user-output-tokens-per-second",
-            "10",
-            "--user-output-tokens-per-second",
-            '{"a": 5}',
+            *rate_flags(10, {"a": 5}),
         ]
     )
     vc = EngineArgs.from_cli_args(args).create_engine_config()
@@ -589,16 +605,7 @@ def test_flags_path_configures_the_scheduler(model_dir, clock):
 
     # vllm serve's parser has them too and from_cli_args keeps them
     aparser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-    aargs = aparser.parse_args(
-        [
-            "--model",
-            model_dir,
-            "--default-user-output-tokens-per-second",
-            "7",
-            "--user-output-tokens-per-second",
-            '{"u": 3}',
-        ]
-    )
+    aargs = aparser.parse_args(["--model", model_dir, *rate_flags(7, {"u": 3})])
     ea = AsyncEngineArgs.from_cli_args(aargs)
     assert ea.default_user_output_tokens_per_second == 7
     assert ea.user_output_tokens_per_second == {"u": 3}
@@ -676,12 +683,7 @@ def test_async_scheduler_limits_too(model_dir, clock):
     vc.scheduler_config.async_scheduling = True
     with_rates(vc, 20, {"b": 50})
     sim = Sim(build(ArticleAsyncScheduler, vc), clock)
-    t0 = clock.ns
-    for i in range(3):
-        sim.add(f"a{i}", "a", max_tokens=45)
-        sim.add(f"b{i}", "b", max_tokens=120)
-    sim.run(250)
-    a, b = sim.user_times("a"), sim.user_times("b")
+    t0, a, b = three_streams_of_a_and_b(sim, 45, 120, 250)
     assert count_in(a, t0 + S, t0 + 2 * S) == 20
     assert count_in(b, t0 + S, t0 + 2 * S) == 50
     assert_gcra_bound(a, 20)
