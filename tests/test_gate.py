@@ -56,18 +56,26 @@ def test_r2_same_seed_replays_same_run():
     assert (a.examples, a.steps) == (b.examples, b.steps)
 
 
+def one_stream_of_8_tokens_at_10_tok_s(prompt_len: int, step_interval_ns: int, num_steps: int, **kw) -> Scenario:
+    """User a at 10 tok/s (tau 100 ms) with one stream a0: ``prompt_len`` prompt tokens, 8
+    output tokens; ``num_steps`` steps, one every ``step_interval_ns`` ns. ``kw``: further
+    ``Scenario`` fields (``async_scheduling=True``)."""
+    return Scenario(
+        rates_tokens_per_s={"a": "10"},
+        requests=(RequestSpec("a0", "a", prompt_len=prompt_len, max_tokens=8),),
+        step_interval_ns=step_interval_ns,
+        num_steps=num_steps,
+        **kw,
+    )
+
+
 @pytest.mark.rules("R2")
 def test_r2_window_bound_hand_computed_single_stream():
     # rate 10 tok/s, tau 100 ms, one stream, steps every 10 ms from t=0, 8 output tokens.
     # GCRA: grants at t=0 (TAT 100 ms) and t=10 ms (lead 90 <= 100 -> TAT 200 ms); then the
     # lead must fall back to 100 ms: t=100 ms (TAT 300), 200, 300, 400, 500, 600 ms.
     # So the 8 tokens finish at the step of t=600 ms: 61 steps, 8 sampling dispatches.
-    scenario = Scenario(
-        rates_tokens_per_s={"a": "10"},
-        requests=(RequestSpec("a0", "a", prompt_len=3, max_tokens=8),),
-        step_interval_ns=10_000_000,
-        num_steps=61,
-    )
+    scenario = one_stream_of_8_tokens_at_10_tok_s(prompt_len=3, step_interval_ns=10_000_000, num_steps=61)
     verdict = run_scenario(REFERENCE_SCHEDULER, scenario)
     assert verdict.failure is None
     assert verdict.sampled_per_user == {"a": 8}
@@ -80,18 +88,25 @@ def test_async_under_grant_is_judged_for_requests_with_a_token_to_dispatch():
     # every 100 ms; the GCRA grants every step. A candidate that charges a decode twice
     # when its previous step is in flight (TwoChargesInAsync) is refused every other step:
     # an under-grant, judged in async too (the last token in flight is not demand: V3).
-    scenario = Scenario(
-        rates_tokens_per_s={"a": "10"},
-        requests=(RequestSpec("a0", "a", prompt_len=4, max_tokens=8),),
-        step_interval_ns=100_000_000,
-        num_steps=12,
-        async_scheduling=True,
+    scenario = one_stream_of_8_tokens_at_10_tok_s(
+        prompt_len=4, step_interval_ns=100_000_000, num_steps=12, async_scheduling=True
     )
     verdict = run_scenario("vllm_output_rate.adapter.mutants.TwoChargesInAsync", scenario, "must")
     assert (verdict.rule, verdict.level) == ("R11", "must"), verdict
     assert "under-grant" in verdict.failure
     ok = run_scenario(REFERENCE_ASYNC_SCHEDULER, scenario, "exact")
     assert ok.failure is None and ok.sampled_per_user == {"a": 8}
+
+
+# Scenario keywords of a pressured engine: one seat (max_num_seqs = A = 1), 15 KV blocks of 4
+# tokens, a default rate of 2 tok/s.
+ONE_SEAT_FEW_BLOCKS = {
+    "default_rate_tokens_per_s": "2",
+    "max_num_seqs": 1,
+    "max_num_active_seqs": 1,
+    "num_blocks": 15,
+    "block_size": 4,
+}
 
 
 def _abort_in_flight_scenario() -> Scenario:
@@ -106,11 +121,7 @@ def _abort_in_flight_scenario() -> Scenario:
         20,
         chunked_prefill=False,
         async_scheduling=True,
-        default_rate_tokens_per_s="2",
-        max_num_seqs=1,
-        max_num_active_seqs=1,
-        num_blocks=15,
-        block_size=4,
+        **ONE_SEAT_FEW_BLOCKS,
     )
 
 

@@ -9,6 +9,7 @@ candidate's dispatches on the spec limiter changed in one rule, ``adapter/attrib
 from __future__ import annotations
 
 import pytest
+from test_gate import ONE_SEAT_FEW_BLOCKS, _abort_in_flight_scenario
 
 from vllm_output_rate.adapter import boundaries
 from vllm_output_rate.adapter.configstyle import parse_config_style
@@ -89,26 +90,13 @@ def test_r7_a_first_token_left_uncharged_after_a_prefix_cache_hit_is_named_r7():
         999_999,
         3,
         chunked_prefill=False,
-        default_rate_tokens_per_s="2",
-        max_num_seqs=1,
-        max_num_active_seqs=1,
-        num_blocks=15,
-        block_size=4,
         prefix_caching=True,
+        **ONE_SEAT_FEW_BLOCKS,
     )
     verdict = named_verdict(f"{MUTANTS}.ChargeFirstChunkInstead", scenario, "should")
     assert verdict.rule == "R7", verdict.failure
     assert "first chunk" in verdict.failure
     assert run_scenario(REFERENCE_SCHEDULER, scenario, "exact").failure is None
-
-
-@pytest.mark.rules("R9")
-def test_r9_a_charge_kept_after_preemption_and_failed_admissions_is_named_r9():
-    # Charged, then preempted in the same step; then, waiting at the head of the queue, the
-    # request is charged and fails its KV allocation step after step: every one of those
-    # charges is due back. Before the blocked waiting head was recorded the kill named R11.
-    verdict = named_verdict(f"{MUTANTS}.NoRefund", _boundary("charged-then-preempted", "1"), "should")
-    assert verdict.rule == "R9" and "keeps the charge" in verdict.failure, verdict.failure
 
 
 @pytest.mark.rules("R1", "R17")
@@ -122,17 +110,6 @@ def test_r1_r17_one_bucket_for_every_request_is_named_by_both_rules(article_flag
     )
     assert verdict.rule == "R1/R17", verdict.failure
     assert names_rule(verdict.rule, "R1") and names_rule(verdict.rule, "R17") and not names_rule("R14/R15", "R1")
-
-
-@pytest.mark.rules("R9")
-def test_r9_refunds_of_dispatched_charges_apply_at_the_end_of_schedule(article_flags):
-    # Decode steps refunded at the end of schedule(): a stream's turn is decided while the
-    # charge still stands. Applied at once, the refund left the hypothesis granting a paused
-    # stream of the crowd probe, and the kill named R2 (no limit at all).
-    verdict = named_verdict(
-        "article_mutants.ArticleRefundsRunningDispatches", _boundary("burst-edge", "3"), "should", _engine_args()
-    )
-    assert verdict.rule == "R9" and "dispatched charges of running requests" in verdict.failure, verdict.failure
 
 
 @pytest.mark.rules("R10")
@@ -155,17 +132,6 @@ def test_r8_an_in_flight_step_taken_as_charged_is_named_r8_and_stock_async_r2(ar
     stock = named_verdict("vllm.v1.core.sched.async_scheduler.AsyncScheduler", scenario, "should")
     assert stock.rule == "R2", stock.failure  # the probe in sync mode: no limit there either
     assert run_scenario(REFERENCE_ASYNC_SCHEDULER, scenario, "exact").failure is None
-
-
-@pytest.mark.rules("R6")
-def test_r6_a_cleanup_slip_at_the_start_of_schedule_is_named_r6(article_flags):
-    # The article-style implementation cleans up at the start of the 256th schedule(): a
-    # slip there (TAT <= now + 1 ns deleted) was named R2 (a burst edge 1 ns late) while the
-    # cleanup was modelled at the end of the step only.
-    verdict = named_verdict(
-        "article_mutants.ArticleCleanupOneNsAhead", _boundary("cleanup-tat-now+1ns", "5"), "should", _engine_args()
-    )
-    assert verdict.rule == "R6" and "start of schedule()" in verdict.failure, verdict.failure
 
 
 @pytest.mark.rules("R13", "R16")
@@ -195,26 +161,6 @@ def test_r3_naming_probes_keep_fractional_rates_as_decimal_strings():
     assert "312.5" in rates and all(float(r) > 0 and "/" not in r for r in rates), rates
 
 
-@pytest.mark.rules("R1")
-def test_r1_buckets_keyed_by_request_id_miss_the_overrides_and_are_named_r1():
-    # Keyed by request id, every bucket runs at the default rate (no override names a
-    # request): one stream at 20 tok/s looks unlimited until the probe at the slowest
-    # override as the default; the kill named R2 (no limit at all) before.
-    verdict = named_verdict(f"{MUTANTS}.BudgetPerRequest", _boundary("burst-edge", "20"), "should")
-    assert verdict.rule == "R1" and "one bucket per request" in verdict.failure, verdict.failure
-
-
-@pytest.mark.rules("R2", "R10")
-def test_r2_a_refusal_that_advances_the_tat_is_named_r2_from_prefills_held_at_n_minus_1(article_flags):
-    # In the crowd probe five first tokens are refused at t = 0, each prefill held at n - 1
-    # (R10): those refusals are recorded, and a limiter whose refusal advances the TAT then
-    # explains the pauses that follow. Before, the kill was left at R11 (under-grant).
-    verdict = named_verdict(
-        "article_mutants.ArticleRefusalAdvancesTat", _boundary("burst-edge", "3"), "should", _engine_args()
-    )
-    assert verdict.rule == "R2" and "advances the TAT on a refused take" in verdict.failure, verdict.failure
-
-
 @pytest.mark.rules("R2", "R6")
 def test_r2_idle_time_banked_is_told_apart_from_a_cleanup_slip(article_flags):
     # At the 256th schedule() both a limiter that banks idle time (no clamp to now, R2) and
@@ -232,17 +178,79 @@ def test_r7_an_abort_that_charges_the_step_in_flight_again_is_named_r7():
     # Aborted with its step in flight, u0-r0 is charged once more at the abort: the extra
     # take is recorded where the abort happens, so the kill no longer reads as a charge kept
     # at the refund point (R9), which fits the same run one step later.
-    from test_gate import _abort_in_flight_scenario
-
     verdict = named_verdict(f"{MUTANTS}.ChargeAbortInFlight", _abort_in_flight_scenario(), "must")
     assert verdict.rule == "R7" and "aborted with a step in flight" in verdict.failure, verdict.failure
 
 
-@pytest.mark.rules("R7")
-def test_r7_a_final_prefill_chunk_never_asked_is_named_r7_not_r10():
+# Kills each named by its rule from one boundary probe: (mutant, (boundary, rate tok/s), the
+# rule named, words of the failure). Article-style mutants run with the article's engine
+# flags. The comment above each row says what the probe shows and what the kill named before.
+NAMED_KILLS = {
+    # Charged, then preempted in the same step; then, waiting at the head of the queue, the
+    # request is charged and fails its KV allocation step after step: every one of those
+    # charges is due back. Before the blocked waiting head was recorded the kill named R11.
+    "r9-charge-kept-after-preemption-and-failed-admissions": (
+        f"{MUTANTS}.NoRefund",
+        ("charged-then-preempted", "1"),
+        "R9",
+        "keeps the charge",
+    ),
+    # Decode steps refunded at the end of schedule(): a stream's turn is decided while the
+    # charge still stands. Applied at once, the refund left the hypothesis granting a paused
+    # stream of the crowd probe, and the kill named R2 (no limit at all).
+    "r9-refunds-of-dispatched-charges-at-the-end-of-schedule": (
+        "article_mutants.ArticleRefundsRunningDispatches",
+        ("burst-edge", "3"),
+        "R9",
+        "dispatched charges of running requests",
+    ),
+    # The article-style implementation cleans up at the start of the 256th schedule(): a
+    # slip there (TAT <= now + 1 ns deleted) was named R2 (a burst edge 1 ns late) while the
+    # cleanup was modelled at the end of the step only.
+    "r6-cleanup-slip-at-the-start-of-schedule": (
+        "article_mutants.ArticleCleanupOneNsAhead",
+        ("cleanup-tat-now+1ns", "5"),
+        "R6",
+        "start of schedule()",
+    ),
+    # Keyed by request id, every bucket runs at the default rate (no override names a
+    # request): one stream at 20 tok/s looks unlimited until the probe at the slowest
+    # override as the default; the kill named R2 (no limit at all) before.
+    "r1-buckets-keyed-by-request-id-miss-the-overrides": (
+        f"{MUTANTS}.BudgetPerRequest",
+        ("burst-edge", "20"),
+        "R1",
+        "one bucket per request",
+    ),
+    # In the crowd probe five first tokens are refused at t = 0, each prefill held at n - 1
+    # (R10): those refusals are recorded, and a limiter whose refusal advances the TAT then
+    # explains the pauses that follow. Before, the kill was left at R11 (under-grant).
+    "r2-refusal-advancing-the-tat-from-prefills-held-at-n-minus-1": (
+        "article_mutants.ArticleRefusalAdvancesTat",
+        ("burst-edge", "3"),
+        "R2",
+        "advances the TAT on a refused take",
+    ),
     # Charged at its first chunk (then refunded: that chunk did not sample), the prompt's
     # final chunk is never asked about and samples even when its user is refused; without
     # that slip in the catalogue of changes, only "any refusal ignored with chunked prefill"
     # (R10) fitted.
-    verdict = named_verdict(f"{MUTANTS}.ChargeFirstChunkInstead", _boundary("prefill-reaches-n", "12.5"), "should")
-    assert verdict.rule == "R7" and "never asks about a final prefill chunk" in verdict.failure, verdict.failure
+    "r7-final-prefill-chunk-never-asked-not-r10": (
+        f"{MUTANTS}.ChargeFirstChunkInstead",
+        ("prefill-reaches-n", "12.5"),
+        "R7",
+        "never asks about a final prefill chunk",
+    ),
+}
+
+
+@pytest.mark.rules("R1", "R2", "R6", "R7", "R9", "R10")
+@pytest.mark.parametrize("case", NAMED_KILLS)
+def test_r1_r2_r6_r7_r9_r10_a_boundary_probe_kill_is_named_by_the_rule_broken(case, request):
+    mutant, (boundary, rate), rule, words = NAMED_KILLS[case]
+    style = ()
+    if mutant.startswith("article_mutants."):
+        request.getfixturevalue("article_flags")
+        style = (_engine_args(),)
+    verdict = named_verdict(mutant, _boundary(boundary, rate), "should", *style)
+    assert verdict.rule == rule and words in verdict.failure, verdict.failure

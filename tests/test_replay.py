@@ -16,12 +16,12 @@ from fractions import Fraction
 
 import pytest
 from click.testing import CliRunner
+from test_gate import one_stream_of_8_tokens_at_10_tok_s
 from test_spec_step import TWO_USERS_THREE_STREAMS
 
 from vllm_output_rate.adapter import conform as gate
 from vllm_output_rate.adapter.fidelity import StepScenario
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
-from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 from vllm_output_rate.cli import main
 from vllm_output_rate.spec.events import AddRequest, Step
 from vllm_output_rate.spec.state import EngineConfig
@@ -72,9 +72,7 @@ def add(rid, user, prompt=4, max_tokens=16):
 def test_r2_rate_limit_counterexample_replays(tmp_path):
     # Rate 10 tok/s, one stream of 8 tokens, a step every 10 ms: stock vLLM samples every
     # step, the third one at t=20 ms is over the rate (the spec limiter refuses it, R2).
-    scenario = Scenario(
-        rates_tokens_per_s={"a": "10"}, requests=(RequestSpec("a0", "a", 3, 8),), step_interval_ns=10 * MS, num_steps=61
-    )
+    scenario = one_stream_of_8_tokens_at_10_tok_s(prompt_len=3, step_interval_ns=10 * MS, num_steps=61)
     path = tmp_path / "counterexample-rate-limit-sync.json"
     path.write_text(scenario.to_json())  # what adapter/conform.check_scheduler saves
     assert_fails_then_passes(
