@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import marshal
+from dataclasses import replace
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
 from vllm_output_rate.proofs.modelcheck_scopes import Compiled
 from vllm_output_rate.spec import limiter as spec_limiter
-from vllm_output_rate.spec.state import OutputEntry, RequestState, SchedulerState, initial_state
+from vllm_output_rate.spec.state import OutputEntry, SchedulerState, initial_state
 
 
 class World:
@@ -118,6 +119,8 @@ def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
             or None
         )
     key = (
+        # Every request field but the id and user (renamed), the arrival (the rank in
+        # ``requests``) and num_preemptions (read by nothing): what canonical_world keeps.
         tuple(
             (
                 uidx[mapping[r.user]],
@@ -133,6 +136,7 @@ def canonical_key(world: World, cs: Compiled) -> tuple[bytes, tuple]:
                 r.num_stale_output_tokens,
                 r.num_blocks,
                 r.num_sampling_dispatches,
+                r.lora,
             )
             for r in requests
         ),
@@ -167,26 +171,7 @@ def canonical_world(world: World, cs: Compiled, context: tuple) -> World:
         if r.request_id == rid and r.user == user and r.arrival == i and r.num_preemptions == 0:
             new_requests.append(r)
         else:
-            new_requests.append(
-                RequestState(
-                    rid,
-                    user,
-                    r.priority,
-                    i,
-                    r.prompt_len,
-                    r.max_tokens,
-                    r.eos_index,
-                    r.status,
-                    r.num_computed_tokens,
-                    r.num_output_tokens,
-                    r.num_output_placeholders,
-                    r.num_in_flight_tokens,
-                    r.num_stale_output_tokens,
-                    r.num_blocks,
-                    r.num_sampling_dispatches,
-                    0,
-                )
-            )
+            new_requests.append(replace(r, request_id=rid, user=user, arrival=i, num_preemptions=0))
     in_flight = None
     if st.in_flight:
         in_flight = (
