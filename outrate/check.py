@@ -35,34 +35,21 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from vllm_output_rate.clitools import json_option
+from vllm_output_rate.clitools import counterexamples_option, json_option, shown_default_option
 
 SCOPE_KEYS = ("name", "states", "transitions", "states_per_s", "violations")
 
 
 @click.command()
-@click.option(
+@shown_default_option(
     "--profile",
-    type=click.Choice(["quick", "ci", "release"]),
-    default="ci",
-    show_default=True,
-    help="Which scopes to explore (quick: seconds; ci: >= 10^5 states, minutes; release: >= 10^6 states).",
+    click.Choice(["quick", "ci", "release"]),
+    "ci",
+    "Which scopes to explore (quick: seconds; ci: >= 10^5 states, minutes; release: >= 10^6 states).",
 )
 @json_option()
-@click.option(
-    "--jobs",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Worker processes (one scope per process at a time).",
-)
-@click.option(
-    "--counterexamples",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("reports"),
-    show_default=True,
-    help="Directory where violating event sequences are saved for replay.",
-)
+@shown_default_option("--jobs", click.IntRange(min=1), 2, "Worker processes (one scope per process at a time).")
+@counterexamples_option("Directory where violating event sequences are saved for replay.")
 def check(profile, json_path, jobs, counterexamples) -> None:
     """Model-check the spec over the profile's scopes; exit 1 on any violation."""
     from vllm_output_rate.proofs import modelcheck

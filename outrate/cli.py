@@ -20,7 +20,14 @@ from rich.table import Table
 from vllm_output_rate import __version__
 from vllm_output_rate.bench import bench
 from vllm_output_rate.check import check
-from vllm_output_rate.clitools import bar_progress, json_option
+from vllm_output_rate.clitools import (
+    bar_progress,
+    counterexamples_option,
+    flag_option,
+    json_option,
+    output_file_option,
+    shown_default_option,
+)
 from vllm_output_rate.loadtest import measure
 from vllm_output_rate.prove import prove
 from vllm_output_rate.serve import serve
@@ -31,6 +38,7 @@ if TYPE_CHECKING:
     from vllm_output_rate.adapter.scenarios import Scenario
 
 console = Console(width=None if sys.stdout.isatty() else 130)
+LEVELS = click.Choice(["must", "should", "exact"])  # the gate's conformance levels (--level)
 
 
 def _offline_env() -> None:
@@ -39,6 +47,12 @@ def _offline_env() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _path_option(help_text: str) -> Any:
+    """The repeatable ``--path DIR`` option (parameter ``paths``, a tuple of existing
+    directories, empty when not given): put first on the import path."""
+    return click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False), help=help_text)
 
 
 @click.group()
@@ -63,15 +77,14 @@ def main() -> None:
     "--scheduler-cls is the reference. Without it the async checks are NOT TESTED (exit 2) "
     "unless --sync-only is given.",
 )
-@click.option(
+@shown_default_option(
     "--level",
-    type=click.Choice(["must", "should", "exact"]),
-    default="should",
-    show_default=True,
-    help="must: the article's promises and the bound; should: also its design rules, every open "
+    LEVELS,
+    "should",
+    "must: the article's promises and the bound; should: also its design rules, every open "
     "choice accepted; exact: step identity with this project's spec (white-box).",
 )
-@click.option("--sync-only", is_flag=True, help="Judge the sync class alone (the async checks are left out).")
+@flag_option("--sync-only", "Judge the sync class alone (the async checks are left out).")
 @click.option(
     "--config-style",
     "config_style",
@@ -81,67 +94,36 @@ def main() -> None:
     help="How the candidate is configured: additional_config['output_rate'], the article's engine "
     "flags through vLLM's own EngineArgs parser, or a function (vllm_config, rates) -> None.",
 )
-@click.option(
+@flag_option(
     "--burst-configurable",
-    is_flag=True,
-    help="The candidate reads burst_ms; otherwise every scenario uses the article's fixed 100 ms.",
+    "The candidate reads burst_ms; otherwise every scenario uses the article's fixed 100 ms.",
 )
-@click.option(
+@flag_option(
     "--integer-rates",
-    is_flag=True,
-    help="The candidate takes integer rates only (the article's flags); scenarios draw integers.",
+    "The candidate takes integer rates only (the article's flags); scenarios draw integers.",
 )
-@click.option(
+@flag_option(
     "--rate-change",
-    "rate_change",
-    is_flag=True,
-    help="R21: the candidate reloads output_rate.rates_file without a restart; its rate-change rows "
+    "R21: the candidate reloads output_rate.rates_file without a restart; its rate-change rows "
     "then judge at every level (otherwise at exact only).",
 )
-@click.option(
-    "--path",
-    "paths",
-    multiple=True,
-    type=click.Path(exists=True, file_okay=False),
-    help="Directory to put on the import path first (the candidate's source tree); repeatable.",
-)
-@click.option("--no-spec-health", is_flag=True, help="Skip the spec-health checks (they never judge the candidate).")
+@_path_option("Directory to put on the import path first (the candidate's source tree); repeatable.")
+@flag_option("--no-spec-health", "Skip the spec-health checks (they never judge the candidate).")
 @click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
-@click.option(
+@flag_option(
     "--mutants",
-    is_flag=True,
-    help="Also run the mutant catalogue (reference and article-style "
+    "Also run the mutant catalogue (reference and article-style "
     "mutants, adapter/mutation.py) at --level; every mutant must be killed.",
 )
-@click.option(
+@flag_option(
     "--no-white-box",
-    "no_white_box",
-    is_flag=True,
-    help="With --mutants: hunt without the white-box (exact-level) checks, from what vLLM exposes only.",
+    "With --mutants: hunt without the white-box (exact-level) checks, from what vLLM exposes only.",
 )
 @json_option()
-@click.option(
-    "--junit",
-    "junit_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a JUnit XML report here (one testcase per check and per mutant).",
-)
-@click.option(
-    "--markdown",
-    "markdown_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the gate manifest as Markdown here.",
-)
-@click.option(
-    "--counterexamples",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("reports"),
-    show_default=True,
-    help="Directory where failing scenarios are saved for replay.",
-)
+@output_file_option("--junit", "junit_path", "Write a JUnit XML report here (one testcase per check and per mutant).")
+@output_file_option("--markdown", "markdown_path", "Write the gate manifest as Markdown here.")
+@counterexamples_option("Directory where failing scenarios are saved for replay.")
 def conform(
     scheduler_cls,
     async_scheduler_cls,
@@ -659,13 +641,7 @@ def _print_mutant_summary(rows: list[dict], level: str) -> None:
     help="Class to run the scenario on; default: the class the saving check judged (the reference, sync "
     "or async as the scenario says; stock vLLM for a base-fidelity scenario).",
 )
-@click.option(
-    "--level",
-    type=click.Choice(["must", "should", "exact"]),
-    default="exact",
-    show_default=True,
-    help="Level of the properties judged on a rate-limit scenario.",
-)
+@shown_default_option("--level", LEVELS, "exact", "Level of the properties judged on a rate-limit scenario.")
 @click.option(
     "--config-style",
     "config_style",
@@ -673,13 +649,7 @@ def _print_mutant_summary(rows: list[dict], level: str) -> None:
     show_default=True,
     help="How the class is configured (as for outrate conform).",
 )
-@click.option(
-    "--path",
-    "paths",
-    multiple=True,
-    type=click.Path(exists=True, file_okay=False),
-    help="Directory to put on the import path first; repeatable.",
-)
+@_path_option("Directory to put on the import path first; repeatable.")
 @click.option(
     "--base-model",
     "base_version",
@@ -828,13 +798,7 @@ def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any, 
     help="Start no new hunt after this many seconds.",
 )
 @json_option("the findings")
-@click.option(
-    "--counterexamples",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("reports"),
-    show_default=True,
-    help="Directory where each rule's counterexample is saved for `outrate replay`.",
-)
+@counterexamples_option("Directory where each rule's counterexample is saved for `outrate replay`.")
 def drift(base_version, examples, seed, mode, time_budget_s, json_path, counterexamples) -> None:
     """Spec health: per V-rule, the first divergence of the installed vLLM from the base model.
 
@@ -956,7 +920,7 @@ def _print_drift_report(report: Any, version: str, base_version: str) -> None:
 
 @main.command("check-trace", context_settings={"ignore_unknown_options": True})
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--partial", is_flag=True, help="The engine still writes FILE: skip an unterminated last line.")
+@flag_option("--partial", "The engine still writes FILE: skip an unterminated last line.")
 def check_trace_cmd(file, partial) -> None:
     """Check an engine-side event trace (outrate serve --trace-path FILE): per run and per user the
     rates over busy periods, every violation; exit 1 on a violation (or no run), 2 if unreadable."""

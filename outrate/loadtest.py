@@ -33,7 +33,7 @@ from typing import Any
 
 import click
 
-from vllm_output_rate.clitools import json_option
+from vllm_output_rate.clitools import json_option, shown_default_option
 
 BURST_S = 0.1
 DEFAULT_PROMPT = "Tell me about rate limits."
@@ -285,13 +285,7 @@ def _parse_limit(text: str) -> tuple[str, float]:
     metavar="USER:N",
     help="N concurrent streams of USER (repeat per user), e.g. --stream user-a:4 --stream user-b:2.",
 )
-@click.option(
-    "--tokens",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="Output tokens per stream (ignore_eos).",
-)
+@shown_default_option("--tokens", click.IntRange(min=1), 200, "Output tokens per stream (ignore_eos).")
 @click.option(
     "--limit",
     "limit_args",

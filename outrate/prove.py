@@ -27,7 +27,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from vllm_output_rate.clitools import bar_progress
+from vllm_output_rate.clitools import bar_progress, flag_option, shown_default_option
 from vllm_output_rate.proofs import crosshair_limiter
 from vllm_output_rate.proofs.records import RECORD_KEYS
 
@@ -105,32 +105,23 @@ def _write_document(text: str, json_path: str) -> None:
     metavar="PATH",
     help="Write the results as JSON to PATH ('-' or no value: stdout, the table then goes to stderr).",
 )
-@click.option(
-    "--timeout-ms",
-    type=click.IntRange(min=1),
-    default=5000,
-    show_default=True,
-    help="Z3 timeout per proof obligation, in milliseconds.",
-)
-@click.option(
+@shown_default_option("--timeout-ms", click.IntRange(min=1), 5000, "Z3 timeout per proof obligation, in milliseconds.")
+@shown_default_option(
     "--crosshair-timeout",
-    type=click.FloatRange(min=0.1),
-    default=crosshair_limiter.DEFAULT_PER_CONDITION_TIMEOUT_S,
-    show_default=True,
-    help="CrossHair CPU seconds per condition (its --per_condition_timeout).",
+    click.FloatRange(min=0.1),
+    crosshair_limiter.DEFAULT_PER_CONDITION_TIMEOUT_S,
+    "CrossHair CPU seconds per condition (its --per_condition_timeout).",
 )
-@click.option(
+@shown_default_option(
     "--wall-timeout",
-    type=click.FloatRange(min=1),
-    default=crosshair_limiter.DEFAULT_WALL_TIMEOUT_S,
-    show_default=True,
-    help="Wall-clock cap in seconds on the CrossHair run; unfinished checks are reported unknown.",
+    click.FloatRange(min=1),
+    crosshair_limiter.DEFAULT_WALL_TIMEOUT_S,
+    "Wall-clock cap in seconds on the CrossHair run; unfinished checks are reported unknown.",
 )
-@click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True, help="CrossHair child processes.")
-@click.option(
+@shown_default_option("--jobs", click.IntRange(min=1), 2, "CrossHair child processes.")
+@flag_option(
     "--broken",
-    is_flag=True,
-    help="Also check the deliberately broken limiters of the CrossHair module (they must come out "
+    "Also check the deliberately broken limiters of the CrossHair module (they must come out "
     "refuted, so the exit status is then 1).",
 )
 def prove(json_path, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken) -> None:

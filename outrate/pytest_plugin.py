@@ -22,6 +22,11 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("outrate", "vllm-output-rate conformance gate")
+
+    def flag(name: str, help_text: str) -> None:
+        """An on/off option, off unless given."""
+        group.addoption(name, action="store_true", help=help_text)
+
     group.addoption(
         "--outrate-scheduler",
         default=None,
@@ -41,20 +46,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=["must", "should", "exact"],
         help="conformance level (default should)",
     )
-    group.addoption("--outrate-sync-only", action="store_true", help="judge the sync class alone")
+    flag("--outrate-sync-only", "judge the sync class alone")
     group.addoption(
         "--outrate-config-style",
         default="additional-config",
         help="additional-config | engine-args | hook:pkg.module.function",
     )
-    group.addoption("--outrate-burst-configurable", action="store_true", help="the candidate reads burst_ms")
-    group.addoption("--outrate-integer-rates", action="store_true", help="the candidate takes integer rates only")
-    group.addoption(
-        "--outrate-rate-change",
-        action="store_true",
-        help="R21: the candidate reloads output_rate.rates_file (rate-change rows at every level)",
-    )
-    group.addoption("--outrate-spec-health", action="store_true", help="also run the spec-health checks")
+    flag("--outrate-burst-configurable", "the candidate reads burst_ms")
+    flag("--outrate-integer-rates", "the candidate takes integer rates only")
+    flag("--outrate-rate-change", "R21: the candidate reloads output_rate.rates_file (rate-change rows at every level)")
+    flag("--outrate-spec-health", "also run the spec-health checks")
 
 
 class GateCheckItem(pytest.Item):

@@ -57,6 +57,7 @@ from typing import Any, NoReturn
 
 import click
 
+from vllm_output_rate.clitools import flag_option
 from vllm_output_rate.reference.config import OutputRateConfigError, loads_no_duplicates, parse_output_rate
 from vllm_output_rate.reference.limiter import parse_rate
 
@@ -274,31 +275,19 @@ def build_command(
     user_rates: str | None = None,
     max_num_seqs: int | None = None,
     max_num_active_seqs: int | None = None,
-    trace_path: str | None = None,
-    burst_ms: int | None = None,
-    max_num_seqs_per_user: int | None = None,
-    shadow: bool = False,
-    rates_file: str | None = None,
-    shared_budget_url: str | None = None,
+    **flags: Any,
 ) -> list[str]:
     """The full command line (argv) that starts vLLM's OpenAI server.
+
+    ``flags``: the other keywords of ``build_output_rate_section`` (``trace_path``,
+    ``burst_ms``, ``max_num_seqs_per_user``, ``shadow``, ``rates_file``,
+    ``shared_budget_url``), left out or None (``shadow``: False) for a flag not given.
 
     Raises:
         click.UsageError: bad flags (see ``build_output_rate_section``), or a conflicting
             ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
     """
-    section = build_output_rate_section(
-        default_rate,
-        user_rates,
-        max_num_seqs,
-        max_num_active_seqs,
-        trace_path,
-        burst_ms,
-        max_num_seqs_per_user,
-        shadow=shadow,
-        rates_file=rates_file,
-        shared_budget_url=shared_budget_url,
-    )
+    section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, **flags)
     args, scheduler_cls = _scheduler_class(list(vllm_args))
     args, additional = _additional_config(args)
     additional["output_rate"] = section
@@ -406,6 +395,12 @@ def _refuse_misspelt_flags(args: list[str]) -> None:
             raise click.UsageError(f"no such option {arg.split('=', 1)[0]}: did you mean {near}?")
 
 
+def _cap_option(flag: str, metavar: str, help_text: str) -> Any:
+    """A cap on requests (``FLAG N``, a whole number >= 1; parameter: the flag's name, e.g.
+    ``--max-num-seqs`` -> ``max_num_seqs``), ``multiple`` so that ``_once`` refuses a repeat."""
+    return click.option(flag, type=click.IntRange(min=1), multiple=True, metavar=metavar, help=help_text)
+
+
 @click.command(
     "serve",
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
@@ -427,20 +422,8 @@ def _refuse_misspelt_flags(args: list[str]) -> None:
     multiple=True,
     help="""Per-user overrides, e.g. '{"user-a": 100, "user-b": 500}'.""",
 )
-@click.option(
-    "--max-num-seqs",
-    type=click.IntRange(min=1),
-    multiple=True,
-    metavar="M",
-    help="Resident requests (worker slots); throttled requests keep theirs.",
-)
-@click.option(
-    "--max-num-active-seqs",
-    type=click.IntRange(min=1),
-    multiple=True,
-    metavar="A",
-    help="Requests in a step's batch (A <= M); throttled ones do not count.",
-)
+@_cap_option("--max-num-seqs", "M", "Resident requests (worker slots); throttled requests keep theirs.")
+@_cap_option("--max-num-active-seqs", "A", "Requests in a step's batch (A <= M); throttled ones do not count.")
 @click.option(
     FLAG_BURST,
     "burst_ms",
@@ -450,13 +433,10 @@ def _refuse_misspelt_flags(args: list[str]) -> None:
     help="Burst tolerance in whole milliseconds (default 100): a user idle for a while may "
     "get floor(MS/1000 x rate) + 1 tokens at once.",
 )
-@click.option(
+@_cap_option(
     FLAG_PER_USER,
-    "max_num_seqs_per_user",
-    type=click.IntRange(min=1),
-    multiple=True,
-    metavar="C",
-    help="R20: resident requests one user may hold (C <= M); a user at C waits while others "
+    "C",
+    "R20: resident requests one user may hold (C <= M); a user at C waits while others "
     "are admitted. Default: no cap (one user's streams may hold every slot).",
 )
 @click.option(
@@ -483,14 +463,12 @@ def _refuse_misspelt_flags(args: list[str]) -> None:
     help="R23-R26: redis://host:port/db (or rediss://, unix://, valkey://) of the store every engine "
     "shares; each user then has one budget across all engines given the same URL.",
 )
-@click.option(
+@flag_option(
     FLAG_SHADOW,
-    "shadow",
-    is_flag=True,
-    help="Shadow mode: count and report (log, /metrics, trace) what would be throttled, and "
+    "Shadow mode: count and report (log, /metrics, trace) what would be throttled, and "
     "throttle nothing; the schedule is stock vLLM's. For rolling the limits out.",
 )
-@click.option("--print-command", is_flag=True, help="Print the vLLM command and exit without starting it.")
+@flag_option("--print-command", "Print the vLLM command and exit without starting it.")
 @click.pass_context
 def serve(
     ctx,
@@ -520,9 +498,9 @@ def serve(
         _once(user_rates, FLAG_USERS),
         _once(max_num_seqs, "--max-num-seqs"),
         _once(max_num_active_seqs, "--max-num-active-seqs"),
-        _once(trace_path, FLAG_TRACE),
-        _once(burst_ms, FLAG_BURST),
-        _once(max_num_seqs_per_user, FLAG_PER_USER),
+        trace_path=_once(trace_path, FLAG_TRACE),
+        burst_ms=_once(burst_ms, FLAG_BURST),
+        max_num_seqs_per_user=_once(max_num_seqs_per_user, FLAG_PER_USER),
         shadow=shadow,
         rates_file=_once(rates_file, FLAG_RATES_FILE),
         shared_budget_url=_once(shared_budget_url, FLAG_SHARED_BUDGET),

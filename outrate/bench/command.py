@@ -39,7 +39,7 @@ from vllm_output_rate.bench.render import (
 )
 from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler
 from vllm_output_rate.bench.shared import measure_all_shared, shared_configs
-from vllm_output_rate.clitools import bar_progress, json_option
+from vllm_output_rate.clitools import bar_progress, flag_option, json_option, output_file_option
 
 
 def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
@@ -56,14 +56,8 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
 
 @click.command()
 @json_option()
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a PNG plot of per-step cost against running requests here.",
-)
-@click.option("--quick", is_flag=True, help="Tiny sizes and few repetitions (for tests); numbers are rough.")
+@output_file_option("--plot", "plot_path", "Write a PNG plot of per-step cost against running requests here.")
+@flag_option("--quick", "Tiny sizes and few repetitions (for tests); numbers are rough.")
 @click.option("--sizes", default=None, metavar="N,N,...", help="Numbers of running requests to time.")
 @click.option(
     "--rounds",
