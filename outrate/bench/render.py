@@ -102,6 +102,11 @@ def _shared_table(shared: dict[str, Any], clock: str) -> Table:
     return table
 
 
+def _met(ok: bool) -> str:
+    """A target's result cell: green "met" or red "missed"."""
+    return "[green]met[/]" if ok else "[red]missed[/]"
+
+
 def _limiter_table(lim: dict[str, Any]) -> Table:
     table = Table(title=f"OutputRateLimiter, {lim['users']} users, median of {lim['batches']} batches")
     table.add_column("operation")
@@ -118,7 +123,7 @@ def _limiter_table(lim: dict[str, Any]) -> Table:
             name,
             f"{rate:,.0f}",
             f"{1e9 / rate:.0f}",
-            "[green]met[/]" if rate >= lim["target_per_s"] else "[red]missed[/]",
+            _met(rate >= lim["target_per_s"]),
         )
     return table
 
@@ -131,14 +136,13 @@ def _live_table(live: dict[str, Any]) -> Table:
     )
     for col in ("measure", "value", "target", "result"):
         table.add_column(col, justify="left" if col in ("measure", "target") else "right")
-    ok = live["ratio"] >= LIVE_RATIO_TARGET
     table.add_row("tokens/s, feature off", f"{live['tokens_per_s_off']:,.0f}", "", "")
     table.add_row("tokens/s, on, not binding", f"{live['tokens_per_s_on']:,.0f}", "", "")
     table.add_row(
         "ratio on / off (median of per-round ratios; min-max)",
         f"{live['ratio']:.3f} ({t['ratio_min']:.2f}-{t['ratio_max']:.2f})",
         f">= {LIVE_RATIO_TARGET}",
-        "[green]met[/]" if ok else "[red]missed[/]",
+        _met(live["ratio"] >= LIVE_RATIO_TARGET),
     )
     if "ratio_quartiles" in t:
         q1, q3 = t["ratio_quartiles"]
@@ -157,28 +161,21 @@ def _live_table(live: dict[str, Any]) -> Table:
             "~1",
             "",
         )
-    cpu_ok = live["engine_cpu_throttled_with_wait"] < LIVE_CPU_TARGET_PERCENT
-    table.add_row(
-        "engine CPU % throttled, wait plugin",
-        f"{live['engine_cpu_throttled_with_wait']:.1f}",
-        f"< {LIVE_CPU_TARGET_PERCENT:g}",
-        "[green]met[/]" if cpu_ok else "[red]missed[/]",
-    )
-    table.add_row('engine CPU % throttled, VLLM_PLUGINS=""', f"{live['engine_cpu_throttled_without_wait']:.1f}", "", "")
+    cpu_rows = [("engine CPU % throttled, wait plugin", 'engine CPU % throttled, VLLM_PLUGINS=""', "engine_cpu")]
     if live.get("engine_worker_cpu_throttled_with_wait") is not None:
-        both_ok = live["engine_worker_cpu_throttled_with_wait"] < LIVE_CPU_TARGET_PERCENT
-        table.add_row(
-            "engine core + worker CPU % throttled, plugin",
-            f"{live['engine_worker_cpu_throttled_with_wait']:.1f}",
-            f"< {LIVE_CPU_TARGET_PERCENT:g}",
-            "[green]met[/]" if both_ok else "[red]missed[/]",
+        cpu_rows.append(
+            (
+                "engine core + worker CPU % throttled, plugin",
+                'engine core + worker CPU % throttled, VLLM_PLUGINS=""',
+                "engine_worker_cpu",
+            )
         )
+    for with_wait, without_wait, key in cpu_rows:
+        percent = live[f"{key}_throttled_with_wait"]
         table.add_row(
-            'engine core + worker CPU % throttled, VLLM_PLUGINS=""',
-            f"{live['engine_worker_cpu_throttled_without_wait']:.1f}",
-            "",
-            "",
+            with_wait, f"{percent:.1f}", f"< {LIVE_CPU_TARGET_PERCENT:g}", _met(percent < LIVE_CPU_TARGET_PERCENT)
         )
+        table.add_row(without_wait, f"{live[f'{key}_throttled_without_wait']:.1f}", "", "")
     return table
 
 
@@ -298,22 +295,15 @@ def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
         for fraction in sorted({r.throttled_fraction for r in mine}):
             sel = sorted((r for r in mine if r.throttled_fraction == fraction), key=lambda r: r.running)
             label = f"reference, {fraction:.0%} throttled ({mode})"
-            ax_cost.plot(
-                [r.running for r in sel],
-                [r.reference_us for r in sel],
-                dash,
-                color=colors.get(fraction, "tab:green"),
-                marker="s",
-                label=label,
-            )
-            ax_ratio.plot(
-                [r.running for r in sel],
-                [r.ratio for r in sel],
-                dash,
-                color=colors.get(fraction, "tab:green"),
-                marker="s",
-                label=label,
-            )
+            for ax, field in ((ax_cost, "reference_us"), (ax_ratio, "ratio")):
+                ax.plot(
+                    [r.running for r in sel],
+                    [getattr(r, field) for r in sel],
+                    dash,
+                    color=colors.get(fraction, "tab:green"),
+                    marker="s",
+                    label=label,
+                )
     for ax in (ax_cost, ax_ratio):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("running requests")
