@@ -17,6 +17,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
+# R18's row is a ``feature_off.PairedCheck``, defined beside the side-by-side run it uses
+from vllm_output_rate.adapter.feature_off import check_feature_off as check_feature_off
+
 PROFILES = {
     # examples per check: limiter differential, real scheduler sync / async (ample), each
     # invariants check (pressure), and per check when hunting one mutant
@@ -65,24 +68,39 @@ class CheckResult:
     coverage: dict[str, Any] | None = None
 
     def as_json(self) -> dict:
-        return {
-            "name": self.name,
-            "part": self.part,
-            "level": self.level,
-            "failed_level": self.failed_level,
-            "minimal": self.minimal,
-            "rules": self.rules,
-            "examples": self.examples,
-            "steps": self.steps,
-            "result": self.result,
-            "seconds": round(self.seconds, 3),
-            "failure": self.failure,
-            "counterexample": self.counterexample,
-            "saved": self.saved,
-        }
+        """The row as a JSON-ready dict, keys in ``CHECK_RESULT_JSON_KEYS`` order
+        (``scenarios`` and ``coverage`` are added by the report when set)."""
+        return fields_as_json(self, CHECK_RESULT_JSON_KEYS, rounded={"seconds": 3})
 
 
-def _settings(examples: int) -> settings:
+CHECK_RESULT_JSON_KEYS = (
+    "name",
+    "part",
+    "level",
+    "failed_level",
+    "minimal",
+    "rules",
+    "examples",
+    "steps",
+    "result",
+    "seconds",
+    "failure",
+    "counterexample",
+    "saved",
+)
+
+
+def fields_as_json(record: Any, keys: tuple[str, ...], rounded: dict[str, int] | None = None) -> dict[str, Any]:
+    """``{key: record.key}`` for ``keys``, in that order (a JSON report's key order); a
+    key in ``rounded`` has its value rounded to that many decimal digits (seconds)."""
+    rounded = rounded or {}
+    return {key: round(getattr(record, key), rounded[key]) if key in rounded else getattr(record, key) for key in keys}
+
+
+def hunt_settings(examples: int) -> settings:
+    """The Hypothesis settings of every gate hunt: ``examples`` scenarios, no deadline, no
+    example database (a run depends only on its seed), every health check off, generate
+    and shrink phases only, no reproduction blob printed."""
     return settings(
         max_examples=examples,
         deadline=None,
@@ -100,7 +118,7 @@ def check_limiter_differential(examples: int, seed: int, tick: Callable[[], None
     result = CheckResult("limiter-differential", ["R1", "R2", "R3", "R4", "R5", "R6"], part="spec health")
     last: dict = {}
 
-    @_settings(examples)
+    @hunt_settings(examples)
     @hseed(seed)
     @given(ops=operations(60))
     def prop(ops):
@@ -215,72 +233,6 @@ def _record_failure(result: CheckResult, verdict, scenario) -> None:
     result.counterexample = scenario.events()
 
 
-def check_feature_off(
-    scheduler_cls: str,
-    async_mode: bool,
-    examples: int,
-    max_steps: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
-    style=None,
-) -> CheckResult:
-    """R18 (level must): with no output-rate configuration, the candidate is stock vLLM's
-    ``Scheduler`` / ``AsyncScheduler`` step for step (``adapter/feature_off.py``), on
-    scenarios with and without resource pressure."""
-    from hypothesis import strategies as st
-
-    from vllm_output_rate.adapter.feature_off import run_feature_off
-    from vllm_output_rate.adapter.scenarios import feature_off, pressured_scenarios, scenarios
-
-    name = "feature-off/" + ("async" if async_mode else "sync")
-    strategy = st.one_of(
-        scenarios(async_scheduling=async_mode, max_steps=max_steps),
-        pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps),
-    )
-    return check_paired(
-        name,
-        ["R18"],
-        strategy,
-        lambda scenario: run_feature_off(scheduler_cls, scenario, style),
-        scheduler_cls,
-        examples,
-        seed,
-        tick,
-        save_dir,
-        feature_off,
-    )
-
-
-def check_paired(
-    name: str,
-    rules: list[str],
-    strategy,
-    run: Callable,
-    scheduler_cls: str,
-    examples: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
-    as_run: Callable,
-    level: str = "must",
-) -> CheckResult:
-    """A check that runs the candidate beside stock vLLM (R18 ``feature-off/*``, R19
-    ``not-binding/*``): ``run(scenario) -> Verdict`` on ``examples`` seeded scenarios of
-    ``strategy``; a failure is shrunk, made 1-minimal and saved as ``as_run(scenario)``
-    (the scenario as the candidate ran it). ``level``: the row's level."""
-    from vllm_output_rate.adapter.scenarios import minimize
-
-    result = CheckResult(name, rules, level=level)
-    run = _guarded(run, scheduler_cls)
-    failed = _hunt(result, strategy, run, examples, seed, tick)
-    if failed is not None:
-        scenario = as_run(minimize(scheduler_cls, failed[0], run=run))
-        _record_failure(result, run(scenario), scenario)
-        _save_counterexample(result, scenario, save_dir)
-    return result
-
-
 def _hunt(
     result: CheckResult, strategy, run: Callable, examples: int, seed: int, tick: Callable[[], None]
 ) -> tuple[Any, Any] | None:
@@ -291,7 +243,7 @@ def _hunt(
     """
     last: dict = {}
 
-    @_settings(examples)
+    @hunt_settings(examples)
     @hseed(seed)
     @given(scenario=strategy)
     def prop(scenario):

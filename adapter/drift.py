@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import seed as hseed
 
+from vllm_output_rate.adapter.conform import fields_as_json, hunt_settings
 from vllm_output_rate.adapter.fidelity import StepScenario, StepVerdict, base_scenarios, describe_failure, run_base
 from vllm_output_rate.spec.versions import VllmVersionProfile
 
@@ -50,16 +51,19 @@ class RuleDrift:
 
     def as_json(self) -> dict:
         """JSON-ready form (the scenario in the replayable step-scenario format)."""
-        return {
-            "rule": self.rule,
-            "mode": self.mode,
-            "failure": self.failure,
-            "counterexample": self.counterexample,
-            "events": self.events,
-            "seconds_to_find": round(self.seconds_to_find, 2),
-            "seconds_to_minimize": round(self.seconds_to_minimize, 2),
-            "examples": self.examples,
-        }
+        return fields_as_json(self, RULE_DRIFT_JSON_KEYS, rounded={"seconds_to_find": 2, "seconds_to_minimize": 2})
+
+
+RULE_DRIFT_JSON_KEYS = (
+    "rule",
+    "mode",
+    "failure",
+    "counterexample",
+    "events",
+    "seconds_to_find",
+    "seconds_to_minimize",
+    "examples",
+)
 
 
 @dataclass
@@ -136,14 +140,7 @@ def _hunt_once(
     """One Hypothesis hunt for a divergence of a rule not in ``known``, shrunk on that rule."""
     target: dict[str, Any] = {}  # the first rule found, and its scenario and verdict
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        phases=[Phase.generate, Phase.shrink],
-        print_blob=False,
-    )
+    @hunt_settings(examples)
     @hseed(seed)
     @given(scenario=base_scenarios(async_mode, DRIFT_MAX_STEPS))
     def prop(scenario: StepScenario) -> None:

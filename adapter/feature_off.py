@@ -10,14 +10,30 @@ charges or reorders with the feature off fails here with the first differing ste
 (``adapter/not_binding.py``: the feature on, never binding) and with the shadow-mode check
 (``run_shadow`` here: the feature on with binding rates and ``output_rate.shadow: true``,
 which must also be stock step for step; docs/SPEC.md, Decision "Shadow mode").
+``PairedCheck`` is such a gate row as data: ``check_feature_off`` and ``check_shadow`` here,
+``check_not_binding`` in ``adapter/not_binding.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from hypothesis import strategies as st
 
 from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
-from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, Scenario, Verdict, build_harness, feature_off
+from vllm_output_rate.adapter.scenarios import (
+    DRAIN_STEP_LIMIT,
+    Scenario,
+    Verdict,
+    build_harness,
+    feature_off,
+    minimize,
+    pressured_scenarios,
+    scenarios,
+)
 
 
 def base_class(async_mode: bool) -> str:
@@ -117,21 +133,53 @@ def run_shadow(scheduler_cls: str, scenario: Scenario) -> Verdict:
     feature on, its own (binding) rates and ``output_rate.shadow: true`` on
     ``scheduler_cls``, against the same scenario with no output-rate configuration on stock
     vLLM: identical batches, preemptions, admissions and finishes, step for step."""
-    scenario = replace(scenario, feature_on=True)
-    steps, difference = first_difference(scheduler_cls, scenario, feature_off(scenario), None, SHADOW)
+    return verdict_against_stock(
+        scheduler_cls,
+        replace(scenario, feature_on=True),
+        None,
+        "shadow",
+        "exact",
+        lambda d: (
+            f"in shadow mode (output_rate.shadow: true), {d.name} scheduled {d.where} {d.field} {d.got!r} "
+            f"where stock vLLM {d.stock} has {d.want!r}: shadow mode counts what it would throttle and "
+            "throttles nothing, so its schedule is the base class's step for step"
+        ),
+        output_rate_extra=SHADOW,
+    )
+
+
+class StockDifference(NamedTuple):
+    """The first difference of a side-by-side run, named for a message: the candidate's
+    class name, stock vLLM's class name, "at step N" or "by the end", the field that
+    differs (batch, preempted, admitted, finished), the candidate's and stock's values."""
+
+    name: str
+    stock: str
+    where: str
+    field: str
+    got: object
+    want: object
+
+
+def verdict_against_stock(
+    scheduler_cls: str,
+    scenario: Scenario,
+    style: Any,
+    rule: str,
+    level: str,
+    message: Callable[[StockDifference], str],
+    output_rate_extra: dict | None = None,
+) -> Verdict:
+    """``scenario`` on ``scheduler_cls`` (configured by ``style``, plus ``output_rate_extra``
+    in its ``output_rate`` section) against ``feature_off(scenario)`` on stock vLLM, side by
+    side (``first_difference``): the first difference fails with ``message(difference)``,
+    named ``rule`` at ``level`` (R19 ``not-binding``, shadow mode)."""
+    steps, difference = first_difference(scheduler_cls, scenario, feature_off(scenario), style, output_rate_extra)
     if difference is None:
         return Verdict(steps, None)
     step, field, got, want = difference
     name, stock, where = difference_names(scheduler_cls, scenario.async_scheduling, step)
-    return Verdict(
-        steps,
-        f"in shadow mode (output_rate.shadow: true), {name} scheduled {where} {field} {got!r} "
-        f"where stock vLLM {stock} has {want!r}: shadow mode counts what it would throttle and "
-        "throttles nothing, so its schedule is the base class's step for step",
-        "shadow",
-        step,
-        level="exact",
-    )
+    return Verdict(steps, message(StockDifference(name, stock, where, field, got, want)), rule, step, level=level)
 
 
 def difference_names(scheduler_cls: str, async_mode: bool, step: int | None) -> tuple[str, str, str]:
@@ -141,43 +189,102 @@ def difference_names(scheduler_cls: str, async_mode: bool, step: int | None) -> 
     return scheduler_cls.rpartition(".")[2], stock, f"at step {step}" if step is not None else "by the end"
 
 
-def check_shadow(
-    scheduler_cls: str, async_mode: bool, examples: int, max_steps: int, seed: int, tick, save_dir, style=None
-):
-    """The gate's ``shadow/{sync,async}`` row (level exact): ``run_shadow`` on ``examples``
-    seeded scenarios (ample and pressured, rates 0.3-1000 tokens/s so that the shadow limiter
-    would throttle); a failure is shrunk, made 1-minimal and saved as the candidate ran it.
-    ``style`` other than ``additional_config`` cannot express ``shadow``: the row is then
-    NOT TESTED."""
-    from hypothesis import strategies as st
-
-    from vllm_output_rate.adapter.conform import CheckResult, check_paired
-    from vllm_output_rate.adapter.scenarios import pressured_scenarios, scenarios
-
-    name = "shadow/" + ("async" if async_mode else "sync")
-    if style is not None and getattr(style, "name", None) != "additional-config":
-        return CheckResult(
-            name,
-            ["shadow"],
-            result="not tested",
-            level="exact",
-            failure=f'shadow mode is configured as additional_config["output_rate"]["shadow"]; '
-            f"--config-style {style.name} cannot express it",
-        )
-    strategy = st.one_of(
+def ample_or_pressured(async_mode: bool, max_steps: int):
+    """Hypothesis strategy: the gate's ample (``scenarios``) or pressured
+    (``pressured_scenarios``) scenarios of one mode, ``max_steps`` steps at most."""
+    return st.one_of(
         scenarios(async_scheduling=async_mode, max_steps=max_steps),
         pressured_scenarios(async_scheduling=async_mode, max_steps=max_steps),
     )
-    return check_paired(
-        name,
-        ["shadow"],
-        strategy,
-        lambda scenario: run_shadow(scheduler_cls, scenario),
-        scheduler_cls,
-        examples,
-        seed,
-        tick,
-        save_dir,
-        lambda sc: sc,
-        level="exact",
+
+
+def _every_style(style: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class PairedCheck:
+    """A gate row that runs the candidate beside stock vLLM, described as data (R18
+    ``feature-off/*``, R19 ``not-binding/*``, shadow mode ``shadow/*``).
+
+    ``row``: the row's name before ``/sync`` or ``/async``; ``rules``: the rules it
+    covers; ``level``: its level; ``strategy(async_mode, max_steps)``: the scenarios it
+    draws; ``run(scheduler_cls, scenario, style) -> Verdict``; ``as_run(scenario)``: the
+    scenario as the candidate ran it (what a failure saves); ``unsupported(style)``: why
+    the row cannot run with that configuration style (its NOT TESTED reason), None if it can.
+
+    Called as ``check(scheduler_cls, async_mode, examples, max_steps, seed, tick, save_dir,
+    style=None)``: ``run`` on ``examples`` seeded scenarios, ``tick()`` after each; a
+    failure is shrunk by Hypothesis, made 1-minimal and saved as ``as_run(scenario)`` in
+    ``save_dir`` (None: not saved). Returns the ``adapter.conform.CheckResult`` row.
+    """
+
+    row: str
+    rules: tuple[str, ...]
+    level: str
+    strategy: Callable[[bool, int], Any]
+    run: Callable[[str, Scenario, Any], Verdict]
+    as_run: Callable[[Scenario], Scenario]
+    unsupported: Callable[[Any], str | None] = _every_style
+
+    def __call__(
+        self,
+        scheduler_cls: str,
+        async_mode: bool,
+        examples: int,
+        max_steps: int,
+        seed: int,
+        tick: Callable[[], None],
+        save_dir: Path | None,
+        style: Any = None,
+    ):
+        from vllm_output_rate.adapter.conform import CheckResult, _guarded, _hunt, _record_failure, _save_counterexample
+
+        name = f"{self.row}/{'async' if async_mode else 'sync'}"
+        why = self.unsupported(style)
+        if why is not None:
+            return CheckResult(name, list(self.rules), result="not tested", level=self.level, failure=why)
+        result = CheckResult(name, list(self.rules), level=self.level)
+        run = _guarded(lambda scenario: self.run(scheduler_cls, scenario, style), scheduler_cls)
+        failed = _hunt(result, self.strategy(async_mode, max_steps), run, examples, seed, tick)
+        if failed is not None:
+            scenario = self.as_run(minimize(scheduler_cls, failed[0], run=run))
+            _record_failure(result, run(scenario), scenario)
+            _save_counterexample(result, scenario, save_dir)
+        return result
+
+
+def _shadow_unsupported(style: Any) -> str | None:
+    if style is None or getattr(style, "name", None) == "additional-config":
+        return None
+    return (
+        f'shadow mode is configured as additional_config["output_rate"]["shadow"]; '
+        f"--config-style {style.name} cannot express it"
     )
+
+
+#: R18 (level must): with no output-rate configuration, the candidate is stock vLLM's
+#: ``Scheduler`` / ``AsyncScheduler`` step for step (``run_feature_off``), on scenarios with
+#: and without resource pressure; rows ``feature-off/{sync,async}``.
+check_feature_off = PairedCheck(
+    "feature-off",
+    ("R18",),
+    "must",
+    ample_or_pressured,
+    run_feature_off,
+    feature_off,
+)
+
+#: The gate's ``shadow/{sync,async}`` row (level exact): ``run_shadow`` on seeded scenarios
+#: (ample and pressured, rates 0.3-1000 tokens/s so that the shadow limiter would
+#: throttle); a failure is saved as the candidate ran it. A ``style`` other than
+#: ``additional_config`` cannot express ``shadow``: the row is then NOT TESTED.
+check_shadow = PairedCheck(
+    "shadow",
+    ("shadow",),
+    "exact",
+    ample_or_pressured,
+    lambda scheduler_cls, scenario, style: run_shadow(scheduler_cls, scenario),
+    lambda scenario: scenario,
+    unsupported=_shadow_unsupported,
+)

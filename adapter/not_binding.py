@@ -17,20 +17,17 @@ the check also draws the generic ample and pressured scenarios.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from fractions import Fraction
-from pathlib import Path
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter.feature_off import difference_names, first_difference
+from vllm_output_rate.adapter.feature_off import PairedCheck, verdict_against_stock
 from vllm_output_rate.adapter.scenarios import (
     STEP_INTERVALS_NS,
     RequestSpec,
     Scenario,
     Verdict,
-    feature_off,
     pressured_scenarios,
     scenarios,
     spec_limiter_user,
@@ -116,54 +113,30 @@ def run_not_binding(scheduler_cls: str, scenario: Scenario, style=None) -> Verdi
     admissions and finishes, step for step. ``failure`` names the first difference.
     ``style``: how the candidate is configured (``adapter/configstyle.py``).
     """
-    scenario = never_binding(scenario)
-    steps, difference = first_difference(scheduler_cls, scenario, feature_off(scenario), style)
-    if difference is None:
-        return Verdict(steps, None)
-    step, field, got, want = difference
-    name, stock, where = difference_names(scheduler_cls, scenario.async_scheduling, step)
-    return Verdict(
-        steps,
-        (
-            f"with no user throttled (every rate {NEVER_BINDING_RATE} tokens/s), {name} scheduled {where} "
-            f"{field} {got!r} where stock vLLM {stock} has {want!r}: a rate limit that does not bind must not "
-            "change the schedule. vLLM spends the token budget in `running` order; the article's own rotation "
+    return verdict_against_stock(
+        scheduler_cls,
+        never_binding(scenario),
+        style,
+        "R19",
+        "should",
+        lambda d: (
+            f"with no user throttled (every rate {NEVER_BINDING_RATE} tokens/s), {d.name} scheduled {d.where} "
+            f"{d.field} {d.got!r} where stock vLLM {d.stock} has {d.want!r}: a rate limit that does not bind must "
+            "not change the schedule. vLLM spends the token budget in `running` order; the article's own rotation "
             "(swapping a user's streams in `running` at each step start) fails this too, starving other users' "
             "streams behind a long prompt moved ahead"
         ),
-        "R19",
-        step,
-        level="should",
     )
 
 
-def check_not_binding(
-    scheduler_cls: str,
-    async_mode: bool,
-    examples: int,
-    max_steps: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
-    style=None,
-):
-    """R19 (level should): ``run_not_binding`` on ``examples`` seeded scenarios (the stall
-    shape, ample, pressured); a failure is shrunk, made 1-minimal and saved with its rates
-    at 10^6 tokens/s. Returns the ``adapter.conform.CheckResult`` row
-    ``not-binding/{sync,async}``."""
-    from vllm_output_rate.adapter.conform import check_paired
-
-    name = "not-binding/" + ("async" if async_mode else "sync")
-    return check_paired(
-        name,
-        ["R19", "R14"],
-        not_binding_scenarios(async_mode, max_steps),
-        lambda scenario: run_not_binding(scheduler_cls, scenario, style),
-        scheduler_cls,
-        examples,
-        seed,
-        tick,
-        save_dir,
-        never_binding,
-        level="should",
-    )
+#: R19 (level should): ``run_not_binding`` on seeded scenarios (``not_binding_scenarios``:
+#: the stall shape, ample, pressured); a failure is shrunk, made 1-minimal and saved with
+#: its rates at 10^6 tokens/s; rows ``not-binding/{sync,async}``.
+check_not_binding = PairedCheck(
+    "not-binding",
+    ("R19", "R14"),
+    "should",
+    not_binding_scenarios,
+    run_not_binding,
+    never_binding,
+)

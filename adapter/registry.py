@@ -98,6 +98,13 @@ def _cls(options: GateOptions, async_mode: bool) -> str:
     return cls
 
 
+def _configured_as(options: GateOptions) -> dict[str, Any]:
+    """How the candidate is configured, as the keyword arguments of the scenario checks
+    (``check_scheduler``, ``check_white_box``, ``check_boundaries``): its configuration
+    ``style`` and whether it takes ``integer_rates`` only."""
+    return {"style": options.style, "integer_rates": options.integer_rates}
+
+
 def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:
     from vllm_output_rate.adapter import conform as gate
 
@@ -116,9 +123,8 @@ def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:
             options.save_dir,
             pressured=pressured,
             level=options.level,
-            style=options.style,
-            integer_rates=options.integer_rates,
             burst_configurable=options.burst_configurable,
+            **_configured_as(options),
         )
         return result
 
@@ -200,8 +206,7 @@ def _white_box_check(async_mode: bool) -> CheckSpec:
             tick,
             options.save_dir,
             burst_configurable=options.burst_configurable,
-            style=options.style,
-            integer_rates=options.integer_rates,
+            **_configured_as(options),
         )
 
     rules = ("R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16")
@@ -377,9 +382,8 @@ def _boundaries_check(async_mode: bool) -> CheckSpec:
             tick,
             options.save_dir,
             level=options.level,
-            style=options.style,
-            integer_rates=options.integer_rates,
             per_boundary=per_boundary(options),
+            **_configured_as(options),
         )
 
     from vllm_output_rate.adapter.boundaries import BOUNDARIES
