@@ -76,7 +76,13 @@ class StepScenario:
         assert len(self.events) <= MAX_SCENARIO_EVENTS, f"{len(self.events)} events > {MAX_SCENARIO_EVENTS}"
 
     def lines(self) -> list[str]:
-        """The scenario as short printable lines (config first, then events)."""
+        """The scenario as short printable lines: ``config_line()`` first, then the events,
+        numbered from 0."""
+        return [self.config_line()] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
+
+    def config_line(self) -> str:
+        """The engine configuration on one line (a scenario family with a fixed shape
+        overrides it to name what that shape varies)."""
         c = self.config
         head = (
             f"config: seqs={c.max_num_seqs} active={c.max_num_active_seqs} budget={c.max_num_batched_tokens} "
@@ -93,7 +99,7 @@ class StepScenario:
                 head += f" seqs_per_user={c.max_num_seqs_per_user}"
         if c.max_loras is not None:
             head += f" max_loras={c.max_loras}"
-        return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
+        return head
 
     def to_json(self) -> str:
         config = asdict(self.config)

@@ -26,17 +26,15 @@ victim and vLLM 0.32's own count: crashes on 0.32).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter.residency import ResidencyScenario, hunt_row
+from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.residency import HuntedCheck, p3_verdict
 from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
-from vllm_output_rate.spec.properties import first_cut
 from vllm_output_rate.spec.state import EngineConfig
 
 SLOW_USER = "slow"
@@ -49,17 +47,17 @@ DRAIN_INTERVAL_NS = 50_000_000
 EXAMPLES = {"quick": 8, "ci": 30, "release": 200}
 
 
-class LoraScenario(ResidencyScenario):
-    """A LoRA-slot scenario: the engine configuration (``max_loras`` set) and events."""
+class LoraScenario(StepScenario):
+    """A LoRA-slot scenario: the engine configuration (``max_loras`` set) and events; saved
+    as a plain step scenario."""
 
-    def lines(self) -> list[str]:
+    def config_line(self) -> str:
         c = self.config
-        head = (
+        return (
             f"config: max_loras={c.max_loras} max_num_seqs={c.max_num_seqs} budget={c.max_num_batched_tokens} "
             f"chunked={c.chunked_prefill} async={c.async_scheduling} policy={c.policy} rates: {SLOW_USER}="
             f"{dict(c.user_rates_tokens_per_s).get(SLOW_USER)} {FAST_USER}={FAST_RATE}"
         )
-        return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
 
 
 @st.composite
@@ -154,43 +152,17 @@ def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None) -> V
         harness.advance(DRAIN_INTERVAL_NS)
     if scenario.config.async_scheduling:
         harness.drain()
-    cut = first_cut(harness.finished, max_tokens)
-    if cut is not None:
-        rid, got = cut
-        return Verdict(
-            steps,
-            f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
-            f"{DRAIN_STEPS} steps after the scenario",
-            level="must",
-        )
-    return Verdict(steps)
+    return p3_verdict(harness.finished, max_tokens, steps, DRAIN_STEPS, level="must")
 
 
-def check_lora(
-    scheduler_cls: str,
-    async_mode: bool,
-    examples: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
-    style: Any = None,
-):
-    """``run_lora`` on ``examples`` seeded LoRA scenarios; a failure is shrunk by
-    Hypothesis and saved. Returns the ``CheckResult`` row ``lora-slots/{sync,async}``."""
-    from vllm_output_rate.adapter.conform import CheckResult
-
-    name = "lora-slots/" + ("async" if async_mode else "sync")
-    result = CheckResult(name, ["R11", "R13"], level="should")
-    return hunt_row(
-        result,
-        lora_scenarios(async_mode),
-        lambda scenario: run_lora(scheduler_cls, scenario, style),
-        scheduler_cls,
-        examples,
-        seed,
-        tick,
-        save_dir,
-        rule="R13",
-        level="should",
-        crash_note=" (with LoRA requests every request on the engine fails)",
-    )
+#: ``run_lora`` on seeded LoRA scenarios; a failure is shrunk by Hypothesis and saved;
+#: rows ``lora-slots/{sync,async}`` (level should; a crash is a must).
+check_lora = HuntedCheck(
+    "lora-slots",
+    ("R11", "R13"),
+    "should",
+    lora_scenarios,
+    run_lora,
+    rule="R13",
+    crash_note=" (with LoRA requests every request on the engine fails)",
+)

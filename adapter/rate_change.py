@@ -34,18 +34,16 @@ import math
 import os
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.residency import HuntedCheck, p3_verdict
 from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
-from vllm_output_rate.spec.properties import first_cut
 from vllm_output_rate.spec.state import EngineConfig
 
 RATES = ("0.5", "2", "5", "10", "20", "50", "200")
@@ -55,26 +53,17 @@ DRAIN_STEPS = 3000  # bound on the steps after a scenario for every request to f
 DRAIN_INTERVAL_NS = 200_000_000  # 90 tokens at 0.5 tok/s take 180 s
 
 
-@dataclass(frozen=True)
-class RateChangeScenario:
-    """A rate-change scenario: the engine configuration (spec ``EngineConfig``) and events."""
+class RateChangeScenario(StepScenario):
+    """A rate-change scenario: the engine configuration (spec ``EngineConfig``) and events;
+    saved as a plain step scenario."""
 
-    config: EngineConfig
-    events: tuple[Event, ...]
-
-    def lines(self) -> list[str]:
+    def config_line(self) -> str:
         c = self.config
         rates = ", ".join(f"{u}={r}" for u, r in c.user_rates_tokens_per_s)
-        head = (
+        return (
             f"config: async={c.async_scheduling} chunked={c.chunked_prefill} default_rate="
             f"{c.default_rate_tokens_per_s} rates=[{rates}] (ample budget, KV and seats)"
         )
-        return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
-
-    def to_json(self) -> str:
-        from vllm_output_rate.adapter.fidelity import StepScenario
-
-        return StepScenario(self.config, self.events).to_json()
 
 
 def _table(draw) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -243,61 +232,23 @@ def _run(harness, scenario: RateChangeScenario) -> Verdict:
         harness.advance(DRAIN_INTERVAL_NS)
     if config.async_scheduling:
         harness.drain()
-    cut = first_cut(harness.finished, max_tokens)
-    if cut is not None:
-        rid, got = cut
-        return Verdict(
-            steps,
-            f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
-            f"{DRAIN_STEPS} steps after the scenario (a rate change pauses, never cuts)",
-            "P3",
-        )
-    return Verdict(steps)
-
-
-def style_has_rates_file(style: Any) -> bool:
-    """The candidate is configured through ``additional_config["output_rate"]`` (where
-    ``rates_file`` lives); the article's flags have no rates file."""
-    from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
-
-    return style is None or isinstance(style, AdditionalConfigStyle)
-
-
-def check_rate_change(
-    scheduler_cls: str,
-    async_mode: bool,
-    examples: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
-    style: Any = None,
-    level: str = "exact",
-):
-    """R21: ``run_rate_change`` on ``examples`` seeded scenarios; a failure is shrunk by
-    Hypothesis and saved. ``level``: the level the row judges at (exact, or must when the
-    candidate declares the rates file). Returns the ``CheckResult`` row ``rate-change/{sync,async}``."""
-    from vllm_output_rate.adapter.conform import CheckResult
-    from vllm_output_rate.adapter.residency import hunt_row
-
-    name = "rate-change/" + ("async" if async_mode else "sync")
-    result = CheckResult(name, ["R21"], level=level)
-    if not style_has_rates_file(style):
-        result.result = "not tested"
-        result.failure = (
-            "the candidate's configuration style has no rates file (output_rate.rates_file): the "
-            "article's flags cannot change a rate without a restart"
-        )
-        return result
-
-    return hunt_row(
-        result,
-        rate_change_scenarios(async_mode),
-        lambda scenario: run_rate_change(scheduler_cls, scenario, style),
-        scheduler_cls,
-        examples,
-        seed,
-        tick,
-        save_dir,
-        rule=None,
-        level=level,
+    return p3_verdict(
+        harness.finished, max_tokens, steps, DRAIN_STEPS, " (a rate change pauses, never cuts)", rule="P3"
     )
+
+
+#: R21: ``run_rate_change`` on seeded scenarios; a failure is shrunk by Hypothesis and
+#: saved; rows ``rate-change/{sync,async}``, at level exact, or at the ``level`` the
+#: caller passes (must when the candidate declares the rates file).
+check_rate_change = HuntedCheck(
+    "rate-change",
+    ("R21",),
+    "exact",
+    rate_change_scenarios,
+    run_rate_change,
+    rule=None,
+    needs_output_rate=(
+        "the candidate's configuration style has no rates file (output_rate.rates_file): the "
+        "article's flags cannot change a rate without a restart"
+    ),
+)

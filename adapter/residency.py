@@ -35,6 +35,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter.fidelity import StepScenario
 from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
 from vllm_output_rate.spec.properties import first_cut
@@ -48,27 +49,18 @@ DRAIN_INTERVAL_NS = 50_000_000
 EXAMPLES = {"quick": 10, "ci": 40, "release": 300}  # flood scenarios per row and profile
 
 
-@dataclass(frozen=True)
-class ResidencyScenario:
-    """A flood scenario: the engine configuration (spec ``EngineConfig``, C set) and events."""
+class ResidencyScenario(StepScenario):
+    """A flood scenario: the engine configuration (spec ``EngineConfig``, C set) and events;
+    saved as a plain step scenario."""
 
-    config: EngineConfig
-    events: tuple[Event, ...]
-
-    def lines(self) -> list[str]:
+    def config_line(self) -> str:
         c = self.config
-        head = (
+        return (
             f"config: max_num_seqs={c.max_num_seqs} max_num_seqs_per_user={c.max_num_seqs_per_user} "
             f"budget={c.max_num_batched_tokens} chunked={c.chunked_prefill} async={c.async_scheduling} "
             f"blocks={c.num_blocks}x{c.block_size} rates: {FLOOD_USER}="
             f"{dict(c.user_rates_tokens_per_s).get(FLOOD_USER)} {OTHER_USER}={OTHER_RATE}"
         )
-        return [head] + [f"{i:3d} {e}" for i, e in enumerate(self.events)]
-
-    def to_json(self) -> str:
-        from vllm_output_rate.adapter.fidelity import StepScenario
-
-        return StepScenario(self.config, self.events).to_json()
 
 
 @st.composite
@@ -162,15 +154,34 @@ def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = 
         trace = harness.drain()
         if trace is not None:
             books.finish(trace)
-    cut = first_cut(harness.finished, books.max_tokens)
-    if cut is not None:
-        rid, got = cut
-        return Verdict(
-            steps,
-            f"P3: {rid} ended with {got!r}, expected ('length', {books.max_tokens[rid]}) "
-            f"within {DRAIN_STEPS} steps after the scenario (the cap delays, it never cuts)",
-        )
-    return Verdict(steps)
+    return p3_verdict(harness.finished, books.max_tokens, steps, DRAIN_STEPS, " (the cap delays, it never cuts)")
+
+
+def p3_verdict(
+    finished: dict[str, tuple[str, int]],
+    max_tokens: dict[str, int],
+    steps: int,
+    drain_steps: int,
+    note: str = "",
+    rule: str | None = None,
+    level: str | None = None,
+) -> Verdict:
+    """P3 once a scenario and its drain are over: ``Verdict(steps)`` if every request of
+    ``max_tokens`` (id -> output tokens) ended in ``finished`` (id -> (finish status, output
+    tokens)) with exactly its ``max_tokens``, else a failure naming the first that did not
+    within ``drain_steps`` steps after the scenario (``note`` appended: why nothing may be
+    cut), named ``rule`` at ``level``."""
+    cut = first_cut(finished, max_tokens)
+    if cut is None:
+        return Verdict(steps)
+    rid, got = cut
+    return Verdict(
+        steps,
+        f"P3: {rid} ended with {got!r}, expected ('length', {max_tokens[rid]}) within "
+        f"{drain_steps} steps after the scenario{note}",
+        rule,
+        level=level,
+    )
 
 
 def _judge_step(harness, books: _Books, cap: int, seats: int, budget: int) -> str | None:
@@ -206,50 +217,90 @@ def _judge_step(harness, books: _Books, cap: int, seats: int, budget: int) -> st
     return None
 
 
-def style_has_residency_cap(style: Any) -> bool:
+def style_has_output_rate(style: Any) -> bool:
     """The candidate is configured through ``additional_config["output_rate"]`` (where
-    ``max_num_seqs_per_user`` lives); other styles (the article's flags) have no such key."""
+    ``max_num_seqs_per_user`` and ``rates_file`` live); other styles (the article's flags)
+    have no such keys."""
     from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
 
     return style is None or isinstance(style, AdditionalConfigStyle)
 
 
-def check_residency(
-    scheduler_cls: str,
-    async_mode: bool,
-    examples: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
-    style: Any = None,
-):
-    """R20 (level exact): ``run_residency`` on ``examples`` seeded flood scenarios; a
-    failure is shrunk by Hypothesis and saved. Returns the ``CheckResult`` row
-    ``fair-residency/{sync,async}``."""
-    from vllm_output_rate.adapter.conform import CheckResult
+@dataclass(frozen=True)
+class HuntedCheck:
+    """A gate row of Hypothesis-shrunk step scenarios, described as data (R20
+    ``fair-residency/*``, R21 ``rate-change/*``, ``lora-slots/*``).
 
-    name = "fair-residency/" + ("async" if async_mode else "sync")
-    result = CheckResult(name, ["R20"], level="exact")
-    if not style_has_residency_cap(style):
-        result.result = "not tested"
-        result.failure = (
-            "the candidate's configuration style has no per-user residency cap "
-            "(output_rate.max_num_seqs_per_user): the article's flags do not name one"
+    ``row``: the row's name before ``/sync`` or ``/async``; ``rules``: the rules it covers;
+    ``level``: the level it judges at; ``strategy(async_mode)``: the scenarios it draws;
+    ``run(scheduler_cls, scenario, style) -> Verdict``; ``rule``: the rule every failure is
+    named (None: the verdict's own); ``needs_output_rate``: the NOT TESTED reason for a
+    configuration style without ``additional_config["output_rate"]`` (None: every style
+    runs the row); ``crash_note``: appended to a crash's message.
+
+    Called as ``check(scheduler_cls, async_mode, examples, seed, tick, save_dir,
+    style=None, level=None)``: ``hunt_row`` on ``examples`` seeded scenarios, ``tick()``
+    after each, a failure saved in ``save_dir`` (None: not saved); ``level`` None judges at
+    the row's ``level``. Returns the ``adapter.conform.CheckResult`` row.
+    """
+
+    row: str
+    rules: tuple[str, ...]
+    level: str
+    strategy: Callable[[bool], Any]
+    run: Callable[[str, Any, Any], Verdict]
+    rule: str | None
+    needs_output_rate: str | None = None
+    crash_note: str = ""
+
+    def __call__(
+        self,
+        scheduler_cls: str,
+        async_mode: bool,
+        examples: int,
+        seed: int,
+        tick: Callable[[], None],
+        save_dir: Path | None,
+        style: Any = None,
+        level: str | None = None,
+    ):
+        from vllm_output_rate.adapter.conform import CheckResult
+
+        level = level or self.level
+        result = CheckResult(f"{self.row}/{'async' if async_mode else 'sync'}", list(self.rules), level=level)
+        if self.needs_output_rate is not None and not style_has_output_rate(style):
+            result.result = "not tested"
+            result.failure = self.needs_output_rate
+            return result
+        return hunt_row(
+            result,
+            self.strategy(async_mode),
+            lambda scenario: self.run(scheduler_cls, scenario, style),
+            scheduler_cls,
+            examples,
+            seed,
+            tick,
+            save_dir,
+            rule=self.rule,
+            level=level,
+            crash_note=self.crash_note,
         )
-        return result
 
-    return hunt_row(
-        result,
-        flood_scenarios(async_mode),
-        lambda scenario: run_residency(scheduler_cls, scenario, style),
-        scheduler_cls,
-        examples,
-        seed,
-        tick,
-        save_dir,
-        rule="R20",
-        level="exact",
-    )
+
+#: R20 (level exact): ``run_residency`` on seeded flood scenarios; a failure is shrunk by
+#: Hypothesis and saved; rows ``fair-residency/{sync,async}``.
+check_residency = HuntedCheck(
+    "fair-residency",
+    ("R20",),
+    "exact",
+    flood_scenarios,
+    run_residency,
+    rule="R20",
+    needs_output_rate=(
+        "the candidate's configuration style has no per-user residency cap "
+        "(output_rate.max_num_seqs_per_user): the article's flags do not name one"
+    ),
+)
 
 
 def hunt_row(
