@@ -29,6 +29,9 @@ NEW_CHECKS = ("I13", "I14", "I15", "I16", "I17", "F1", "R6")  # added with the c
 ORIGINAL_INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12")
 
 
+Patches = Callable[[EngineConfig], list[tuple[Any, str, Any]]]  # config -> (module, attribute, replacement)
+
+
 @dataclass(frozen=True)
 class Mutation:
     """A small deliberate change to one spec rule, applied by monkeypatching spec modules.
@@ -39,7 +42,21 @@ class Mutation:
     name: str
     rule: str
     description: str
-    patches: Callable[[EngineConfig], list[tuple[Any, str, Any]]]
+    patches: Patches
+
+
+_CATALOGUE: list[Mutation] = []
+
+
+def _mutation(name: str, rule: str, description: str) -> Callable[[Patches], Patches]:
+    """Register the decorated ``patches`` function as the mutation ``name`` of ``rule``
+    (``MUTATIONS`` keeps the order of definition)."""
+
+    def register(patches: Patches) -> Patches:
+        _CATALOGUE.append(Mutation(name, rule, description, patches))
+        return patches
+
+    return register
 
 
 @contextlib.contextmanager
@@ -59,19 +76,23 @@ def applied(mutation: Mutation | None, config: EngineConfig) -> Iterator[None]:
             setattr(module, name, value)
 
 
+@_mutation("NoRefund", "R9", "undispatched charges are never refunded (the refund is reported but not applied)")
 def _m_no_refund(config):
     return [(spec_limiter, "refund", lambda state, user, rate: state)]
 
 
+@_mutation("DoubleRefund", "R9", "an undispatched charge is refunded twice")
 def _m_double_refund(config):
     refund = spec_limiter.refund
     return [(spec_limiter, "refund", lambda state, user, rate: refund(refund(state, user, rate), user, rate))]
 
 
+@_mutation("RefundDispatched", "R9", "dispatched charges are refunded too")
 def _m_refund_dispatched(config):
     return [(spec, "sampling_dispatches", lambda cycle: frozenset())]
 
 
+@_mutation("ChargePromptChunks", "R7", "every scheduled chunk is charged, intermediate prefill chunks included")
 def _m_charge_prompt_chunks(config):
     return [
         (spec_rate, "samples", lambda request, n: True),
@@ -79,6 +100,7 @@ def _m_charge_prompt_chunks(config):
     ]
 
 
+@_mutation("ChargeFirstChunkInstead", "R7", "a prefill is charged at its first chunk, not at the sampling one")
 def _m_charge_first_chunk(config):
     samples = spec_rate.samples
 
@@ -98,6 +120,7 @@ def _m_charge_first_chunk(config):
     return [(spec_rate, "samples", first_chunk), (spec, "sampling_dispatches", dispatched)]
 
 
+@_mutation("HeadOfLineBlocking", "R10", "a refused waiting request stops admission (vLLM 0.32's loop)")
 def _m_head_of_line(config):
     visit = spec.visit_waiting
 
@@ -116,6 +139,7 @@ def _m_head_of_line(config):
     return [(spec, "visit_waiting", visit_waiting)]
 
 
+@_mutation("NoPrefillAdvance", "R10", "a refused prefill waits instead of advancing to n-1")
 def _m_no_prefill_advance(config):
     gate = spec_rate.waiting_gate
 
@@ -126,6 +150,7 @@ def _m_no_prefill_advance(config):
     return [(spec_rate, "prefill_room", lambda request: 0), (spec_rate, "waiting_gate", waiting_gate)]
 
 
+@_mutation("DropThrottled", "R11", "throttled running requests are preempted (KV freed) instead of kept")
 def _m_drop_throttled(config):
     decide = spec_rate.decide_running
 
@@ -139,6 +164,7 @@ def _m_drop_throttled(config):
     return [(spec_rate, "decide_running", decide_running)]
 
 
+@_mutation("ThrottledCountTowardCap", "R12", "admission counts throttled requests toward the active cap")
 def _m_throttled_count_toward_cap(config):
     def admission_cap(cycle):
         return min(cycle.state.config.max_num_seqs, cycle.state.config.active_cap)
@@ -146,6 +172,7 @@ def _m_throttled_count_toward_cap(config):
     return [(spec_rate, "admission_cap", admission_cap)]
 
 
+@_mutation("NoActiveCapInRunningLoop", "R12", "the running loop ignores the active cap A")
 def _m_no_active_cap(config):
     decide = spec_rate.decide_running
 
@@ -157,14 +184,19 @@ def _m_no_active_cap(config):
     return [(spec_rate, "decide_running", decide_running)]
 
 
+@_mutation("ThrottledNotPreferredVictims", "R13", "victim choice ignores throttling (vLLM's own choice)")
 def _m_victims_ignore_throttled(config):
     return [(spec_rate, "preferred_victim", lambda cycle, request_id: None)]
 
 
+@_mutation("NoRotation", "R14", "same-user streams are served in list order")
 def _m_no_rotation(config):
     return [(spec_rate, "turn_order", lambda state: state.running)]
 
 
+@_mutation(
+    "RotateRunning", "R19", "rotation reorders `running` (the article's swap): budget is spent in the rotated order"
+)
 def _m_rotate_running(config):
     begin = spec_rate.begin_cycle
 
@@ -175,6 +207,7 @@ def _m_rotate_running(config):
     return [(spec_rate, "begin_cycle", begin_cycle)]
 
 
+@_mutation("BurstOneSecond", "R1/R2", "burst tolerance tau of 1 s instead of 100 ms")
 def _m_burst_one_second(config):
     allows, try_take = spec_limiter.allows, spec_limiter.try_take
     return [
@@ -183,6 +216,7 @@ def _m_burst_one_second(config):
     ]
 
 
+@_mutation("ReadyAtRoundedDown", "R5", "ready_at = floor(TAT - tau) instead of ceil")
 def _m_ready_at_floor(config):
     def ready_at_ns(state, user, burst_ns=spec_limiter.BURST_NS):
         tat = state.tat_ns.get(user)
@@ -191,11 +225,13 @@ def _m_ready_at_floor(config):
     return [(spec_limiter, "ready_at_ns", ready_at_ns)]
 
 
+@_mutation("CleanupActiveUsers", "R6", "cleanup also forgets users whose TAT is up to tau ahead")
 def _m_cleanup_active_users(config):
     cleanup = spec_limiter.cleanup_idle_users
     return [(spec_limiter, "cleanup_idle_users", lambda state, now: cleanup(state, now + config.burst_ns))]
 
 
+@_mutation("BudgetPerRequest", "R1/P2", "the budget is kept per request, not per user")
 def _m_budget_per_request(config):
     def try_charge(cycle, request):
         if request.request_id in cycle.refused_users:
@@ -215,6 +251,7 @@ def _m_budget_per_request(config):
     return [(spec_rate, "try_charge", try_charge)]
 
 
+@_mutation("OverridesIgnored", "R1", "per-user rate overrides are ignored when charging")
 def _m_overrides_ignored(config):
     try_take = spec_limiter.try_take
     default = config.default_rate_tokens_per_s
@@ -225,6 +262,9 @@ def _m_overrides_ignored(config):
     return [(spec_limiter, "try_take", take)]
 
 
+@_mutation(
+    "WaitHintFromLatestUser", "R16", "the wait hint is the ready time of the last refused user, not the earliest"
+)
 def _m_wait_hint_latest(config):
     end_cycle = spec_rate.end_cycle
 
@@ -240,68 +280,7 @@ def _m_wait_hint_latest(config):
     return [(spec_rate, "end_cycle", end)]
 
 
-MUTATIONS: tuple[Mutation, ...] = (
-    Mutation(
-        "NoRefund",
-        "R9",
-        "undispatched charges are never refunded (the refund is reported but not applied)",
-        _m_no_refund,
-    ),
-    Mutation("DoubleRefund", "R9", "an undispatched charge is refunded twice", _m_double_refund),
-    Mutation("RefundDispatched", "R9", "dispatched charges are refunded too", _m_refund_dispatched),
-    Mutation(
-        "ChargePromptChunks",
-        "R7",
-        "every scheduled chunk is charged, intermediate prefill chunks included",
-        _m_charge_prompt_chunks,
-    ),
-    Mutation(
-        "ChargeFirstChunkInstead",
-        "R7",
-        "a prefill is charged at its first chunk, not at the sampling one",
-        _m_charge_first_chunk,
-    ),
-    Mutation(
-        "HeadOfLineBlocking", "R10", "a refused waiting request stops admission (vLLM 0.32's loop)", _m_head_of_line
-    ),
-    Mutation("NoPrefillAdvance", "R10", "a refused prefill waits instead of advancing to n-1", _m_no_prefill_advance),
-    Mutation(
-        "DropThrottled", "R11", "throttled running requests are preempted (KV freed) instead of kept", _m_drop_throttled
-    ),
-    Mutation(
-        "ThrottledCountTowardCap",
-        "R12",
-        "admission counts throttled requests toward the active cap",
-        _m_throttled_count_toward_cap,
-    ),
-    Mutation("NoActiveCapInRunningLoop", "R12", "the running loop ignores the active cap A", _m_no_active_cap),
-    Mutation(
-        "ThrottledNotPreferredVictims",
-        "R13",
-        "victim choice ignores throttling (vLLM's own choice)",
-        _m_victims_ignore_throttled,
-    ),
-    Mutation("NoRotation", "R14", "same-user streams are served in list order", _m_no_rotation),
-    Mutation(
-        "RotateRunning",
-        "R19",
-        "rotation reorders `running` (the article's swap): budget is spent in the rotated order",
-        _m_rotate_running,
-    ),
-    Mutation("BurstOneSecond", "R1/R2", "burst tolerance tau of 1 s instead of 100 ms", _m_burst_one_second),
-    Mutation("ReadyAtRoundedDown", "R5", "ready_at = floor(TAT - tau) instead of ceil", _m_ready_at_floor),
-    Mutation(
-        "CleanupActiveUsers", "R6", "cleanup also forgets users whose TAT is up to tau ahead", _m_cleanup_active_users
-    ),
-    Mutation("BudgetPerRequest", "R1/P2", "the budget is kept per request, not per user", _m_budget_per_request),
-    Mutation("OverridesIgnored", "R1", "per-user rate overrides are ignored when charging", _m_overrides_ignored),
-    Mutation(
-        "WaitHintFromLatestUser",
-        "R16",
-        "the wait hint is the ready time of the last refused user, not the earliest",
-        _m_wait_hint_latest,
-    ),
-)
+MUTATIONS: tuple[Mutation, ...] = tuple(_CATALOGUE)  # definition order: the order of docs/SPEC_MUTATIONS.md
 
 
 MUTATION_PROFILE = "mutations"  # the manifest profile whose scopes judge the mutations
