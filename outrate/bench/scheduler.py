@@ -137,17 +137,29 @@ class _Driver:
         throttled = self.throttled_now()
         return throttled == self.expected_throttled and decoding >= self.n - self.expected_throttled
 
+    max_warmup_steps = MAX_WARMUP_STEPS
+    settle_steps = 4  # steps taken after the steady state is reached, before timing
+
     def warm_up(self) -> None:
+        """Step until ``steady()``, then ``settle_steps`` more.
+
+        Raises:
+            RuntimeError: no steady state within ``max_warmup_steps`` (``no_steady_state()``).
+        """
         while not self.steady():
-            if self.steps >= MAX_WARMUP_STEPS:
-                raise RuntimeError(
-                    f"{self.harness.cls_path} with {self.n} requests: no decode steady state after "
-                    f"{self.steps} steps (running {len(self.scheduler.running)}, throttled "
-                    f"{self.throttled_now()} of {self.expected_throttled})"
-                )
+            if self.steps >= self.max_warmup_steps:
+                raise RuntimeError(self.no_steady_state())
             self.step()
-        for _ in range(4):
+        for _ in range(self.settle_steps):
             self.step()
+
+    def no_steady_state(self) -> str:
+        """What ``warm_up`` raises when the steady state never came."""
+        return (
+            f"{self.harness.cls_path} with {self.n} requests: no decode steady state after "
+            f"{self.steps} steps (running {len(self.scheduler.running)}, throttled "
+            f"{self.throttled_now()} of {self.expected_throttled})"
+        )
 
 
 @dataclass

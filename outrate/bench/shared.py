@@ -75,14 +75,14 @@ class _RealClockDriver(_Driver):
             and all(r.num_output_tokens >= 1 for r in scheduler.running)
         )
 
-    def warm_up(self) -> None:
-        while not self.steady():
-            if self.steps >= MAX_WARMUP:
-                raise RuntimeError(
-                    f"shared-budget bench with {self.n} requests: no steady state after "
-                    f"{self.steps} steps (running {len(self.scheduler.running)})"
-                )
-            self.step()
+    max_warmup_steps = MAX_WARMUP
+    settle_steps = 0
+
+    def no_steady_state(self) -> str:
+        return (
+            f"shared-budget bench with {self.n} requests: no steady state after "
+            f"{self.steps} steps (running {len(self.scheduler.running)})"
+        )
 
     def tokens(self) -> int:
         return sum(r.num_output_tokens for r in self.scheduler.running)
