@@ -93,13 +93,15 @@ class StepRecord:
 class Context:
     """The scenario's facts a replay needs: ``users`` request id -> ``output_rate_user``
     (None: none given), ``rates`` bucket -> exact rate (tokens/s), ``default_rate``,
-    ``burst_ns`` (tau), ``chunked_prefill``."""
+    ``burst_ns`` (tau), ``chunked_prefill``, ``async_mode`` (a step's output is delivered
+    after the next ``schedule()``)."""
 
     users: dict[str, str | None]
     rates: dict[str, Fraction]
     default_rate: Fraction
     burst_ns: int
     chunked_prefill: bool = True  # R10's n - 1 advance exists only with chunked prefill
+    async_mode: bool = False
 
     def rate_of(self, bucket: str) -> Fraction:
         return self.rates.get(bucket, self.default_rate)
@@ -132,7 +134,9 @@ class Hypothesis:
     request does (the n - 1 cap off by one); ``unasked_in_flight``: a dispatch with a step in
     flight is neither asked nor charged (taken as charged already); ``free_first_per_step`` / ``free_running``: the first
     dispatch of each step / every dispatch of an already running request ends uncharged;
-    ``burst_ns``: another tau."""
+    ``burst_ns``: another tau; ``charge_at_output``: a step's dispatches are judged as the
+    spec judges them (each against the takes before it in the step) but taken only when their
+    output is delivered, granted or not, at that ``schedule()``'s instant."""
 
     rule: str
     slip: str
@@ -158,6 +162,7 @@ class Hypothesis:
     abort_takes: bool = False
     unasked_in_flight: bool = False
     first_chunk_charged: bool = False
+    charge_at_output: bool = False
 
 
 def _ceil_ready(tat: Fraction, now: int, tau: int) -> bool:
@@ -280,6 +285,12 @@ HYPOTHESES: tuple[Hypothesis, ...] = (
         decide_at_start=True,
     ),
     Hypothesis(
+        "R7",
+        "takes a step's charges only when the model's output for it is delivered, after the next schedule() in "
+        "async mode (R7 charges each sampling step when it is dispatched)",
+        charge_at_output=True,
+    ),
+    Hypothesis(
         "R8",
         "does not charge a dispatch made while the request's previous step is in flight (R8: never under-charge)",
         charges=lambda d: 0 if d.in_flight else 1,
@@ -379,6 +390,7 @@ class _Replay:
         self.hyp, self.ctx = hyp, ctx
         self.tat: dict[str, Fraction] = {}
         self.tau = hyp.burst_ns if hyp.burst_ns is not None else ctx.burst_ns
+        self.undelivered: list[str] = []  # charge_at_output: the buckets of the step in flight
 
     def _t(self, bucket: str) -> Fraction:
         return self.hyp.interval(self.hyp.rate(self.ctx, bucket))
@@ -409,6 +421,9 @@ class _Replay:
         if hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
             self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
         at_start = dict(self.tat)
+        kept = self.tat  # charge_at_output: this step's takes judge its later dispatches only
+        if hyp.charge_at_output:
+            self.tat = dict(kept)
         refunds: list[str] = []
         for i, d in enumerate(rec.dispatches):
             bucket = hyp.key(self.ctx, d.request_id)
@@ -451,8 +466,14 @@ class _Replay:
                 return f"grants {rid} at t={now} ns, which the candidate paused"
         for bucket in refunds:
             self.apply("refund", bucket, now)
+        self.tat = kept if hyp.charge_at_output else self.tat
         if not hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
             self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
+        if hyp.charge_at_output:  # the output delivered after this schedule(): this step's, or the last one's
+            sampled = [hyp.key(self.ctx, d.request_id) for d in rec.dispatches]
+            delivered, self.undelivered = (self.undelivered, sampled) if self.ctx.async_mode else (sampled, [])
+            for bucket in delivered:
+                self.take(bucket, now)
         return None
 
 

@@ -442,7 +442,15 @@ def run_scenario(
                 break
             judge.record_only(step, trace, unfinished, resident)
         else:
-            trace = harness.step()
+            held = judge.crash_triggers() if attribute else []
+            try:
+                trace = harness.step()
+            except Exception as exc:
+                crash = judge.crash_verdict(step, exc, held) if attribute else None
+                if crash is None:
+                    raise
+                return crash
+            judge.triggers_seen.update(held)
             failure = judge.after_step(step, trace, unfinished, resident)
             if failure:
                 if not (attribute and judge.nameable):
@@ -535,7 +543,8 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     (a slip of the n - 1 advance, R10, acts only with it); and those requests again beside copies
     for a twin of each named user at the same rate (one bucket or one per user?), and, with
     per-user overrides, that again with the slowest override as every user's rate (a limiter
-    at the default rate, or none at all, then shows)."""
+    at the default rate, or none at all, then shows); under pressure, ``REFUND_PROBE`` (a
+    refund given twice, R9, and a TAT forgotten, R4, part there)."""
     least = PROBE_MIN_TOKENS if scenario.num_blocks is None else 0  # a small KV cache must still hold them
     longer = tuple(
         replace(r, max_tokens=min(PROBE_MAX_TOKENS, max(r.max_tokens * PROBE_TOKEN_FACTOR, r.max_tokens + 8, least)))
@@ -565,7 +574,32 @@ def naming_probes(scenario: Scenario) -> list[Scenario]:
     probes += _mode_probes(scenario, unpressured)
     probes += _twin_probes(scenario, unpressured)
     probes += _idle_probes(scenario)
+    if not scenario.ample:  # a refund slip acts only under pressure
+        probes.append(REFUND_PROBE)
     return probes
+
+
+# R4 vs R9: a charge refunded while its user's TAT is more than one emission interval ahead.
+# User b at 20 tokens/s (T = 50 ms, tau = 100 ms = 2 T) on 4 KV blocks of 16, FCFS. Step 0
+# (t = 0) a-r0 (prompt 17, 2 blocks) and b-r0 (prompt 4) sample; step 1 (1 ms) b-r0 decodes
+# and b-r1 (prompt 16, arrived with b-r2 and b-r3 behind it) is charged, then its allocation
+# fails: refunded, b's TAT is 100 ms. Step 2 (2 ms) a-r0 and b-r0 have finished and b's
+# three requests are admitted: the spec grants 1 (lead 98 ms), a refund given twice 2 (lead
+# 48 ms), a TAT forgotten on the refund 3 (a fresh bucket).
+REFUND_PROBE = Scenario(
+    rates_tokens_per_s={"b": "20"},
+    default_rate_tokens_per_s="1000",
+    requests=(
+        RequestSpec("a-r0", "a", 17, 2),
+        RequestSpec("b-r0", "b", 4, 2),
+        RequestSpec("b-r1", "b", 16, 4, at_step=1),
+        RequestSpec("b-r2", "b", 4, 4, at_step=1),
+        RequestSpec("b-r3", "b", 4, 4, at_step=1),
+    ),
+    step_interval_ns=1_000_000,
+    num_steps=8,
+    num_blocks=4,
+)
 
 
 PROBE_IDLE_NS = 10_000_000_000  # the idle probe's gap between a user's first token and its crowd
@@ -754,6 +788,46 @@ class _Judge:
         self.records: list[attribution.StepRecord] = []  # the black-box history, for naming a rule
         self.nameable = False  # the failure is one of the dispatch replay (``_named``)
         self.aborted_in_flight: list[str] = []  # aborted before this step with a step in flight
+        self.triggers_seen: set[tuple[str, str]] = set()  # ``crash_triggers`` held before a step that ran
+
+    def crash_triggers(self) -> list[tuple[str, str]]:
+        """The rare events of the rate layer due in the next ``schedule()``, as (rule, what),
+        from what vLLM exposes (``before_step`` first): R6 its cleanup cadence; R14 a user's
+        last-served stream (the one of its resident streams that sampled last, alone in
+        its step) is the last of them in ``running``, so the next turn wraps around."""
+        due = []
+        if (self.steps + 1) % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
+            due.append(("R6", "the cleanup of idle users is due (every 256th schedule())"))
+        assert self.start is not None, "before_step() first"
+        groups: dict[tuple[str, int], list[str]] = {}
+        for rid in self.start.running:
+            if rid in self.by_id and rid in self.last_sample_step:
+                groups.setdefault((self.user_of(rid), self.by_id[rid].priority), []).append(rid)
+        for members in groups.values():
+            latest = max(self.last_sample_step[rid] for rid in members)
+            served = [rid for rid in members if self.last_sample_step[rid] == latest]
+            if len(members) > 1 and served == [members[-1]]:
+                due.append(("R14", "a user's turn wraps around: its last-served stream is the last of its streams"))
+                break
+        return due
+
+    def crash_verdict(self, step: int, exc: Exception, held: list[tuple[str, str]]) -> Verdict | None:
+        """The candidate raised ``exc`` in the ``schedule()`` of ``step``: a verdict naming the
+        rule whose rare event (``crash_triggers``) is due for the first time in the run at
+        that step, when exactly one is; else None (an unnamed crash). Re-raises an error of
+        the gate's own code."""
+        from vllm_output_rate.adapter.conform import _reraise_gate_error
+
+        _reraise_gate_error(exc)
+        first = [t for t in held if t not in self.triggers_seen]
+        if len(first) != 1:
+            return None
+        rule, what = first[0]
+        failure = (
+            f"{self.name} raised {type(exc).__name__}: {exc} in the schedule() of step {step}, the first step of "
+            f"the run in which {what} ({rule}): a crash on {rule}'s path"
+        )
+        return Verdict(self.steps, failure, rule, step, level="must")
 
     def before_step(self) -> None:
         """Record, from vLLM's own ``Request`` fields, the state the next ``schedule()``
@@ -1218,6 +1292,7 @@ class _Judge:
             Fraction(scenario.default_rate_tokens_per_s),
             scenario.burst_ns,
             scenario.chunked_prefill,
+            scenario.async_scheduling,
         )
         return ctx, self.records
 
