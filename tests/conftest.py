@@ -52,6 +52,32 @@ def stock_cls(async_scheduling: bool) -> str:
     return STOCK_ASYNC_SCHEDULER if async_scheduling else STOCK_SCHEDULER
 
 
+def _registered_at_level(check: str, level: str, below: str) -> tuple[str, ...]:
+    """Assert the gate registers ``check``/sync and ``check``/async as candidate checks at
+    conformance ``level`` (one rule tuple for both), planned for the reference at ``level``
+    and not at ``below``, the level under it. Returns that rule tuple."""
+    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER
+
+    specs = {s.name: s for s in registry.registry()}
+    sync, async_ = specs[f"{check}/sync"], specs[f"{check}/async"]
+    assert [(c.part, c.level) for c in (sync, async_)] == [("candidate", level)] * 2
+    assert sync.rules == async_.rules, (sync.rules, async_.rules)
+    names = {
+        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
+        for lvl in (below, level)
+    }
+    assert f"{check}/sync" in names[level] and f"{check}/sync" not in names[below]
+    return sync.rules
+
+
+@pytest.fixture
+def registered_at_level():
+    """``registered_at_level(check, level, below) -> rules``: the registration checks of a
+    candidate gate check (see ``_registered_at_level``)."""
+    return _registered_at_level
+
+
 @pytest.fixture
 def article_flags(monkeypatch):
     """``article_style.flags.install()`` on vLLM's EngineArgs, undone after the test

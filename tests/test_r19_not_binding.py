@@ -15,8 +15,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from test_scheduler_rules import make
 
-from vllm_output_rate.adapter import registry
 from vllm_output_rate.adapter.conform import check_scheduler
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness, StepTrace
 from vllm_output_rate.adapter.not_binding import check_not_binding, never_binding, run_not_binding
@@ -177,16 +177,8 @@ def test_r19_never_binding_scenarios_cannot_be_refused():
 
 
 @pytest.mark.rules("R19")
-def test_r19_registered_at_level_should():
-    specs = {s.name: s for s in registry.registry()}
-    for mode in ("sync", "async"):
-        check = specs[f"not-binding/{mode}"]
-        assert (check.part, check.level, check.rules[0]) == ("candidate", "should", "R19")
-    names = {
-        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
-        for lvl in ("must", "should")
-    }
-    assert "not-binding/sync" in names["should"] and "not-binding/sync" not in names["must"]
+def test_r19_registered_at_level_should(registered_at_level):
+    assert registered_at_level("not-binding", "should", below="must")[0] == "R19"
 
 
 @pytest.mark.rules("R14")
@@ -203,14 +195,12 @@ def test_r14_throttled_user_takes_turns_while_another_users_long_prompt_prefills
     # with V1 decoding and a 100-token prompt V2 arriving; budget 16. u's grant goes round
     # robin over its streams (R14 turns), V1 decodes every step, and V2 prefills with the
     # rest of the budget, never ahead of the others (running order is the admission order).
-    h = Harness(
-        REFERENCE_SCHEDULER,
-        EngineShape(
-            max_num_seqs=5,
-            max_num_batched_tokens=16,
-            block_size=16,
-            output_rate={"default_tokens_per_s": RATE, "user_tokens_per_s": {"u": 10}},
-        ),
+    h = make(
+        False,
+        max_num_seqs=5,
+        max_num_batched_tokens=16,
+        block_size=16,
+        output_rate={"default_tokens_per_s": RATE, "user_tokens_per_s": {"u": 10}},
     )
     for rid in ("U1", "U2", "U3"):
         h.add_request(rid, "u", prompt_len=2, max_tokens=30)

@@ -16,8 +16,8 @@ import copy
 from fractions import Fraction
 
 import pytest
+from test_scheduler_rules import make
 
-from vllm_output_rate.adapter import registry
 from vllm_output_rate.adapter.fidelity import StepScenario
 from vllm_output_rate.adapter.harness import EngineShape, Harness
 from vllm_output_rate.adapter.residency import check_residency
@@ -108,12 +108,10 @@ def test_r20_reference_matches_the_spec_step_for_step(async_scheduling):
 
 @pytest.mark.rules("R20")
 def test_r20_reference_never_exceeds_the_cap_and_admits_other_users():
-    h = Harness(
-        REFERENCE,
-        EngineShape(
-            max_num_seqs=4,
-            output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"f": 2}, "max_num_seqs_per_user": 2},
-        ),
+    h = make(
+        False,
+        max_num_seqs=4,
+        output_rate={"default_tokens_per_s": 1000, "user_tokens_per_s": {"f": 2}, "max_num_seqs_per_user": 2},
     )
     for i in range(6):
         h.add_request(f"f{i}", "f", prompt_len=3, max_tokens=20)
@@ -184,18 +182,10 @@ def test_r20_gate_not_tested_for_a_style_without_the_cap():
 
 
 @pytest.mark.rules("R20")
-def test_r20_registered_at_level_exact():
+def test_r20_registered_at_level_exact(registered_at_level):
     """R20 is this project's extension (the article has no per-user cap): it never decides an
     article-style candidate's must/should verdict."""
-    specs = {s.name: s for s in registry.registry()}
-    for mode in ("sync", "async"):
-        check = specs[f"fair-residency/{mode}"]
-        assert (check.part, check.level, check.rules) == ("candidate", "exact", ("R20",))
-    names = {
-        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE, "x.Y", level=lvl))]
-        for lvl in ("should", "exact")
-    }
-    assert "fair-residency/sync" in names["exact"] and "fair-residency/sync" not in names["should"]
+    assert registered_at_level("fair-residency", "exact", below="should") == ("R20",)
 
 
 # -- configuration -----------------------------------------------------------------------

@@ -20,7 +20,6 @@ from fractions import Fraction
 
 import pytest
 
-from vllm_output_rate.adapter import registry
 from vllm_output_rate.adapter.feature_off import SHADOW, check_shadow, run_shadow
 from vllm_output_rate.adapter.harness import (
     REFERENCE_ASYNC_SCHEDULER,
@@ -79,16 +78,8 @@ def test_shadow_without_default_refused_like_any_section():
 
 
 # -- the gate check -------------------------------------------------------------------
-def test_shadow_registered_at_level_exact_candidate_part():
-    specs = {s.name: s for s in registry.registry()}
-    for mode in ("sync", "async"):
-        check = specs[f"shadow/{mode}"]
-        assert (check.part, check.level, check.rules) == ("candidate", "exact", ("shadow",))
-    names = {
-        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
-        for lvl in ("should", "exact")
-    }
-    assert "shadow/sync" in names["exact"] and "shadow/sync" not in names["should"]
+def test_shadow_registered_at_level_exact_candidate_part(registered_at_level):
+    assert registered_at_level("shadow", "exact", below="should") == ("shadow",)
 
 
 def test_shadow_check_accepts_the_reference(async_scheduling):
