@@ -353,7 +353,9 @@ def test_bad_section_stops_before_vllm_builds_anything(model_dirs, monkeypatch):
 
 
 # -- the front end refuses before the engine core starts (plugin.py) --------------------
-def _engine_args(model_dirs, **kw):
+def _engine_args(model_dirs, scheduler_cls=SYNC, **kw):
+    """vLLM ``EngineArgs`` on the tiny llama (float32, 256 tokens) with ``scheduler_cls``
+    (a dotted path, a class or None: stock vLLM's default), plus the ``kw`` fields."""
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
@@ -361,7 +363,7 @@ def _engine_args(model_dirs, **kw):
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=256,
-        scheduler_cls=SYNC,
+        scheduler_cls=scheduler_cls,
         **kw,
     )
 
@@ -454,29 +456,11 @@ def test_configuration_typo_refused_in_the_front_end(kw, says, model_dirs):
     from vllm_output_rate.reference import plugin
 
     plugin.register()
-    kw = {"scheduler_cls": SYNC, **kw}
-    args = (
-        _engine_args(model_dirs, **{k: v for k, v in kw.items() if k != "scheduler_cls"})
-        if kw["scheduler_cls"] == SYNC
-        else _stock_engine_args(model_dirs, **kw)
-    )
+    args = _engine_args(model_dirs, **kw)
     with pytest.raises(OutputRateConfigError) as err:
         args.create_engine_config()
     assert says in str(err.value), str(err.value)
     assert "\n" not in str(err.value)  # one line: the last line of the traceback says it all
-
-
-def _stock_engine_args(model_dirs, scheduler_cls, **kw):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=model_dirs["llama"],
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        scheduler_cls=scheduler_cls,
-        **kw,
-    )
 
 
 def test_configuration_accepted_front_end_cases(model_dirs):
@@ -485,11 +469,9 @@ def test_configuration_accepted_front_end_cases(model_dirs):
     from vllm_output_rate.reference import plugin
 
     plugin.register()
-    _stock_engine_args(
-        model_dirs, MySubclassScheduler, additional_config=copy.deepcopy(FEATURE_ON)
-    ).create_engine_config()
-    _stock_engine_args(model_dirs, None, additional_config={"output_rate": {}}).create_engine_config()
-    _stock_engine_args(model_dirs, None, additional_config={"output_rates": {"x": 1}}).create_engine_config()
+    _engine_args(model_dirs, MySubclassScheduler, additional_config=copy.deepcopy(FEATURE_ON)).create_engine_config()
+    _engine_args(model_dirs, None, additional_config={"output_rate": {}}).create_engine_config()
+    _engine_args(model_dirs, None, additional_config={"output_rates": {"x": 1}}).create_engine_config()
     config = _engine_args(
         model_dirs,
         max_num_seqs=8,

@@ -37,11 +37,18 @@ def test_the_tree_passes_ruff() -> None:
     assert run.returncode == 0, run.stdout[-3000:]
 
 
-def test_ruff_reports_an_unused_import(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("source", "code"),
+    [("import os\n", "F401"), ("def f(items=[]):\n    return items\n", "B006")],
+    ids=["unused-import", "bugbear-mutable-default"],
+)
+def test_ruff_reports_a_finding(tmp_path: Path, source: str, code: str) -> None:
+    """An unused import (F401) fails the check, and so does a finding of the stricter
+    families: a mutable default argument (B006)."""
     bad = tmp_path / "bad.py"
-    bad.write_text("import os\n")
+    bad.write_text(source)
     run = subprocess.run(RUFF + [str(bad)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "F401" in run.stdout
+    assert run.returncode == 1 and code in run.stdout
 
 
 def test_make_test_runs_ruff_before_pytest() -> None:
@@ -129,14 +136,6 @@ def test_typecheck_maps_paths_both_ways(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit, match="docs"):
         typecheck.to_tree(str(ROOT / "docs"), ROOT, tree)
-
-
-def test_ruff_reports_a_bugbear_finding(tmp_path: Path) -> None:
-    """The stricter families run too: a mutable default argument (B006) fails the check."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("def f(items=[]):\n    return items\n")
-    run = subprocess.run(RUFF + [str(bad)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "B006" in run.stdout
 
 
 def test_the_tree_is_formatted() -> None:

@@ -155,38 +155,20 @@ def test_r24_outrate_serve_flag_puts_the_url_in_the_section() -> None:
 
     from vllm_output_rate.cli import main
 
+    def print_command(*flags: str):
+        """``outrate serve MODEL FLAGS --print-command`` in this process (click's Result)."""
+        return CliRunner().invoke(main, ["serve", "MODEL", *flags, "--print-command"])
+
     url = "redis://10.0.0.5:6379/0"
-    result = CliRunner().invoke(
-        main,
-        [
-            "serve",
-            "MODEL",
-            "--default-user-output-tokens-per-second",
-            "10",
-            "--shared-budget-url",
-            url,
-            "--print-command",
-        ],
-    )
+    result = print_command("--default-user-output-tokens-per-second", "10", "--shared-budget-url", url)
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.output.strip())
     section = json.loads(argv[argv.index("--additional-config") + 1])["output_rate"]
     assert section == {"default_tokens_per_s": 10, "shared_budget_url": url}
     assert "--shared-budget-url" not in argv  # ours, not vLLM's
-    bad = CliRunner().invoke(
-        main,
-        [
-            "serve",
-            "MODEL",
-            "--default-user-output-tokens-per-second",
-            "10",
-            "--shared-budget-url",
-            "http://x",
-            "--print-command",
-        ],
-    )
+    bad = print_command("--default-user-output-tokens-per-second", "10", "--shared-budget-url", "http://x")
     assert bad.exit_code != 0 and "shared_budget_url" in bad.output and "http://x" in bad.output
-    alone = CliRunner().invoke(main, ["serve", "MODEL", "--shared-budget-url", url, "--print-command"])
+    alone = print_command("--shared-budget-url", url)
     assert alone.exit_code != 0 and "--shared-budget-url needs --default-user-output-tokens-per-second" in alone.output
 
 
