@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -362,6 +362,31 @@ def check_obligations(obligations: Iterable[Obligation], timeout_ms: int) -> Che
     )
 
 
+def z3_proof_record(
+    name: str,
+    rules: Sequence[str],
+    obligations: Callable[[], Iterable[Obligation]],
+    timeout_ms: int,
+    verdict: Callable[[Checked], tuple[str, str | None]],
+) -> dict:
+    """Build ``obligations()``, check them (``check_obligations``, ``timeout_ms`` ms per
+    check) and return the property's manifest record (``proof_record``, tool ``"z3"``):
+    ``verdict(checked)`` gives the result (``"proved"``, ``"refuted"`` or ``"unknown"``) and
+    the counterexample text or None; ``seconds`` covers all three."""
+    start = time.perf_counter()
+    checked = check_obligations(obligations(), timeout_ms)
+    result, counterexample = verdict(checked)
+    return proof_record(
+        name,
+        rules,
+        "z3",
+        result,
+        round(time.perf_counter() - start, 4),
+        vacuity_ok=checked.vacuity_ok,
+        counterexample=counterexample,
+    )
+
+
 @dataclass(frozen=True)
 class Property:
     """A named property: its rules, its proof obligations and a refutation search.
@@ -377,24 +402,15 @@ class Property:
 
     def run(self, timeout_ms: int = 5000, variant: Semantics | str = CORRECT) -> dict:
         sem = VARIANTS[variant] if isinstance(variant, str) else variant
-        start = time.perf_counter()
-        checked = check_obligations(self.obligations(sem), timeout_ms)
-        counterexample = None
-        if checked.all_proved:
-            result = "proved"
-        else:
+
+        def verdict(checked: Checked) -> tuple[str, str | None]:
+            if checked.all_proved:
+                return "proved", None
             # A failed inductive step may be unreachable: refute only with a concrete trace.
             counterexample = self.search(sem, timeout_ms)
-            result = "refuted" if counterexample is not None else "unknown"
-        return proof_record(
-            self.name,
-            self.rules,
-            "z3",
-            result,
-            round(time.perf_counter() - start, 4),
-            vacuity_ok=checked.vacuity_ok,
-            counterexample=counterexample,
-        )
+            return ("refuted" if counterexample is not None else "unknown"), counterexample
+
+        return z3_proof_record(self.name, self.rules, lambda: self.obligations(sem), timeout_ms, verdict)
 
     # `fn` is the spelling the project's manifest uses for "the function returning the result".
     @property
@@ -426,39 +442,55 @@ def _ops(prefix: str, n: int, constraints: list) -> list[tuple]:
     return ops
 
 
-def _spec_run(sem, ops, T, tau, constraints, start=None) -> tuple[list[_Step], tuple]:
-    """Apply ``ops`` to the spec state; refunds only while a same-step grant is pending."""
-    known, tat, now, pend = start or (z3.BoolVal(False), z3.RealVal(0), z3.IntVal(0), z3.IntVal(0))
+def _limiter_run(ops, constraints, start, take, refund, cleanup) -> tuple[list[_Step], tuple]:
+    """Apply ``ops`` (symbolic (op, dt ns) pairs) to one user's limiter entry, from
+    ``start = (known, x, now, pend)``: ``x`` is the spec's TAT (Real ns) or the reference's
+    scaled state S (Int); ``pend``: grants of the current step. A refund is allowed only
+    while a same-step grant is pending (added to ``constraints``).
+
+    ``take(known, x, now) -> (decision, known, x)``, ``refund(known, x) -> (known, x)`` and
+    ``cleanup(known, x, now) -> known`` are the limiter's operations (R1, R4/R9, R6).
+    Returns the steps and the entry after the last one.
+    """
+    known, x, now, pend = start
     steps = []
     for op, dt in ops:
         constraints.append(z3.Implies(op == REFUND, pend > 0))
-        g, k_t, t_t = sem.spec_take(known, tat, now, T, tau)
-        k_r, t_r = sem.spec_refund(known, tat, T)
-        k_c = sem.spec_cleanup(known, tat, now, tau)
+        g, k_t, x_t = take(known, x, now)
+        k_r, x_r = refund(known, x)
+        k_c = cleanup(known, x, now)
         granted = z3.And(op == TAKE, g)
         known = z3.If(op == TAKE, k_t, z3.If(op == REFUND, k_r, z3.If(op == CLEAN, k_c, known)))
-        tat = z3.If(op == TAKE, t_t, z3.If(op == REFUND, t_r, tat))
+        x = z3.If(op == TAKE, x_t, z3.If(op == REFUND, x_r, x))
         pend = z3.If(op == ADV, 0, z3.If(granted, pend + 1, z3.If(op == REFUND, pend - 1, pend)))
         now = now + dt
-        steps.append(_Step(op, now, g, granted, known, tat))
-    return steps, (known, tat, now, pend)
+        steps.append(_Step(op, now, g, granted, known, x))
+    return steps, (known, x, now, pend)
+
+
+def _spec_run(sem, ops, T, tau, constraints, start=None) -> tuple[list[_Step], tuple]:
+    """Apply ``ops`` to the spec state (``_limiter_run``), from ``start`` or a fresh entry."""
+    return _limiter_run(
+        ops,
+        constraints,
+        start or (z3.BoolVal(False), z3.RealVal(0), z3.IntVal(0), z3.IntVal(0)),
+        lambda known, tat, now: sem.spec_take(known, tat, now, T, tau),
+        lambda known, tat: sem.spec_refund(known, tat, T),
+        lambda known, tat, now: sem.spec_cleanup(known, tat, now, tau),
+    )
 
 
 def _ref_run(sem, ops, p, q, tau, constraints) -> list[_Step]:
+    """Apply ``ops`` to the reference limiter's scaled state (``_limiter_run``), from a fresh entry."""
     inc, burst = sem.ref_scale(p, q, tau)
-    known, S, now, pend = z3.BoolVal(False), z3.IntVal(0), z3.IntVal(0), z3.IntVal(0)
-    steps = []
-    for op, dt in ops:
-        constraints.append(z3.Implies(op == REFUND, pend > 0))
-        g, k_t, s_t = sem.ref_take(known, S, now, p, inc, burst)
-        k_r, s_r = sem.ref_refund(known, S, inc)
-        k_c = sem.ref_cleanup(known, S, now, p, burst)
-        granted = z3.And(op == TAKE, g)
-        known = z3.If(op == TAKE, k_t, z3.If(op == REFUND, k_r, z3.If(op == CLEAN, k_c, known)))
-        S = z3.If(op == TAKE, s_t, z3.If(op == REFUND, s_r, S))
-        pend = z3.If(op == ADV, 0, z3.If(granted, pend + 1, z3.If(op == REFUND, pend - 1, pend)))
-        now = now + dt
-        steps.append(_Step(op, now, g, granted, known, S))
+    steps, _ = _limiter_run(
+        ops,
+        constraints,
+        (z3.BoolVal(False), z3.IntVal(0), z3.IntVal(0), z3.IntVal(0)),
+        lambda known, S, now: sem.ref_take(known, S, now, p, inc, burst),
+        lambda known, S: sem.ref_refund(known, S, inc),
+        lambda known, S, now: sem.ref_cleanup(known, S, now, p, burst),
+    )
     return steps
 
 

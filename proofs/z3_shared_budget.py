@@ -34,14 +34,12 @@ vllm_output_rate.proofs.z3_shared_budget`` for the table):
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import z3
 
-from vllm_output_rate.proofs.records import proof_record
-from vllm_output_rate.proofs.z3_limiter import NS_PER_S, Obligation, check_obligations
+from vllm_output_rate.proofs.z3_limiter import NS_PER_S, Checked, Obligation, z3_proof_record
 
 
 def _zmax(a, b):
@@ -254,6 +252,13 @@ def _crash_obligations() -> list[Obligation]:
     ]
 
 
+def _verdict(checked: Checked) -> tuple[str, str | None]:
+    """Proved if every obligation is; else refuted if one is, with the first failing
+    obligation and Z3's model as the counterexample (no trace search here)."""
+    result = "proved" if checked.all_proved else ("refuted" if "refuted" in checked.statuses else "unknown")
+    return result, checked.failures[0] if checked.failures else None
+
+
 @dataclass(frozen=True)
 class SharedProperty:
     """A named property of R23-R26 and its proof obligations; ``run()`` returns the
@@ -266,18 +271,7 @@ class SharedProperty:
     obligations: Callable[[], list[Obligation]]
 
     def run(self, timeout_ms: int = 5000) -> dict:
-        start = time.perf_counter()
-        checked = check_obligations(self.obligations(), timeout_ms)
-        result = "proved" if checked.all_proved else ("refuted" if "refuted" in checked.statuses else "unknown")
-        return proof_record(
-            self.name,
-            self.rules,
-            "z3",
-            result,
-            round(time.perf_counter() - start, 4),
-            vacuity_ok=checked.vacuity_ok,
-            counterexample=checked.failures[0] if checked.failures else None,
-        )
+        return z3_proof_record(self.name, self.rules, self.obligations, timeout_ms, _verdict)
 
     @property
     def fn(self) -> Callable[..., dict]:
