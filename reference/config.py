@@ -481,12 +481,7 @@ def check_active_cap(vllm_config: Any) -> None:
     Raises:
         OutputRateConfigError: naming both values and what to change.
     """
-    active, max_num_seqs = _cap_and_max_num_seqs(vllm_config, "max_num_active_seqs")
-    if isinstance(active, int) and isinstance(max_num_seqs, int) and active > max_num_seqs:
-        raise OutputRateConfigError(
-            f'additional_config["output_rate"]["max_num_active_seqs"] ({active}) must be <= '
-            f"--max-num-seqs ({max_num_seqs}): lower max_num_active_seqs or raise --max-num-seqs"
-        )
+    _refuse_above_max_num_seqs(vllm_config, "max_num_active_seqs", lower="max_num_active_seqs")
 
 
 def check_residency_cap(vllm_config: Any) -> None:
@@ -498,18 +493,23 @@ def check_residency_cap(vllm_config: Any) -> None:
     Raises:
         OutputRateConfigError: naming both values and what to change.
     """
-    per_user, max_num_seqs = _cap_and_max_num_seqs(vllm_config, "max_num_seqs_per_user")
-    if isinstance(per_user, int) and isinstance(max_num_seqs, int) and per_user > max_num_seqs:
-        raise OutputRateConfigError(
-            f'additional_config["output_rate"]["max_num_seqs_per_user"] ({per_user}) must be <= --max-num-seqs '
-            f"({max_num_seqs}): lower --max-num-seqs-per-user or raise --max-num-seqs"
-        )
+    _refuse_above_max_num_seqs(vllm_config, "max_num_seqs_per_user", lower="--max-num-seqs-per-user")
 
 
-def _cap_and_max_num_seqs(vllm_config: Any, key: str) -> tuple[Any, Any]:
-    """``additional_config["output_rate"][key]`` and ``scheduler_config.max_num_seqs`` of
-    ``vllm_config``, each None where it is not visible (duck-typed)."""
+def _refuse_above_max_num_seqs(vllm_config: Any, key: str, lower: str) -> None:
+    """Refuse ``additional_config["output_rate"][key]`` above ``scheduler_config.max_num_seqs``
+    of ``vllm_config``; nothing is checked where either is not a visible int (duck-typed).
+    ``lower``: how the operator names the setting to lower (a key or a CLI flag).
+
+    Raises:
+        OutputRateConfigError: naming both values and what to change.
+    """
     additional = getattr(vllm_config, "additional_config", None)
     section = additional.get(SECTION) if isinstance(additional, Mapping) else None
     value = section.get(key) if isinstance(section, Mapping) else None
-    return value, getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    if isinstance(value, int) and isinstance(max_num_seqs, int) and value > max_num_seqs:
+        raise OutputRateConfigError(
+            f'additional_config["{SECTION}"]["{key}"] ({value}) must be <= --max-num-seqs ({max_num_seqs}): '
+            f"lower {lower} or raise --max-num-seqs"
+        )
