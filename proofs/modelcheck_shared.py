@@ -212,125 +212,180 @@ def events(world: World, scope: Scope, mutant: str | None) -> list[tuple[str, in
     return list(dict.fromkeys(out))
 
 
+def _tick(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``tick``: one tick passes; leases expire at the engine (R26: held grants past their
+    deadline are lost) and at the store (a return not applied by then never applies)."""
+    leases, lost = [], 0
+    for x in world.leases:
+        deadline = max(x.deadline - 1, 0)
+        held = x.held
+        if held > 0 and x.deadline > 0 and deadline == 0:  # R26: past its deadline, never spent
+            lost += held
+            held = -1
+        record, returning = max(x.record - 1, 0), x.returning
+        if returning >= 0 and record == 0:  # the record expired: this return never applies
+            lost += returning
+            returning = -1
+        leases.append(replace(x, record=record, deadline=deadline, held=held, returning=returning))
+    return replace(
+        world,
+        store_lead=max(world.store_lead - 1, 0),
+        request=tuple(min(r + 1, TIMEOUT + 1) if r >= 0 else -1 for r in world.request),
+        leases=tuple(leases),
+        ledger_dispatch=max(world.ledger_dispatch - 1, 0),
+        ledger_consumed=_consume(max(world.ledger_consumed - 1, 0), lost),
+    )
+
+
+def _store_down(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``store_down`` (R25): the store stops answering."""
+    return replace(world, store_up=False)
+
+
+def _store_up(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``store_up`` (R25): the store answers again."""
+    return replace(world, store_up=True)
+
+
+def _request(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``request(e)``: engine ``e`` sends a lease request (age 0)."""
+    return replace(world, request=_set(world.request, e, 0))
+
+
+def _answer(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``answer(e)``: the store makes a lease of up to L on its own clock (R23), or refuses;
+    raises ``_Violation("closed")`` while the store is down (R25)."""
+    if not world.store_up:
+        raise _Violation("closed", "a lease was made while the store is down (R25)")
+    skew = SKEW if (mutant == "clock_skew" and e == 1) else 0
+    lead = world.store_lead - skew  # R23: the store's clock (the mutant: the engine's)
+    eff = max(lead, 0)
+    n = 0 if eff > TAU else min(scope.lease, (TAU - eff) // T + 1)
+    if n == 0:
+        return replace(world, refused=_set(world.refused, e, True))
+    new_lead = max(eff + n * T + skew, 0) if skew else eff + n * T
+    lease = Lease(n, record=TTL, holder=e, answer_age=0)
+    return replace(world, store_lead=new_lead, leases=world.leases + (lease,))
+
+
+def _deliver(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``deliver(e)``: the answer reaches engine ``e``, which holds the lease's grants until
+    TTL after it sent the request."""
+    for i in _holder_leases(world, e):
+        x = world.leases[i]
+        if x.answer_age >= 0:  # the engine's deadline: TTL after it sent the request
+            world = replace(
+                world, leases=_with(world, i, replace(x, held=x.n, deadline=TTL - world.request[e], answer_age=-1))
+            )
+    return replace(world, request=_set(world.request, e, -1), refused=_set(world.refused, e, False))
+
+
+def _timeout(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``timeout(e)`` (R25): engine ``e`` abandons its request; grants made for it are lost."""
+    lost = 0
+    for i in _holder_leases(world, e):
+        x = world.leases[i]
+        if x.answer_age >= 0:  # R25: abandoned; the store's record lives on until it expires
+            lost += x.n
+            world = replace(world, leases=_with(world, i, replace(x, answer_age=-1, current=False)))
+    return replace(
+        world,
+        request=_set(world.request, e, -1),
+        refused=_set(world.refused, e, False),
+        ledger_consumed=_consume(world.ledger_consumed, lost),
+    )
+
+
+def _spend(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``spend(e)``: one dispatch spends a held grant of the lease nearest its deadline;
+    raises ``_Violation`` on ``bound`` (R24) or ``once`` (R26)."""
+    i = min(
+        (i for i in _holder_leases(world, e) if world.leases[i].held > 0 and world.leases[i].deadline > 0),
+        key=lambda i: world.leases[i].deadline,
+    )
+    x = world.leases[i]
+    tolerance = TAU + ENGINES * shared_budget.holding_cap(scope.lease) * T  # R24 in ledger form
+    if world.ledger_dispatch > tolerance:
+        raise _Violation(
+            "bound",
+            f"a dispatch exceeds floor((W + tau) r) + 1 + E x H (ledger lead "
+            f"{world.ledger_dispatch} > {tolerance} ticks)",
+        )
+    if x.used + 1 > x.n:
+        raise _Violation("once", f"a lease of {x.n} grants had {x.used + 1} spent or returned (R26)")
+    return replace(
+        world,
+        leases=_with(world, i, replace(x, held=x.held - 1, used=x.used + 1)),
+        ledger_dispatch=max(world.ledger_dispatch, 0) + T,
+        ledger_consumed=_consume(world.ledger_consumed, 1),
+    )
+
+
+def _return(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``return(e)``: engine ``e`` sends back the unused grants of one lease."""
+    i = next(i for i in _holder_leases(world, e) if world.leases[i].held > 0 and world.leases[i].returning < 0)
+    x = world.leases[i]
+    kept = x.held if mutant == "double_spend" else -1
+    return replace(world, leases=_with(world, i, replace(x, returning=max(x.held, 0), held=kept)))
+
+
+def _apply_return(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``apply_return(e)``: the store applies ``e``'s return if its record is live (R23);
+    raises ``_Violation("once")`` (R26)."""
+    i = next(i for i, x in enumerate(world.leases) if x.holder == e and x.returning >= 0)
+    x = world.leases[i]
+    u = min(x.returning, x.n) if x.record > 0 else 0  # R23: only a live record, once
+    if x.used + u > x.n:
+        raise _Violation("once", f"a lease of {x.n} grants had {x.used + u} spent or returned (R26)")
+    lead = world.store_lead if mutant == "lost_return" else max(world.store_lead - u * T, 0)
+    return replace(
+        world,
+        store_lead=lead,
+        leases=_with(world, i, replace(x, returning=-1, record=0, used=x.used + u)),
+        ledger_consumed=_consume(world.ledger_consumed, x.returning - u),
+    )
+
+
+def _crash(world: World, e: int, scope: Scope, mutant: str | None) -> World:
+    """``crash(e)`` (R26): ``e``'s holdings and request are gone; a new incarnation."""
+    lost = 0
+    leases = []
+    for x in world.leases:
+        if x.holder == e and x.current:
+            lost += max(x.held, 0) + (x.n if x.answer_age >= 0 else 0)
+            x = replace(x, current=False, held=-1, answer_age=-1)
+        leases.append(x)
+    return replace(
+        world,
+        leases=tuple(leases),
+        request=_set(world.request, e, -1),
+        refused=_set(world.refused, e, False),
+        ledger_consumed=_consume(world.ledger_consumed, lost),
+    )
+
+
+_HANDLERS = {
+    "tick": _tick,
+    "store_down": _store_down,
+    "store_up": _store_up,
+    "request": _request,
+    "answer": _answer,
+    "deliver": _deliver,
+    "timeout": _timeout,
+    "spend": _spend,
+    "return": _return,
+    "apply_return": _apply_return,
+    "crash": _crash,
+}
+
+
 def step(world: World, event: tuple[str, int], scope: Scope, mutant: str | None) -> World:
     """The successor of ``world`` under ``event``; raises ``_Violation`` on a failed check."""
     name, e = event
-    H = shared_budget.holding_cap(scope.lease)
-    if name == "tick":
-        leases, lost = [], 0
-        for x in world.leases:
-            deadline = max(x.deadline - 1, 0)
-            held = x.held
-            if held > 0 and x.deadline > 0 and deadline == 0:  # R26: past its deadline, never spent
-                lost += held
-                held = -1
-            record, returning = max(x.record - 1, 0), x.returning
-            if returning >= 0 and record == 0:  # the record expired: this return never applies
-                lost += returning
-                returning = -1
-            leases.append(replace(x, record=record, deadline=deadline, held=held, returning=returning))
-        world = replace(
-            world,
-            store_lead=max(world.store_lead - 1, 0),
-            request=tuple(min(r + 1, TIMEOUT + 1) if r >= 0 else -1 for r in world.request),
-            leases=tuple(leases),
-            ledger_dispatch=max(world.ledger_dispatch - 1, 0),
-            ledger_consumed=_consume(max(world.ledger_consumed - 1, 0), lost),
-        )
-    elif name in ("store_down", "store_up"):
-        world = replace(world, store_up=name == "store_up")
-    elif name == "request":
-        world = replace(world, request=_set(world.request, e, 0))
-    elif name == "answer":
-        if not world.store_up:
-            raise _Violation("closed", "a lease was made while the store is down (R25)")
-        skew = SKEW if (mutant == "clock_skew" and e == 1) else 0
-        lead = world.store_lead - skew  # R23: the store's clock (the mutant: the engine's)
-        eff = max(lead, 0)
-        n = 0 if eff > TAU else min(scope.lease, (TAU - eff) // T + 1)
-        if n == 0:
-            world = replace(world, refused=_set(world.refused, e, True))
-        else:
-            new_lead = max(eff + n * T + skew, 0) if skew else eff + n * T
-            lease = Lease(n, record=TTL, holder=e, answer_age=0)
-            world = replace(world, store_lead=new_lead, leases=world.leases + (lease,))
-    elif name == "deliver":
-        for i in _holder_leases(world, e):
-            x = world.leases[i]
-            if x.answer_age >= 0:  # the engine's deadline: TTL after it sent the request
-                world = replace(
-                    world, leases=_with(world, i, replace(x, held=x.n, deadline=TTL - world.request[e], answer_age=-1))
-                )
-        world = replace(world, request=_set(world.request, e, -1), refused=_set(world.refused, e, False))
-    elif name == "timeout":
-        lost = 0
-        for i in _holder_leases(world, e):
-            x = world.leases[i]
-            if x.answer_age >= 0:  # R25: abandoned; the store's record lives on until it expires
-                lost += x.n
-                world = replace(world, leases=_with(world, i, replace(x, answer_age=-1, current=False)))
-        world = replace(
-            world,
-            request=_set(world.request, e, -1),
-            refused=_set(world.refused, e, False),
-            ledger_consumed=_consume(world.ledger_consumed, lost),
-        )
-    elif name == "spend":
-        i = min(
-            (i for i in _holder_leases(world, e) if world.leases[i].held > 0 and world.leases[i].deadline > 0),
-            key=lambda i: world.leases[i].deadline,
-        )
-        x = world.leases[i]
-        tolerance = TAU + ENGINES * H * T  # R24 in ledger form
-        if world.ledger_dispatch > tolerance:
-            raise _Violation(
-                "bound",
-                f"a dispatch exceeds floor((W + tau) r) + 1 + E x H (ledger lead "
-                f"{world.ledger_dispatch} > {tolerance} ticks)",
-            )
-        if x.used + 1 > x.n:
-            raise _Violation("once", f"a lease of {x.n} grants had {x.used + 1} spent or returned (R26)")
-        world = replace(
-            world,
-            leases=_with(world, i, replace(x, held=x.held - 1, used=x.used + 1)),
-            ledger_dispatch=max(world.ledger_dispatch, 0) + T,
-            ledger_consumed=_consume(world.ledger_consumed, 1),
-        )
-    elif name == "return":
-        i = next(i for i in _holder_leases(world, e) if world.leases[i].held > 0 and world.leases[i].returning < 0)
-        x = world.leases[i]
-        kept = x.held if mutant == "double_spend" else -1
-        world = replace(world, leases=_with(world, i, replace(x, returning=max(x.held, 0), held=kept)))
-    elif name == "apply_return":
-        i = next(i for i, x in enumerate(world.leases) if x.holder == e and x.returning >= 0)
-        x = world.leases[i]
-        u = min(x.returning, x.n) if x.record > 0 else 0  # R23: only a live record, once
-        if x.used + u > x.n:
-            raise _Violation("once", f"a lease of {x.n} grants had {x.used + u} spent or returned (R26)")
-        lead = world.store_lead if mutant == "lost_return" else max(world.store_lead - u * T, 0)
-        world = replace(
-            world,
-            store_lead=lead,
-            leases=_with(world, i, replace(x, returning=-1, record=0, used=x.used + u)),
-            ledger_consumed=_consume(world.ledger_consumed, x.returning - u),
-        )
-    elif name == "crash":  # R26: holdings and the request are gone; a new incarnation
-        lost = 0
-        leases = []
-        for x in world.leases:
-            if x.holder == e and x.current:
-                lost += max(x.held, 0) + (x.n if x.answer_age >= 0 else 0)
-                x = replace(x, current=False, held=-1, answer_age=-1)
-            leases.append(x)
-        world = replace(
-            world,
-            leases=tuple(leases),
-            request=_set(world.request, e, -1),
-            refused=_set(world.refused, e, False),
-            ledger_consumed=_consume(world.ledger_consumed, lost),
-        )
-    else:  # pragma: no cover - events() lists every name above
+    handler = _HANDLERS.get(name)
+    if handler is None:  # pragma: no cover - events() lists every name above
         raise AssertionError(f"unknown event {name!r}")
+    world = handler(world, e, scope, mutant)
     _check_state(world, scope)
     return canonical(world)
 
