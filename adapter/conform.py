@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 # R18's row is a ``feature_off.PairedCheck``, defined beside the side-by-side run it uses
 from vllm_output_rate.adapter.feature_off import check_feature_off as check_feature_off
+from vllm_output_rate.adapter.scenarios import Hunt
 
 PROFILES = {
     # examples per check: limiter differential, real scheduler sync / async (ample), each
@@ -174,18 +175,15 @@ def _reraise_gate_error(exc: Exception) -> None:
 def check_scheduler(
     scheduler_cls: str,
     async_mode: bool,
-    examples: int,
-    max_steps: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
+    hunt: Hunt,
     pressured: bool = False,
     level: str = "exact",
     style=None,
     integer_rates: bool = False,
     burst_configurable: bool = False,
 ) -> CheckResult:
-    """The scheduler scenario checks of ``adapter/scenarios.py`` on a real scheduler class.
+    """The scheduler scenario checks of ``adapter/scenarios.py`` on a real scheduler class,
+    hunted as ``hunt`` says (``adapter/scenarios.Hunt``).
 
     ``pressured`` False: ``rate-limit/*``, ample resources, black-box (R2, R7, R11, R12, R14).
     ``pressured`` True: ``invariants/*``, KV/budget/seat pressure, aborts, PRIORITY, long
@@ -199,7 +197,7 @@ def check_scheduler(
     tag = "async" if async_mode else "sync"
     kwargs: dict[str, Any] = {
         "async_scheduling": async_mode,
-        "max_steps": max_steps,
+        "max_steps": hunt.max_steps,
         "integer_rates": integer_rates,
         "burst_configurable": burst_configurable,
     }
@@ -213,14 +211,14 @@ def check_scheduler(
         rules = [r for r in rules if r not in ("R10", "R14")] + ["R8"]
     result = CheckResult(name, rules)
     run = _guarded(lambda scenario: run_scenario(scheduler_cls, scenario, level, style), scheduler_cls)
-    failed = _hunt(result, strategy, run, examples, seed, tick)
+    failed = _hunt(result, strategy, run, hunt.examples, hunt.seed, hunt.tick)
     if failed is not None:
         scenario = minimize(scheduler_cls, failed[0], run=run)
         verdict = _guarded(lambda s: named_verdict(scheduler_cls, s, level, style), scheduler_cls)(
             scenario
         )  # named by the rule it breaks (adapter/attribution.py)
         _record_failure(result, verdict, scenario)
-        _save_counterexample(result, scenario, save_dir)
+        _save_counterexample(result, scenario, hunt.save_dir)
     return result
 
 
@@ -326,17 +324,15 @@ def _integer_rates_only(scenario: Any) -> bool:
 def check_white_box(
     scheduler_cls: str,
     async_mode: bool,
-    examples: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
+    hunt: Hunt,
     burst_configurable: bool = True,
     style=None,
     integer_rates: bool = False,
 ) -> CheckResult:
     """R1-R18 + V1-V12 (level exact): the step spec predicts the class under test exactly,
     including every field of its ``last_step_observation`` (charged, refunded, throttled,
-    wait hint, TATs). ``burst_configurable`` False: only the article's 100 ms burst."""
+    wait hint, TATs), on ``hunt.examples`` step scenarios (``hunt.max_steps`` unused: the
+    step scenarios' own bound). ``burst_configurable`` False: only the article's 100 ms burst."""
     from vllm_output_rate.adapter.fidelity import with_loras
     from vllm_output_rate.adapter.whitebox import run_white_box, white_box_scenarios
 
@@ -356,10 +352,10 @@ def check_white_box(
         rules,
         strategy,
         _guarded_step(lambda scenario: run_white_box(scenario, scheduler_cls, style=style), scheduler_cls),
-        examples,
-        seed,
-        tick,
-        save_dir,
+        hunt.examples,
+        hunt.seed,
+        hunt.tick,
+        hunt.save_dir,
         subject=scheduler_cls.rpartition(".")[2],
     )
     result.level = "exact"

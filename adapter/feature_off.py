@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from hypothesis import strategies as st
@@ -26,6 +25,7 @@ from hypothesis import strategies as st
 from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.scenarios import (
     DRAIN_STEP_LIMIT,
+    Hunt,
     Scenario,
     Verdict,
     build_harness,
@@ -213,10 +213,11 @@ class PairedCheck:
     scenario as the candidate ran it (what a failure saves); ``unsupported(style)``: why
     the row cannot run with that configuration style (its NOT TESTED reason), None if it can.
 
-    Called as ``check(scheduler_cls, async_mode, examples, max_steps, seed, tick, save_dir,
-    style=None)``: ``run`` on ``examples`` seeded scenarios, ``tick()`` after each; a
-    failure is shrunk by Hypothesis, made 1-minimal and saved as ``as_run(scenario)`` in
-    ``save_dir`` (None: not saved). Returns the ``adapter.conform.CheckResult`` row.
+    Called as ``check(scheduler_cls, async_mode, hunt, style=None)``: ``run`` on
+    ``hunt.examples`` seeded scenarios of at most ``hunt.max_steps`` steps
+    (``adapter/scenarios.Hunt``), ``hunt.tick()`` after each; a failure is shrunk by
+    Hypothesis, made 1-minimal and saved as ``as_run(scenario)`` in ``hunt.save_dir`` (None:
+    not saved). Returns the ``adapter.conform.CheckResult`` row.
     """
 
     row: str
@@ -231,11 +232,7 @@ class PairedCheck:
         self,
         scheduler_cls: str,
         async_mode: bool,
-        examples: int,
-        max_steps: int,
-        seed: int,
-        tick: Callable[[], None],
-        save_dir: Path | None,
+        hunt: Hunt,
         style: Any = None,
     ):
         from vllm_output_rate.adapter.conform import CheckResult, _guarded, _hunt, _record_failure, _save_counterexample
@@ -246,11 +243,12 @@ class PairedCheck:
             return CheckResult(name, list(self.rules), result="not tested", level=self.level, failure=why)
         result = CheckResult(name, list(self.rules), level=self.level)
         run = _guarded(lambda scenario: self.run(scheduler_cls, scenario, style), scheduler_cls)
-        failed = _hunt(result, self.strategy(async_mode, max_steps), run, examples, seed, tick)
+        strategy = self.strategy(async_mode, hunt.max_steps)
+        failed = _hunt(result, strategy, run, hunt.examples, hunt.seed, hunt.tick)
         if failed is not None:
             scenario = self.as_run(minimize(scheduler_cls, failed[0], run=run))
             _record_failure(result, run(scenario), scenario)
-            _save_counterexample(result, scenario, save_dir)
+            _save_counterexample(result, scenario, hunt.save_dir)
         return result
 
 

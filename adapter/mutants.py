@@ -385,11 +385,11 @@ class RollingWindow(_LimiterSlip):
 
 class _FloorReadyLimiter(OutputRateLimiter):
     def ready_at_ns(self, user):
-        tat = self._tat.get(user)
-        if tat is None:
-            return None
+        ready = super().ready_at_ns(user)  # ceil((TAT - tau) / p)
         s = self._scales.get(user) or self._default
-        return (tat - s.burst) // s.p
+        if ready is not None and ready * s.p != self._tat[user] - s.burst:
+            ready -= 1  # the floor: 1 ns early wherever (TAT - tau) / p is not a whole ns
+        return ready
 
 
 class ReadyAtRoundedDown(_LimiterSlip):

@@ -105,6 +105,14 @@ def _configured_as(options: GateOptions) -> dict[str, Any]:
     return {"style": options.style, "integer_rates": options.integer_rates}
 
 
+def _hunt(options: GateOptions, tick: Tick, examples: int, max_steps: int = 40) -> Any:
+    """The ``adapter/scenarios.Hunt`` of one row in this gate run: ``examples`` scenarios
+    of at most ``max_steps`` steps, the run's seed, progress ``tick`` and save directory."""
+    from vllm_output_rate.adapter.scenarios import Hunt
+
+    return Hunt(examples, options.seed, max_steps, tick, options.save_dir)
+
+
 def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:
     from vllm_output_rate.adapter import conform as gate
 
@@ -116,11 +124,7 @@ def _scheduler_check(async_mode: bool, pressured: bool) -> CheckSpec:
         result = gate.check_scheduler(
             _cls(options, async_mode),
             async_mode,
-            budget[key],
-            budget["max_steps"],
-            options.seed,
-            tick,
-            options.save_dir,
+            _hunt(options, tick, budget[key], budget["max_steps"]),
             pressured=pressured,
             level=options.level,
             burst_configurable=options.burst_configurable,
@@ -140,23 +144,15 @@ def _stock_comparison_check(
 ) -> CheckSpec:
     """A row that runs the candidate beside stock vLLM on a quarter of the mode's scenario
     budget (at least 5 scenarios): ``check()`` imports and returns the check function,
-    called as ``f(class, async_mode, examples, max_steps, seed, tick, save_dir, style)``."""
+    called as ``f(class, async_mode, hunt, style)``."""
     key = "async" if async_mode else "sync"
 
     def examples(options: GateOptions) -> int:
         return max(_budget(options)[key] // 4, 5)
 
     def run(options: GateOptions, tick: Tick):
-        return check()(
-            _cls(options, async_mode),
-            async_mode,
-            examples(options),
-            _budget(options)["max_steps"],
-            options.seed,
-            tick,
-            options.save_dir,
-            options.style,
-        )
+        hunt = _hunt(options, tick, examples(options), _budget(options)["max_steps"])
+        return check()(_cls(options, async_mode), async_mode, hunt, options.style)
 
     return CheckSpec(f"{name}/{key}", "candidate", level, rules, async_mode, examples, run)
 
@@ -201,10 +197,7 @@ def _white_box_check(async_mode: bool) -> CheckSpec:
         return gate.check_white_box(
             _cls(options, async_mode),
             async_mode,
-            _step_budget(options)[key],
-            options.seed,
-            tick,
-            options.save_dir,
+            _hunt(options, tick, _step_budget(options)[key]),
             burst_configurable=options.burst_configurable,
             **_configured_as(options),
         )
@@ -244,19 +237,13 @@ def _per_profile_check(
     load: Callable[[], tuple[dict[str, int], Callable[..., Any]]],
 ) -> CheckSpec:
     """A row with a fixed number of scenarios per profile: ``load()`` imports and returns
-    (scenarios per profile, the check function, called as ``f(class, async_mode, examples,
-    seed, tick, save_dir, style)``)."""
+    (scenarios per profile, the check function, called as ``f(class, async_mode, hunt,
+    style)``)."""
 
     def run(options: GateOptions, tick: Tick):
         examples, check = load()
         return check(
-            _cls(options, async_mode),
-            async_mode,
-            examples[options.profile],
-            options.seed,
-            tick,
-            options.save_dir,
-            options.style,
+            _cls(options, async_mode), async_mode, _hunt(options, tick, examples[options.profile]), options.style
         )
 
     def total(options: GateOptions) -> int:
@@ -301,10 +288,7 @@ def _rate_change_check(async_mode: bool) -> CheckSpec:
         return check_rate_change(
             _cls(options, async_mode),
             async_mode,
-            EXAMPLES[options.profile],
-            options.seed,
-            tick,
-            options.save_dir,
+            _hunt(options, tick, EXAMPLES[options.profile]),
             options.style,
             level=spec.level_for(options),
         )

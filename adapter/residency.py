@@ -36,7 +36,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from vllm_output_rate.adapter.fidelity import StepScenario
-from vllm_output_rate.adapter.scenarios import Verdict
+from vllm_output_rate.adapter.scenarios import Hunt, Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
 from vllm_output_rate.spec.properties import first_cut
 from vllm_output_rate.spec.state import EngineConfig
@@ -238,9 +238,10 @@ class HuntedCheck:
     configuration style without ``additional_config["output_rate"]`` (None: every style
     runs the row); ``crash_note``: appended to a crash's message.
 
-    Called as ``check(scheduler_cls, async_mode, examples, seed, tick, save_dir,
-    style=None, level=None)``: ``hunt_row`` on ``examples`` seeded scenarios, ``tick()``
-    after each, a failure saved in ``save_dir`` (None: not saved); ``level`` None judges at
+    Called as ``check(scheduler_cls, async_mode, hunt, style=None, level=None)``:
+    ``hunt_row`` on ``hunt.examples`` seeded scenarios (``adapter/scenarios.Hunt``; its
+    ``max_steps`` unused: the row's scenarios have their own bound), ``hunt.tick()`` after
+    each, a failure saved in ``hunt.save_dir`` (None: not saved); ``level`` None judges at
     the row's ``level``. Returns the ``adapter.conform.CheckResult`` row.
     """
 
@@ -257,10 +258,7 @@ class HuntedCheck:
         self,
         scheduler_cls: str,
         async_mode: bool,
-        examples: int,
-        seed: int,
-        tick: Callable[[], None],
-        save_dir: Path | None,
+        hunt: Hunt,
         style: Any = None,
         level: str | None = None,
     ):
@@ -277,10 +275,10 @@ class HuntedCheck:
             self.strategy(async_mode),
             lambda scenario: self.run(scheduler_cls, scenario, style),
             scheduler_cls,
-            examples,
-            seed,
-            tick,
-            save_dir,
+            hunt.examples,
+            hunt.seed,
+            hunt.tick,
+            hunt.save_dir,
             rule=self.rule,
             level=level,
             crash_note=self.crash_note,

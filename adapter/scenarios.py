@@ -37,9 +37,11 @@ spec limiter's replay (R1-R6), and the wait hint the earliest ready time (R16).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 from hypothesis import strategies as st
@@ -212,6 +214,25 @@ class Verdict:
     history: Any = None
 
 
+def _no_tick() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Hunt:
+    """How one gate row hunts (``adapter/conform.check_scheduler``, ``check_white_box``,
+    the ``PairedCheck`` and ``HuntedCheck`` rows): ``examples`` seeded Hypothesis scenarios
+    drawn with ``seed``, each of at most ``max_steps`` steps where the row draws by steps;
+    ``tick()`` after each (progress); a failing scenario saved in ``save_dir`` (None: not
+    saved, replayable with ``outrate replay`` when it is)."""
+
+    examples: int
+    seed: int = 0
+    max_steps: int = 40
+    tick: Callable[[], None] = _no_tick
+    save_dir: Path | None = None
+
+
 def spec_limiter_user(user: str | None) -> str:
     """R17: the limiter bucket of a request's ``output_rate_user`` (None: anonymous)."""
     return "__anonymous__" if user is None else user
@@ -286,15 +307,28 @@ def scenarios(
                 )
             )
     cap = draw(st.one_of(st.none(), st.integers(1, max(1, len(requests) - 1)))) if len(requests) > 1 else None
+    step_interval_ns = draw(st.sampled_from(STEP_INTERVALS_NS))
+    chunked = draw(st.booleans())
+    async_mode = draw(st.booleans()) if async_scheduling is None else async_scheduling
+    drawn = (overrides, default, requests, step_interval_ns, num_steps, chunked, async_mode)
+    return _drawn_scenario(draw, drawn, burst_configurable, max_num_active_seqs=cap)
+
+
+def _drawn_scenario(draw, drawn: tuple, burst_configurable: bool, **pressure: Any) -> Scenario:
+    """The strategies' common end: the scenario of ``drawn`` (overrides, default rate,
+    requests, clock step in ns, steps, chunked prefill, async mode) and ``pressure`` (the
+    resource limits), all drawn by the caller, with a ``burst_ms`` (sometimes, with
+    ``burst_configurable``) and prefix caching drawn last."""
+    overrides, default, requests, step_interval_ns, num_steps, chunked, async_mode = drawn
     return Scenario(
         rates_tokens_per_s=overrides,
         default_rate_tokens_per_s=default,
         requests=tuple(requests),
-        step_interval_ns=draw(st.sampled_from(STEP_INTERVALS_NS)),
+        step_interval_ns=step_interval_ns,
         num_steps=num_steps,
-        chunked_prefill=draw(st.booleans()),
-        async_scheduling=draw(st.booleans()) if async_scheduling is None else async_scheduling,
-        max_num_active_seqs=cap,
+        chunked_prefill=chunked,
+        async_scheduling=async_mode,
+        **pressure,
         burst_ms=draw(st.sampled_from(BURSTS_MS)) if burst_configurable and draw(st.booleans()) else None,
         prefix_caching=draw(st.booleans()),  # swarm: vLLM's default, a cached-prompt path (issue 18)
     )
@@ -338,24 +372,23 @@ def pressured_scenarios(
     # The longest request (prompt 40 + 16 outputs) must fit alone; vLLM keeps one null block.
     longest_blocks = -(-(40 + 16) // block_size) + 1
     chunked = draw(st.booleans())
-    return Scenario(
-        rates_tokens_per_s=overrides,
-        default_rate_tokens_per_s=default,
-        requests=tuple(requests),
-        step_interval_ns=draw(st.sampled_from(STEP_INTERVALS_NS[1:])),
-        num_steps=num_steps,
-        chunked_prefill=chunked,
-        async_scheduling=draw(st.booleans()) if async_scheduling is None else async_scheduling,
+    step_interval_ns = draw(st.sampled_from(STEP_INTERVALS_NS[1:]))
+    async_mode = draw(st.booleans()) if async_scheduling is None else async_scheduling
+    max_num_active_seqs = draw(st.integers(1, max_num_seqs))
+    # Without chunked prefill a whole prompt must fit the budget.
+    # vLLM requires max_num_batched_tokens >= max_num_seqs.
+    budget = max(draw(st.sampled_from([8, 16, 32, 64, 2048])), max_num_seqs) if chunked else 2048
+    drawn = (overrides, default, requests, step_interval_ns, num_steps, chunked, async_mode)
+    return _drawn_scenario(
+        draw,
+        drawn,
+        burst_configurable,
         max_num_seqs=max_num_seqs,
-        max_num_active_seqs=draw(st.integers(1, max_num_seqs)),
-        # Without chunked prefill a whole prompt must fit the budget.
-        # vLLM requires max_num_batched_tokens >= max_num_seqs.
-        max_num_batched_tokens=max(draw(st.sampled_from([8, 16, 32, 64, 2048])), max_num_seqs) if chunked else 2048,
+        max_num_active_seqs=max_num_active_seqs,
+        max_num_batched_tokens=budget,
         num_blocks=draw(st.integers(longest_blocks, longest_blocks * 3)),
         block_size=block_size,
         policy=policy,
-        burst_ms=draw(st.sampled_from(BURSTS_MS)) if burst_configurable and draw(st.booleans()) else None,
-        prefix_caching=draw(st.booleans()),  # swarm: vLLM's default, a cached-prompt path (issue 18)
     )
 
 

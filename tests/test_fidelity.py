@@ -16,6 +16,7 @@ from test_spec_step import TWO_USERS_THREE_STREAMS, add, cfg, rated
 from vllm_output_rate.adapter import conform as gate
 from vllm_output_rate.adapter.fidelity import StepScenario, run_base, run_step_scenario
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER
+from vllm_output_rate.adapter.scenarios import Hunt
 from vllm_output_rate.adapter.whitebox import compare_white, run_white_box
 from vllm_output_rate.spec import scheduler as spec_scheduler
 from vllm_output_rate.spec.events import AdvanceClock, Drain, Step
@@ -40,7 +41,7 @@ def test_v1_v12_base_fidelity_small_run(async_mode, examples, tmp_path):
     "cls, async_mode, examples", [(REFERENCE_SCHEDULER, False, 18), (REFERENCE_ASYNC_SCHEDULER, True, 12)]
 )
 def test_r7_r16_white_box_small_run(cls, async_mode, examples, tmp_path):
-    result = gate.check_white_box(cls, async_mode, examples, seed=3, tick=_noop, save_dir=tmp_path)
+    result = gate.check_white_box(cls, async_mode, Hunt(examples, seed=3, save_dir=tmp_path))
     assert result.result == "pass", "\n".join([result.failure or ""] + result.counterexample)
 
 

@@ -17,19 +17,15 @@ from vllm_output_rate.adapter.harness import (
     STOCK_ASYNC_SCHEDULER,
     STOCK_SCHEDULER,
 )
-from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, run_scenario
+from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario, run_scenario
 
 OUTRATE = [sys.executable, "-m", "vllm_output_rate.cli"]
-
-
-def _noop() -> None:
-    pass
 
 
 @pytest.mark.rules("R2", "R7")
 @pytest.mark.parametrize("cls, async_mode", [(REFERENCE_SCHEDULER, False), (REFERENCE_ASYNC_SCHEDULER, True)])
 def test_r2_r7_gate_passes_reference(cls, async_mode, tmp_path):
-    result = check_scheduler(cls, async_mode, 20, 30, seed=1, tick=_noop, save_dir=tmp_path)
+    result = check_scheduler(cls, async_mode, Hunt(20, seed=1, max_steps=30, save_dir=tmp_path))
     assert result.result == "pass", result.failure
     assert result.examples == 20
     assert result.steps > 20
@@ -38,7 +34,7 @@ def test_r2_r7_gate_passes_reference(cls, async_mode, tmp_path):
 @pytest.mark.rules("R2")
 @pytest.mark.parametrize("cls, async_mode", [(STOCK_SCHEDULER, False), (STOCK_ASYNC_SCHEDULER, True)])
 def test_r2_gate_rejects_stock_vllm_with_short_replayable_counterexample(cls, async_mode, tmp_path):
-    result = check_scheduler(cls, async_mode, 50, 30, seed=0, tick=_noop, save_dir=tmp_path)
+    result = check_scheduler(cls, async_mode, Hunt(50, max_steps=30, save_dir=tmp_path))
     assert result.result == "fail"
     assert result.failure.startswith("[must] R2:"), result.failure
     assert result.failed_level == "must"
@@ -51,8 +47,8 @@ def test_r2_gate_rejects_stock_vllm_with_short_replayable_counterexample(cls, as
 
 @pytest.mark.rules("R2")
 def test_r2_same_seed_replays_same_run():
-    a = check_scheduler(REFERENCE_SCHEDULER, False, 8, 20, seed=7, tick=_noop, save_dir=None)
-    b = check_scheduler(REFERENCE_SCHEDULER, False, 8, 20, seed=7, tick=_noop, save_dir=None)
+    a = check_scheduler(REFERENCE_SCHEDULER, False, Hunt(8, seed=7, max_steps=20))
+    b = check_scheduler(REFERENCE_SCHEDULER, False, Hunt(8, seed=7, max_steps=20))
     assert (a.examples, a.steps) == (b.examples, b.steps)
 
 

@@ -17,6 +17,7 @@ from vllm_output_rate.adapter import registry
 from vllm_output_rate.adapter.conform import check_feature_off
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.levels import LEVELS, includes
+from vllm_output_rate.adapter.scenarios import Hunt
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OUTRATE = [sys.executable, "-m", "vllm_output_rate.cli"]
@@ -25,10 +26,6 @@ ENV = dict(
     VLLM_LOGGING_LEVEL="ERROR",
     PYTHONPATH=os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")])),
 )
-
-
-def _noop() -> None:
-    pass
 
 
 def test_levels_are_ordered_and_bad_level_is_named():
@@ -67,11 +64,11 @@ def test_plan_without_async_class_is_not_tested_unless_sync_only():
 @pytest.mark.rules("R18")
 def test_r18_candidate_that_rotates_with_feature_off_fails_must(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
-    result = check_feature_off("gate_candidates.RotatesWhenOff", False, 40, 30, seed=0, tick=_noop, save_dir=tmp_path)
+    result = check_feature_off("gate_candidates.RotatesWhenOff", False, Hunt(40, max_steps=30, save_dir=tmp_path))
     assert result.result == "fail"
     assert result.failure.startswith("[must] R18:") and "differs from stock vLLM" in result.failure
     assert "RotatesWhenOff" in result.failure and "feature OFF" in result.counterexample[0]
-    good = check_feature_off(REFERENCE_SCHEDULER, False, 20, 30, seed=0, tick=_noop, save_dir=tmp_path)
+    good = check_feature_off(REFERENCE_SCHEDULER, False, Hunt(20, max_steps=30, save_dir=tmp_path))
     assert good.result == "pass" and good.examples == 20
 
 

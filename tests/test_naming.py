@@ -15,7 +15,7 @@ from vllm_output_rate.adapter import boundaries
 from vllm_output_rate.adapter.configstyle import parse_config_style
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 from vllm_output_rate.adapter.mutation import names_rule
-from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, named_verdict, run_scenario
+from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario, named_verdict, run_scenario
 
 MUTANTS = "vllm_output_rate.adapter.mutants"
 ARTICLE = "article_style.scheduler.ArticleScheduler"
@@ -147,7 +147,7 @@ def test_r16_a_lora_slot_failure_the_article_base_shares_is_not_a_kill_of_its_mu
 
     mutant = next(m for m in mutation.article_catalogue() if m.name == "ArticleNoEngineWait")
     options, _ = mutation.hunt_plan(mutant, "should", "quick", 0, False, tmp_path)
-    result = check_lora(mutant.cls, False, 8, 0, lambda: None, tmp_path, options.style)
+    result = check_lora(mutant.cls, False, Hunt(8, save_dir=tmp_path), options.style)
     assert result.result == "fail" and result.saved is not None, result.failure
     assert mutation._base_passes(mutant, result, "should", options) is False
 

@@ -20,7 +20,7 @@ from test_scheduler_rules import make
 from vllm_output_rate.adapter.conform import check_scheduler
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness, StepTrace
 from vllm_output_rate.adapter.not_binding import check_not_binding, never_binding, run_not_binding
-from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
+from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario
 from vllm_output_rate.proofs import modelcheck as mc
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import scheduler as spec
@@ -30,10 +30,6 @@ from vllm_output_rate.spec.state import EngineConfig, initial_state
 FIXTURES = Path(__file__).parent / "fixtures"
 MS = 1_000_000
 RATE = 1_000_000  # tok/s: never binding
-
-
-def _noop() -> None:
-    pass
 
 
 def steps(h: Harness, count: int, dt_ns: int) -> Iterator[StepTrace]:
@@ -128,7 +124,7 @@ def test_r19_model_checker_scopes_hold_and_catch_the_articles_rotation():
 
 @pytest.mark.rules("R19")
 def test_r19_gate_passes_the_reference(async_scheduling, reference_cls):
-    result = check_not_binding(reference_cls, async_scheduling, 12, 30, seed=0, tick=_noop, save_dir=None)
+    result = check_not_binding(reference_cls, async_scheduling, Hunt(12, max_steps=30))
     assert result.result == "pass", result.failure
     assert result.examples == 12 and result.steps > 0
 
@@ -136,7 +132,7 @@ def test_r19_gate_passes_the_reference(async_scheduling, reference_cls):
 @pytest.mark.rules("R19")
 def test_r19_gate_rejects_the_articles_swap_rotation(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
-    result = check_not_binding("gate_candidates.SwapRotation", False, 30, 30, seed=0, tick=_noop, save_dir=tmp_path)
+    result = check_not_binding("gate_candidates.SwapRotation", False, Hunt(30, max_steps=30, save_dir=tmp_path))
     assert result.result == "fail" and result.failed_level == "should"
     assert result.failure.startswith("[should] R19:")
     assert "a rate limit that does not bind must not change the schedule" in result.failure
@@ -185,7 +181,7 @@ def test_r19_registered_at_level_should(registered_at_level):
 def test_r14_bounded_bypass_still_holds_for_throttled_users(async_scheduling, reference_cls):
     # The rate-limit gate check at level should judges R14 as bounded bypass (sync: a
     # stream of a throttled user waits at most 2 x its user's streams grants).
-    result = check_scheduler(reference_cls, async_scheduling, 20, 30, seed=3, tick=_noop, save_dir=None, level="should")
+    result = check_scheduler(reference_cls, async_scheduling, Hunt(20, seed=3, max_steps=30), level="should")
     assert result.result == "pass", result.failure
 
 

@@ -21,6 +21,7 @@ from test_scheduler_rules import make
 from vllm_output_rate.adapter.fidelity import StepScenario
 from vllm_output_rate.adapter.harness import EngineShape, Harness
 from vllm_output_rate.adapter.residency import check_residency
+from vllm_output_rate.adapter.scenarios import Hunt
 from vllm_output_rate.adapter.whitebox import run_white_box
 from vllm_output_rate.proofs import modelcheck as mc
 from vllm_output_rate.reference.config import OutputRateConfigError, check_engine_supported, parse_output_rate
@@ -33,10 +34,6 @@ REFERENCE = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 REFERENCE_ASYNC = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
 MS = 1_000_000
 FLOOD_SCOPES = ("sync-flood-cap", "async-flood-cap")
-
-
-def _noop() -> None:
-    pass
 
 
 def flood_events(streams: int = 6) -> tuple:
@@ -164,10 +161,10 @@ def test_r20_gate_passes_the_reference_and_rejects_the_ignored_cap(monkeypatch):
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
     for cls, async_mode in ((REFERENCE, False), (REFERENCE_ASYNC, True)):
-        result = check_residency(cls, async_mode, 6, seed=0, tick=_noop, save_dir=None)
+        result = check_residency(cls, async_mode, Hunt(6))
         assert result.result == "pass", result.failure
     for cls, async_mode in (("r20_candidates.NoResidencyCap", False), ("r20_candidates.NoResidencyCapAsync", True)):
-        result = check_residency(cls, async_mode, 20, seed=0, tick=_noop, save_dir=None)
+        result = check_residency(cls, async_mode, Hunt(20))
         assert result.result == "fail" and result.failure.startswith("[exact] R20"), result.failure
 
 
@@ -175,9 +172,7 @@ def test_r20_gate_passes_the_reference_and_rejects_the_ignored_cap(monkeypatch):
 def test_r20_gate_not_tested_for_a_style_without_the_cap():
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
-    result = check_residency(
-        REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None, style=parse_config_style("engine-args")
-    )
+    result = check_residency(REFERENCE, False, Hunt(1), style=parse_config_style("engine-args"))
     assert result.result == "not tested" and "max_num_seqs_per_user" in result.failure
 
 

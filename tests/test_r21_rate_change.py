@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter.scenarios import Hunt
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec import scheduler as spec
@@ -461,10 +462,6 @@ def test_r21_trace_records_the_change_and_the_checker_applies_it(tmp_path) -> No
 REFERENCE_ASYNC = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
 
 
-def _noop() -> None:
-    pass
-
-
 @pytest.mark.rules("R21")
 def test_r21_gate_passes_the_reference_and_rejects_wrong_changes(monkeypatch) -> None:
     from pathlib import Path
@@ -473,7 +470,7 @@ def test_r21_gate_passes_the_reference_and_rejects_wrong_changes(monkeypatch) ->
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
     for cls, async_mode in ((REFERENCE, False), (REFERENCE_ASYNC, True)):
-        result = check_rate_change(cls, async_mode, 6, seed=0, tick=_noop, save_dir=None)
+        result = check_rate_change(cls, async_mode, Hunt(6))
         assert result.result == "pass", result.failure
     expected = {
         "ResetOnChange": "an over-grant",
@@ -481,7 +478,7 @@ def test_r21_gate_passes_the_reference_and_rejects_wrong_changes(monkeypatch) ->
         "IgnoreRateChanges": "an under-grant",
     }
     for name, finding in expected.items():
-        result = check_rate_change(f"r21_candidates.{name}", False, 30, seed=0, tick=_noop, save_dir=None)
+        result = check_rate_change(f"r21_candidates.{name}", False, Hunt(30))
         assert result.result == "fail" and result.failure.startswith("[exact] R21"), (name, result.failure)
         assert finding in result.failure, (name, result.failure)
         assert any("rates default=" in line for line in result.counterexample), result.counterexample
@@ -518,9 +515,7 @@ def test_r21_gate_rows_at_exact_unless_the_candidate_opts_in() -> None:
     assert specs["rate-change/sync"].level_for(opted) == "must"
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
-    result = check_rate_change(
-        REFERENCE, False, 1, seed=0, tick=_noop, save_dir=None, style=parse_config_style("engine-args")
-    )
+    result = check_rate_change(REFERENCE, False, Hunt(1), style=parse_config_style("engine-args"))
     assert result.result == "not tested" and "rates_file" in result.failure
 
 

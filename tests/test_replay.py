@@ -22,6 +22,7 @@ from test_spec_step import TWO_USERS_THREE_STREAMS
 from vllm_output_rate.adapter import conform as gate
 from vllm_output_rate.adapter.fidelity import StepScenario
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
+from vllm_output_rate.adapter.scenarios import Hunt
 from vllm_output_rate.cli import main
 from vllm_output_rate.spec.events import AddRequest, Step
 from vllm_output_rate.spec.state import EngineConfig
@@ -40,10 +41,6 @@ class OneTokenChunks(Scheduler):
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         return min(super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens), 1)
 """
-
-
-def _noop() -> None:
-    pass
 
 
 def replay(path, *args):
@@ -100,7 +97,7 @@ def test_r14_white_box_counterexample_replays(tmp_path):
 def test_white_box_counterexample_saved_by_the_gate_replays_from_the_command_line(tmp_path):
     # The gate's white-box check on stock vLLM (which ignores the output_rate section) fails
     # and saves its counterexample; the installed command replays it.
-    result = gate.check_white_box(STOCK_SCHEDULER, False, 20, seed=0, tick=_noop, save_dir=tmp_path)
+    result = gate.check_white_box(STOCK_SCHEDULER, False, Hunt(20, save_dir=tmp_path))
     assert result.result == "fail" and result.saved
     outrate = [sys.executable, "-m", "vllm_output_rate.cli", "replay", result.saved]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")

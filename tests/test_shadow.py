@@ -28,17 +28,13 @@ from vllm_output_rate.adapter.harness import (
     EngineShape,
     Harness,
 )
-from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
+from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario
 from vllm_output_rate.adapter.trace_check import check_trace
 from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
 from vllm_output_rate.reference.scheduler import RateLimitedScheduler
 from vllm_output_rate.spec import limiter as spec_limiter
 
 MS = 1_000_000
-
-
-def _noop() -> None:
-    pass
 
 
 class EnforcingInShadow(RateLimitedScheduler):
@@ -84,7 +80,7 @@ def test_shadow_registered_at_level_exact_candidate_part(registered_at_level):
 
 def test_shadow_check_accepts_the_reference(async_scheduling):
     cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
-    result = check_shadow(cls, async_scheduling, 25, 40, seed=1, tick=_noop, save_dir=None)
+    result = check_shadow(cls, async_scheduling, Hunt(25, seed=1, max_steps=40))
     assert result.result == "pass", result.failure
     assert result.level == "exact" and result.examples >= 25
 
@@ -104,14 +100,14 @@ def test_shadow_check_rejects_a_scheduler_that_still_enforces(tmp_path):
     verdict = run_shadow(ENFORCING_IN_SHADOW, _over_limit_scenario())
     assert verdict.failure is not None and verdict.rule == "shadow" and verdict.level == "exact"
     assert "in shadow mode" in verdict.failure and "batch" in verdict.failure
-    result = check_shadow(ENFORCING_IN_SHADOW, False, 20, 40, seed=1, tick=_noop, save_dir=tmp_path)
+    result = check_shadow(ENFORCING_IN_SHADOW, False, Hunt(20, seed=1, max_steps=40, save_dir=tmp_path))
     assert result.result == "fail" and result.saved is not None
 
 
 def test_shadow_check_not_tested_for_a_style_that_cannot_express_it():
     from vllm_output_rate.adapter.configstyle import EngineArgsStyle
 
-    result = check_shadow(REFERENCE_SCHEDULER, False, 5, 10, seed=0, tick=_noop, save_dir=None, style=EngineArgsStyle())
+    result = check_shadow(REFERENCE_SCHEDULER, False, Hunt(5, max_steps=10), style=EngineArgsStyle())
     assert result.result == "not tested" and "cannot express" in result.failure
 
 
