@@ -109,6 +109,32 @@ class _RateLimitMixin(_SchedulerHost):
         if output_rate_config.enabled:  # R18: feature off, no checks at all
             check_engine_supported(vllm_config)
         super().__init__(*args, **kwargs)
+        self._init_config_state(output_rate_config)
+        if not self.output_rate_config.enabled:
+            log_feature_off(type(self).__name__)  # operator log only; behaviour is the base's
+            return  # R18: feature off, every override below defers to the base class
+        if self.output_rate_config.shadow:
+            self._start_shadow()  # Decision "Shadow mode": every override defers as with R18
+            return
+        cfg = self.output_rate_config
+        self._init_limiter(cfg)
+        self._init_metrics(cfg)
+        self._init_bookkeeping()
+        self._init_rotation_state()
+        self._steps = 0
+        self._reset_step_state(0)
+        if cfg.trace_path is not None:
+            self._open_trace(cfg.trace_path)
+        if self.policy == SchedulingPolicy.PRIORITY:
+            # R13: vLLM picks a PRIORITY victim inside schedule() right after a failed
+            # allocate_slots; wrapping it lets a throttled request of that level go first.
+            self._base_allocate_slots = self.kv_cache_manager.allocate_slots
+            self.kv_cache_manager.allocate_slots = self._allocate_slots_throttled_victims_first
+
+    def _init_config_state(self, output_rate_config: OutputRateConfig) -> None:
+        """The state every mode has (feature off, shadow, on): the parsed configuration, the
+        clock (R16), empty limiter/trace/log/metrics slots, the R20 cap and the R21 rate
+        watcher (opened here when ``rates_file`` is set)."""
         self.output_rate_config: OutputRateConfig = output_rate_config
         # R16: the only clock; the gate replaces it with its fake clock.
         self.clock_ns: Callable[[], int] = time.monotonic_ns
@@ -134,13 +160,10 @@ class _RateLimitMixin(_SchedulerHost):
         )
         self._pending_rates: RateTable | None = None  # queued by update_output_rates (any thread)
         self._rates_lock = threading.Lock()
-        if not self.output_rate_config.enabled:
-            log_feature_off(type(self).__name__)  # operator log only; behaviour is the base's
-            return  # R18: feature off, every override below defers to the base class
-        if self.output_rate_config.shadow:
-            self._start_shadow()  # Decision "Shadow mode": every override defers as with R18
-            return
-        cfg = self.output_rate_config
+
+    def _init_limiter(self, cfg: OutputRateConfig) -> None:
+        """The feature on: the limiter (R1-R5; R23-R26 with ``shared_budget_url``), the active
+        cap (R12), the operator log of the limits, and the throttle log."""
         if cfg.shared_budget_url is not None:  # R23-R26: one budget per user across engines
             from vllm_output_rate.reference.shared_budget import SharedBudgetLimiter
 
@@ -162,9 +185,18 @@ class _RateLimitMixin(_SchedulerHost):
         self._cap_binds = self._active_cap < self.max_num_running_reqs
         log_limits(type(self).__name__, cfg, self._active_cap, self.max_num_running_reqs)  # operator log
         self._throttle_log = ThrottleLog(self.rate_limiter.rate_of)
-        self._metrics = MetricsRecorder.from_env(cfg)  # None unless the front end set the directory
-        if self._metrics is not None:  # the limits and the shadow flag show before the first request
+
+    def _init_metrics(self, cfg: OutputRateConfig) -> None:
+        """The /metrics snapshot (``reference/metrics.py``), written once at start-up so the
+        limits and the shadow flag show before the first request; None unless the front end
+        set its directory."""
+        self._metrics = MetricsRecorder.from_env(cfg)
+        if self._metrics is not None:
             self._metrics.write(self.clock_ns())
+
+    def _init_bookkeeping(self) -> None:
+        """The hook's short path and the per-request bookkeeping: users (R17), requests per
+        user, and the spare grants ``_survey_users`` reads."""
         # The hook's short path: the active cap cannot bind, vLLM's hook only clamps at 0,
         # and ``_samples`` (R7) is ours, so it can be inlined.
         self._hook_fast = (
@@ -176,6 +208,10 @@ class _RateLimitMixin(_SchedulerHost):
         # lower bound on grants_at(user, now) for every later now: ``_survey_users``).
         self._spare: dict[str, int] = {}
         self._spare_taken: dict[str, int] = {}
+
+    def _init_rotation_state(self) -> None:
+        """R14/R15: the groups of streams, the last request served per group, and the order
+        of turns."""
         self._group_cache: dict[str, str] = {}  # request id -> group_key(user, priority) (R14/R15)
         self._last_served: dict[str, str] = {}  # group key (user, priority) -> request id (R15)
         # R14: the order of turns the last step left (request ids of running requests; the
@@ -183,15 +219,6 @@ class _RateLimitMixin(_SchedulerHost):
         self._turns: dict[str, None] = {}
         self._turn_list: list[Request] = []  # this step's turn order (``_take_turns``)
         self._turn_pos: dict[str, int] | None = None  # its places, when asked (``_turn_position``)
-        self._steps = 0
-        self._reset_step_state(0)
-        if cfg.trace_path is not None:
-            self._open_trace(cfg.trace_path)
-        if self.policy == SchedulingPolicy.PRIORITY:
-            # R13: vLLM picks a PRIORITY victim inside schedule() right after a failed
-            # allocate_slots; wrapping it lets a throttled request of that level go first.
-            self._base_allocate_slots = self.kv_cache_manager.allocate_slots
-            self.kv_cache_manager.allocate_slots = self._allocate_slots_throttled_victims_first
 
     def _open_trace(self, trace_path: str, **header: Any) -> None:
         """Open this engine's event trace (``reference/trace.py``; per data-parallel rank):

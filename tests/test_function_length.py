@@ -19,8 +19,6 @@ LIMIT = 70
 ALLOWED = {
     "adapter/coverage.py::observe": "one pass over a step's trace that sets every coverage obligation; "
     "its branches share the step's local state",
-    "reference/scheduler.py::__init__": "the reference scheduler's constructor: every piece of per-engine "
-    "state, in the order the hooks need it",
 }
 
 
