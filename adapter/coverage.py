@@ -158,6 +158,27 @@ def _grants_at(state, user: str, now: int, rate: Fraction, burst: int) -> int:
     return math.floor((burst - lead) / spec_limiter.emission_interval_ns(rate)) + 1
 
 
+@dataclass
+class _Step:
+    """One step as the observer sees it (black-box): the judge, its memory, the step's
+    trace, and what follows from the spec state before the step.
+
+    ``now``/``burst`` in ns; ``by_user``: user -> request ids dispatched for sampling this
+    step (in dispatch order); ``waiting_users``: the users of the unfinished requests;
+    ``refused``: those of them the spec limiter refuses at ``now`` (R2)."""
+
+    judge: Any
+    aux: _Aux
+    trace: Any
+    unfinished: list[str]
+    resident: set[str]
+    now: int
+    burst: int
+    by_user: dict[str, list[str]]
+    waiting_users: set[str]
+    refused: set[str]
+
+
 def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) -> None:
     """Record the obligations step ``step`` reached (see module docstring). Called by the
     judge before it replays the step; ``judge.state`` is the spec state before the step."""
@@ -171,16 +192,31 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
     if aux is None:
         aux = judge._coverage_aux = _Aux({}, {}, set(), {}, {})
     state, now, burst = judge.state, trace.now_ns, scenario.burst_ns
-    sampled, scheduled = trace.sampled, trace.scheduled
-    sampled_set = set(sampled)
     by_user: dict[str, list[str]] = {}
-    for rid in sampled:
+    for rid in trace.sampled:
         by_user.setdefault(judge.user_of(rid), []).append(rid)
     waiting_users = {judge.user_of(rid) for rid in unfinished}
+    refused = {u for u in waiting_users if not spec_limiter.allows(state, u, now, burst)}
+    view = _Step(judge, aux, trace, unfinished, resident, now, burst, by_user, waiting_users, refused)
+    _observe_cleanup(view, _observe_takes(view))
+    _observe_chunks(view)
+    # R8 (async): dispatched again in the step whose delivered output finished it.
+    if scenario.async_scheduling and any(rid in trace.finished for rid in trace.sampled):
+        note(judge, "R8 dispatched after its final token (async)")
+    _observe_not_sampled(view)
+    _observe_preempted(view)
+    _observe_alloc_failure(view)
+    _observe_turns(view)
+    _observe_user_ids(view)
 
-    # R2/R5/R3 boundaries: replay this step's takes one by one.
+
+def _observe_takes(view: _Step) -> spec_limiter.LimiterState:
+    """R2/R5/R3 boundaries (burst edge, ready-at, fractional interval): replay this step's
+    takes one by one on the spec limiter; returns the spec state after them."""
+    judge, now, burst = view.judge, view.now, view.burst
+    scenario, state = judge.scenario, judge.state
     local = state
-    for user, rids in by_user.items():
+    for user, rids in view.by_user.items():
         rate = scenario.rate_of(user)
         for _ in rids:
             lead = _lead_ns(local, user, now)
@@ -191,7 +227,7 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
                 if x.denominator != 1 and now == math.ceil(x):
                     note(judge, "boundary: ready-at")
             local, _ = spec_limiter.try_take(local, user, rate, now, burst)
-    for user in waiting_users - set(by_user):
+    for user in view.waiting_users - set(view.by_user):
         lead = _lead_ns(state, user, now)
         if lead is None or lead <= burst:
             continue
@@ -203,8 +239,13 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
             note(judge, "boundary: ready-at-1ns")
         if spec_limiter.emission_interval_ns(scenario.rate_of(user)).denominator != 1 and 2 * over < 1:
             note(judge, "boundary: fractional-interval")
+    return local
 
-    # R6: the judge cleans up after this step's takes at the same cadence.
+
+def _observe_cleanup(view: _Step, local: spec_limiter.LimiterState) -> None:
+    """R6: the judge cleans up after this step's takes (spec state ``local``) at the same
+    cadence; an idle user deleted, and the cleanup boundaries TAT = now and now + 1 ns."""
+    judge, now = view.judge, view.now
     if judge.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
         for tat in local.tat_ns.values():
             if tat <= now:
@@ -214,8 +255,14 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
             elif tat == now + 1:
                 note(judge, "boundary: cleanup-tat-now+1ns")
 
-    # R7 / R10: chunks, from the scheduled token counts.
-    for rid, tokens in scheduled.items():
+
+def _observe_chunks(view: _Step) -> None:
+    """R7 / R10: chunks, from the scheduled token counts (charged decode and final prefill
+    chunks, uncharged prompt chunks, prefills ending at n - 1 or reaching n); updates the
+    per-request memory, which a preemption resets."""
+    judge, aux, trace = view.judge, view.aux, view.trace
+    sampled_set = set(trace.sampled)
+    for rid, tokens in trace.scheduled.items():
         spec = judge.by_id.get(rid)
         if spec is None:
             continue
@@ -241,24 +288,25 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
             if first_sample and aux.computed[rid] == spec.prompt_len - 1:
                 aux.n_minus_1.add(rid)
                 user = judge.user_of(rid)
-                if not spec_limiter.allows(state, user, now, burst):
+                if not spec_limiter.allows(judge.state, user, view.now, view.burst):
                     aux.refused_prefill[rid] = user
     for rid in trace.preempted:
         aux.computed.pop(rid, None)
         aux.chunks.pop(rid, None)
         aux.n_minus_1.discard(rid)
 
-    # R8 (async): dispatched again in the step whose delivered output finished it.
-    if scenario.async_scheduling and any(rid in trace.finished for rid in sampled):
-        note(judge, "R8 dispatched after its final token (async)")
 
-    # R10, R11, R12, R16 from the requests that did not sample.
-    refused = {u for u in waiting_users if not spec_limiter.allows(state, u, now, burst)}
+def _observe_not_sampled(view: _Step) -> None:
+    """R10, R11, R12, R16 from the requests that did not sample: throttled and kept
+    resident, a refused waiting request ahead of another, a refused prompt waiting whole,
+    the active cap binding, every user refused."""
+    judge, trace, refused, scheduled = view.judge, view.trace, view.refused, view.trace.scheduled
+    scenario = judge.scenario
     admitted = set(trace.admitted)
     blocked_first = False
-    for rid in unfinished:
+    for rid in view.unfinished:
         user = judge.user_of(rid)
-        if rid in resident:
+        if rid in view.resident:
             if rid not in scheduled and user in refused and rid not in trace.preempted:
                 note(judge, "R11 throttled request kept resident")
             continue
@@ -277,24 +325,31 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
     if cap is not None:
         running_scheduled = [rid for rid in scheduled if rid not in admitted]
         if len(running_scheduled) >= cap and any(
-            rid in resident and rid not in scheduled and judge.user_of(rid) not in refused for rid in unfinished
+            rid in view.resident and rid not in scheduled and judge.user_of(rid) not in refused
+            for rid in view.unfinished
         ):
             note(judge, "R12 active cap binds")
-    if not sampled and len(waiting_users) >= 2 and waiting_users <= refused:
+    if not trace.sampled and len(view.waiting_users) >= 2 and view.waiting_users <= refused:
         note(judge, "R16 every user refused while requests wait")
         note(judge, "boundary: all-refused")
 
-    # R9: charged, then not dispatched (proxies, see module docstring).
+
+def _observe_preempted(view: _Step) -> None:
+    """R13 and R9 from the preemptions: a throttled victim (FCFS or PRIORITY), a throttled
+    request above vLLM's victim level, and a request charged then preempted (proxies, see
+    module docstring)."""
+    judge, trace, refused, resident = view.judge, view.trace, view.refused, view.resident
+    scheduled, policy = trace.scheduled, judge.scenario.policy
     for rid in trace.preempted:
         user = judge.user_of(rid)
         if user in refused:
             note(judge, "R13 throttled request preempted")
-            if scenario.policy == "priority":
+            if policy == "priority":
                 note(judge, "boundary: priority-throttled-victim")
             else:
                 note(judge, "boundary: fcfs-throttled-victim")
         elif (
-            scenario.policy == "priority"
+            policy == "priority"
             and judge.by_id.get(rid) is not None
             and any(
                 other in resident
@@ -302,7 +357,7 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
                 and other not in trace.preempted
                 and judge.user_of(other) in refused
                 and judge.by_id[other].priority < judge.by_id[rid].priority
-                for other in unfinished
+                for other in view.unfinished
             )
         ):
             # A throttled request above vLLM's victim level kept its KV.
@@ -310,10 +365,18 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
         elif (
             rid in resident
             and rid in judge.last_sample_step
-            and all(other in scheduled for other in resident if other != rid and other in unfinished)
+            and all(other in scheduled for other in resident if other != rid and other in view.unfinished)
         ):
             note(judge, "boundary: charged-then-preempted")
             note(judge, "R9 charge refunded at the end of the step")
+
+
+def _observe_alloc_failure(view: _Step) -> None:
+    """R9: charged, then not allocated (proxy, see module docstring): in an FCFS step with
+    few KV blocks, no preemption and a free seat, the first waiting request the spec would
+    grant and the token budget would fit, never scheduled, was charged and refunded."""
+    judge, trace = view.judge, view.trace
+    scenario, scheduled = judge.scenario, trace.scheduled
     seats = scenario.max_num_seqs or len(judge.by_id)
     if (
         scenario.num_blocks is not None
@@ -324,29 +387,34 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
     ):
         budget = scenario.max_num_batched_tokens or 2048
         used = sum(scheduled.values())
-        for rid in unfinished:
-            if rid in resident or rid in scheduled:
+        for rid in view.unfinished:
+            if rid in view.resident or rid in scheduled:
                 continue
             spec, user = judge.by_id[rid], judge.user_of(rid)
-            grants = _grants_at(state, user, now, scenario.rate_of(user), burst)
+            grants = _grants_at(judge.state, user, view.now, scenario.rate_of(user), view.burst)
             if (
-                grants > len(by_user.get(user, ()))
+                grants > len(view.by_user.get(user, ()))
                 and used + spec.prompt_len <= budget
-                and rid not in aux.computed
+                and rid not in view.aux.computed
                 and rid not in judge.last_sample_step
             ):
                 note(judge, "boundary: charged-then-alloc-failure")
                 note(judge, "R9 charge refunded at the end of the step")
             break  # FCFS: the waiting loop stops at the first request it cannot allocate
 
-    # R14/R15: one grant per step among >= 2 resident streams of a user; the turn wraps.
-    for user in waiting_users:
+
+def _observe_turns(view: _Step) -> None:
+    """R14/R15: one grant per step among >= 2 resident streams of a user; the turn wraps
+    (the user's grants over the last m + 1 such steps named all m streams, then the first
+    again)."""
+    judge, aux = view.judge, view.aux
+    for user in view.waiting_users:
         streams = [
             rid
-            for rid in unfinished
-            if judge.user_of(rid) == user and rid in resident and rid in judge.last_sample_step
+            for rid in view.unfinished
+            if judge.user_of(rid) == user and rid in view.resident and rid in judge.last_sample_step
         ]
-        got = by_user.get(user, [])
+        got = view.by_user.get(user, [])
         turns = aux.turns.setdefault(user, [])
         if len(streams) < 2 or len(got) != 1 or got[0] not in streams:
             turns.clear()
@@ -357,8 +425,11 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
             note(judge, "R14 a user's streams take turns")
             note(judge, "boundary: rotation-wrap")
 
-    # R17 from the dispatched requests' users.
-    for rid in sampled:
+
+def _observe_user_ids(view: _Step) -> None:
+    """R17 from the dispatched requests' users: the anonymous bucket, odd ids kept exactly."""
+    judge = view.judge
+    for rid in view.trace.sampled:
         user = judge.by_id[rid].user
         if user is None:
             note(judge, "R17 anonymous bucket")
