@@ -228,13 +228,7 @@ class PairedCheck:
     as_run: Callable[[Scenario], Scenario]
     unsupported: Callable[[Any], str | None] = _every_style
 
-    def __call__(
-        self,
-        scheduler_cls: str,
-        async_mode: bool,
-        hunt: Hunt,
-        style: Any = None,
-    ):
+    def __call__(self, scheduler_cls: str, async_mode: bool, hunt: Hunt, style: Any = None):
         from vllm_output_rate.adapter.conform import CheckResult, _guarded, _hunt, _record_failure, _save_counterexample
 
         name = f"{self.row}/{'async' if async_mode else 'sync'}"

@@ -254,14 +254,7 @@ class HuntedCheck:
     needs_output_rate: str | None = None
     crash_note: str = ""
 
-    def __call__(
-        self,
-        scheduler_cls: str,
-        async_mode: bool,
-        hunt: Hunt,
-        style: Any = None,
-        level: str | None = None,
-    ):
+    def __call__(self, scheduler_cls: str, async_mode: bool, hunt: Hunt, style: Any = None, level: str | None = None):
         from vllm_output_rate.adapter.conform import CheckResult
 
         level = level or self.level
