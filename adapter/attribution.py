@@ -466,7 +466,8 @@ class _Replay:
                 return f"grants {rid} at t={now} ns, which the candidate paused"
         for bucket in refunds:
             self.apply("refund", bucket, now)
-        self.tat = kept if hyp.charge_at_output else self.tat
+        if hyp.charge_at_output:
+            self.tat = kept  # the decisions' copy dropped: the takes come with the output
         if not hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
             self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
         if hyp.charge_at_output:  # the output delivered after this schedule(): this step's, or the last one's
