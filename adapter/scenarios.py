@@ -214,10 +214,6 @@ class Verdict:
     history: Any = None
 
 
-def _no_tick() -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class Hunt:
     """How one gate row hunts (``adapter/conform.check_scheduler``, ``check_white_box``,
@@ -229,7 +225,7 @@ class Hunt:
     examples: int
     seed: int = 0
     max_steps: int = 40
-    tick: Callable[[], None] = _no_tick
+    tick: Callable[[], None] = lambda: None
     save_dir: Path | None = None
 
 
