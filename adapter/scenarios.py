@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
@@ -148,12 +148,38 @@ class Scenario:
 
     @staticmethod
     def from_json(text: str) -> Scenario:
-        data = json.loads(text)
-        data["requests"] = tuple(RequestSpec(**r) for r in data["requests"])
-        if data.get("advances_ns") is not None:
-            data["advances_ns"] = tuple(data["advances_ns"])
-        # Counterexamples saved before a field existed replay with its default.
-        return Scenario(**data)
+        """The scenario of a file ``to_json`` wrote (``outrate conform`` saves them), every
+        field validated: nothing runs on a hand-edited value that the run would misread.
+        A field left out takes its default (counterexamples saved before it existed).
+
+        Raises:
+            ScenarioFileError: not a JSON object, an unknown or missing key, or a bad value
+                (a user id that is not a non-empty string of at most 256 characters, R17; a
+                rate that is not a positive finite decimal number of tokens/s; a count out of
+                range; ...), the message naming the field and the value.
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ScenarioFileError(f"not JSON: {exc}") from None
+        values = _checked_object(data, "the scenario", _SCENARIO_FIELDS, required=_SCENARIO_REQUIRED)
+        values["rates_tokens_per_s"] = _checked_rates(values["rates_tokens_per_s"])
+        requests = values["requests"]
+        if not isinstance(requests, list):
+            raise _bad("requests", requests, "must be a list of request objects")
+        values["requests"] = tuple(_checked_request(r, f"requests[{i}]") for i, r in enumerate(requests))
+        ids = [r.request_id for r in values["requests"]]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise _bad("requests", repeated, "request ids must differ; repeated")
+        if "default_rate_tokens_per_s" in values:
+            values["default_rate_tokens_per_s"] = checked_rate(
+                values["default_rate_tokens_per_s"], "default_rate_tokens_per_s"
+            )
+        for name, check in _SCENARIO_CHECKS.items():
+            if name in values:
+                values[name] = check(values[name], name)
+        return Scenario(**values)
 
     def events(self) -> list[str]:
         """The scenario as a short list of events, for printing counterexamples: the first
@@ -195,9 +221,172 @@ class Scenario:
         return out
 
 
+class ScenarioFileError(ValueError):
+    """A saved scenario (``outrate replay FILE``) that cannot be replayed as written: the
+    message names the field (a path such as ``requests[2].user``) and the bad value, and
+    says what a valid one is."""
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters (a 300-character user id stays readable)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}... ({len(text)} characters)"
+
+
+def _bad(field_name: str, value: Any, want: str) -> ScenarioFileError:
+    """The error for ``value`` of ``field_name``: ``FIELD: WANT, got VALUE``."""
+    return ScenarioFileError(f"{field_name}: {want}, got {_shown(value)}")
+
+
+def checked_user_id(value: Any, field_name: str) -> str:
+    """R17 (reference/identity.py): ``value`` if it is a valid user id, a non-empty string
+    of at most 256 characters.
+
+    Raises:
+        ScenarioFileError: naming ``field_name`` and the value (shortened).
+    """
+    from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS
+
+    if not isinstance(value, str) or not value or len(value) > MAX_USER_ID_CHARS:
+        raise _bad(field_name, value, f"a user id must be a non-empty string of at most {MAX_USER_ID_CHARS} characters")
+    return value
+
+
+def checked_rate(value: Any, field_name: str, ratio_ok: bool = False) -> str:
+    """A rate in tokens/s as its exact string: a positive finite decimal (a JSON string
+    such as ``"2.5"``, or a JSON number), at most 10**9 tokens/s with at most 9 decimal
+    places (``reference.limiter.parse_rate``); with ``ratio_ok`` also ``"p/q"``.
+
+    Raises:
+        ScenarioFileError: naming ``field_name`` and the value.
+    """
+    from vllm_output_rate.reference.limiter import MAX_RATE_TOKENS_PER_S, parse_rate
+
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    text = value.strip() if isinstance(value, str) else repr(value) if numeric else ""
+    try:
+        rate = Fraction(text) if text and (ratio_ok or "/" not in text) else None
+        parse_rate(rate, field_name)
+    except (ValueError, ZeroDivisionError):
+        raise _bad(
+            field_name,
+            value,
+            f"a rate must be a positive finite decimal number of tokens/s (at most {MAX_RATE_TOKENS_PER_S}, "
+            'at most 9 decimal places), e.g. "10" or "2.5"',
+        ) from None
+    return text
+
+
+def _checked_int(low: int, optional: bool = False) -> Callable[[Any, str], int | None]:
+    """A check of an integer field: an int >= ``low`` (None too if ``optional``)."""
+
+    def check(value: Any, field_name: str) -> int | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise _bad(field_name, value, f"must be an integer >= {low}" + (" or null" if optional else ""))
+        return value
+
+    return check
+
+
+def _checked_bool(value: Any, field_name: str) -> bool:
+    """A boolean field: JSON ``true`` or ``false``."""
+    if not isinstance(value, bool):
+        raise _bad(field_name, value, "must be true or false")
+    return value
+
+
+def _checked_policy(value: Any, field_name: str) -> str:
+    """vLLM's scheduling policy, ``"fcfs"`` or ``"priority"``."""
+    if value not in ("fcfs", "priority"):
+        raise _bad(field_name, value, 'must be "fcfs" or "priority"')
+    return value
+
+
+def _checked_advances(value: Any, field_name: str) -> tuple[int, ...] | None:
+    """``advances_ns``: null, or a list of clock advances in ns, each an integer >= 0."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _bad(field_name, value, "must be null or a list of integers >= 0 (ns)")
+    check = _checked_int(0)
+    return tuple(int(check(v, f"{field_name}[{i}]") or 0) for i, v in enumerate(value))
+
+
+def _checked_object(value: Any, where: str, known: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
+    """``value`` as a dict if it is a JSON object with no key outside ``known`` and every
+    key of ``required``; else ``ScenarioFileError`` naming ``where`` and the keys."""
+    if not isinstance(value, dict):
+        raise _bad(where, value, "must be a JSON object")
+    unknown = sorted(set(value) - set(known), key=str)
+    if unknown:
+        raise ScenarioFileError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise ScenarioFileError(f"{where}: missing key(s) {', '.join(missing)}")
+    return dict(value)
+
+
+def _checked_rates(value: Any) -> dict[str, str]:
+    """``rates_tokens_per_s``: an object of user id -> rate (``checked_user_id``, ``checked_rate``)."""
+    if not isinstance(value, dict):
+        raise _bad("rates_tokens_per_s", value, "must be a JSON object of user id -> rate")
+    return {
+        checked_user_id(user, "rates_tokens_per_s key"): checked_rate(rate, f"rates_tokens_per_s[{user!r}]")
+        for user, rate in value.items()
+    }
+
+
+_REQUEST_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "prompt_len": _checked_int(1),
+    "max_tokens": _checked_int(1),
+    "eos_index": _checked_int(0, optional=True),
+    "at_step": _checked_int(0),
+    "priority": _checked_int(-(2**63)),
+    "abort_at_step": _checked_int(0, optional=True),
+}
+
+
+def _checked_request(value: Any, where: str) -> RequestSpec:
+    """One object of ``requests`` as a ``RequestSpec``, every field checked."""
+    known = tuple(f.name for f in fields(RequestSpec))
+    data = _checked_object(value, where, known, required=("request_id", "user", "prompt_len", "max_tokens"))
+    request_id = data["request_id"]
+    if not isinstance(request_id, str) or not request_id:
+        raise _bad(f"{where}.request_id", request_id, "must be a non-empty string")
+    if data["user"] is not None:  # null: no output_rate_user, the __anonymous__ bucket (R17)
+        checked_user_id(data["user"], f"{where}.user")
+    for name, check in _REQUEST_CHECKS.items():
+        if name in data:
+            data[name] = check(data[name], f"{where}.{name}")
+    return RequestSpec(**data)
+
+
 def _as_number(text: str) -> int | float:
     value = Fraction(text)
     return int(value) if value.denominator == 1 else float(text)
+
+
+_SCENARIO_FIELDS = tuple(f.name for f in fields(Scenario))
+_SCENARIO_REQUIRED = ("rates_tokens_per_s", "requests", "step_interval_ns", "num_steps")
+_SCENARIO_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "step_interval_ns": _checked_int(0),
+    "num_steps": _checked_int(1),
+    "chunked_prefill": _checked_bool,
+    "async_scheduling": _checked_bool,
+    "max_num_seqs": _checked_int(1, optional=True),
+    "max_num_active_seqs": _checked_int(1, optional=True),
+    "max_num_batched_tokens": _checked_int(1, optional=True),
+    "num_blocks": _checked_int(1, optional=True),
+    "block_size": _checked_int(1),
+    "policy": _checked_policy,
+    "burst_ms": _checked_int(1, optional=True),
+    "feature_on": _checked_bool,
+    "advances_ns": _checked_advances,
+    "ample_from_step": _checked_int(0, optional=True),
+    "prefix_caching": _checked_bool,
+}
 
 
 @dataclass

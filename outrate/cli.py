@@ -670,7 +670,7 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
     """
     from vllm_output_rate.adapter import fidelity
     from vllm_output_rate.adapter.harness import load_class
-    from vllm_output_rate.adapter.scenarios import Scenario
+    from vllm_output_rate.adapter.scenarios import Scenario, ScenarioFileError
 
     text = scenario_file.read_text()
     try:
@@ -688,6 +688,10 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
     kind = "step" if {"config", "events"} <= keys else "rate-limit"
     try:
         scenario = fidelity.StepScenario.from_json(text) if kind == "step" else Scenario.from_json(text)
+    except ScenarioFileError as exc:  # names the field and the bad value
+        raise click.BadParameter(
+            f"{scenario_file}: not a valid {kind} scenario: {exc}", param_hint="SCENARIO_FILE"
+        ) from None
     except (TypeError, KeyError, ValueError, AssertionError) as exc:
         raise click.BadParameter(
             f"{scenario_file}: not a valid {kind} scenario: {exc!r}", param_hint="SCENARIO_FILE"

@@ -9,6 +9,7 @@ class, exit 0 on the reference.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,71 @@ def test_unknown_file_format_is_refused_naming_the_keys(tmp_path):
     code, out = replay(path)
     assert code == 2
     assert "neither a rate-limit scenario" in out and "['checks']" in out
+
+
+def _edited_rate_limit_file(tmp_path, edit):
+    """A saved rate-limit counterexample (as `outrate conform` writes it) after ``edit``
+    changed its decoded JSON in place."""
+    data = json.loads(
+        one_stream_of_8_tokens_at_10_tok_s(prompt_len=3, step_interval_ns=10 * MS, num_steps=61).to_json()
+    )
+    edit(data)
+    path = tmp_path / "counterexample-rate-limit-sync.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _set(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def edit(data):
+        for key in keys[:-1]:
+            data = data[key]
+        data[keys[-1]] = value
+
+    return edit
+
+
+def _drop(key):
+    return lambda data: data.pop(key)
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (_set("default_rate_tokens_per_s", "-1"), "default_rate_tokens_per_s: a rate must be a positive finite"),
+        (_set("default_rate_tokens_per_s", "NaN"), "got 'NaN'"),
+        (_set("default_rate_tokens_per_s", "abc"), "default_rate_tokens_per_s: a rate must be"),
+        (_set("default_rate_tokens_per_s", "Infinity"), "got 'Infinity'"),
+        (_set("rates_tokens_per_s", {"u": "0"}), "rates_tokens_per_s['u']: a rate must be"),
+        (_set("rates_tokens_per_s", {"": "5"}), "rates_tokens_per_s key: a user id must be a non-empty string"),
+        (_set("requests", 0, "user", ""), "requests[0].user: a user id must be a non-empty string of at most 256"),
+        (_set("requests", 0, "user", "x" * 300), "(302 characters)"),
+        (_set("num_steps", -5), "num_steps: must be an integer >= 1, got -5"),
+        (_set("num_steps", "61"), "num_steps: must be an integer >= 1, got '61'"),
+        (_set("requests", 0, "max_tokens", 0), "requests[0].max_tokens: must be an integer >= 1, got 0"),
+        (_set("policy", "lifo"), 'policy: must be "fcfs" or "priority", got \'lifo\''),
+        (_set("feature_on", "yes"), "feature_on: must be true or false"),
+        (_set("advances_ns", [1, -2]), "advances_ns[1]: must be an integer >= 0, got -2"),
+        (_set("requests", 0, "prompt", 3), "requests[0]: unknown key(s) 'prompt'"),
+        (_set("num_step", 3), "the scenario: unknown key(s) 'num_step'"),
+        (_drop("num_steps"), "the scenario: missing key(s) num_steps"),
+        (_set("requests", [{"request_id": "a"}]), "requests[0]: missing key(s) user, prompt_len, max_tokens"),
+        (_set("requests", {"a": 1}), "requests: must be a list of request objects"),
+    ],
+)
+def test_bad_values_in_a_rate_limit_counterexample_are_usage_errors_naming_the_field(tmp_path, edit, says):
+    # A hand-edited counterexample is refused on load (exit 2, not 1: exit 1 means the
+    # scenario fails), naming the file, the field and the value; nothing runs.
+    path = _edited_rate_limit_file(tmp_path, edit)
+    code, out = replay(path)
+    assert code == 2, out
+    last = " ".join(out.split())
+    assert str(path.name) in last and " ".join(says.split()) in last, out
+    assert "rate-limit scenario on" not in out and "Traceback" not in out
+
+
+def test_rate_given_as_a_json_number_replays(tmp_path):
+    path = _edited_rate_limit_file(tmp_path, _set("default_rate_tokens_per_s", 1000))
+    code, out = replay(path)
+    assert code == 0, out
