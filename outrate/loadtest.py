@@ -51,6 +51,7 @@ class StreamResult:
     error: str | None = None
     request_id: str | None = None  # the chunks' "id"; the engine's id is this plus "-" and 8 characters
     cancelled: bool = False  # the client closed the connection after ``cancel_after`` tokens
+    connect_failed: bool = False  # nothing answered (``error`` says how)
 
     @property
     def engine_first_last_s(self) -> tuple[float, float] | None:
@@ -154,7 +155,71 @@ async def _one_stream(
                     break  # leaving the stream context closes the connection: the server aborts
     except Exception as exc:  # reported per stream; the other streams go on
         result.error = f"{type(exc).__name__}: {exc}"
+        result.connect_failed = _is_connect_error(exc)
     return result
+
+
+def _is_connect_error(exc: BaseException) -> bool:
+    """True if ``exc`` means that nothing answered (httpx's connect errors and timeouts)."""
+    import httpx
+
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.UnsupportedProtocol))
+
+
+class ServerUnreachable(RuntimeError):
+    """No server answers at the base URL (connection refused, unknown host, timeout), or
+    what answers is not an OpenAI-compatible server; the message names the URL and what
+    to do."""
+
+
+def _unreachable(base_url: str, error: str) -> ServerUnreachable:
+    """The ``ServerUnreachable`` for ``base_url`` after the connection error ``error``."""
+    return ServerUnreachable(
+        f"no server answers at {base_url} ({error}); start one with "
+        "`outrate serve MODEL --default-user-output-tokens-per-second R ...` or fix --base-url"
+    )
+
+
+def check_base_url(base_url: str) -> str:
+    """``base_url`` if it is an ``http://`` or ``https://`` URL with a host (and a valid
+    port, if any), e.g. ``http://127.0.0.1:8000``.
+
+    Raises:
+        ValueError: naming the value and what a base URL looks like.
+    """
+    from urllib.parse import urlsplit
+
+    example = "give the server's address, e.g. http://127.0.0.1:8000"
+    try:
+        parts = urlsplit(base_url)
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"{base_url!r} is not a URL ({exc}); {example}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{base_url!r} is not an http:// or https:// URL with a host; {example}")
+    return base_url
+
+
+async def _served_model(client, base_url: str) -> str:
+    """The first model of the server's ``/v1/models``.
+
+    Raises:
+        ServerUnreachable: nothing answers, or the answer is not a model list.
+    """
+    import httpx
+
+    try:
+        response = await client.get("/v1/models")
+    except (httpx.TransportError, OSError) as exc:
+        raise _unreachable(base_url, f"{type(exc).__name__}: {exc}") from None
+    try:
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPStatusError, ValueError, KeyError, IndexError, TypeError):
+        raise ServerUnreachable(
+            f"the server at {base_url} answered GET /v1/models with HTTP {response.status_code} and no model "
+            f"list ({response.text[:120]!r}); is --base-url an OpenAI-compatible vLLM server? (or give --model)"
+        ) from None
 
 
 async def _run(
@@ -171,16 +236,17 @@ async def _run(
     limits = httpx.Limits(max_connections=sum(n for _, n in streams) + 2)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         if model is None:
-            response = await client.get("/v1/models")
-            response.raise_for_status()
-            model = response.json()["data"][0]["id"]
+            model = await _served_model(client, base_url)
         t0 = time.monotonic()
         jobs = [
             _one_stream(client, "/v1/chat/completions", model, user, i, tokens, prompt, t0, cancel_after.get((user, i)))
             for user, n in streams
             for i in range(n)
         ]
-        return model, list(await asyncio.gather(*jobs))
+        results = list(await asyncio.gather(*jobs))
+        if results and all(r.connect_failed for r in results):
+            raise _unreachable(base_url, results[0].error or "")
+        return model, results
 
 
 def run_measurement(
@@ -197,6 +263,10 @@ def run_measurement(
 
     ``cancel_after``: (user, stream index) -> close that stream's connection (a client
     cancel) once it has received this many tokens.
+
+    Raises:
+        ServerUnreachable: nothing answers at ``base_url`` (no stream could connect), or
+            its ``/v1/models`` is no model list (``model`` None).
     """
     limits = limits or {}
     _, results = asyncio.run(_run(base_url, model, streams, tokens, prompt, timeout_s, cancel_after or {}))
@@ -302,7 +372,15 @@ def _parse_limit(text: str) -> tuple[str, float]:
 )
 @json_option("the per-user reports and per-stream results")
 def measure(base_url, model, streams, tokens, limit_args, prompt, server_pid, json_path) -> None:
-    """Measure per-user output rates of a running server (streaming chat completions)."""
+    """Measure per-user output rates of a running server (streaming chat completions).
+
+    Exit 0: every stream finished; 1: no server answers at --base-url, or a stream
+    failed (each named on stderr); 2: bad arguments (a malformed --base-url included).
+    """
+    try:
+        check_base_url(base_url)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--base-url") from None
     plan = [_parse_stream(s) for s in streams]
     limits = dict(_parse_limit(s) for s in limit_args)
     procs, cpu0 = {}, {}
@@ -310,7 +388,10 @@ def measure(base_url, model, streams, tokens, limit_args, prompt, server_pid, js
         procs = engine_processes(server_pid)
         cpu0 = {role: _cpu_s(p) for role, p in procs.items()}
     wall0 = time.monotonic()
-    reports, results = run_measurement(base_url, plan, tokens, model, limits, prompt)
+    try:
+        reports, results = run_measurement(base_url, plan, tokens, model, limits, prompt)
+    except ServerUnreachable as exc:
+        raise click.ClickException(str(exc)) from None
     wall_s = time.monotonic() - wall0
     cpu = {role: (_cpu_s(p) - cpu0[role]) / wall_s * 100 for role, p in procs.items()}
 

@@ -1,12 +1,18 @@
-"""``outrate measure`` helpers: the GCRA span bound and the SSE reader (no server)."""
+"""``outrate measure``: the GCRA span bound, the SSE reader, and the operator's errors when
+no server (or no OpenAI-compatible one) answers at ``--base-url`` (loopback only)."""
 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import math
+import socket
+import threading
 
 import pytest
+from click.testing import CliRunner
 
+from vllm_output_rate.cli import main
 from vllm_output_rate.loadtest import _sse_data, gcra_min_span_s
 
 
@@ -38,3 +44,56 @@ def test_sse_reader_splits_on_newline_only(split):
         return [d async for d in _sse_data(_Response(chunks))]
 
     assert asyncio.run(collect()) == [payload, "[DONE]"]
+
+
+def _free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _measure(*args: str):
+    return CliRunner().invoke(main, ["measure", *args])
+
+
+@pytest.mark.parametrize("model", [(), ("--model", "m")])
+def test_no_server_at_the_base_url_is_one_line_naming_it(model):
+    # Without --model the first request is GET /v1/models; with it every stream fails to connect.
+    url = f"http://127.0.0.1:{_free_port()}"
+    result = _measure("--base-url", url, "--stream", "user-a:2", *model)
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    last = result.output.strip().splitlines()[-1]
+    assert f"no server answers at {url}" in last and "outrate serve" in last and "--base-url" in last, result.output
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1:8000", "http://", "http://127.0.0.1:abc"])
+def test_malformed_base_url_is_a_usage_error(url):
+    result = _measure("--base-url", url, "--stream", "user-a:2")
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert "--base-url" in last and repr(url) in last and "http://127.0.0.1:8000" in last, result.output
+
+
+def test_a_server_without_a_model_list_is_named(tmp_path):
+    # Something answers, but not an OpenAI-compatible server: GET /v1/models is a 404.
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = _measure("--base-url", url, "--stream", "user-a:1")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.exit_code == 1, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert f"the server at {url} answered GET /v1/models with HTTP 404" in last and "--model" in last, result.output
