@@ -936,10 +936,21 @@ def check_trace_cmd(file, partial) -> None:
 @main.command("tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 def tiny_model(directory) -> None:
-    """Write the tiny Llama-style model config (dummy weights) into DIRECTORY."""
+    """Write the tiny Llama-style model config (dummy weights) into DIRECTORY.
+
+    DIRECTORY is created if missing; one that cannot be created or written is a usage
+    error (exit 2) naming it.
+    """
     from vllm_output_rate.adapter.tinymodel import write_config
 
-    write_config(directory)
+    try:
+        write_config(directory)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot write the tiny model into {directory}: {exc.strerror or exc} "
+            f"({exc.filename or directory}); choose a directory that can be created and written",
+            param_hint="DIRECTORY",
+        ) from None
     console.print(f"wrote {directory}/config.json")
 
 

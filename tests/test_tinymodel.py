@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from vllm_output_rate.adapter.tinymodel import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, default_model_dir
@@ -46,3 +47,14 @@ def test_gate_directory_stays_config_only():
     path = default_model_dir()
     assert (path / "config.json").exists()
     assert not (path / "tokenizer.json").exists()  # the gate runs with skip_tokenizer_init
+
+
+@pytest.mark.parametrize("where", ["below-a-file", "proc"])
+def test_a_directory_that_cannot_be_written_is_named_without_a_traceback(tmp_path, where):
+    (tmp_path / "file").write_text("")
+    directory = str(tmp_path / "file" / "m") if where == "below-a-file" else "/proc/outrate-nope"
+    result = CliRunner().invoke(main, ["tiny-model", directory])
+    assert result.exit_code == 2, result.output
+    assert not isinstance(result.exception, OSError), result.exception
+    last = " ".join(result.output.split())
+    assert f"cannot write the tiny model into {directory}" in last and "DIRECTORY" in last, result.output
