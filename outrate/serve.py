@@ -58,7 +58,12 @@ from typing import Any, NoReturn
 import click
 
 from vllm_output_rate.clitools import flag_option
-from vllm_output_rate.reference.config import OutputRateConfigError, loads_no_duplicates, parse_output_rate
+from vllm_output_rate.reference.config import (
+    OutputRateConfigError,
+    check_override_user,
+    loads_no_duplicates,
+    parse_output_rate,
+)
 from vllm_output_rate.reference.limiter import parse_rate
 
 SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
@@ -115,8 +120,10 @@ def _parse_user_rates(text: str) -> dict[str, Any]:
             f"""{FLAG_USERS} must be a JSON object of user -> tokens/s, e.g. '{{"user-a": 100}}', got {text!r}"""
         )
     for user, rate in value.items():
-        if not user:
-            raise click.UsageError(f"{FLAG_USERS}: user ids must be non-empty strings, got {user!r}")
+        try:
+            check_override_user(user, FLAG_USERS)  # R17: a key no request can name never matches
+        except OutputRateConfigError as exc:
+            raise click.UsageError(str(exc)) from None
         try:
             parse_rate(rate, f"{FLAG_USERS} rate of user {user!r}")
         except ValueError as exc:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
+from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS, USER_KEY
 from vllm_output_rate.reference.limiter import parse_rate
 from vllm_output_rate.spec.limiter import BURST_NS
 
@@ -105,9 +106,8 @@ def _parse_rates(section: Mapping[str, Any]) -> tuple[Fraction, dict[str, Fracti
         default_rate = parse_rate(default, "default_tokens_per_s")
         user_rates: dict[str, Fraction] = {}
         for user, rate in overrides.items():
-            if not isinstance(user, str) or not user:
-                raise ValueError(f"user ids in user_tokens_per_s must be non-empty strings, got {user!r}")
-            user_rates[user] = parse_rate(rate, f"user_tokens_per_s[{user!r}]")
+            check_override_user(user)
+            user_rates[user] = parse_rate(rate, f"user_tokens_per_s[{_shown_user(user)}]")
     except ValueError as exc:
         raise OutputRateConfigError(str(exc)) from None
     return default_rate, user_rates
@@ -179,6 +179,32 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
     if url is not None:
         config = replace(config, shared_budget_url=check_shared_budget_url(url))
     return config
+
+
+def _shown_user(user: object) -> str:
+    """``repr(user)`` for a message, cut to 60 characters (ids may be 256 long)."""
+    text = repr(user)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def check_override_user(user: object, where: str = "user_tokens_per_s") -> str:
+    """R17 (reference/identity.py): ``user``, a key of the per-user overrides, if a request
+    can name it: a non-empty ``str`` of at most ``MAX_USER_ID_CHARS`` (256) characters. A
+    longer key could never match (such a request is refused with HTTP 400).
+
+    Raises:
+        OutputRateConfigError: naming ``where``, the key (shortened for display), its
+            length and the limit.
+    """
+    if isinstance(user, str) and user and len(user) <= MAX_USER_ID_CHARS:
+        return user
+    too_long = isinstance(user, str) and bool(user)
+    length = f" ({len(user)} characters)" if too_long and isinstance(user, str) else ""
+    raise OutputRateConfigError(
+        f"user ids in {where} must be non-empty strings of at most {MAX_USER_ID_CHARS} characters "
+        f"(what a request can give as vllm_xargs.{USER_KEY}), got {_shown_user(user)}{length}; "
+        + ("shorten that key or remove it" if too_long else "name the user or remove that key")
+    )
 
 
 SHARED_BUDGET_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://")

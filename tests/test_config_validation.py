@@ -440,6 +440,10 @@ class MySubclassScheduler(load_class(SYNC)):
             {"additional_config": {"output_rates": {"default_tokens_per_s": 100}}},
             "has a key 'output_rates' but no 'output_rate': did you mean 'output_rate'?",
         ),
+        (
+            {"additional_config": {"output_rate": {"default_tokens_per_s": 100, "user_tokens_per_s": {"x" * 300: 5}}}},
+            "user ids in user_tokens_per_s must be non-empty strings of at most 256 characters",
+        ),
     ],
     ids=[
         "misspelt-key",
@@ -450,6 +454,7 @@ class MySubclassScheduler(load_class(SYNC)):
         "stock-class-path",
         "stock-class-no-default",
         "misspelt-section",
+        "override-key-longer-than-a-user-id",
     ],
 )
 def test_configuration_typo_refused_in_the_front_end(kw, says, model_dirs):

@@ -282,3 +282,27 @@ def test_config_section_must_be_an_object(bad: object) -> None:
     with pytest.raises(OutputRateConfigError) as info:
         parse_output_rate(bad)
     assert repr(bad) in str(info.value)
+
+
+def test_config_override_key_no_request_can_name_is_refused() -> None:
+    # R17: a request's user id has at most 256 characters (longer ones get HTTP 400), so an
+    # override keyed by a longer id could never match: start-up refuses it, naming the key
+    # (shortened) and the limit; 256 characters are accepted.
+    long_key = "x" * 300
+    with pytest.raises(OutputRateConfigError) as info:
+        parse_output_rate({"default_tokens_per_s": 10, "user_tokens_per_s": {"ok": 1, long_key: 5}})
+    msg = str(info.value)
+    assert "user_tokens_per_s" in msg and "at most 256 characters" in msg and "(300 characters)" in msg, msg
+    assert "'xxxx" in msg and long_key not in msg and len(msg) < 400, msg
+    cfg = parse_output_rate({"default_tokens_per_s": 10, "user_tokens_per_s": {"y" * 256: 5}})
+    assert cfg.user_rates == {"y" * 256: Fraction(5)}
+
+
+def test_rates_file_override_key_no_request_can_name_is_refused() -> None:
+    from vllm_output_rate.reference.ratesfile import parse_rates_file
+
+    text = '{"default_tokens_per_s": 10, "user_tokens_per_s": {"%s": 5}}' % ("z" * 257)
+    with pytest.raises(OutputRateConfigError) as info:
+        parse_rates_file(text, "r.json")
+    msg = str(info.value)
+    assert msg.startswith("rates file r.json:") and "at most 256 characters" in msg and "(257 characters)" in msg

@@ -246,3 +246,20 @@ def test_no_vllm_flag_is_taken_for_a_typo_of_ours():
     flags = [f for f in EngineArgs.add_cli_args(FlexibleArgumentParser())._option_string_actions if f.startswith("--")]
     assert len(flags) > 100
     assert [f for f in flags if misspelt_flag(f)] == []
+
+
+def test_override_key_longer_than_a_user_id_is_refused():
+    # R17: requests naming a user of more than 256 characters get HTTP 400, so such a key
+    # could never match; the message names the key (shortened) and the limit.
+    long_key = "x" * 300
+    result = run(
+        "MODEL",
+        "--default-user-output-tokens-per-second",
+        "10",
+        "--user-output-tokens-per-second",
+        json.dumps({long_key: 5}),
+    )
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert "--user-output-tokens-per-second" in last and "at most 256 characters" in last, last
+    assert "(300 characters)" in last and "'xxxx" in last and long_key not in last, last
