@@ -53,6 +53,7 @@ import json
 import os
 import shlex
 import sys
+from decimal import Decimal, InvalidOperation
 from typing import Any, NoReturn
 
 import click
@@ -64,7 +65,7 @@ from vllm_output_rate.reference.config import (
     loads_no_duplicates,
     parse_output_rate,
 )
-from vllm_output_rate.reference.limiter import parse_rate
+from vllm_output_rate.reference.limiter import MAX_RATE_TOKENS_PER_S, parse_rate
 
 SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
@@ -94,15 +95,36 @@ _USER_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
 def _parse_default_rate(text: str) -> int | float:
+    """The default rate as typed (``text``) -> the JSON number of ``default_tokens_per_s``
+    (an int when whole).
+
+    Raises:
+        click.UsageError: not a positive finite number of tokens/s within
+            ``reference.limiter.parse_rate``'s bounds; the message quotes ``text`` as typed
+            (``1e400`` stays ``1e400``, not ``inf``).
+    """
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = text
-    try:
-        parse_rate(value, FLAG_DEFAULT)
-    except ValueError as exc:
-        raise click.UsageError(f"{exc}; give a positive number of tokens per second, e.g. {FLAG_DEFAULT} 100") from None
-    return value
+        number = Decimal(text.strip())
+    except InvalidOperation:
+        number = None
+    if number is None:
+        reason = "not a number"
+    elif not number.is_finite():
+        reason = "not finite"
+    elif number <= 0:
+        reason = "must be > 0"
+    elif number > MAX_RATE_TOKENS_PER_S:
+        reason = f"must be <= {MAX_RATE_TOKENS_PER_S}"
+    else:
+        try:
+            parse_rate(number, FLAG_DEFAULT)
+            return int(number) if number == number.to_integral_value() else float(number)
+        except ValueError:
+            reason = "may have at most 9 decimal places"
+    raise click.UsageError(
+        f"{FLAG_DEFAULT}: got {text!r}, {reason}: a rate must be a positive finite number of tokens/s, "
+        f"e.g. {FLAG_DEFAULT} 100 or 2.5"
+    )
 
 
 def _parse_user_rates(text: str) -> dict[str, Any]:

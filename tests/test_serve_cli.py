@@ -263,3 +263,20 @@ def test_override_key_longer_than_a_user_id_is_refused():
     last = result.output.strip().splitlines()[-1]
     assert "--user-output-tokens-per-second" in last and "at most 256 characters" in last, last
     assert "(300 characters)" in last and "'xxxx" in last and long_key not in last, last
+
+
+@pytest.mark.parametrize("typed", ["inf", "1e400", "abc", "-1", "0", "NaN", "1e10", "0.1234567891"])
+def test_bad_default_rate_is_quoted_as_typed(typed):
+    # The message quotes the operator's text (1e400, not the float it overflows to) and says
+    # what a rate is; no "write it as a JSON number ... not a string" for a command-line flag.
+    result = run("MODEL", "--default-user-output-tokens-per-second", typed)
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert f"--default-user-output-tokens-per-second: got {typed!r}" in last, last
+    assert "a rate must be a positive finite number of tokens/s" in last and "not a string" not in last, last
+
+
+@pytest.mark.parametrize(("typed", "value"), [("100", 100), ("2.5", 2.5), ("1e2", 100), (" 7", 7)])
+def test_default_rate_as_typed_becomes_a_json_number(typed, value):
+    argv = command_of("MODEL", "--default-user-output-tokens-per-second", typed)
+    assert json.loads(option(argv, "--additional-config"))["output_rate"]["default_tokens_per_s"] == value
