@@ -486,6 +486,45 @@ def _fcfs_throttled_victim(rate, async_mode, seed):
     return _priority_throttled_victim(rate, async_mode, seed, policy="fcfs")
 
 
+def _refused_prompt_ahead(rate, async_mode, seed):
+    """R10 without chunked prefill: U0 (user u at ``rate``, T > tau) decodes from step 0;
+    step 1 runs 1 ns past u's burst edge and brings U1 (user u) and, behind it, V (user v,
+    fast) into ``waiting``. U1's prompt waits whole (no chunk to advance to n - 1); V, behind
+    the refused U1, is admitted by the spec (the article's charge-point placement may hold
+    it for this step: an open choice, docs/SPEC.md)."""
+    r = Fraction(rate)
+    m = _Model(2, seed=seed)
+    u = m.user("u", r, [1, 2])
+    m.add(u.granted(0), u.lead_minus_tau(1) == u.p)
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [
+        RequestSpec("u-r0", "u", 4, 3),
+        RequestSpec("u-r1", "u", 4, 2, at_step=1),
+        RequestSpec("v-r0", "v", 4, 2, at_step=1),
+    ]
+    return _scenario({"u": rate}, requests, advances, chunked_prefill=False)
+
+
+def _active_cap_binds(rate, async_mode, seed):
+    """R12 (active cap 1, ample otherwise): U (user u at ``rate``, T > tau) and V (user v,
+    fast), prompt 4 each, both waiting at step 0. Step 0 admits U alone (the cap); step 1
+    runs 1 ns past u's burst edge: U is throttled, does not count toward the cap, and V is
+    admitted; at step 2 both users are granted and the cap binds: one of the two running
+    requests samples, the other waits for the next step although its user is granted."""
+    r = Fraction(rate)
+    m = _Model(3, seed=seed)
+    u = m.user("u", r, [1, 1, 1])
+    v = m.user("v", Fraction(FAST_RATE), [0, 1, 1])
+    m.add(u.granted(0), u.lead_minus_tau(1) == u.p, u.granted(2), v.granted(1), v.granted(2))
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec("u-r0", "u", 4, 3), RequestSpec("v-r0", "v", 4, 3)]
+    return _scenario({"u": rate}, requests, advances, max_num_active_seqs=1)
+
+
 BOUNDARIES: tuple[Boundary, ...] = (
     Boundary(
         "burst-edge",
@@ -613,6 +652,22 @@ BOUNDARIES: tuple[Boundary, ...] = (
         "under FCFS a throttled request passed by the loop is preempted",
         "should: vLLM's own last-running victim instead of the throttled one (R13 FCFS victim check)",
         _fcfs_throttled_victim,
+        SLOW,
+    ),
+    Boundary(
+        "refused-prompt-ahead",
+        ("R10",),
+        "without chunked prefill a refused prompt waits whole, ahead of another user's waiting request",
+        "a refused prompt prefilled whole anyway (its last chunk samples uncharged: over-grant)",
+        _refused_prompt_ahead,
+        SLOW,
+    ),
+    Boundary(
+        "active-cap-binds",
+        ("R12",),
+        "a request admitted while throttled requests fill the active cap, then the cap binds",
+        "throttled requests counted toward the active cap (the other user is not admitted: under-grant)",
+        _active_cap_binds,
         SLOW,
     ),
 )

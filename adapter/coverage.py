@@ -315,6 +315,8 @@ def _observe_not_sampled(view: _Step) -> None:
             # request; the article's charge-point placement may hold it for this step (an open
             # choice, docs/SPEC.md "What the article leaves open").
             note(judge, "R10 refused waiting request ahead of another waiting request")
+            if not scenario.chunked_prefill:  # the refused prompt ahead waited whole
+                note(judge, "boundary: refused-prompt-ahead")
         if rid in scheduled:
             continue
         if user in refused:
@@ -329,6 +331,9 @@ def _observe_not_sampled(view: _Step) -> None:
             for rid in view.unfinished
         ):
             note(judge, "R12 active cap binds")
+        throttled = [rid for rid in view.resident if rid not in scheduled and judge.user_of(rid) in refused]
+        if admitted and len(throttled) + len(running_scheduled) >= cap:
+            note(judge, "boundary: active-cap-binds")  # admitted past throttled requests
     if not trace.sampled and len(view.waiting_users) >= 2 and view.waiting_users <= refused:
         note(judge, "R16 every user refused while requests wait")
         note(judge, "boundary: all-refused")

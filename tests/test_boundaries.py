@@ -123,6 +123,7 @@ KILLS = [
     ("charged-then-preempted", "DoubleRefundBoth", ("sync", "async"), "must", "R2"),
     ("charged-then-alloc-failure", "DoubleRefundBoth", ("sync", "async"), "must", "R2"),
     ("all-refused", "GrantWhenAllRefused", ("sync", "async"), "must", "R2"),
+    ("refused-prompt-ahead", "WholePromptWhenRefused", ("sync", "async"), "must", "R2"),
 ]
 
 
@@ -144,6 +145,21 @@ def test_r14_rotation_wrap_kills_no_rotation_at_should_in_sync():
     verdict = run_scenario("vllm_output_rate.adapter.mutants.NoRotation", scenario, "should")
     assert verdict.rule == "R14/R15" and verdict.level == "should"
     assert run_scenario(REFERENCE_SCHEDULER, scenario, "should").failure is None
+
+
+@pytest.mark.rules("R12")
+@pytest.mark.parametrize("rate", ["1", "5", "2.5"])
+def test_r12_active_cap_binds_kills_throttled_requests_counted_toward_the_cap(rate):
+    # Cap 1: U is admitted, throttled at step 1 (1 ns past u's burst edge), and gives V its
+    # place; a patch counting throttled requests toward the cap leaves V waiting.
+    scenario = _scenario("active-cap-binds", rate)
+    assert scenario.max_num_active_seqs == 1 and scenario.ample
+    verdict = run_scenario("vllm_output_rate.adapter.mutants.ThrottledCountTowardCap", scenario, "must")
+    assert (verdict.rule, verdict.level) == ("R12", "must"), verdict
+    assert "left v-r0 (user 'v') waiting" in verdict.failure and "['u-r0']" in verdict.failure
+    with coverage.collecting() as reached:
+        assert run_scenario(REFERENCE_SCHEDULER, scenario, "should").failure is None
+    assert reached["R12 active cap binds"] == 1 and reached["boundary: active-cap-binds"] == 1
 
 
 @pytest.mark.rules("R6")
