@@ -12,12 +12,16 @@ runs at that level and profile): ``outrate::rate-limit/sync`` ...
 Each fails with the check's counterexample; a candidate check that cannot run (no async
 class) is an xfail-free failure naming why (NOT TESTED), as in the CLI. Spec-health
 checks run only with ``--outrate-spec-health``. Without ``--outrate-scheduler`` the plugin
-adds nothing. Registered through the ``pytest11`` entry point; importing it loads no vLLM.
+adds nothing. A class that cannot be imported, or is no vLLM scheduler, stops the run
+with a usage error naming the option (nothing is judged). Registered through the ``pytest11`` entry point; importing it loads no vLLM.
 """
 
 from __future__ import annotations
 
 import pytest
+
+# How a pytest run puts a candidate's package on the path (``gate_plan.candidate_class_problem``).
+PATH_HINT = " (is its directory on the path? set PYTHONPATH, or pytest's `pythonpath` ini option)"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -106,16 +110,21 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     from vllm_output_rate import gate_plan
     from vllm_output_rate.adapter import registry
 
+    sync_only = config.getoption("--outrate-sync-only")
+    async_cls = None if sync_only else config.getoption("--outrate-async-scheduler")
+    for path, option in ((sync_cls, "--outrate-scheduler"), (async_cls, "--outrate-async-scheduler")):
+        problem = None if path is None else gate_plan.candidate_class_problem(path, PATH_HINT)
+        if problem is not None:  # the operator's mistake: no check runs, nothing is saved
+            raise pytest.UsageError(f"{option}={path}: {problem}")
     style_text = config.getoption("--outrate-config-style")
     style = None
     if style_text != "additional-config":
         from vllm_output_rate.adapter.configstyle import parse_config_style
 
         style = parse_config_style(style_text)
-    sync_only = config.getoption("--outrate-sync-only")
     options = registry.GateOptions(
         scheduler_cls=sync_cls,
-        async_scheduler_cls=None if sync_only else config.getoption("--outrate-async-scheduler"),
+        async_scheduler_cls=async_cls,
         level=config.getoption("--outrate-level"),
         profile=config.getoption("--outrate-profile"),
         seed=config.getoption("--outrate-seed"),

@@ -67,3 +67,23 @@ def test_plugin_adds_nothing_without_the_option_and_loads_no_vllm(tmp_path):
         text=True,
     )
     assert probe.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--outrate-scheduler=nosuch.mod.Cls"], "--outrate-scheduler=nosuch.mod.Cls: No module named 'nosuch'"),
+        (
+            [f"--outrate-scheduler={REFERENCE_SCHEDULER}", "--outrate-async-scheduler=collections.OrderedDict"],
+            "--outrate-async-scheduler=collections.OrderedDict: collections.OrderedDict is not a vLLM scheduler class",
+        ),
+    ],
+)
+def test_plugin_refuses_a_class_it_cannot_judge_as_a_usage_error(tmp_path, args, named):
+    """A bad class path is the operator's mistake: a pytest usage error (exit 4) naming the
+    option, no check run, no counterexample saved; not a candidate crash."""
+    run = _pytest(tmp_path, *args)
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout[-2000:] + run.stderr[-2000:]
+    assert named in run.stderr
+    assert "set PYTHONPATH" in run.stderr or "not a vLLM scheduler" in run.stderr
+    assert not (tmp_path / "reports").exists()
