@@ -275,9 +275,15 @@ def _import_gate(sync_cls: str, async_scheduler_cls: str | None, config_style: s
         _preflight_style(style)
         import vllm
 
-        # The gate builds hundreds of schedulers; vLLM's per-construction warnings are noise here.
-        logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
+        _quiet_vllm_logging()  # the gate builds hundreds of schedulers
     return style, vllm.__version__
+
+
+def _quiet_vllm_logging() -> None:
+    """Raise the ``vllm`` logger to ERROR (a higher level already set stays): outside a
+    server vLLM configures no logging, so its per-engine-config INFO and WARNING records
+    (block size, SSM cache type, Triton) would go to stderr between outrate's own lines."""
+    logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:
@@ -672,6 +678,7 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
     from vllm_output_rate.adapter.harness import load_class
     from vllm_output_rate.adapter.scenarios import Scenario, ScenarioFileError
 
+    _quiet_vllm_logging()  # between the scenario and the verdict
     text = scenario_file.read_text()
     try:
         data = json.loads(text)
@@ -871,7 +878,7 @@ def _import_for_drift(base_version: str | None) -> tuple[str, str | None, Any]:
         for module in ("vllm.v1.core.sched.async_scheduler", "vllm.v1.core.sched.scheduler"):
             importlib.import_module(module)
 
-        logging.getLogger("vllm").setLevel(max(logging.getLogger("vllm").level, logging.ERROR))
+        _quiet_vllm_logging()
         version, warning = installed_version(), installed_warning()
         try:
             base = profile_named(base_version)

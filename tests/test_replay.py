@@ -201,3 +201,18 @@ def test_rate_given_as_a_json_number_replays(tmp_path):
     path = _edited_rate_limit_file(tmp_path, _set("default_rate_tokens_per_s", 1000))
     code, out = replay(path)
     assert code == 0, out
+
+
+def test_replay_output_has_no_vllm_log_noise(tmp_path):
+    # vLLM configures no logging outside a server: its WARNING records for each engine
+    # config built (block size not a multiple of 32, SSM cache type, Triton) reached stderr
+    # between the scenario and the verdict. A fresh process, so no other test quieted them.
+    path = _edited_rate_limit_file(tmp_path, lambda data: None)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_output_rate.cli", "replay", str(path)], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    noise = [line for line in run.stderr.splitlines() if line.strip() and "site-packages/torch/" not in line]
+    assert noise == [], run.stderr
+    assert run.stdout.splitlines()[-1].startswith("PASS"), run.stdout
