@@ -43,3 +43,40 @@ def candidate_class_problem(path: str, path_hint: str) -> str | None:
             f"SchedulerInterface, e.g. of vllm.v1.core.sched.scheduler.Scheduler)"
         )
     return None
+
+
+FRACTIONAL_PROBE_RATE = "3.5"  # tokens/s: the fractional rate the gate's scenarios use most
+
+
+def fractional_rates_problem(options: GateOptions) -> str | None:
+    """Why the gate cannot run ``options`` without ``--integer-rates``, or None.
+
+    A candidate configured through engine arguments (``options.style`` set) that parses its
+    rates as integers, as the article's flags do, would refuse every scenario with a
+    fractional rate, and each refusal would read as the candidate's crash. One probe
+    configuration at ``FRACTIONAL_PROBE_RATE`` tokens/s finds that out before any check runs;
+    the caller stops with a usage error naming ``--integer-rates``. The additional-config
+    style (``options.style`` None) sends JSON numbers and is not probed.
+    """
+    from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, build_harness
+
+    if options.integer_rates or options.style is None:
+        return None
+    probe = Scenario(
+        rates_tokens_per_s={},
+        requests=(RequestSpec("probe-r0", "probe", 4, 1),),
+        step_interval_ns=1_000_000,
+        num_steps=1,
+        default_rate_tokens_per_s=FRACTIONAL_PROBE_RATE,
+    )
+    try:
+        build_harness(options.scheduler_cls, probe, options.style)
+    except ValueError as exc:
+        text = str(exc)
+        if "--integer-rates" in text:  # adapter/configstyle.py: the engine arguments refused the rate
+            reason = text.rpartition("]: ")[2].partition(" (if the candidate")[0]
+            return (
+                f"the candidate's engine arguments refuse the fractional rate {FRACTIONAL_PROBE_RATE} tokens/s "
+                f"({reason}); give --integer-rates if it takes integer rates only, as the article's flags do"
+            )
+    return None

@@ -136,6 +136,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         spec_health=config.getoption("--outrate-spec-health"),
         save_dir=config.rootpath / "reports",
     )
+    problem = gate_plan.fractional_rates_problem(options)
+    if problem is not None:
+        raise pytest.UsageError(f"--outrate-integer-rates: {problem}")
     for planned in gate_plan.plan(options):
 
         def check(planned=planned):

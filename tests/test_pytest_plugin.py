@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,23 @@ def test_plugin_refuses_a_class_it_cannot_judge_as_a_usage_error(tmp_path, args,
     assert named in run.stderr
     assert "set PYTHONPATH" in run.stderr or "not a vLLM scheduler" in run.stderr
     assert not (tmp_path / "reports").exists()
+
+
+def test_plugin_stops_before_any_check_when_engine_args_refuse_fractional_rates(tmp_path):
+    """The article's flags parse integer rates: without --outrate-integer-rates every
+    scenario with a fractional rate would read as a candidate crash, so the run stops with a
+    usage error naming the option instead; with it, the checks run."""
+    fixtures = Path(__file__).parent / "fixtures"
+    common = [
+        f"-opythonpath={fixtures}",
+        "--outrate-scheduler=article_style.scheduler.ArticleScheduler",
+        "--outrate-config-style=engine-args",
+        "--outrate-sync-only",
+        "--outrate-level=must",
+    ]
+    run = _pytest(tmp_path, *common)
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "--outrate-integer-rates: the candidate's engine arguments refuse the fractional rate 3.5" in run.stderr
+    assert "got 3.5" in run.stderr and not (tmp_path / "reports").exists()
+    run = _pytest(tmp_path, *common, "--outrate-integer-rates", "-k", "rate-limit")
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
