@@ -1,4 +1,4 @@
-"""``outrate prove``: the limiter's machine-checked properties (R1-R6), Z3 and CrossHair.
+"""``outrate prove``: the limiter's machine-checked properties (R1-R6, R21), Z3 and CrossHair.
 
 * Z3 (``proofs/z3_limiter.py``): inductive proofs over unbounded integers and reals,
   symbolic rates; each obligation gets ``--timeout-ms``.
@@ -125,7 +125,7 @@ def _write_document(text: str, json_path: str) -> None:
     "refuted, so the exit status is then 1).",
 )
 def prove(json_path, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken) -> None:
-    """Prove the limiter rules R1-R6 with Z3 and CrossHair; exit 1 if any property is refuted."""
+    """Prove the limiter rules R1-R6 and R21 with Z3 and CrossHair; exit 1 if any property is refuted."""
     console = Console(stderr=json_path == "-", width=None if sys.stdout.isatty() else 130)
     started = time.monotonic()
     records = _run_proofs(console, timeout_ms, crosshair_timeout, wall_timeout, jobs, broken)

@@ -90,6 +90,20 @@ def check_shared_budget(tick: Callable[[], None]) -> CheckResult:
     return result
 
 
+def _z3_proofs() -> int:
+    """The ``proofs/z3`` row's progress budget: one tick per Z3 property."""
+    from vllm_output_rate.proofs.z3_limiter import PROPERTIES
+
+    return len(PROPERTIES)
+
+
+def _shared_budget_items() -> int:
+    """The ``proofs/shared-budget`` row's progress budget: its Z3 properties, scopes, mutants."""
+    from vllm_output_rate.proofs import modelcheck_shared, z3_shared_budget
+
+    return len(z3_shared_budget.PROPERTIES) + len(modelcheck_shared.SCOPES) + len(modelcheck_shared.MUTANTS)
+
+
 def _quick_scopes() -> int:
     from vllm_output_rate.proofs.modelcheck import profile_scopes
 
@@ -99,7 +113,15 @@ def _quick_scopes() -> int:
 def spec_health_checks() -> list[CheckSpec]:
     """The spec-health rows of proofs/, in the gate's running order (last)."""
     return [
-        CheckSpec("proofs/z3", "spec health", "must", Z3_RULES, None, lambda o: 6, lambda o, tick: check_proofs(tick)),
+        CheckSpec(
+            "proofs/z3",
+            "spec health",
+            "must",
+            Z3_RULES,
+            None,
+            lambda o: _z3_proofs(),
+            lambda o, tick: check_proofs(tick),
+        ),
         CheckSpec(
             "model-check/quick",
             "spec health",
@@ -115,7 +137,7 @@ def spec_health_checks() -> list[CheckSpec]:
             "must",
             SHARED_RULES,
             None,
-            lambda o: 9,
+            lambda o: _shared_budget_items(),
             lambda o, tick: check_shared_budget(tick),
         ),
     ]
