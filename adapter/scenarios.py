@@ -162,16 +162,16 @@ class Scenario:
             data = json.loads(text)
         except ValueError as exc:
             raise ScenarioFileError(f"not JSON: {exc}") from None
-        values = _checked_object(data, "the scenario", _SCENARIO_FIELDS, required=_SCENARIO_REQUIRED)
+        values = checked_object(data, "the scenario", _SCENARIO_FIELDS, required=_SCENARIO_REQUIRED)
         values["rates_tokens_per_s"] = _checked_rates(values["rates_tokens_per_s"])
         requests = values["requests"]
         if not isinstance(requests, list):
-            raise _bad("requests", requests, "must be a list of request objects")
+            raise bad_value("requests", requests, "must be a list of request objects")
         values["requests"] = tuple(_checked_request(r, f"requests[{i}]") for i, r in enumerate(requests))
         ids = [r.request_id for r in values["requests"]]
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
-            raise _bad("requests", repeated, "request ids must differ; repeated")
+            raise bad_value("requests", repeated, "request ids must differ; repeated")
         if "default_rate_tokens_per_s" in values:
             values["default_rate_tokens_per_s"] = checked_rate(
                 values["default_rate_tokens_per_s"], "default_rate_tokens_per_s"
@@ -233,7 +233,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:77]}... ({len(text)} characters)"
 
 
-def _bad(field_name: str, value: Any, want: str) -> ScenarioFileError:
+def bad_value(field_name: str, value: Any, want: str) -> ScenarioFileError:
     """The error for ``value`` of ``field_name``: ``FIELD: WANT, got VALUE``."""
     return ScenarioFileError(f"{field_name}: {want}, got {_shown(value)}")
 
@@ -248,14 +248,17 @@ def checked_user_id(value: Any, field_name: str) -> str:
     from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS
 
     if not isinstance(value, str) or not value or len(value) > MAX_USER_ID_CHARS:
-        raise _bad(field_name, value, f"a user id must be a non-empty string of at most {MAX_USER_ID_CHARS} characters")
+        raise bad_value(
+            field_name, value, f"a user id must be a non-empty string of at most {MAX_USER_ID_CHARS} characters"
+        )
     return value
 
 
 def checked_rate(value: Any, field_name: str, ratio_ok: bool = False) -> str:
     """A rate in tokens/s as its exact string: a positive finite decimal (a JSON string
     such as ``"2.5"``, or a JSON number), at most 10**9 tokens/s with at most 9 decimal
-    places (``reference.limiter.parse_rate``); with ``ratio_ok`` also ``"p/q"``.
+    places (``reference.limiter.parse_rate``); with ``ratio_ok`` also written ``"p/q"``
+    (a step scenario's form: ``"5/2"``), still of at most 9 decimal places.
 
     Raises:
         ScenarioFileError: naming ``field_name`` and the value.
@@ -266,9 +269,10 @@ def checked_rate(value: Any, field_name: str, ratio_ok: bool = False) -> str:
     text = value.strip() if isinstance(value, str) else repr(value) if numeric else ""
     try:
         rate = Fraction(text) if text and (ratio_ok or "/" not in text) else None
-        parse_rate(rate, field_name)
+        if (parse_rate(rate, field_name) * 10**9).denominator != 1:  # "1/3": no exact decimal to configure
+            raise ValueError(field_name)
     except (ValueError, ZeroDivisionError):
-        raise _bad(
+        raise bad_value(
             field_name,
             value,
             f"a rate must be a positive finite decimal number of tokens/s (at most {MAX_RATE_TOKENS_PER_S}, "
@@ -284,7 +288,7 @@ def _checked_int(low: int, optional: bool = False) -> Callable[[Any, str], int |
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise _bad(field_name, value, f"must be an integer >= {low}" + (" or null" if optional else ""))
+            raise bad_value(field_name, value, f"must be an integer >= {low}" + (" or null" if optional else ""))
         return value
 
     return check
@@ -293,14 +297,14 @@ def _checked_int(low: int, optional: bool = False) -> Callable[[Any, str], int |
 def _checked_bool(value: Any, field_name: str) -> bool:
     """A boolean field: JSON ``true`` or ``false``."""
     if not isinstance(value, bool):
-        raise _bad(field_name, value, "must be true or false")
+        raise bad_value(field_name, value, "must be true or false")
     return value
 
 
 def _checked_policy(value: Any, field_name: str) -> str:
     """vLLM's scheduling policy, ``"fcfs"`` or ``"priority"``."""
     if value not in ("fcfs", "priority"):
-        raise _bad(field_name, value, 'must be "fcfs" or "priority"')
+        raise bad_value(field_name, value, 'must be "fcfs" or "priority"')
     return value
 
 
@@ -309,16 +313,16 @@ def _checked_advances(value: Any, field_name: str) -> tuple[int, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise _bad(field_name, value, "must be null or a list of integers >= 0 (ns)")
+        raise bad_value(field_name, value, "must be null or a list of integers >= 0 (ns)")
     check = _checked_int(0)
     return tuple(int(check(v, f"{field_name}[{i}]") or 0) for i, v in enumerate(value))
 
 
-def _checked_object(value: Any, where: str, known: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
+def checked_object(value: Any, where: str, known: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
     """``value`` as a dict if it is a JSON object with no key outside ``known`` and every
     key of ``required``; else ``ScenarioFileError`` naming ``where`` and the keys."""
     if not isinstance(value, dict):
-        raise _bad(where, value, "must be a JSON object")
+        raise bad_value(where, value, "must be a JSON object")
     unknown = sorted(set(value) - set(known), key=str)
     if unknown:
         raise ScenarioFileError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
@@ -331,7 +335,7 @@ def _checked_object(value: Any, where: str, known: tuple[str, ...], required: tu
 def _checked_rates(value: Any) -> dict[str, str]:
     """``rates_tokens_per_s``: an object of user id -> rate (``checked_user_id``, ``checked_rate``)."""
     if not isinstance(value, dict):
-        raise _bad("rates_tokens_per_s", value, "must be a JSON object of user id -> rate")
+        raise bad_value("rates_tokens_per_s", value, "must be a JSON object of user id -> rate")
     return {
         checked_user_id(user, "rates_tokens_per_s key"): checked_rate(rate, f"rates_tokens_per_s[{user!r}]")
         for user, rate in value.items()
@@ -351,10 +355,10 @@ _REQUEST_CHECKS: dict[str, Callable[[Any, str], Any]] = {
 def _checked_request(value: Any, where: str) -> RequestSpec:
     """One object of ``requests`` as a ``RequestSpec``, every field checked."""
     known = tuple(f.name for f in fields(RequestSpec))
-    data = _checked_object(value, where, known, required=("request_id", "user", "prompt_len", "max_tokens"))
+    data = checked_object(value, where, known, required=("request_id", "user", "prompt_len", "max_tokens"))
     request_id = data["request_id"]
     if not isinstance(request_id, str) or not request_id:
-        raise _bad(f"{where}.request_id", request_id, "must be a non-empty string")
+        raise bad_value(f"{where}.request_id", request_id, "must be a non-empty string")
     if data["user"] is not None:  # null: no output_rate_user, the __anonymous__ bucket (R17)
         checked_user_id(data["user"], f"{where}.user")
     for name, check in _REQUEST_CHECKS.items():

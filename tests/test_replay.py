@@ -189,12 +189,17 @@ def _drop(key):
 def test_bad_values_in_a_rate_limit_counterexample_are_usage_errors_naming_the_field(tmp_path, edit, says):
     # A hand-edited counterexample is refused on load (exit 2, not 1: exit 1 means the
     # scenario fails), naming the file, the field and the value; nothing runs.
-    path = _edited_rate_limit_file(tmp_path, edit)
+    assert_refused_on_load(_edited_rate_limit_file(tmp_path, edit), says, "rate-limit scenario on")
+
+
+def assert_refused_on_load(path, says: str, run_header: str) -> None:
+    """``outrate replay path`` is a usage error (exit 2) whose message names the file and
+    holds ``says``, printed before anything ran (no ``run_header``)."""
     code, out = replay(path)
     assert code == 2, out
     last = " ".join(out.split())
     assert str(path.name) in last and " ".join(says.split()) in last, out
-    assert "rate-limit scenario on" not in out and "Traceback" not in out
+    assert run_header not in out and "Traceback" not in out
 
 
 def test_rate_given_as_a_json_number_replays(tmp_path):
@@ -216,3 +221,48 @@ def test_replay_output_has_no_vllm_log_noise(tmp_path):
     noise = [line for line in run.stderr.splitlines() if line.strip() and "site-packages/torch/" not in line]
     assert noise == [], run.stderr
     assert run.stdout.splitlines()[-1].startswith("PASS"), run.stdout
+
+
+def _edited_step_file(tmp_path, edit):
+    """A saved white-box counterexample (``StepScenario.to_json``) after ``edit`` changed
+    its decoded JSON in place."""
+    config = EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=65, default_rate_tokens_per_s=Fraction(5, 2)
+    )
+    data = json.loads(StepScenario(config, TWO_USERS_THREE_STREAMS).to_json())
+    assert data["config"]["default_rate_tokens_per_s"] == "5/2"  # the saved form of 2.5
+    edit(data)
+    path = tmp_path / "counterexample-white-box-sync.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (_set("config", "default_rate_tokens_per_s", "-1"), "config.default_rate_tokens_per_s: a rate must be"),
+        (_set("config", "default_rate_tokens_per_s", "abc"), "got 'abc'"),
+        (_set("config", "default_rate_tokens_per_s", "1/3"), "at most 9 decimal places"),
+        (_set("config", "user_rates_tokens_per_s", [["", "5"]]), "config.user_rates_tokens_per_s[0][0]: a user id"),
+        (_set("config", "user_rates_tokens_per_s", {"a": "5"}), "must be a list of [user, rate] pairs"),
+        (_set("config", "max_num_seqs", "4"), "config.max_num_seqs: must be an integer, got '4'"),
+        (_set("config", "max_num_seqs", -5), "config: max_num_seqs -5"),
+        (_set("config", "nope", 1), "config: unknown key(s) 'nope'"),
+        (_set("events", 0, "user", ""), "events[0].user: a user id must be a non-empty string of at most 256"),
+        (_set("events", 0, "user", "x" * 300), "(302 characters)"),
+        (_set("events", 0, "type", "Foo"), "events[0].type: must be one of AddRequest"),
+        (_set("events", 0, "max_tokens", 0), "events[0] (AddRequest): max_tokens 0 out of range"),
+        (_set("events", 5, "delta_ns", "5"), "events[5].delta_ns: must be an integer, got '5'"),
+        (lambda data: data["events"][0].pop("request_id"), "events[0]: missing key(s) request_id"),
+        (lambda data: data["events"].append({"type": "ChangeRates", "default_rate_tokens_per_s": "0"}), "got '0'"),
+    ],
+)
+def test_bad_values_in_a_step_counterexample_are_usage_errors_naming_the_field(tmp_path, edit, says):
+    # Before: a 300-character user ran (and its request was charged to __anonymous__), an
+    # empty override user was a traceback (exit 1), other values an unnamed AssertionError().
+    assert_refused_on_load(_edited_step_file(tmp_path, edit), says, "step scenario (")
+
+
+def test_saved_step_counterexample_with_a_fraction_rate_replays(tmp_path):
+    code, out = replay(_edited_step_file(tmp_path, lambda data: None))
+    assert code == 0, out
