@@ -95,41 +95,66 @@ _USER_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 
 
 def _parse_default_rate(text: str) -> int | float:
-    """The default rate as typed (``text``) -> the JSON number of ``default_tokens_per_s``
-    (an int when whole).
+    """The default rate as typed (``text``) -> the JSON number of ``default_tokens_per_s``.
+
+    Raises:
+        click.UsageError: see ``_rate_as_typed``.
+    """
+    return _rate_as_typed(text, FLAG_DEFAULT, f"{FLAG_DEFAULT} 100 or 2.5")
+
+
+def _rate_as_typed(text: str, name: str, example: str) -> int | float:
+    """A rate the operator typed (``text``) -> its JSON number (an int when whole).
 
     Raises:
         click.UsageError: not a positive finite number of tokens/s within
-            ``reference.limiter.parse_rate``'s bounds; the message quotes ``text`` as typed
-            (``1e400`` stays ``1e400``, not ``inf``).
+            ``reference.limiter.parse_rate``'s bounds; the message names ``name``, quotes
+            ``text`` as typed (``1e400`` stays ``1e400``, not ``inf``), says why, and ends
+            with ``example``.
     """
     try:
         number = Decimal(text.strip())
     except InvalidOperation:
         number = None
     if number is None:
-        reason = "not a number"
+        reason = "is not a number"
     elif not number.is_finite():
-        reason = "not finite"
+        reason = "is not finite"
     elif number <= 0:
         reason = "must be > 0"
     elif number > MAX_RATE_TOKENS_PER_S:
         reason = f"must be <= {MAX_RATE_TOKENS_PER_S}"
     else:
         try:
-            parse_rate(number, FLAG_DEFAULT)
+            parse_rate(number, name)
             return int(number) if number == number.to_integral_value() else float(number)
         except ValueError:
             reason = "may have at most 9 decimal places"
     raise click.UsageError(
-        f"{FLAG_DEFAULT}: got {text!r}, {reason}: a rate must be a positive finite number of tokens/s, "
-        f"e.g. {FLAG_DEFAULT} 100 or 2.5"
+        f"{name} {reason}, got {text!r}; a rate must be a positive finite number of tokens/s, e.g. {example}"
     )
 
 
+class _Typed:
+    """A JSON number as the operator typed it (``1e400`` stays ``1e400``, ``Infinity``
+    stays ``Infinity``); its repr is that text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _parse_user_rates(text: str) -> dict[str, Any]:
+    """The per-user overrides as typed (``text``, a JSON object) -> ``user_tokens_per_s``.
+
+    Raises:
+        click.UsageError: not JSON, not an object, a key given twice, a key that is no
+            valid user id (R17), a bad rate (quoted as typed).
+    """
     try:
-        value = loads_no_duplicates(text, FLAG_USERS)
+        value = loads_no_duplicates(text, FLAG_USERS, number_hook=_Typed)
     except OutputRateConfigError as exc:
         raise click.UsageError(str(exc)) from None
     except json.JSONDecodeError as exc:
@@ -141,16 +166,21 @@ def _parse_user_rates(text: str) -> dict[str, Any]:
         raise click.UsageError(
             f"""{FLAG_USERS} must be a JSON object of user -> tokens/s, e.g. '{{"user-a": 100}}', got {text!r}"""
         )
+    rates: dict[str, Any] = {}
     for user, rate in value.items():
         try:
             check_override_user(user, FLAG_USERS)  # R17: a key no request can name never matches
         except OutputRateConfigError as exc:
             raise click.UsageError(str(exc)) from None
+        name = f"{FLAG_USERS} rate of user {user!r}"
+        if isinstance(rate, _Typed):
+            rates[user] = _rate_as_typed(rate.text, name, f"""{FLAG_USERS} '{{"user-a": 100}}'""")
+            continue
         try:
-            parse_rate(rate, f"{FLAG_USERS} rate of user {user!r}")
+            rates[user] = parse_rate(rate, name)  # a string, true, null, a list: refused, naming the type
         except ValueError as exc:
             raise click.UsageError(f"{exc}; give a positive number of tokens per second") from None
-    return value
+    return rates
 
 
 def _pop_option(args: list[str], name: str) -> tuple[list[str], str | None]:

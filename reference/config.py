@@ -302,17 +302,24 @@ def _no_duplicate_keys(what: str) -> Callable[[list[tuple[str, Any]]], dict[str,
     return hook
 
 
-def loads_no_duplicates(text: str, what: str) -> Any:
+def loads_no_duplicates(text: str, what: str, number_hook: Callable[[str], Any] | None = None) -> Any:
     """``json.loads(text)`` that refuses duplicate keys (Configuration: typos are caught).
 
-    Plain ``json.loads`` keeps the last of ``{"a": 5, "a": 7}`` silently.
+    Plain ``json.loads`` keeps the last of ``{"a": 5, "a": 7}`` silently. ``number_hook``:
+    if given, every number's text (``Infinity`` and ``NaN`` too) goes through it, as
+    ``json.loads``'s ``parse_float``, ``parse_int`` and ``parse_constant``.
 
     Raises:
         OutputRateConfigError: a key given twice in one object, naming ``what``, the key
             and both values.
         json.JSONDecodeError: ``text`` is not JSON.
     """
-    return json.loads(text, object_pairs_hook=_no_duplicate_keys(what))
+    hook = _no_duplicate_keys(what)
+    if number_hook is None:
+        return json.loads(text, object_pairs_hook=hook)
+    return json.loads(
+        text, object_pairs_hook=hook, parse_float=number_hook, parse_int=number_hook, parse_constant=number_hook
+    )
 
 
 def section_duplicates_error(text: str) -> str | None:

@@ -272,7 +272,7 @@ def test_bad_default_rate_is_quoted_as_typed(typed):
     result = run("MODEL", "--default-user-output-tokens-per-second", typed)
     assert result.exit_code == 2, result.output
     last = result.output.strip().splitlines()[-1]
-    assert f"--default-user-output-tokens-per-second: got {typed!r}" in last, last
+    assert last.startswith("Error: --default-user-output-tokens-per-second ") and f", got {typed!r};" in last, last
     assert "a rate must be a positive finite number of tokens/s" in last and "not a string" not in last, last
 
 
@@ -280,3 +280,31 @@ def test_bad_default_rate_is_quoted_as_typed(typed):
 def test_default_rate_as_typed_becomes_a_json_number(typed, value):
     argv = command_of("MODEL", "--default-user-output-tokens-per-second", typed)
     assert json.loads(option(argv, "--additional-config"))["output_rate"]["default_tokens_per_s"] == value
+
+
+@pytest.mark.parametrize(("typed", "reason"), [("1e400", "must be <= 1000000000"), ("Infinity", "is not finite")])
+def test_bad_override_rate_is_quoted_as_typed(typed, reason):
+    # json.loads reads 1e400 as inf and Infinity as inf: the message quotes the text instead.
+    result = run(
+        "MODEL", "--default-user-output-tokens-per-second", "10", "--user-output-tokens-per-second", f'{{"a": {typed}}}'
+    )
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert f"rate of user 'a' {reason}, got {typed!r}; a rate must be a positive finite number of tokens/s" in last, (
+        last
+    )
+
+
+def test_override_rates_keep_their_json_numbers():
+    argv = command_of(
+        "MODEL",
+        "--default-user-output-tokens-per-second",
+        "10",
+        "--user-output-tokens-per-second",
+        '{"a": 2.5, "b": 3, "c": 1e2}',
+    )
+    assert json.loads(option(argv, "--additional-config"))["output_rate"]["user_tokens_per_s"] == {
+        "a": 2.5,
+        "b": 3,
+        "c": 100,
+    }
