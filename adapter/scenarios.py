@@ -195,13 +195,15 @@ class Scenario:
             )
             if r.abort_at_step is not None:
                 out.append(f"step {r.abort_at_step}: abort {r.request_id}")
+        steps = f"{self.num_steps} step{'s' if self.num_steps != 1 else ''}"
+        drain = f", then more at that interval until every request has finished (at most {DRAIN_STEP_LIMIT})"
         if self.advances_ns is not None:
             out.append(
                 f"clock advances after each step (ns): {list(self.advances_ns)}, then "
-                f"+{self.step_interval_ns} ns each; {self.num_steps} steps"
+                f"+{self.step_interval_ns} ns each; {steps}{drain}"
             )
         else:
-            out.append(f"then {self.num_steps} steps, clock +{self.step_interval_ns} ns each")
+            out.append(f"then {steps}, clock +{self.step_interval_ns} ns each{drain}")
         rates = ", ".join(f"{u!r}={r}" for u, r in sorted(self.rates_tokens_per_s.items()))
         burst = f"{self.burst_ms} ms (burst_ms)" if self.burst_ms is not None else "100 ms (fixed)"
         seqs = self.max_num_seqs or max(len(self.requests), 1)

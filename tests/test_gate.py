@@ -185,3 +185,14 @@ def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
     )
     assert bad.returncode == 1
     assert "FAILED" in bad.stdout and "counterexample" in bad.stdout
+
+
+def test_counterexample_events_say_the_run_goes_on_until_every_request_has_finished():
+    """A 1-minimal counterexample keeps few scheduled steps, but the run (and its replay)
+    steps on until every request has finished: the events must say so, or a failure at a
+    later step reads as contradicting them."""
+    scenario = one_stream_of_8_tokens_at_10_tok_s(4, 1, 1)
+    last = scenario.events()[-1]
+    assert last.startswith("then 1 step, clock +1 ns each, then more at that interval until every request")
+    verdict = run_scenario(REFERENCE_SCHEDULER, scenario, "must")
+    assert verdict.failure is None and verdict.steps > scenario.num_steps  # the drain the line names
