@@ -673,6 +673,9 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
     base-fidelity/*, white-box/*; adapter/fidelity.py), judged against the step spec after
     every event: with the feature off as base fidelity (default class: stock vLLM), with it
     on as white box (default class: the reference).
+
+    Exit 0: it passes; 1: it fails; 2: a usage error, e.g. a file edited to a value no
+    saved scenario holds (the message names the field and the value; nothing runs).
     """
     from vllm_output_rate.adapter import fidelity
     from vllm_output_rate.adapter.harness import load_class
