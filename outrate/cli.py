@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 console = Console(width=None if sys.stdout.isatty() else 130)
 LEVELS = click.Choice(["must", "should", "exact"])  # the gate's conformance levels (--level)
+PATH_HINT = " (is its directory on the path? give --path DIR)"  # gate_plan.candidate_class_problem
 
 
 def _offline_env() -> None:
@@ -170,6 +171,10 @@ def conform(
         save_dir=counterexamples,
         rate_change=rate_change,
     )
+    with console.status("probing the candidate's configuration"):
+        problem = gate_plan.fractional_rates_problem(options)
+    if problem is not None:  # every fractional-rate scenario would read as a crash
+        raise click.BadParameter(problem, param_hint="--integer-rates")
     results = _run_plan(gate_plan.plan(options), options)
     code = _report_conform(
         results,
@@ -350,25 +355,14 @@ def _write_reports(
 
 
 def _import_candidates(sync_cls: str, async_scheduler_cls: str | None) -> None:
-    """Import the classes under test; a click error naming the option if one cannot be loaded."""
-    from vllm_output_rate.adapter.harness import load_class
+    """Import the classes under test; a click error naming the option if one cannot be
+    judged (``gate_plan.candidate_class_problem``, shared with the pytest plugin)."""
+    from vllm_output_rate import gate_plan
 
     for path, hint in ((sync_cls, "--scheduler-cls"), (async_scheduler_cls, "--async-scheduler-cls")):
-        if path is None:
-            continue
-        try:
-            cls = load_class(path)
-        except (ValueError, ImportError) as exc:
-            hint_path = "" if "No module named" not in str(exc) else " (is its directory on the path? give --path DIR)"
-            raise click.BadParameter(f"{exc}{hint_path}", param_hint=hint) from None
-        from vllm.v1.core.sched.interface import SchedulerInterface
-
-        if not (isinstance(cls, type) and issubclass(cls, SchedulerInterface)):
-            raise click.BadParameter(
-                f"{path} is not a vLLM scheduler class (a subclass of vllm.v1.core.sched.interface."
-                f"SchedulerInterface, e.g. of vllm.v1.core.sched.scheduler.Scheduler)",
-                param_hint=hint,
-            )
+        problem = None if path is None else gate_plan.candidate_class_problem(path, PATH_HINT)
+        if problem is not None:
+            raise click.BadParameter(problem, param_hint=hint)
 
 
 def _preflight_style(style: Any) -> None:

@@ -597,3 +597,19 @@ def test_conform_refuses_a_class_that_is_not_a_scheduler():
     )
     assert result.exit_code == 2, result.output
     assert "is not a vLLM scheduler class" in " ".join(result.output.split())
+
+
+def test_conform_stops_with_a_usage_error_naming_integer_rates_when_the_flags_refuse_fractions(article_flags):
+    # The article's flags parse integers: without --integer-rates every fractional-rate
+    # scenario used to fail as "crash: ArticleScheduler raised ValueError" and end REJECTED.
+    from click.testing import CliRunner
+
+    from vllm_output_rate.cli import main
+
+    args = ["conform", "--sync-only", "--level", "must", "--config-style", "engine-args", "--no-spec-health"]
+    args += ["--path", str(FIXTURES), "--scheduler-cls", "article_style.scheduler.ArticleScheduler"]
+    result = CliRunner().invoke(main, args)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "--integer-rates" in output and "refuse the fractional rate 3.5 tokens/s" in output and "got 3.5" in output
+    assert "crash" not in output and "REJECTED" not in output
