@@ -90,6 +90,36 @@ def gcra_min_span_s(tokens: int, rate: float, burst_s: float = BURST_S) -> float
     return max(0.0, (tokens - 1) / rate - burst_s)
 
 
+SPAN_SLACK_S = 0.002  # engine metrics come in whole ms: a span this far below R2's is rounding
+
+
+def span_notes(reports: list[UserReport]) -> list[str]:
+    """Lines for ``outrate measure`` under its table, one per user whose measured span is
+    below R2's minimum (``min_span_s``, seconds).
+
+    A client span below it is no violation: the client sees each token after the server's
+    streaming and the network, so the first token can come late and the last on time. An
+    engine span more than ``SPAN_SLACK_S`` below it means more tokens than the limit allows
+    (to be confirmed on the engine trace with ``outrate check-trace``).
+    """
+    notes = []
+    for r in reports:
+        if r.min_span_s is None:
+            continue
+        if r.engine_span_s is not None and r.engine_span_s < r.min_span_s - SPAN_SLACK_S:
+            notes.append(
+                f"{r.user}: engine span {r.engine_span_s:.3f} s is below R2's minimum {r.min_span_s:.3f} s: "
+                "more tokens than the limit allows (confirm on the engine trace: outrate check-trace)"
+            )
+        if r.client_span_s is not None and r.client_span_s < r.min_span_s:
+            notes.append(
+                f"{r.user}: client span {r.client_span_s:.3f} s is below R2's minimum {r.min_span_s:.3f} s by "
+                f"{r.min_span_s - r.client_span_s:.3f} s: no violation, the client sees tokens after streaming "
+                "delays; R2 bounds the engine span"
+            )
+    return notes
+
+
 async def _sse_data(response):
     """The ``data:`` payloads of a server-sent-event stream.
 
@@ -405,6 +435,8 @@ def measure(base_url, model, streams, tokens, limit_args, prompt, server_pid, js
             f"{_fmt(r.client_rate):>12} {_fmt(r.engine_span_s):>13} {_fmt(r.engine_rate):>12} "
             f"{_fmt(r.limit, 'g'):>6} {_fmt(r.min_span_s):>10}  {r.completion_tokens}"
         )
+    for note in span_notes(reports):
+        click.echo(note)
     if all(r.engine_span_s is None for r in reports):
         click.echo("engine-side rates: n/a (start the server with --enable-per-request-metrics)")
     for res in results:

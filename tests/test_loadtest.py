@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from vllm_output_rate.cli import main
-from vllm_output_rate.loadtest import _sse_data, gcra_min_span_s
+from vllm_output_rate.loadtest import UserReport, _sse_data, gcra_min_span_s, span_notes
 
 
 @pytest.mark.rules("R2")
@@ -97,3 +97,18 @@ def test_a_server_without_a_model_list_is_named(tmp_path):
     assert result.exit_code == 1, result.output
     last = result.output.strip().splitlines()[-1]
     assert f"the server at {url} answered GET /v1/models with HTTP 404" in last and "--model" in last, result.output
+
+
+def _report(client_span_s, engine_span_s, min_span_s=19.85):
+    return UserReport("user-a", 4, 40, [10] * 4, client_span_s, None, None, engine_span_s, None, 2.0, min_span_s)
+
+
+@pytest.mark.rules("R2")
+def test_r2_measure_explains_a_client_span_below_the_minimum_and_flags_an_engine_span_below_it():
+    # Seen live: client span 19.84 s beside R2's minimum 19.85 s, engine span 19.85 s, no note.
+    (note,) = span_notes([_report(19.84, 19.85)])
+    assert note.startswith("user-a: client span 19.840 s is below R2's minimum 19.850 s by 0.010 s: no violation")
+    (note,) = span_notes([_report(19.9, 19.5)])
+    assert "engine span 19.500 s is below R2's minimum 19.850 s: more tokens than the limit allows" in note
+    assert span_notes([_report(19.9, 19.849)]) == []  # within the whole-ms rounding of engine metrics
+    assert span_notes([_report(5.0, 5.0, min_span_s=None)]) == []  # no limit given for the user
