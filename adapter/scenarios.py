@@ -247,9 +247,9 @@ def checked_user_id(value: Any, field_name: str) -> str:
     Raises:
         ScenarioFileError: naming ``field_name`` and the value (shortened).
     """
-    from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS
+    from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS, is_user_id
 
-    if not isinstance(value, str) or not value or len(value) > MAX_USER_ID_CHARS:
+    if not is_user_id(value):
         raise bad_value(
             field_name, value, f"a user id must be a non-empty string of at most {MAX_USER_ID_CHARS} characters"
         )

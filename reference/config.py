@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS, USER_KEY
+from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS, USER_KEY, is_user_id
 from vllm_output_rate.reference.limiter import parse_rate
 from vllm_output_rate.spec.limiter import BURST_NS
 
@@ -196,10 +196,10 @@ def check_override_user(user: object, where: str = "user_tokens_per_s") -> str:
         OutputRateConfigError: naming ``where``, the key (shortened for display), its
             length and the limit.
     """
-    if isinstance(user, str) and user and len(user) <= MAX_USER_ID_CHARS:
+    if is_user_id(user):
         return user
-    too_long = isinstance(user, str) and bool(user)
-    length = f" ({len(user)} characters)" if too_long and isinstance(user, str) else ""
+    too_long = isinstance(user, str) and len(user) > MAX_USER_ID_CHARS
+    length = f" ({len(user)} characters)" if isinstance(user, str) and too_long else ""
     raise OutputRateConfigError(
         f"user ids in {where} must be non-empty strings of at most {MAX_USER_ID_CHARS} characters "
         f"(what a request can give as vllm_xargs.{USER_KEY}), got {_shown_user(user)}{length}; "

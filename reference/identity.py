@@ -14,11 +14,18 @@ the engine core would fail every request in flight.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 ANONYMOUS_USER = "__anonymous__"
 USER_KEY = "output_rate_user"
 MAX_USER_ID_CHARS = 256
+
+
+def is_user_id(value: object) -> TypeGuard[str]:
+    """R17: ``value`` is a valid user id, a non-empty ``str`` of at most
+    ``MAX_USER_ID_CHARS`` (256) characters (the one test: requests, the per-user overrides
+    and saved scenarios all use it)."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_USER_ID_CHARS
 
 
 def validate_extra_args(extra_args: Mapping[str, Any] | None) -> str:
@@ -31,7 +38,7 @@ def validate_extra_args(extra_args: Mapping[str, Any] | None) -> str:
     if not extra_args or USER_KEY not in extra_args:
         return ANONYMOUS_USER
     user = extra_args[USER_KEY]
-    if not isinstance(user, str) or not user or len(user) > MAX_USER_ID_CHARS:
+    if not is_user_id(user):
         raise ValueError(
             f"vllm_xargs.{USER_KEY} must be a non-empty string of at most {MAX_USER_ID_CHARS} "
             f"characters, got {user!r:.80}"
