@@ -111,11 +111,15 @@ def request_steps(trace: str | Path, client_id: str) -> dict[str, int]:
     """Steps of the engine request of ``client_id`` in a trace, by kind.
 
     ``chunks``: scheduled without sampling (prefill chunks); ``sampled``: dispatched to
-    sample; ``throttled``: refused and skipped (R11). Reads whole lines only.
+    sample; ``throttled``: refused and skipped (R11); ``sampled_span``: the number of
+    ``schedule()`` calls from its first sampling dispatch to its last, both included (equal
+    to ``sampled`` when it was dispatched in every step between them; 0 if never). Reads
+    whole lines only.
     """
     from vllm_output_rate.adapter.trace_check import engine_id_matches
 
-    counts = {"chunks": 0, "sampled": 0, "throttled": 0}
+    counts = {"chunks": 0, "sampled": 0, "throttled": 0, "sampled_span": 0}
+    sampled_steps: list[int] = []
     for line in Path(trace).read_text(encoding="utf-8").splitlines(keepends=True):
         record = json.loads(line) if line.endswith("\n") else {}
         for rid, info in (record.get("requests") or {}).items():
@@ -125,8 +129,11 @@ def request_steps(trace: str | Path, client_id: str) -> dict[str, int]:
                 counts["throttled"] += 1
             elif info["sampled"]:
                 counts["sampled"] += 1
+                sampled_steps.append(record["step"])
             elif info["tokens"] > 0:
                 counts["chunks"] += 1
+    if sampled_steps:
+        counts["sampled_span"] = max(sampled_steps) - min(sampled_steps) + 1
     return counts
 
 
