@@ -381,18 +381,43 @@ def _preflight_style(style: Any) -> None:
 
 
 def _run_plan(plan: list[Any], options: Any) -> list[Any]:
-    """Run the planned checks in order with one progress bar each; their ``CheckResult``s."""
-    from vllm_output_rate.adapter import registry
+    """Run the planned checks in order with one progress bar each; their ``CheckResult``s.
 
+    The proofs/ spec-health rows (``proofs.gate_checks``: the model checker's quick scopes
+    and the Z3 proofs, which need neither vLLM nor the candidate) run from the start in one
+    spawned worker process, beside the candidate checks; their rows are reported in their
+    place in the plan, as if run there. If the worker dies, the row is run here instead."""
+    import multiprocessing
+    from concurrent.futures import Future, ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.proofs import gate_checks
+
+    aside = {spec.name for spec in gate_checks.spec_health_checks()}
+    names = [item.spec.name for item in plan if item.skip is None and item.spec.name in aside]
     results = []
     progress = bar_progress(console, 28)
-    with progress:
-        for item in plan:
-            total = item.spec.total(options) if item.skip is None else 1
-            task = progress.add_task(item.spec.name, total=total)
-            result = registry.run_planned(item, options, functools.partial(progress.advance, task))
-            progress.update(task, completed=total)
-            results.append(result)
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if names else None
+    try:
+        futures: dict[str, Future] = {name: pool.submit(gate_checks.run_aside, name) for name in names} if pool else {}
+        with progress:
+            for item in plan:
+                total = item.spec.total(options) if item.skip is None else 1
+                task = progress.add_task(item.spec.name, total=total)
+                tick = functools.partial(progress.advance, task)
+                try:
+                    result = futures[item.spec.name].result() if item.spec.name in futures else None
+                except BrokenProcessPool:
+                    result = None
+                if result is None:
+                    result = registry.run_planned(item, options, tick)
+                result.part, result.level = item.spec.part, item.spec.level_for(options)
+                progress.update(task, completed=total)
+                results.append(result)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return results
 
 

@@ -141,3 +141,28 @@ def spec_health_checks() -> list[CheckSpec]:
             lambda o, tick: check_shared_budget(tick),
         ),
     ]
+
+
+def run_aside(name: str) -> CheckResult:
+    """Run the spec-health row ``name`` (one of ``spec_health_checks``) on its own, with no
+    progress ticks, and return its ``CheckResult`` with ``seconds`` set.
+
+    For a worker process: these rows judge the spec and its proofs alone (pure Python and
+    Z3, no vLLM import, no candidate, no option), so ``outrate conform`` runs them in a
+    spawned process beside the candidate checks, on the second core. Their results are the
+    same wherever they run.
+
+    Raises:
+        KeyError: ``name`` is not a row of ``spec_health_checks``.
+    """
+    import time
+
+    specs = {spec.name: spec for spec in spec_health_checks()}
+    if name not in specs:
+        raise KeyError(f"not a proofs/ spec-health row: {name!r} (known: {sorted(specs)})")
+    started = time.monotonic()
+    from vllm_output_rate.adapter.registry import GateOptions
+
+    result = specs[name].run(GateOptions(scheduler_cls=""), lambda: None)  # these rows read no option
+    result.seconds = time.monotonic() - started
+    return result
