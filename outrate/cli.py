@@ -380,44 +380,73 @@ def _preflight_style(style: Any) -> None:
         raise click.BadParameter(str(exc), param_hint="--config-style") from None
 
 
+class _Aside:
+    """The proofs/ spec-health rows (``proofs.gate_checks``: the model checker's quick
+    scopes and the Z3 proofs, which need neither vLLM nor the candidate), run in one spawned
+    worker process from the start of a gate run (``gate_checks.serve_aside``), on the
+    second core, beside the candidate checks."""
+
+    def __init__(self, names: list[str]) -> None:
+        import multiprocessing
+
+        from vllm_output_rate.proofs import gate_checks
+
+        context = multiprocessing.get_context("spawn")  # a clean process: no vLLM, no candidate
+        self.conn, worker_end = context.Pipe(duplex=False)
+        self.proc = context.Process(target=gate_checks.serve_aside, args=(names, worker_end), daemon=True)
+        self.proc.start()
+        worker_end.close()
+        self.names: set[str] = set(names)
+        self.received: dict[str, Any] = {}
+
+    def result(self, name: str) -> Any:
+        """The worker's ``CheckResult`` of row ``name``, or None if ``name`` is not run here
+        or the worker ended before sending it (it died: the caller runs the row itself)."""
+        while name in self.names and name not in self.received:
+            try:
+                got, result = self.conn.recv()
+            except (EOFError, OSError):
+                self.names.clear()
+                return None
+            self.received[got] = result
+        return self.received.pop(name, None)
+
+    def close(self) -> None:
+        """Stop the worker if it still runs (the gate run ended early) and wait for it."""
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join()
+        self.conn.close()
+
+
 def _run_plan(plan: list[Any], options: Any) -> list[Any]:
     """Run the planned checks in order with one progress bar each; their ``CheckResult``s.
 
-    The proofs/ spec-health rows (``proofs.gate_checks``: the model checker's quick scopes
-    and the Z3 proofs, which need neither vLLM nor the candidate) run from the start in one
-    spawned worker process, beside the candidate checks; their rows are reported in their
-    place in the plan, as if run there. If the worker dies, the row is run here instead."""
-    import multiprocessing
-    from concurrent.futures import Future, ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
+    The proofs/ spec-health rows run from the start in a worker (``_Aside``) and are
+    reported in their place in the plan, as if run there; a row the worker did not deliver
+    is run here."""
     from vllm_output_rate.adapter import registry
     from vllm_output_rate.proofs import gate_checks
 
-    aside = {spec.name for spec in gate_checks.spec_health_checks()}
-    names = [item.spec.name for item in plan if item.skip is None and item.spec.name in aside]
+    rows = {spec.name for spec in gate_checks.spec_health_checks()}
+    names = [item.spec.name for item in plan if item.skip is None and item.spec.name in rows]
+    aside = _Aside(names) if names else None
     results = []
     progress = bar_progress(console, 28)
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if names else None
     try:
-        futures: dict[str, Future] = {name: pool.submit(gate_checks.run_aside, name) for name in names} if pool else {}
         with progress:
             for item in plan:
                 total = item.spec.total(options) if item.skip is None else 1
                 task = progress.add_task(item.spec.name, total=total)
-                tick = functools.partial(progress.advance, task)
-                try:
-                    result = futures[item.spec.name].result() if item.spec.name in futures else None
-                except BrokenProcessPool:
-                    result = None
+                result = aside.result(item.spec.name) if aside is not None else None
                 if result is None:
-                    result = registry.run_planned(item, options, tick)
+                    result = registry.run_planned(item, options, functools.partial(progress.advance, task))
                 result.part, result.level = item.spec.part, item.spec.level_for(options)
                 progress.update(task, completed=total)
                 results.append(result)
     finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+        if aside is not None:
+            aside.close()
     return results
 
 

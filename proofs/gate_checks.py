@@ -10,6 +10,7 @@ adapter <- proofs <- outrate; ``tests/test_layers.py``): the proofs use the adap
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from vllm_output_rate.adapter.conform import CheckResult
 from vllm_output_rate.adapter.registry import CheckSpec
@@ -166,3 +167,12 @@ def run_aside(name: str) -> CheckResult:
     result = specs[name].run(GateOptions(scheduler_cls=""), lambda: None)  # these rows read no option
     result.seconds = time.monotonic() - started
     return result
+
+
+def serve_aside(names: list[str], conn: Any) -> None:
+    """Worker process entry: ``run_aside`` each of ``names`` in order and send
+    ``(name, CheckResult)`` through ``conn`` (a ``multiprocessing`` connection) after each.
+    An error ends the process; the gate then runs the rows not received itself."""
+    for name in names:
+        conn.send((name, run_aside(name)))
+    conn.close()

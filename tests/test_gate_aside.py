@@ -4,9 +4,7 @@ come back as if run in place, and a dead worker falls back to running the row in
 
 from __future__ import annotations
 
-import concurrent.futures
-from concurrent.futures import Future
-from concurrent.futures.process import BrokenProcessPool
+import os
 
 import pytest
 
@@ -49,21 +47,6 @@ def test_run_plan_runs_the_proofs_rows_in_the_worker(monkeypatch) -> None:
     assert (result.name, result.result, result.part, result.level) == (ROW, "pass", "spec health", "must")
 
 
-class _DeadPool:
-    """A process pool whose worker died: every future raises ``BrokenProcessPool``."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        future.set_exception(BrokenProcessPool("the worker died"))
-        return future
-
-    def shutdown(self, **kwargs) -> None:
-        pass
-
-
 def test_run_plan_falls_back_to_running_the_row_here_when_the_worker_dies(monkeypatch) -> None:
     ran = []
     real = registry.run_planned
@@ -72,7 +55,15 @@ def test_run_plan_falls_back_to_running_the_row_here_when_the_worker_dies(monkey
         ran.append(item.spec.name)
         return real(item, options, tick)
 
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _DeadPool)
+    # The worker's entry replaced by one that fails at once (os._exit takes one argument,
+    # it is given two: the worker ends with a TypeError before sending anything).
+    monkeypatch.setattr(gate_checks, "serve_aside", os._exit)
     monkeypatch.setattr(registry, "run_planned", here)
     (result,) = cli._run_plan(_plan(ROW), _options())
     assert ran == [ROW] and result.result == "pass" and result.part == "spec health"
+
+
+def test_the_worker_is_stopped_when_the_run_ends_early() -> None:
+    aside = cli._Aside(["model-check/quick"])  # about 20 s of work
+    aside.close()
+    assert not aside.proc.is_alive() and aside.proc.exitcode is not None
