@@ -441,7 +441,6 @@ def _run_plan(plan: list[Any], options: Any) -> list[Any]:
                 result = aside.result(item.spec.name) if aside is not None else None
                 if result is None:
                     result = registry.run_planned(item, options, functools.partial(progress.advance, task))
-                result.part, result.level = item.spec.part, item.spec.level_for(options)
                 progress.update(task, completed=total)
                 results.append(result)
     finally:

@@ -146,7 +146,8 @@ def spec_health_checks() -> list[CheckSpec]:
 
 def run_aside(name: str) -> CheckResult:
     """Run the spec-health row ``name`` (one of ``spec_health_checks``) on its own, with no
-    progress ticks, and return its ``CheckResult`` with ``seconds`` set.
+    progress ticks, through ``registry.run_planned`` (which sets ``seconds``, ``part`` and
+    ``level``), and return its ``CheckResult``.
 
     For a worker process: these rows judge the spec and its proofs alone (pure Python and
     Z3, no vLLM import, no candidate, no option), so ``outrate conform`` runs them in a
@@ -156,17 +157,12 @@ def run_aside(name: str) -> CheckResult:
     Raises:
         KeyError: ``name`` is not a row of ``spec_health_checks``.
     """
-    import time
+    from vllm_output_rate.adapter.registry import GateOptions, PlannedCheck, run_planned
 
     specs = {spec.name: spec for spec in spec_health_checks()}
     if name not in specs:
         raise KeyError(f"not a proofs/ spec-health row: {name!r} (known: {sorted(specs)})")
-    started = time.monotonic()
-    from vllm_output_rate.adapter.registry import GateOptions
-
-    result = specs[name].run(GateOptions(scheduler_cls=""), lambda: None)  # these rows read no option
-    result.seconds = time.monotonic() - started
-    return result
+    return run_planned(PlannedCheck(specs[name]), GateOptions(scheduler_cls=""), lambda: None)  # rows read no option
 
 
 def serve_aside(names: list[str], conn: Any) -> None:
