@@ -28,6 +28,7 @@ from vllm_output_rate.clitools import (
     output_file_option,
     shown_default_option,
 )
+from vllm_output_rate.keys import keys
 from vllm_output_rate.loadtest import measure
 from vllm_output_rate.prove import prove
 from vllm_output_rate.serve import serve
@@ -1011,7 +1012,7 @@ def tiny_model(directory) -> None:
     console.print(f"wrote {directory}/config.json")
 
 
-for _command in (bench, serve, measure, prove, check, soak):
+for _command in (bench, serve, measure, prove, check, soak, keys):
     main.add_command(_command)
 
 

@@ -27,6 +27,13 @@ Accepts the article's start-up flags (docs/SPEC.md "Configuration") and turns th
 ``--shared-budget-url URL``                   R23-R26: one budget per user across every
                                               engine given the same Redis/Valkey URL
                                               (``output_rate.shared_budget_url``)
+``--identity MODE``                           R30-R32: where the user comes from: ``body``
+                                              (default), ``header:NAME`` or ``api-key``
+                                              (``output_rate.identity``)
+``--keys-file FILE``                          R30: the keys file of ``--identity api-key``
+                                              (hashes only; ``outrate keys add``)
+``--identity-on-claim overwrite``             R31: replace a body's own user instead of 400
+``--identity-on-missing anonymous``           R32: charge ``__anonymous__`` instead of 401
 ``--shadow``                                  shadow mode (``output_rate.shadow``): count and
                                               report what would be throttled, throttle
                                               nothing (docs/SPEC.md, Decision "Shadow mode")
@@ -65,6 +72,7 @@ from vllm_output_rate.reference.config import (
     loads_no_duplicates,
     parse_output_rate,
 )
+from vllm_output_rate.reference.identity import ON_CLAIM, ON_MISSING
 from vllm_output_rate.reference.limiter import MAX_RATE_TOKENS_PER_S, parse_rate
 
 SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
@@ -77,6 +85,10 @@ FLAG_PER_USER = "--max-num-seqs-per-user"
 FLAG_SHADOW = "--shadow"
 FLAG_RATES_FILE = "--rates-file"
 FLAG_SHARED_BUDGET = "--shared-budget-url"
+FLAG_IDENTITY = "--identity"
+FLAG_KEYS_FILE = "--keys-file"
+FLAG_ON_CLAIM = "--identity-on-claim"
+FLAG_ON_MISSING = "--identity-on-missing"
 # The flag of each output_rate key (the message when a key comes in --additional-config).
 FLAG_OF_KEY = {
     "default_tokens_per_s": FLAG_DEFAULT,
@@ -88,6 +100,10 @@ FLAG_OF_KEY = {
     "shadow": FLAG_SHADOW,
     "rates_file": FLAG_RATES_FILE,
     "shared_budget_url": FLAG_SHARED_BUDGET,
+    "identity": FLAG_IDENTITY,
+    "keys_file": FLAG_KEYS_FILE,
+    "identity_on_claim": FLAG_ON_CLAIM,
+    "identity_on_missing": FLAG_ON_MISSING,
 }
 # `outrate` quiets vLLM's logging for its own commands (cli._offline_env, run after this
 # module is imported); the server keeps vLLM's default INFO unless the user set a level.
@@ -247,6 +263,7 @@ def _refuse_without_default(
     shadow: bool,
     rates_file: str | None,
     shared_budget_url: str | None,
+    identity: dict[str, Any] | None = None,
 ) -> NoReturn:
     """No ``--default-rate``: ``click.UsageError`` naming the first flag that needs it, or
     saying that the feature would be off."""
@@ -258,6 +275,7 @@ def _refuse_without_default(
         (FLAG_SHADOW, True if shadow else None),
         (FLAG_RATES_FILE, rates_file),
         (FLAG_SHARED_BUDGET, shared_budget_url),
+        *((FLAG_OF_KEY[key], value) for key, value in (identity or {}).items()),
     ):
         if value is not None:
             raise click.UsageError(
@@ -284,6 +302,7 @@ def build_output_rate_section(
     shadow: bool = False,
     rates_file: str | None = None,
     shared_budget_url: str | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """The ``output_rate`` section for these flags.
 
@@ -301,6 +320,7 @@ def build_output_rate_section(
             shadow=shadow,
             rates_file=rates_file,
             shared_budget_url=shared_budget_url,
+            identity=identity,
         )
     section: dict[str, Any] = {"default_tokens_per_s": _parse_default_rate(default_rate)}
     if user_rates is not None:
@@ -320,11 +340,31 @@ def build_output_rate_section(
         section["rates_file"] = os.path.abspath(rates_file) if rates_file.strip() else rates_file
     if shared_budget_url is not None:  # R23-R26
         section["shared_budget_url"] = shared_budget_url
+    section.update(_identity_keys(identity))
     try:
         parse_output_rate(section)  # the scheduler's own parser: what passes here starts
     except OutputRateConfigError as exc:
         raise click.UsageError(str(exc)) from None
     return section
+
+
+def _identity_keys(identity: dict[str, Any] | None) -> dict[str, Any]:
+    """R30-R32: the ``output_rate`` identity keys given (``{key: value}``), the keys file
+    made absolute (the API server and the engine core open it)."""
+    keys = {key: value for key, value in (identity or {}).items() if value is not None}
+    if isinstance(keys.get("keys_file"), str) and keys["keys_file"].strip():
+        keys["keys_file"] = os.path.abspath(keys["keys_file"])
+    return keys
+
+
+def _refuse_api_key_with_keys_file(section: dict[str, Any], args: list[str]) -> None:
+    """R30: ``--identity api-key`` authenticates with the keys file; vLLM's own ``--api-key``
+    would refuse every key of it, so both together stop start-up (``click.UsageError``)."""
+    if section.get("identity") == "api-key" and any(a == "--api-key" or a.startswith("--api-key=") for a in args):
+        raise click.UsageError(
+            f"{FLAG_IDENTITY} api-key authenticates with {FLAG_KEYS_FILE}; drop --api-key (vLLM would refuse "
+            f"every key of the keys file), or use {FLAG_IDENTITY} header:NAME with vLLM's --api-key"
+        )
 
 
 def build_command(
@@ -347,6 +387,7 @@ def build_command(
             ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
     """
     section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, **flags)
+    _refuse_api_key_with_keys_file(section or {}, list(vllm_args))
     args, scheduler_cls = _scheduler_class(list(vllm_args))
     args, additional = _additional_config(args)
     additional["output_rate"] = section
@@ -422,6 +463,10 @@ OUR_FLAGS = (
     FLAG_SHADOW,
     FLAG_RATES_FILE,
     FLAG_SHARED_BUDGET,
+    FLAG_IDENTITY,
+    FLAG_KEYS_FILE,
+    FLAG_ON_CLAIM,
+    FLAG_ON_MISSING,
     "--max-num-active-seqs",
 )
 
@@ -458,6 +503,15 @@ def _cap_option(flag: str, metavar: str, help_text: str) -> Any:
     """A cap on requests (``FLAG N``, a whole number >= 1; parameter: the flag's name, e.g.
     ``--max-num-seqs`` -> ``max_num_seqs``), ``multiple`` so that ``_once`` refuses a repeat."""
     return click.option(flag, type=click.IntRange(min=1), multiple=True, metavar=metavar, help=help_text)
+
+
+def _choice_option(flag: str, choices: tuple[str, ...], help_text: str) -> Any:
+    """``FLAG CHOICE`` (parameter: the flag's name without ``--identity-``, e.g. ``on_claim``),
+    ``multiple`` so that ``_once`` refuses a repeat; the first choice is the default."""
+    param = flag.removeprefix("--identity-").replace("-", "_")
+    return click.option(
+        flag, param, type=click.Choice(choices), multiple=True, help=f"{help_text} Default: {choices[0]}."
+    )
 
 
 @click.command(
@@ -522,6 +576,28 @@ def _cap_option(flag: str, metavar: str, help_text: str) -> Any:
     help="R23-R26: redis://host:port/db (or rediss://, unix://, valkey://) of the store every engine "
     "shares; each user then has one budget across all engines given the same URL.",
 )
+@click.option(
+    FLAG_IDENTITY,
+    "identity",
+    metavar="MODE",
+    multiple=True,
+    help='R30: where the user comes from: "body" (default: the client\'s vllm_xargs.output_rate_user), '
+    '"header:NAME" (header NAME, set by a trusted gateway) or "api-key" (the user of the bearer token, '
+    "from --keys-file).",
+)
+@click.option(
+    FLAG_KEYS_FILE,
+    "keys_file",
+    metavar="FILE",
+    multiple=True,
+    help='R30: JSON {user: ["sha256:..."]} of --identity api-key (hashes only; `outrate keys add`); reloaded when it changes.',
+)
+@_choice_option(
+    FLAG_ON_CLAIM, ON_CLAIM, "R31: a body naming its own output_rate_user is refused with 400 or overwritten."
+)
+@_choice_option(
+    FLAG_ON_MISSING, ON_MISSING, "R32: a request without identity is refused with 401 or charged to __anonymous__."
+)
 @flag_option(
     FLAG_SHADOW,
     "Shadow mode: count and report (log, /metrics, trace) what would be throttled, and "
@@ -541,13 +617,18 @@ def serve(
     trace_path,
     rates_file,
     shared_budget_url,
+    identity,
+    keys_file,
+    on_claim,
+    on_missing,
     shadow,
     print_command,
 ) -> None:
     """Start vLLM's OpenAI server on MODEL with per-user output-rate limiting.
 
     Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
-    user with "vllm_xargs": {"output_rate_user": "..."} (a trusted gateway must set it).
+    user with "vllm_xargs": {"output_rate_user": "..."} unless --identity binds it to a
+    gateway's header or to the API key (docs/OPERATING.md, "Trust boundary").
     """
     _refuse_misspelt_flags(list(ctx.args))
     command = build_command(
@@ -563,6 +644,12 @@ def serve(
         shadow=shadow,
         rates_file=_once(rates_file, FLAG_RATES_FILE),
         shared_budget_url=_once(shared_budget_url, FLAG_SHARED_BUDGET),
+        identity={
+            "identity": _once(identity, FLAG_IDENTITY),
+            "keys_file": _once(keys_file, FLAG_KEYS_FILE),
+            "identity_on_claim": _once(on_claim, FLAG_ON_CLAIM),
+            "identity_on_missing": _once(on_missing, FLAG_ON_MISSING),
+        },
     )
     if print_command:
         click.echo(shlex.join(command))

@@ -28,6 +28,13 @@ Keys (all optional; an empty or missing section means the feature is off, R18):
                                 it would throttle, and throttles nothing; the
                                 schedule is the base class's, step for step.
                                 Default ``false``
+``identity``                    R30-R32: where the user comes from: ``"body"``
+                                (default, R17), ``"header:NAME"`` (a gateway's
+                                header) or ``"api-key"`` (the bearer token's user
+                                in ``keys_file``); ``identity_on_claim``
+                                (``"refuse"``/``"overwrite"``) and
+                                ``identity_on_missing`` (``"refuse"``/
+                                ``"anonymous"``). reference/identity_middleware.py
 =============================== ===================================================
 
 Source: docs/SPEC.md "Configuration" (keys, flags and the start-up checks).
@@ -42,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS, USER_KEY, is_user_id
+from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS, USER_KEY, IdentitySettings, is_user_id
 from vllm_output_rate.reference.limiter import parse_rate
 from vllm_output_rate.spec.limiter import BURST_NS
 
@@ -56,6 +63,10 @@ KNOWN_KEYS = (
     "max_num_seqs_per_user",
     "rates_file",
     "shared_budget_url",
+    "identity",
+    "keys_file",
+    "identity_on_claim",
+    "identity_on_missing",
 )
 SECTION = "output_rate"  # the key of vLLM's additional_config that holds the section
 
@@ -77,6 +88,7 @@ class OutputRateConfig:
     shadow: bool = False  # count and report would-be throttles, throttle nothing (Decision "Shadow mode")
     rates_file: str | None = None  # R21: watched JSON rate table (reference/ratesfile.py); None: off
     shared_budget_url: str | None = None  # R23-R26: the store shared by engines (Redis/Valkey); None: off
+    identity: IdentitySettings = field(default_factory=IdentitySettings)  # R30-R32: where the user comes from
 
     @property
     def enabled(self) -> bool:
@@ -178,7 +190,35 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
     url = section.get("shared_budget_url")
     if url is not None:
         config = replace(config, shared_budget_url=check_shared_budget_url(url))
+    if any(section.get(key) is not None for key in IDENTITY_KEYS):
+        config = replace(config, identity=parse_identity_section(section))
     return config
+
+
+IDENTITY_KEYS = ("identity", "keys_file", "identity_on_claim", "identity_on_missing")
+
+
+def parse_identity_section(section: Mapping[str, Any]) -> IdentitySettings:
+    """R30-R32: the identity settings of an ``output_rate`` section; with ``"api-key"`` the
+    keys file is read and checked now (reference/keysfile.py).
+
+    Raises:
+        OutputRateConfigError: a bad identity value, or a missing or bad keys file,
+            naming the key or the entry and what to change.
+    """
+    from vllm_output_rate.reference.identity import parse_identity
+
+    try:
+        settings = parse_identity(*(section.get(key) for key in IDENTITY_KEYS))
+    except ValueError as exc:
+        raise OutputRateConfigError(str(exc)) from None
+    if settings.keys_file is not None:
+        import logging
+
+        from vllm_output_rate.reference.keysfile import KeysFileWatcher
+
+        KeysFileWatcher(settings.keys_file, logging.getLogger("vllm.output_rate")).load_initial()
+    return settings
 
 
 def _shown_user(user: object) -> str:

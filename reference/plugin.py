@@ -137,6 +137,7 @@ def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     _install_identity_check()
+    _install_identity_middleware()
     _install_startup_check()
     _remember(_install_startup_check, EngineArgs, "create_engine_config")
     _install_cli_duplicate_check()
@@ -160,7 +161,8 @@ def _install_identity_check() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_output_rate.reference.identity import validate_extra_args
+    from vllm_output_rate.reference.identity import USER_KEY, validate_extra_args
+    from vllm_output_rate.reference.identity_middleware import active_settings
 
     original = InputProcessor._validate_params
 
@@ -171,9 +173,88 @@ def _install_identity_check() -> None:
                 validate_extra_args(params.extra_args)  # R17: names the bad value
             except ValueError as exc:
                 raise OutputRateRequestError(str(exc), parameter="vllm_xargs.output_rate_user") from None
+            settings = active_settings()
+            if settings is not None and settings.bound and USER_KEY not in (params.extra_args or {}):
+                # R30: the middleware binds the user of every request body it sees; a request
+                # without one came through an endpoint that does not carry vllm_xargs.
+                raise OutputRateRequestError(IDENTITY_NOT_CARRIED, parameter="vllm_xargs.output_rate_user")
         return original(self, params, supported_tasks)
 
     InputProcessor._validate_params = _validate_params
+
+
+IDENTITY_NOT_CARRIED = (
+    "this endpoint does not carry the user this server binds to the request (output_rate.identity); "
+    "use /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages or /inference/v1/generate"
+)
+
+
+# -- R30-R32: the identity middleware in the OpenAI server ---------------------------------
+def _install_identity_middleware() -> None:
+    """Wrap vLLM's ``init_entrypoints_middleware`` (the API server's middleware set-up) so
+    that ``install_identity_middleware`` runs with it."""
+    try:
+        from vllm.entrypoints.launchers import app as app_module
+    except ImportError:  # another vLLM layout: --middleware names the class instead
+        return
+    original = app_module.init_entrypoints_middleware
+    if original in _OUR_WRAPPERS:
+        return
+
+    @functools.wraps(original)
+    def init_entrypoints_middleware(args, app, *rest: Any, **kwargs: Any):
+        settings, keys = identity_for_server(args)
+        original(args, app, *rest, **kwargs)
+        if settings is not None:
+            from vllm_output_rate.reference.identity_middleware import IdentityMiddleware
+
+            app.add_middleware(IdentityMiddleware, settings=settings, keys=keys)  # last added: outermost
+
+    _OUR_WRAPPERS.add(init_entrypoints_middleware)
+    app_module.init_entrypoints_middleware = init_entrypoints_middleware
+
+
+def identity_for_server(args: Any) -> tuple[Any, Any]:
+    """R30-R32: the identity settings and keys (``KeysFileWatcher``) of an API server started
+    with the CLI ``args`` (an ``argparse.Namespace``); also ``configure``s this process
+    (``identity_middleware.configure``). ``(None, None)``: the feature off or identity
+    ``"body"``: nothing to install.
+
+    Raises:
+        OutputRateConfigError: a bad identity section or keys file (naming the entry), or
+            ``"api-key"`` together with vLLM's ``--api-key``/``VLLM_API_KEY`` (vLLM's check
+            would refuse every key of the keys file).
+    """
+    from vllm_output_rate.reference.identity import IDENTITY_API_KEY
+    from vllm_output_rate.reference.identity_middleware import configure, logger
+    from vllm_output_rate.reference.keysfile import KeysFileWatcher
+
+    additional = getattr(args, "additional_config", None)
+    section = additional.get(SECTION) if isinstance(additional, dict) else None
+    if not isinstance(section, dict) or section.get("default_tokens_per_s") is None:
+        return None, None
+    settings = parse_output_rate(section).identity
+    if not settings.bound:
+        return None, None
+    keys = None
+    if settings.mode == IDENTITY_API_KEY:
+        if getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"):
+            raise OutputRateConfigError(
+                'identity "api-key" authenticates with the keys file; remove --api-key (and VLLM_API_KEY), '
+                'or use identity "body" or "header:NAME" with vLLM\'s own keys'
+            )
+        keys = KeysFileWatcher(settings.keys_file, logger)
+        loaded = keys.load_initial()
+        logger.info(
+            "output-rate: identity from API keys: %d key(s) of %d user(s) in %s",
+            len(loaded),
+            len(set(loaded.values())),
+            settings.keys_file,
+        )
+    else:
+        logger.info("output-rate: identity from header %s (set it at a trusted gateway)", settings.header)
+    configure(settings, keys)
+    return settings, keys
 
 
 # -- start-up: unsupported modes refused before the engine core starts -----------------
