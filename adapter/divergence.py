@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_output_rate.adapter.vllm_compat import admitted_ids
 from vllm_output_rate.spec.events import Abort, Drain, Event, Step
 from vllm_output_rate.spec.state import Observation, SchedulerState
 
@@ -75,10 +76,7 @@ def _by_decision(obs: Observation, ids: list[str], default: str, vllm_ids: set[s
 
 def batch_lists(trace: Any, scheduler_output: Any, obs: Observation) -> dict[str, tuple[list, list]]:
     """(vLLM, spec) per batch field, in the form ``compare_step`` compares them."""
-    admitted = sorted(
-        {r.req_id for r in scheduler_output.scheduled_new_reqs}
-        | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-    )
+    admitted = sorted(admitted_ids(scheduler_output))
     return {
         "scheduled": (list(trace.scheduled.items()), list(obs.scheduled)),
         "sampled": (list(trace.sampled), list(obs.sampled)),

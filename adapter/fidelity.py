@@ -1,4 +1,4 @@
-"""Base fidelity: the step spec predicts stock vLLM (0.32.0, 0.33.0), step for step.
+"""Base fidelity: the step spec predicts stock vLLM (each supported release), step for step.
 
 A ``StepScenario`` is an ``EngineConfig`` plus a sequence of events from the shared
 alphabet (``spec/events.py``). ``run_step_scenario`` applies each event to the spec
@@ -7,8 +7,8 @@ after every event (stops at the first difference):
 
 - ``scheduled``: request ids and token counts, in ``SchedulerOutput`` order (V1-V8);
 - ``sampled``: the sampling dispatches (V9);
-- ``preempted`` (V6) and ``admitted`` (V8, from ``scheduled_new_reqs`` and
-  ``resumed_req_ids``);
+- ``preempted`` (V6) and ``admitted`` (V8, new or resumed requests:
+  ``vllm_compat.admitted_ids``);
 - ``finished``: request id -> (finish reason, number of outputs) (V10, V11);
 - the scheduler state vLLM holds after the event: ``running`` in order, ``waiting`` in
   pop order, free KV blocks, and each live request's ``num_computed_tokens``,
@@ -42,6 +42,7 @@ from vllm_output_rate.adapter.harness import (
     StepTrace,
 )
 from vllm_output_rate.adapter.versions import installed_profile
+from vllm_output_rate.adapter.vllm_compat import admitted_ids
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import scheduler as spec
 from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
@@ -330,7 +331,7 @@ def _diff(name: str, got: Any, want: Any) -> str | None:
 def compare_step(trace: StepTrace, harness: ObservedHarness, obs: Observation) -> str | None:
     """V1-V10: the step's batch and deliveries, as vLLM exposes them, against the spec."""
     so = harness.last_scheduler_output
-    admitted = sorted({r.req_id for r in so.scheduled_new_reqs} | set(so.scheduled_cached_reqs.resumed_req_ids))
+    admitted = sorted(admitted_ids(so))
     finished = {f.request_id: (f.reason, f.num_output_tokens) for f in obs.finished}
     return (
         _diff("scheduled", list(trace.scheduled.items()), list(obs.scheduled))

@@ -28,6 +28,7 @@ from fractions import Fraction
 from typing import Any
 
 from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID, default_model_dir
+from vllm_output_rate.adapter.vllm_compat import admitted_ids, model_runner_output, scheduler_only_config
 from vllm_output_rate.spec.state import EngineConfig
 
 REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
@@ -169,7 +170,8 @@ def build_vllm_config(shape: EngineShape):
     The rates go to ``additional_config["output_rate"]`` (the reference's configuration;
     ``adapter.configstyle.AdditionalConfigStyle``). vLLM's CPU platform forces
     ``scheduler_config.async_scheduling`` to False here; the harness still drives async
-    mode when ``shape.async_scheduling`` is set.
+    mode when ``shape.async_scheduling`` is set. Built inside
+    ``vllm_compat.scheduler_only_config`` (no triton-cpu needed: no kernel runs here).
     """
     from vllm.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, VllmConfig
 
@@ -192,13 +194,14 @@ def build_vllm_config(shape: EngineShape):
     # Prefix caching is not modelled by the spec: the gate's shapes leave it off.
     cache_config = CacheConfig(block_size=shape.block_size, enable_prefix_caching=shape.enable_prefix_caching)
     additional = {"output_rate": shape.output_rate} if shape.output_rate is not None else {}
-    config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
-        additional_config=additional,
-        lora_config=LoRAConfig(max_loras=shape.max_loras) if shape.max_loras is not None else None,
-    )
+    with scheduler_only_config():
+        config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            additional_config=additional,
+            lora_config=LoRAConfig(max_loras=shape.max_loras) if shape.max_loras is not None else None,
+        )
     config.cache_config.num_gpu_blocks = shape.num_blocks
     return config
 
@@ -358,8 +361,6 @@ class Harness:
         return sampled
 
     def _model_output(self, so, sampled: list[str]):
-        from vllm.v1.outputs import ModelRunnerOutput
-
         req_ids = list(so.num_scheduled_tokens)
         tokens: list[list[int]] = []
         sampled_set = set(sampled)
@@ -371,11 +372,7 @@ class Harness:
             eos = self._eos_index.get(req_id)
             tokens.append([EOS_TOKEN_ID if eos is not None and index == eos else NON_EOS_TOKEN_ID])
             self._out_index[req_id] = index + 1
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=tokens,
-        )
+        return model_runner_output(req_ids, tokens)
 
     def _update(self, so, mro, trace: StepTrace) -> None:
         with patched_time(self.clock):
@@ -404,7 +401,7 @@ class Harness:
             scheduled=dict(so.num_scheduled_tokens),
             sampled=sampled,
             preempted=sorted(so.preempted_req_ids),
-            admitted=[r.req_id for r in so.scheduled_new_reqs] + sorted(so.scheduled_cached_reqs.resumed_req_ids),
+            admitted=admitted_ids(so),
             num_running=len(self.scheduler.running),
             chunk_start=_chunk_starts(so),
         )

@@ -33,9 +33,10 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import FinishReason, Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_output_rate.adapter.vllm_compat import model_runner_output
 
 # The fixture is imported from tests/fixtures (put on the path here; the environment is
 # offline from tests/conftest.py on).
@@ -208,11 +209,7 @@ class Sim:
         out = self.s.schedule()
         ids = list(out.num_scheduled_tokens)
         sampled = [[] if self.s.requests[r].is_prefill_chunk else [self.rng.randrange(1, 500)] for r in ids]
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-        )
+        mro = model_runner_output(ids, sampled)
         self._dispatch_time[id(out)] = self.now()
         self.steps.append(
             (

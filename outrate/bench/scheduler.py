@@ -91,16 +91,13 @@ class _Driver:
         self.clock = clock
 
     def _model_output(self, so):
-        from vllm.v1.outputs import ModelRunnerOutput
-
         from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
+        from vllm_output_rate.adapter.vllm_compat import model_runner_output
 
         requests = self.scheduler.requests
         ids = list(so.num_scheduled_tokens)
         tokens = [[] if requests[r].is_prefill_chunk else [NON_EOS_TOKEN_ID] for r in ids]
-        return ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens
-        )
+        return model_runner_output(ids, tokens)
 
     def step(self) -> float:
         clock = self.clock
