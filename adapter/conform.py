@@ -43,8 +43,10 @@ STEP_SCENARIO_MAX_STEPS = 40
 class CheckResult:
     """One row of the gate's table (and of the JSON report).
 
-    ``result``: "pass", "fail", or "not tested" (the row could not run; ``failure`` says
-    why). ``part``: "candidate" (runs the class under test) or "spec health" (the spec
+    ``result``: "pass", "fail", "warning" (a project rule failed at level should,
+    ``adapter/origins.py``: printed, never fatal), "not applicable" (the row needs an engine
+    mode the candidate refused at start-up, ``adapter/modes.py``), or "not tested" (the row
+    could not run; ``failure`` says why). ``part``: "candidate" (runs the class under test) or "spec health" (the spec
     against itself or against stock vLLM; never the candidate's verdict). ``level``: the
     lowest conformance level at which the row runs; ``failed_level``: the level of the
     property that failed. ``scenarios``: the scenarios a row ran, by name (the boundaries
@@ -67,6 +69,8 @@ class CheckResult:
     minimal: bool = True  # the counterexample is 1-minimal
     scenarios: list[str] = field(default_factory=list)
     coverage: dict[str, Any] | None = None
+    origin: str | None = None  # of the failure (adapter/origins.py); a project rule is a warning at should
+    modes: list[dict[str, Any]] | None = None  # the ``modes`` row: the candidate's mode matrix (adapter/modes.py)
 
     def as_json(self) -> dict:
         """The row as a JSON-ready dict, keys in ``CHECK_RESULT_JSON_KEYS`` order
@@ -79,6 +83,7 @@ CHECK_RESULT_JSON_KEYS = (
     "part",
     "level",
     "failed_level",
+    "origin",
     "minimal",
     "rules",
     "examples",

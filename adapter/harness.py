@@ -242,6 +242,7 @@ class Harness:
     Raises:
         ValueError: bad class path; a shape the style cannot express; whatever the class
             raises for the config.
+        adapter.modes.ModeRefused: the shape uses a mode refused in the running gate.
     """
 
     def __init__(
@@ -250,7 +251,9 @@ class Harness:
         from vllm.v1.structured_output import StructuredOutputManager
 
         from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
+        from vllm_output_rate.adapter.modes import check_not_refused
 
+        check_not_refused(shape)  # a mode the candidate refused at start-up: no scenario (adapter/modes.py)
         self.shape = shape
         self.clock = clock or FakeClock()
         self.cls_path = scheduler_cls

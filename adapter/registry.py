@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_output_rate.adapter.levels import check_level, includes
+from vllm_output_rate.adapter.modes import check_mode_names
 
 Tick = Callable[[], None]
 
@@ -44,18 +45,23 @@ class GateOptions:
     integer_rates: bool = False
     burst_configurable: bool = False
     rate_change: bool = False  # R21: the candidate declares the rates file (opt-in, like burst_configurable)
+    require_modes: tuple[str, ...] = ()  # engine modes whose refusal is fatal (adapter/modes.py, --require-mode)
     sync_only: bool = False
     spec_health: bool = True
     save_dir: Path | None = None
 
     def __post_init__(self) -> None:
         check_level(self.level)
+        check_mode_names(self.require_modes)
 
 
 @dataclass(frozen=True)
 class CheckSpec:
     """One registered check (see module docstring). ``total(options)``: the progress bar's
-    length; ``run(options, tick) -> CheckResult``. ``async_mode`` None: mode-independent."""
+    length; ``run(options, tick) -> CheckResult``. ``async_mode`` None: mode-independent.
+    ``modes``: the engine modes every scenario of the row needs, ``draws``: those some of
+    its scenarios use (``adapter/modes.py``; ``ROW_MODES``); ``origin``: where its rules come
+    from (``adapter/origins.py``; None: from its rules and level)."""
 
     name: str
     part: str
@@ -65,6 +71,15 @@ class CheckSpec:
     total: Callable[[GateOptions], int]
     run: Callable[[GateOptions, Tick], Any]
     opt_in: str | None = None  # a GateOptions flag that makes the row judge at every level (R21: rate_change)
+    modes: tuple[str, ...] = ()
+    draws: tuple[str, ...] = ()
+    origin: str | None = None
+
+    def origin_of(self) -> str:
+        """The row's origin (``adapter/origins.row_origin`` unless declared)."""
+        from vllm_output_rate.adapter.origins import row_origin
+
+        return self.origin or row_origin(self.rules, self.level)
 
     def level_for(self, options: GateOptions) -> str:
         """The row's level in this run: ``must`` if the candidate opted in (``opt_in``), else ``level``."""
@@ -73,10 +88,12 @@ class CheckSpec:
 
 @dataclass(frozen=True)
 class PlannedCheck:
-    """A check of one run: ``skip`` is None when it runs, else why it is not tested."""
+    """A check of one run: ``skip`` is None when it runs, else why it is not tested;
+    ``not_applicable``: why it does not apply (a mode the candidate refused at start-up)."""
 
     spec: CheckSpec
     skip: str | None = None
+    not_applicable: str | None = None
 
 
 def _budget(options: GateOptions) -> dict:
@@ -391,6 +408,74 @@ def _coverage_check() -> CheckSpec:
     return CheckSpec("coverage", "candidate", "must", tuple(f"R{i}" for i in range(6, 19)), None, lambda o: 1, run)
 
 
+# The engine modes of each row (adapter/modes.py), by the row's name before "/": (modes every
+# scenario needs, modes some scenarios draw). An async row needs "async" as well.
+_SCHEDULER_DRAWS = ("priority", "prefix-caching", "no-chunked-prefill")  # scenarios.pressured_scenarios
+ROW_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "rate-limit": ((), ("prefix-caching", "no-chunked-prefill")),
+    "invariants": ((), _SCHEDULER_DRAWS),
+    "feature-off": ((), _SCHEDULER_DRAWS),
+    "not-binding": ((), _SCHEDULER_DRAWS),
+    "shadow": ((), _SCHEDULER_DRAWS),
+    "boundaries": ((), ("priority", "no-chunked-prefill")),
+    "fair-residency": ((), ("no-chunked-prefill",)),
+    "rate-change": ((), ("no-chunked-prefill",)),
+    "lora-slots": (("lora",), ("no-chunked-prefill",)),
+    "white-box": ((), ("lora", "priority", "no-chunked-prefill")),
+}
+
+
+def _declared(spec: CheckSpec) -> CheckSpec:
+    """``spec`` with its engine modes (``ROW_MODES``, plus ``async`` for an async row)."""
+    from dataclasses import replace
+
+    needs, draws = ROW_MODES.get(spec.name.partition("/")[0], ((), ()))
+    return replace(spec, modes=needs + (("async",) if spec.async_mode else ()), draws=draws)
+
+
+def modes_used(planned: Sequence[PlannedCheck]) -> list[str]:
+    """The engine modes the rows of ``planned`` that run need or draw (probed before they run)."""
+    used: list[str] = []
+    for item in planned:
+        if item.skip is None and item.spec.part == "candidate":
+            used += [m for m in item.spec.modes + item.spec.draws if m not in used]
+    return used
+
+
+def apply_modes(planned: Sequence[PlannedCheck], refused: dict[str, str]) -> list[PlannedCheck]:
+    """``planned`` with every row that needs a refused mode (``refused``: name -> message,
+    ``adapter/modes.refused``) marked not applicable: "refused at start-up (message)"."""
+    from dataclasses import replace
+
+    out = []
+    for item in planned:
+        hit = [m for m in item.spec.modes if m in refused] if item.skip is None else []
+        if hit:
+            item = replace(item, not_applicable=f"mode {hit[0]} refused at start-up ({refused[hit[0]]})")
+        out.append(item)
+    return out
+
+
+def modes_result(matrix: dict, options: GateOptions):
+    """The ``modes`` row (level must, part candidate): the candidate's mode matrix
+    (``adapter/modes.probe``) as its ``modes`` table and counterexample lines; it fails on a
+    refusal with the feature off (R18), a crash (stock vLLM ran the same probe) or a
+    required mode not supported (``--require-mode``)."""
+    from vllm_output_rate.adapter import modes
+    from vllm_output_rate.adapter.conform import CheckResult
+
+    result = CheckResult("modes", ["R18"], examples=len(matrix), part="candidate", level="must")
+    result.modes = [row.as_json() for row in matrix.values()]
+    result.minimal = False
+    lines = [f"{row.mode}: {row.status}" + (f" ({row.message})" if row.message else "") for row in matrix.values()]
+    failed = modes.matrix_failure(matrix, options.scheduler_cls.rpartition(".")[2])
+    if failed is not None:
+        rule, text = failed
+        result.result, result.failed_level, result.origin = "fail", "must", "article promise"
+        result.failure, result.counterexample = f"[must] {rule}: {text}", lines
+    return result
+
+
 def registry(extra: Sequence[CheckSpec] = ()) -> list[CheckSpec]:
     """Every check of the adapter, candidate checks first, in running order, then ``extra``.
 
@@ -416,7 +501,7 @@ def registry(extra: Sequence[CheckSpec] = ()) -> list[CheckSpec]:
         _shadow_check(True),
         _coverage_check(),
     ]
-    return checks + _spec_health_checks() + list(extra)
+    return [_declared(c) for c in checks] + _spec_health_checks() + list(extra)
 
 
 def plan(options: GateOptions, extra: Sequence[CheckSpec] = ()) -> list[PlannedCheck]:
@@ -446,16 +531,19 @@ def run_planned(item: PlannedCheck, options: GateOptions, tick: Tick):
     from vllm_output_rate.adapter.conform import CheckResult
 
     spec = item.spec
-    if item.skip is not None:
-        return CheckResult(
-            spec.name, list(spec.rules), result="not tested", failure=item.skip, part=spec.part, level=spec.level
-        )
-    from vllm_output_rate.adapter import coverage
+    if item.skip is not None or item.not_applicable is not None:
+        result, why = ("not tested", item.skip) if item.skip is not None else ("not applicable", item.not_applicable)
+        return CheckResult(spec.name, list(spec.rules), result=result, failure=why, part=spec.part, level=spec.level)
+    from vllm_output_rate.adapter import coverage, origins
 
     started = time.monotonic()
     if spec.part == "candidate":  # issue 18: obligations reached, summed over the run
         with coverage.collecting() as reached:
             result = spec.run(options, tick)
+        # A project rule's failure is a warning at should (adapter/origins.py), never a stop
+        origins.judged(
+            result, spec.origin_of(), options.level, spec.opt_in is not None and spec.level_for(options) == "must"
+        )
         coverage.record_check(options, spec.name, result, reached)
     else:
         result = spec.run(options, tick)

@@ -54,6 +54,22 @@ MANIFEST = {
 }
 
 
+def _mode_lines(modes: list[dict]) -> list[str]:
+    """One line per row of the candidate's mode matrix: mode, status, message."""
+    lines = []
+    for m in modes:
+        off = (
+            f"; with the feature OFF too: {m['refused_with_feature_off']} (R18)"
+            if m["refused_with_feature_off"]
+            else ""
+        )
+        required = " (required)" if m["required"] else ""
+        lines.append(
+            f"{m['mode']} ({m['what']}): {m['status']}{required}" + (f": {m['message']}" if m["message"] else "") + off
+        )
+    return lines
+
+
 def _describe(name: str) -> tuple[str, str, str]:
     return MANIFEST.get(name.split("/")[0], ("", "", ""))
 
@@ -63,10 +79,16 @@ def junit(path: Path, header: str, checks: list[dict], mutants: list[dict]) -> N
     cases = []
     for c in checks:
         case = TestCase(c["name"], classname="outrate.conform", elapsed_sec=c["seconds"])
-        if c["result"] == "not judged":  # coverage after another check failed: no verdict of its own
-            case.add_skipped_info(c.get("failure") or "not judged")
+        if c["result"] in ("not judged", "not applicable"):  # no verdict of its own (a refused mode: not in scope)
+            case.add_skipped_info(c.get("failure") or c["result"])
+        elif c["result"] == "warning":  # a project rule at should: reported, never a failure (adapter/origins.py)
+            case.stdout = f"WARNING ({c.get('origin')}): {c.get('failure')}\n" + "\n".join(
+                c.get("counterexample") or []
+            )
         elif c["result"] != "pass":
             case.add_failure_info(c.get("failure") or "failed", "\n".join(c.get("counterexample") or []))
+        if c.get("modes"):  # the candidate's mode matrix (adapter/modes.py)
+            case.stdout = "\n".join(_mode_lines(c["modes"]))
         cases.append(case)
     for m in mutants:
         case = TestCase(m["mutant"], classname=f"outrate.mutants.{m['rule']}", elapsed_sec=m["seconds"])
@@ -107,6 +129,13 @@ def markdown(path: Path, header: str, checks: list[dict], mutants: list[dict], b
             tablefmt="github",
         ),
     ]
+    modes = next((c["modes"] for c in checks if c.get("modes")), None)
+    if modes:
+        text += ["\n\n## Candidate mode matrix\n", "\n".join(f"- {line}" for line in _mode_lines(modes))]
+    warned = [c for c in checks if c["result"] == "warning"]
+    if warned:
+        text += ["\n\n## Warnings (this project's rules, not the article's: fatal at level exact)\n"]
+        text += [f"- {c['name']}: {c.get('failure')}" for c in warned]
     if mutants:
         mrows = [
             [

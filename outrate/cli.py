@@ -59,9 +59,28 @@ def _path_option(help_text: str) -> Any:
 
 @click.group()
 @click.version_option(__version__, prog_name="outrate")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """vllm-output-rate: per-user output-token rate limiting in the vLLM V1 scheduler."""
     _offline_env()
+    if ctx.invoked_subcommand == "conform":  # the candidate manifest: options given override it
+        _read_manifest(ctx)
+
+
+def _read_manifest(ctx: click.Context) -> None:
+    """Make ``[tool.outrate]`` of ``outrate.toml`` / ``pyproject.toml`` in the working directory
+    (``outrate/manifest.py``) ``outrate conform``'s defaults; a usage error naming the file,
+    key and value if it cannot be read."""
+    from vllm_output_rate import manifest
+
+    try:
+        found = manifest.find(Path("."))
+        if found is None:
+            return
+        ctx.default_map = {"conform": manifest.conform_defaults(*found)}
+    except manifest.ManifestError as exc:
+        raise click.UsageError(f"{exc}\nFix the candidate manifest (or run outrate conform elsewhere).") from None
+    ctx.obj = {"manifest": f"{found[0].name} [tool.outrate]"}
 
 
 @main.command()
@@ -111,6 +130,14 @@ def main() -> None:
 )
 @_path_option("Directory to put on the import path first (the candidate's source tree); repeatable.")
 @flag_option("--no-spec-health", "Skip the spec-health checks (they never judge the candidate).")
+@click.option(
+    "--require-mode",
+    "require_modes",
+    multiple=True,
+    type=click.Choice(["async", "lora", "priority", "prefix-caching", "no-chunked-prefill", "n>1"]),
+    help="An engine mode the candidate must support: its refusal at start-up fails the run (otherwise a "
+    "refused mode is reported in the mode matrix and its rows are not applicable); repeatable.",
+)
 @click.option("--profile", type=click.Choice(["quick", "ci", "release"]), default="ci", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
 @flag_option(
@@ -145,6 +172,7 @@ def conform(
     counterexamples,
     no_white_box=False,
     rate_change=False,
+    require_modes=(),
 ) -> None:
     """Run the conformance gate on a scheduler class at a level.
 
@@ -171,12 +199,13 @@ def conform(
         spec_health=not no_spec_health,
         save_dir=counterexamples,
         rate_change=rate_change,
+        require_modes=tuple(require_modes),
     )
     with console.status("probing the candidate's configuration"):
         problem = gate_plan.fractional_rates_problem(options)
     if problem is not None:  # every fractional-rate scenario would read as a crash
         raise click.BadParameter(problem, param_hint="--integer-rates")
-    results = _run_plan(gate_plan.plan(options), options)
+    results = _run_with_modes(gate_plan.plan(options), options)
     code = _report_conform(
         results,
         options,
@@ -193,6 +222,22 @@ def conform(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _run_with_modes(plan: list[Any], options: Any) -> list[Any]:
+    """Probe the candidate's engine modes (``outrate/gate_modes.py``), then run ``plan`` with
+    the rows of refused modes not applicable and their scenarios left out; the ``modes`` row
+    first. Says which manifest the settings came from, if any."""
+    from vllm_output_rate import gate_modes
+    from vllm_output_rate.adapter import modes
+
+    manifest = (click.get_current_context().find_root().obj or {}).get("manifest")
+    if manifest:
+        console.print(f"settings from the candidate manifest {manifest} (options given override it)")
+    with console.status("building the candidate once per engine mode its rows use"):
+        plan, modes_row, refused = gate_modes.probe(options, plan)
+    with modes.refusing(refused):
+        return [modes_row, *_run_plan(plan, options)]
 
 
 def _report_conform(
@@ -266,6 +311,7 @@ def _conform_settings(options: Any, vllm_version: str, config_style: str) -> dic
         "config_style": config_style,
         "burst_configurable": o.burst_configurable,
         "rate_change": o.rate_change,
+        "require_modes": list(o.require_modes),
         "integer_rates": o.integer_rates,
         "profile": o.profile,
         "seed": o.seed,
@@ -335,6 +381,8 @@ def _checks_json(results: list[Any]) -> list[dict[str, Any]]:
             row["scenarios"] = r.scenarios
         if r.coverage:
             row["coverage"] = r.coverage
+        if r.modes:
+            row["modes"] = r.modes
     return checks_json
 
 
@@ -459,6 +507,11 @@ def _print_results(results: list[Any], header: str) -> None:
         rows = [r for r in results if r.part == part]
         if rows:
             console.print(_results_table(title, rows))
+    modes_row = next((r for r in results if r.modes), None)
+    if modes_row is not None:  # issue 26: the candidate's mode matrix
+        from vllm_output_rate.gate_modes import mode_table
+
+        console.print(mode_table(modes_row.modes))
     for r in results:  # issue 18: the boundary scenarios run, by name, and the coverage table
         if r.scenarios:
             console.print(f"{r.name} scenarios: {escape_markup(', '.join(r.scenarios))}", soft_wrap=True)
@@ -472,12 +525,20 @@ def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str 
     coverage failure lists its unreached obligations (it has no counterexample), a coverage
     row not judged (another check failed) says which check stopped the run."""
     for r in results:
-        if r.result == "not judged":
-            console.print(f"[yellow]{r.name} NOT JUDGED[/] ({r.part}): {escape_markup(r.failure)}")
+        if r.result in ("not judged", "not applicable"):
+            console.print(f"[yellow]{r.name} {r.result.upper()}[/] ({r.part}): {escape_markup(r.failure)}")
             continue
-        if r.result != "fail":
+        if r.result not in ("fail", "warning"):
             continue
-        console.print(f"[bold red]{r.name} FAILED[/] ({r.part}): {escape_markup(r.failure)}")
+        if r.result == "warning":  # adapter/origins.py: a project rule, at should
+            console.print(
+                f"[bold yellow]{r.name} WARNING[/] ({r.part}, {r.origin}: this project's rule, not the article's; "
+                f"fatal at --level exact): {escape_markup(r.failure)}",
+                soft_wrap=True,
+            )
+        else:
+            origin = f", {r.origin}" if r.origin else ""
+            console.print(f"[bold red]{r.name} FAILED[/] ({r.part}{origin}): {escape_markup(r.failure)}")
         if r.coverage:  # obligations, not a scenario: the coverage table above has the counts
             for line in r.coverage.get("not_reached", []):
                 console.print(f"    not reached: {escape_markup(line)}")
@@ -541,6 +602,7 @@ def _results_table(title: str, rows: list) -> Table:
     for col in ("check", "level", "rules", "examples", "steps", "steps/s", "result", "seconds"):
         table.add_column(col, justify="right" if col in ("examples", "steps", "steps/s", "seconds") else "left")
     styles = {"pass": "green", "fail": "bold red", "not tested": "bold yellow", "not judged": "yellow"}
+    styles |= {"warning": "yellow", "not applicable": "cyan"}
     for r in rows:
         table.add_row(
             r.name,
@@ -557,8 +619,10 @@ def _results_table(title: str, rows: list) -> Table:
 
 def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) -> str:
     """The last line of a gate run: the verdict at the level, what was not tested."""
-    candidate = [r for r in results if r.part == "candidate"]
-    passed = sum(r.result == "pass" for r in candidate)
+    from vllm_output_rate.gate_modes import not_applicable_clause, warning_clause
+
+    candidate = [r for r in results if r.part == "candidate" and r.result != "not applicable"]
+    passed = sum(r.result in ("pass", "warning") for r in candidate)
     failed = [r.name for r in candidate if r.result == "fail"]
     untested = [r.name for r in results if r.result == "not tested"]
     health_failed = [r.name for r in results if r.part == "spec health" and r.result == "fail"]
@@ -573,10 +637,12 @@ def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) 
                 else ""
             )
         )
+    parts += [clause for clause in (not_applicable_clause(results),) if clause]
     line = ", ".join(parts) + f" in {seconds:.0f} s"
+    warnings = warning_clause(results)
     survived = [m["mutant"] for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
     if failed:
-        line += f" -- REJECTED: {', '.join(failed)} failed"
+        line += f" -- REJECTED: {', '.join(failed)} failed" + (f"; {warnings}" if warnings else "")
     elif health_failed:
         line += f" -- SPEC HEALTH FAILED ({', '.join(health_failed)}): no verdict on this vLLM"
     elif survived:  # the candidate passed, but the gate missed a slip it must catch
@@ -584,7 +650,7 @@ def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) 
     elif untested:
         line += f" -- NOT TESTED: {', '.join(untested)} (give --async-scheduler-cls, or --sync-only)"
     else:
-        line += " -- ACCEPTED"
+        line += f" -- ACCEPTED with {warnings}" if warnings else " -- ACCEPTED"
     return line
 
 

@@ -1,0 +1,321 @@
+"""Engine modes a candidate refuses at start-up (docs/SPEC.md, "Modes a patch refuses").
+
+The article refuses many engine modes when the engine is built (speculative decoding, DP,
+PP, multimodal, connectors, ...); a patch may refuse more. Before a gate run's rows run,
+``probe`` builds the candidate once per engine mode the rows use (``MODES``), with the
+feature on, and runs ``PROBE_STEPS`` steps of two users' requests in that mode:
+
+- ``supported``: it was built and ran;
+- ``refused``: a clean exception while it was built (its configuration, through the
+  gate's ``--config-style``, or its ``__init__``): a statement of scope, not a failure at
+  any level, unless the team requires the mode (``--require-mode NAME``). The rows that
+  need the mode (``CheckSpec.modes``) are *not applicable*; in rows that only draw it
+  (``CheckSpec.draws``) its scenarios are left out (``refusing``: the harness rejects them
+  as Hypothesis invalid examples, ``ModeRefused``). A refused mode is probed again with the
+  feature OFF: a refusal there breaks R18 (the feature off is the base scheduler);
+- ``crashed``: the class raised a programming error (``PROGRAMMING_ERRORS``) while it was
+  built, or any exception in the probe's steps; counted against the candidate only if
+  stock vLLM runs the same probe (otherwise ``unavailable``: the harness cannot run that
+  mode on this vLLM, no verdict on it).
+
+The ``n>1`` mode is vLLM's parallel sampling: the front end fans a request out into
+children that share one ``SamplingParams`` (``ParentRequest``); a clean exception when the
+children are added is that mode refused (the article refuses beam search at its
+entrypoint the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hypothesis.errors import UnsatisfiedAssumption
+
+SUPPORTED = "supported"
+REFUSED = "refused"
+CRASHED = "crashed"
+UNAVAILABLE = "unavailable"
+PROBE_STEPS = 4
+PROBE_RATES = {"default_tokens_per_s": 10, "user_tokens_per_s": {"probe-b": 20}}  # integer rates: every style
+# A candidate's bug, not a statement of scope, when raised while it is built.
+PROGRAMMING_ERRORS = (
+    AssertionError,
+    AttributeError,
+    TypeError,
+    NameError,
+    KeyError,
+    IndexError,
+    ZeroDivisionError,
+    RecursionError,
+)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One engine mode: ``name`` (as ``--require-mode`` spells it), what it is in vLLM's
+    terms, ``shape(EngineShape) -> EngineShape`` turning it on, and ``on(shape)`` telling
+    whether a harness shape uses it (None: a per-request mode, seen in no shape)."""
+
+    name: str
+    what: str
+    shape: Callable[[Any], Any]
+    on: Callable[[Any], bool] | None
+
+
+MODES: dict[str, Mode] = {
+    mode.name: mode
+    for mode in (
+        Mode(
+            "async",
+            "async scheduling (one step in flight)",
+            lambda s: replace(s, async_scheduling=True),
+            lambda s: s.async_scheduling,
+        ),
+        Mode(
+            "lora", "--enable-lora --max-loras 1", lambda s: replace(s, max_loras=1), lambda s: s.max_loras is not None
+        ),
+        Mode(
+            "priority",
+            "--scheduling-policy priority",
+            lambda s: replace(s, policy="priority"),
+            lambda s: s.policy == "priority",
+        ),
+        Mode(
+            "prefix-caching",
+            "--enable-prefix-caching",
+            lambda s: replace(s, enable_prefix_caching=True),
+            lambda s: s.enable_prefix_caching,
+        ),
+        Mode(
+            "no-chunked-prefill",
+            "--no-enable-chunked-prefill",
+            lambda s: replace(s, chunked_prefill=False),
+            lambda s: not s.chunked_prefill,
+        ),
+        Mode("n>1", "parallel sampling: children sharing one SamplingParams", lambda s: s, None),
+    )
+}
+
+
+def check_mode_names(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` unchanged as a tuple if each is a key of ``MODES``.
+
+    Raises:
+        ValueError: naming the first unknown mode and the known ones.
+    """
+    names = tuple(names)
+    for name in names:
+        if name not in MODES:
+            raise ValueError(f"unknown engine mode {name!r}: use one of {', '.join(MODES)}")
+    return names
+
+
+@dataclass
+class ModeStatus:
+    """One row of the candidate's mode matrix. ``status``: ``SUPPORTED``, ``REFUSED``,
+    ``CRASHED`` or ``UNAVAILABLE``; ``message``: the exception, ``Type: text`` ("" when
+    supported); ``feature_off``: for a refused mode, the refusal with the feature off
+    (None: built with the feature off, as R18 asks); ``required``: ``--require-mode``."""
+
+    mode: str
+    status: str
+    message: str = ""
+    feature_off: str | None = None
+    required: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        """The row as a JSON-ready dict (the report's ``modes`` list)."""
+        return {
+            "mode": self.mode,
+            "what": MODES[self.mode].what,
+            "status": self.status,
+            "message": self.message,
+            "refused_with_feature_off": self.feature_off,
+            "required": self.required,
+        }
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _clean(exc: BaseException) -> bool:
+    """A refusal: an ``Exception`` that is no programming error and says something."""
+    return isinstance(exc, Exception) and not isinstance(exc, PROGRAMMING_ERRORS) and bool(str(exc).strip())
+
+
+def _base_shape(feature_on: bool = True):
+    from vllm_output_rate.adapter.harness import EngineShape
+
+    return EngineShape(max_num_seqs=4, num_blocks=256, output_rate=dict(PROBE_RATES) if feature_on else None)
+
+
+def _smoke(harness: Any, mode: str) -> None:
+    """Two users' requests (one more on adapter 1 in ``lora``, priorities 0 and 1 in
+    ``priority``), then ``PROBE_STEPS`` steps."""
+    harness.add_request("probe-a0", "probe-a", prompt_len=20, max_tokens=3, priority=0)
+    harness.add_request("probe-b0", "probe-b", prompt_len=20, max_tokens=3, priority=int(mode == "priority"))
+    if mode == "lora":
+        harness.add_request("probe-l0", "probe-a", prompt_len=20, max_tokens=3, lora=1)
+    _steps(harness)
+
+
+def _steps(harness: Any) -> None:
+    """``PROBE_STEPS`` steps, then the in-flight output delivered (async)."""
+    for _ in range(PROBE_STEPS):
+        harness.step()
+    harness.drain()
+
+
+def _add_children(harness: Any, parent_id: str, user: str, n: int) -> None:
+    """Add ``n`` children of one parallel-sampling request the way vLLM's front end does
+    (``vllm.v1.engine.parallel_sampling.ParentRequest``: one ``SamplingParams`` copied once
+    with ``n=1``, shared by every child), with ``Harness.add_request``'s prompt and EOS."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
+    from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID
+
+    parent = SamplingParams(n=n, max_tokens=3, extra_args={"output_rate_user": user})
+    parent.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
+    shared = copy.copy(parent)
+    shared.n = 1
+    for index in range(n):
+        rid = f"{index}_{parent_id}"
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=[NON_EOS_TOKEN_ID + 1 + i for i in range(8)],
+            sampling_params=shared,
+            pooling_params=None,
+            arrival_time=float(index),
+            block_hasher=harness._hasher,
+        )
+        harness.users[rid] = user
+        harness.num_outputs[rid] = 0
+        harness._eos_index[rid] = None
+        harness.scheduler.add_request(request)
+
+
+def _attempt(cls: str, shape: Any, style: Any, mode: str) -> tuple[str, str]:
+    """Build ``cls`` on ``shape`` and run the smoke steps: ``(status, message)``."""
+    from vllm_output_rate.adapter.harness import Harness
+
+    try:
+        harness = Harness(cls, shape, style=style)
+    except Exception as exc:  # construction: the candidate's statement of scope, or its bug
+        return (REFUSED if _clean(exc) else CRASHED), _text(exc)
+    try:
+        if mode == "n>1":
+            try:
+                _add_children(harness, "probe-n", "probe-b", 2)
+            except Exception as exc:  # the children refused as they are added: the front end's refusal
+                return (REFUSED if _clean(exc) else CRASHED), _text(exc)
+            harness.add_request("probe-a0", "probe-a", prompt_len=20, max_tokens=3)
+            _steps(harness)
+        else:
+            _smoke(harness, mode)
+    except Exception as exc:  # after construction: a crash
+        return CRASHED, _text(exc)
+    return SUPPORTED, ""
+
+
+def probe_mode(options: Any, mode: str) -> ModeStatus:
+    """The mode matrix row of ``mode`` for the run ``options`` (``registry.GateOptions``):
+    the candidate (the async class for ``async``, else the sync class) built with the
+    feature on in that mode, its smoke steps run (module docstring)."""
+    from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
+
+    is_async = mode == "async"
+    cls = options.async_scheduler_cls if is_async else options.scheduler_cls
+    required = mode in options.require_modes
+    if cls is None:
+        return ModeStatus(mode, UNAVAILABLE, "no --async-scheduler-cls given", required=required)
+    shape = MODES[mode].shape(_base_shape())
+    status, message = _attempt(cls, shape, options.style, mode)
+    row = ModeStatus(mode, status, message, required=required)
+    if status == REFUSED:
+        off_status, off_message = _attempt(cls, replace(shape, output_rate=None), options.style, mode)
+        row.feature_off = off_message if off_status != SUPPORTED else None
+    if status == CRASHED:  # counted only if stock vLLM runs the same probe
+        stock = STOCK_ASYNC_SCHEDULER if is_async else STOCK_SCHEDULER
+        stock_status, stock_message = _attempt(stock, replace(shape, output_rate=None), None, mode)
+        if stock_status != SUPPORTED:
+            row.status, row.message = UNAVAILABLE, f"stock vLLM fails the same probe too ({stock_message})"
+    return row
+
+
+def probe(options: Any, modes: Iterable[str]) -> dict[str, ModeStatus]:
+    """The candidate's mode matrix: ``probe_mode`` for every mode in ``modes`` and every
+    mode the run requires (``options.require_modes``), in ``MODES`` order."""
+    wanted = set(modes) | set(options.require_modes)
+    return {name: probe_mode(options, name) for name in MODES if name in wanted}
+
+
+def refused(matrix: dict[str, ModeStatus]) -> dict[str, str]:
+    """The refused modes of ``matrix``: name -> the refusal's message."""
+    return {name: row.message for name, row in matrix.items() if row.status == REFUSED}
+
+
+class ModeRefused(UnsatisfiedAssumption):
+    """A scenario in a mode the candidate refused at start-up (``refusing``): not a test of
+    the candidate. Inside a Hypothesis hunt it is an invalid example (another is drawn);
+    a directed row (``boundaries/*``) skips the scenario."""
+
+    def __init__(self, mode: str, message: str) -> None:
+        super().__init__(f"mode {mode} refused at start-up ({message})")
+        self.args = (f"mode {mode} refused at start-up ({message})",)
+        self.mode = mode
+
+
+_REFUSED: dict[str, str] = {}  # the running gate's refused modes (``refusing``)
+
+
+@contextlib.contextmanager
+def refusing(modes: dict[str, str]) -> Iterator[None]:
+    """Within the block, a harness built with the feature on in one of ``modes`` (name ->
+    message) raises ``ModeRefused`` instead of building the candidate."""
+    saved = dict(_REFUSED)
+    _REFUSED.clear()
+    _REFUSED.update(modes)
+    try:
+        yield
+    finally:
+        _REFUSED.clear()
+        _REFUSED.update(saved)
+
+
+def check_not_refused(shape: Any) -> None:
+    """Raise ``ModeRefused`` if ``shape`` (an ``EngineShape``) has the feature on and uses a
+    mode refused in the running gate (``refusing``); the feature off is never skipped (R18)."""
+    if not _REFUSED or shape.output_rate is None:
+        return
+    for name, message in _REFUSED.items():
+        on = MODES[name].on
+        if on is not None and on(shape):
+            raise ModeRefused(name, message)
+
+
+def matrix_failure(matrix: dict[str, ModeStatus], cls_name: str) -> tuple[str, str] | None:
+    """``(rule, failure)`` of the ``modes`` row, or None when it passes: a refusal with the
+    feature off (R18), a required mode refused (``--require-mode``), a crash while built or
+    in the probe's steps (stock vLLM ran the same probe)."""
+    for row in matrix.values():
+        if row.status == REFUSED and row.feature_off is not None:
+            return "R18", (
+                f"{cls_name} refuses mode {row.mode} ({MODES[row.mode].what}) with the feature OFF too "
+                f"({row.feature_off}): with the feature off it must be the base scheduler, which runs in that mode"
+            )
+    for row in matrix.values():
+        if row.status == CRASHED:
+            return "crash", f"mode {row.mode} ({MODES[row.mode].what}): {cls_name} raised {row.message}"
+    for row in matrix.values():
+        if row.required and row.status != SUPPORTED:
+            return "modes", (
+                f"mode {row.mode} is required (--require-mode {row.mode}) but {row.status}: "
+                f"{row.message or MODES[row.mode].what}"
+            )
+    return None
