@@ -245,6 +245,13 @@ class PairedCheck:
             _save_counterexample(result, scenario, hunt.save_dir)
         return result
 
+    def judge(self, scheduler_cls: str, scenario: Scenario, style: Any = None) -> Verdict:
+        """The row's verdict on one saved scenario (``outrate replay``): ``run`` with an
+        exception of the candidate as a ``crash`` verdict (level must), as in the hunt."""
+        from vllm_output_rate.adapter.conform import _guarded
+
+        return _guarded(lambda s: self.run(scheduler_cls, s, style), scheduler_cls)(scenario)
+
 
 def _shadow_unsupported(style: Any) -> str | None:
     if style is None or getattr(style, "name", None) == "additional-config":

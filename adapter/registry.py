@@ -49,6 +49,7 @@ class GateOptions:
     sync_only: bool = False
     spec_health: bool = True
     save_dir: Path | None = None
+    paths: tuple[str, ...] = ()  # --path directories of the candidate (saved in its counterexample files)
 
     def __post_init__(self) -> None:
         check_level(self.level)
@@ -549,6 +550,9 @@ def run_planned(item: PlannedCheck, options: GateOptions, tick: Tick):
         result = spec.run(options, tick)
     result.seconds = time.monotonic() - started
     result.part, result.level = spec.part, spec.level_for(options)
+    from vllm_output_rate.adapter import counterexample
+
+    counterexample.record(result, options)  # issue 31: the file names the check that saved it
     return result
 
 

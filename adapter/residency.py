@@ -277,6 +277,15 @@ class HuntedCheck:
             crash_note=self.crash_note,
         )
 
+    def judge(self, scheduler_cls: str, scenario: Any, style: Any = None, level: str | None = None) -> Verdict:
+        """The row's verdict on one saved scenario (``outrate replay``), named and levelled
+        as in the hunt (``judged``): a crash of the candidate is a ``crash`` at level must."""
+
+        def run_one(one: Any) -> Verdict:
+            return self.run(scheduler_cls, one, style)
+
+        return judged(run_one, scheduler_cls, self.rule, level or self.level, self.crash_note)(scenario)
+
 
 #: R20 (level exact): ``run_residency`` on seeded flood scenarios; a failure is shrunk by
 #: Hypothesis and saved; rows ``fair-residency/{sync,async}``.
@@ -294,27 +303,14 @@ check_residency = HuntedCheck(
 )
 
 
-def hunt_row(
-    result,
-    strategy,
-    run_one: Callable[[Any], Verdict],
-    scheduler_cls: str,
-    examples: int,
-    seed: int,
-    tick: Callable[[], None],
-    save_dir: Path | None,
-    rule: str | None,
-    level: str,
-    crash_note: str = "",
-):
-    """Fill the gate row ``result`` (``conform.CheckResult``) from ``examples`` seeded
-    scenarios of ``strategy``, each judged by ``run_one(scenario)`` (a ``Verdict``; its
-    failure is named ``rule``, or its own rule if ``rule`` is None, at its own level or
-    else ``level``). An exception of
-    the candidate (or of vLLM inside it) is a ``crash`` at level must (``crash_note`` is
-    appended to its message); a gate error is re-raised. A failure is shrunk by
-    Hypothesis, printed as ``[level] rule: step N: ...`` and saved. Returns ``result``."""
-    from vllm_output_rate.adapter.conform import _hunt, _reraise_gate_error, _save_counterexample
+def judged(
+    run_one: Callable[[Any], Verdict], scheduler_cls: str, rule: str | None, level: str, crash_note: str = ""
+) -> Callable[[Any], Verdict]:
+    """``run_one(scenario)`` as a ``HuntedCheck`` row judges it: a failure named ``rule``
+    (None: the verdict's own) at its own level or else ``level``; an exception of the
+    candidate (or of vLLM inside it) a ``crash`` at level must, ``crash_note`` appended to
+    its message; a gate error re-raised."""
+    from vllm_output_rate.adapter.conform import _reraise_gate_error
 
     def run(scenario):
         try:
@@ -337,6 +333,32 @@ def hunt_row(
             level=failed_level,
         )
 
+    return run
+
+
+def hunt_row(
+    result,
+    strategy,
+    run_one: Callable[[Any], Verdict],
+    scheduler_cls: str,
+    examples: int,
+    seed: int,
+    tick: Callable[[], None],
+    save_dir: Path | None,
+    rule: str | None,
+    level: str,
+    crash_note: str = "",
+):
+    """Fill the gate row ``result`` (``conform.CheckResult``) from ``examples`` seeded
+    scenarios of ``strategy``, each judged by ``run_one(scenario)`` (a ``Verdict``; its
+    failure is named ``rule``, or its own rule if ``rule`` is None, at its own level or
+    else ``level``). An exception of
+    the candidate (or of vLLM inside it) is a ``crash`` at level must (``crash_note`` is
+    appended to its message); a gate error is re-raised. A failure is shrunk by
+    Hypothesis, printed as ``[level] rule: step N: ...`` and saved. Returns ``result``."""
+    from vllm_output_rate.adapter.conform import _hunt, _save_counterexample
+
+    run = judged(run_one, scheduler_cls, rule, level, crash_note)
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:
         scenario, verdict = failed

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 console = Console(width=None if sys.stdout.isatty() else 130)
 LEVELS = click.Choice(["must", "should", "exact"])  # the gate's conformance levels (--level)
-PATH_HINT = " (is its directory on the path? give --path DIR)"  # gate_plan.candidate_class_problem
 
 
 def _offline_env() -> None:
@@ -53,7 +52,8 @@ def _offline_env() -> None:
 
 def _path_option(help_text: str) -> Any:
     """The repeatable ``--path DIR`` option (parameter ``paths``, a tuple of existing
-    directories, empty when not given): put first on the import path."""
+    directories, empty when not given): put first on the import path (a package's own
+    directory stands for the one above it, ``gate_plan.import_dirs``)."""
     return click.option("--path", "paths", multiple=True, type=click.Path(exists=True, file_okay=False), help=help_text)
 
 
@@ -185,7 +185,7 @@ def conform(
 
     sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
-    style, vllm_version = _import_gate(sync_cls, async_scheduler_cls, config_style)
+    style, vllm_version = _import_gate(sync_cls, async_scheduler_cls, config_style, paths)
     options = registry.GateOptions(
         scheduler_cls=sync_cls,
         async_scheduler_cls=async_scheduler_cls,
@@ -199,6 +199,7 @@ def conform(
         spec_health=not no_spec_health,
         save_dir=counterexamples,
         rate_change=rate_change,
+        paths=gate_plan.import_dirs(paths, (sync_cls, async_scheduler_cls)),
         require_modes=tuple(require_modes),
     )
     with console.status("probing the candidate's configuration"):
@@ -261,10 +262,7 @@ def _report_conform(
     level, profile = options.level, options.profile
     header = _conform_header(options, vllm_version, config_style)
     _print_results(results, header)
-    replay_options = "".join(f" --path {p}" for p in paths) + (
-        f" --config-style {config_style}" if config_style != "additional-config" else ""
-    )
-    _print_failures(results, options.scheduler_cls, options.async_scheduler_cls, f"--level {level}{replay_options}")
+    _print_failures(results, _gate_command(options, config_style))
 
     mutant_rows = _run_mutants(profile, options.seed, level, white_box) if mutants else []
     survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
@@ -318,11 +316,14 @@ def _conform_settings(options: Any, vllm_version: str, config_style: str) -> dic
     }
 
 
-def _import_gate(sync_cls: str, async_scheduler_cls: str | None, config_style: str) -> tuple[Any, str]:
-    """Import vLLM and the classes under test (under a status line), and resolve and check
-    ``config_style``: ``(style, vLLM's version)``. A usage error (exit 2) stops the run."""
+def _import_gate(
+    sync_cls: str, async_scheduler_cls: str | None, config_style: str, paths: tuple[str, ...] = ()
+) -> tuple[Any, str]:
+    """Import vLLM and the classes under test (under a status line; ``paths``: the
+    ``--path`` directories, for the hint when a class does not import), and resolve and
+    check ``config_style``: ``(style, vLLM's version)``. A usage error (exit 2) stops the run."""
     with console.status("importing vLLM and the scheduler under test"):
-        _import_candidates(sync_cls, async_scheduler_cls)
+        _import_candidates(sync_cls, async_scheduler_cls, paths)
         style = _config_style(config_style)
         _preflight_style(style)
         import vllm
@@ -350,19 +351,25 @@ def _candidate_classes(
     """Put ``paths`` first on the import path (and the children's ``PYTHONPATH``); the sync
     class (default: the reference) and the async one (default: the reference's with the
     reference, none with ``--sync-only``)."""
+    from vllm_output_rate import gate_plan
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 
-    for directory in reversed(paths):
-        sys.path.insert(0, str(Path(directory).resolve()))
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(Path(directory).resolve()), os.environ.get("PYTHONPATH")])
-        )
+    _put_on_path(gate_plan.import_dirs(paths, (scheduler_cls, async_scheduler_cls)))
     sync_cls = scheduler_cls or REFERENCE_SCHEDULER
     if async_scheduler_cls is None and sync_cls == REFERENCE_SCHEDULER and not sync_only:
         async_scheduler_cls = REFERENCE_ASYNC_SCHEDULER
     if sync_only:
         async_scheduler_cls = None
     return sync_cls, async_scheduler_cls
+
+
+def _put_on_path(paths: tuple[str, ...]) -> None:
+    """Put ``paths`` first on the import path and on the children's ``PYTHONPATH``, in order."""
+    for directory in reversed(paths):
+        sys.path.insert(0, str(Path(directory).resolve()))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(directory).resolve()), os.environ.get("PYTHONPATH")])
+        )
 
 
 def _version_warning() -> str:
@@ -403,13 +410,14 @@ def _write_reports(
         reports.markdown(markdown_path, header, checks_json, mutant_rows, _budget(profile))
 
 
-def _import_candidates(sync_cls: str, async_scheduler_cls: str | None) -> None:
+def _import_candidates(sync_cls: str, async_scheduler_cls: str | None, paths: tuple[str, ...] = ()) -> None:
     """Import the classes under test; a click error naming the option if one cannot be
-    judged (``gate_plan.candidate_class_problem``, shared with the pytest plugin)."""
+    judged (``gate_plan.candidate_class_problem``, shared with the pytest plugin), with the
+    ``--path`` that would work when its package is not found (``gate_plan.package_hint``)."""
     from vllm_output_rate import gate_plan
 
     for path, hint in ((sync_cls, "--scheduler-cls"), (async_scheduler_cls, "--async-scheduler-cls")):
-        problem = None if path is None else gate_plan.candidate_class_problem(path, PATH_HINT)
+        problem = None if path is None else gate_plan.candidate_class_problem(path, gate_plan.package_hint(path, paths))
         if problem is not None:
             raise click.BadParameter(problem, param_hint=hint)
 
@@ -520,10 +528,32 @@ def _print_results(results: list[Any], header: str) -> None:
         console.print(_coverage_table(coverage_row.coverage))
 
 
-def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str | None, replay_options: str) -> None:
-    """Each failed check: its failure, counterexample and the ``outrate replay`` command; a
-    coverage failure lists its unreached obligations (it has no counterexample), a coverage
-    row not judged (another check failed) says which check stopped the run."""
+def _gate_command(options: Any, config_style: str) -> list[str]:
+    """The ``outrate conform`` command (argv) of this run (``options``: ``registry.GateOptions``),
+    paths relative to the working directory: what reproduces a row that saves no scenario."""
+    from vllm_output_rate.adapter.counterexample import shown_path
+
+    o = options
+    argv = ["outrate", "conform", "--scheduler-cls", o.scheduler_cls]
+    argv += ["--async-scheduler-cls", o.async_scheduler_cls] if o.async_scheduler_cls else ["--sync-only"]
+    for directory in o.paths:
+        argv += ["--path", shown_path(directory)]
+    if config_style != "additional-config":
+        argv += ["--config-style", config_style]
+    argv += [flag for flag, on in (("--integer-rates", o.integer_rates), ("--burst-configurable",
+             o.burst_configurable), ("--rate-change", o.rate_change)) if on]  # fmt: skip
+    return argv + ["--level", o.level, "--profile", o.profile, "--seed", str(o.seed)]
+
+
+def _print_failures(results: list[Any], gate_command: list[str] | None = None) -> None:
+    """Each failed check: its failure, counterexample and the shell-quoted ``outrate replay``
+    line that re-runs it (``adapter/counterexample.py``); a row that saves no scenario (the
+    coverage row's obligations: it has no counterexample) says so and gives ``gate_command``
+    (this run's ``outrate conform``, which reproduces it); a coverage row not judged
+    (another check failed) says which check stopped the run."""
+    from vllm_output_rate.adapter import counterexample
+
+    again = f"re-run: {counterexample.shell_line(gate_command)}" if gate_command else ""
     for r in results:
         if r.result in ("not judged", "not applicable"):
             console.print(f"[yellow]{r.name} {r.result.upper()}[/] ({r.part}): {escape_markup(r.failure)}")
@@ -542,6 +572,8 @@ def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str 
         if r.coverage:  # obligations, not a scenario: the coverage table above has the counts
             for line in r.coverage.get("not_reached", []):
                 console.print(f"    not reached: {escape_markup(line)}")
+            why = "no scenario to save: coverage counts the obligations the whole run's checks reached"
+            console.print(f"  {why}; {escape_markup(again)}" if again else f"  {why}", soft_wrap=True)
             continue
         console.print(
             "  counterexample ("
@@ -550,12 +582,14 @@ def _print_failures(results: list[Any], sync_cls: str, async_scheduler_cls: str 
         )
         for line in r.counterexample:
             console.print(f"    {escape_markup(line)}")
-        if r.saved:
-            cls = async_scheduler_cls if r.name.endswith("/async") and async_scheduler_cls else sync_cls
-            console.print(
-                f"  saved: {r.saved}  (re-run: outrate replay {r.saved} --scheduler-cls {cls} {replay_options})",
-                soft_wrap=True,
-            )
+        if r.saved and counterexample.kind_of(r.name) is not None:
+            line = counterexample.shell_line(counterexample.rerun_command(r.saved))
+            console.print(f"  saved: {escape_markup(counterexample.shown_path(r.saved))}", soft_wrap=True)
+            console.print(f"  re-run: {escape_markup(line)}", soft_wrap=True)
+        elif r.saved:
+            console.print(f"  saved: {escape_markup(r.saved)}  (re-run: outrate replay {r.saved})", soft_wrap=True)
+        elif again:
+            console.print(f"  no counterexample file saved (give --counterexamples DIR); {escape_markup(again)}")
 
 
 def _budget(profile: str) -> dict:
@@ -758,18 +792,23 @@ def _print_mutant_summary(rows: list[dict], level: str) -> None:
     "--scheduler-cls",
     default=None,
     metavar="DOTTED.PATH",
-    help="Class to run the scenario on; default: the class the saving check judged (the reference, sync "
-    "or async as the scenario says; stock vLLM for a base-fidelity scenario).",
+    help="Class to run the check on; default: the class the file names (the class the gate judged; stock "
+    "vLLM for a base-fidelity scenario). Give the fixed class here to see the check pass.",
 )
-@shown_default_option("--level", LEVELS, "exact", "Level of the properties judged on a rate-limit scenario.")
+@click.option(
+    "--level",
+    type=LEVELS,
+    default=None,
+    help="Level the check judges at; default: the file's (the gate's --level for the scenario checks); "
+    "exact for a file that names no check.",
+)
 @click.option(
     "--config-style",
     "config_style",
-    default="additional-config",
-    show_default=True,
-    help="How the class is configured (as for outrate conform).",
+    default=None,
+    help="How the class is configured (as for outrate conform); default: the file's, else additional-config.",
 )
-@_path_option("Directory to put on the import path first; repeatable.")
+@_path_option("Directory to put on the import path first; repeatable; default: the file's.")
 @click.option(
     "--base-model",
     "base_version",
@@ -779,37 +818,146 @@ def _print_mutant_summary(rows: list[dict], level: str) -> None:
     "as `outrate drift --base-model` did; default: the installed vLLM's own rows.",
 )
 def replay(scenario_file, scheduler_cls, level, config_style, paths, base_version) -> None:
-    """Re-run a saved counterexample of `outrate conform`; exit 1 if it fails.
+    """Re-run the check that saved a counterexample of `outrate conform`; exit 1 if it fails.
 
-    The format is read from the file's keys. ``rates_tokens_per_s`` + ``requests``: a
-    rate-limit scenario (checks rate-limit/*, invariants/*; adapter/scenarios.py), judged
-    against the spec limiter. ``config`` + ``events``: a step scenario (checks
-    base-fidelity/*, white-box/*; adapter/fidelity.py), judged against the step spec after
-    every event: with the feature off as base fidelity (default class: stock vLLM), with it
-    on as white box (default class: the reference).
+    A file of `outrate conform --counterexamples` names the check that saved it, its level
+    and rule, the class, --path, configuration style, profile, seed and vLLM release
+    (adapter/counterexample.py); with no option, replay re-runs exactly that check on that
+    scenario and ends `FAIL [level] rule: ...` as the gate's row did, or `PASS` saying the
+    class now keeps that rule. An option given here overrides the file's value.
+
+    A file without a check (a bare scenario, as outrate 0.1.0 saved them, or `outrate
+    drift`'s) is judged by its keys: ``rates_tokens_per_s`` + ``requests``: a rate-limit
+    scenario against the spec limiter; ``config`` + ``events``: a step scenario against the
+    step spec (white box with the feature on, base fidelity with it off).
 
     Exit 0: it passes; 1: it fails; 2: a usage error, e.g. a file edited to a value no
     saved scenario holds (the message names the field and the value; nothing runs).
     """
-    from vllm_output_rate.adapter import fidelity
-    from vllm_output_rate.adapter.harness import load_class
-    from vllm_output_rate.adapter.scenarios import Scenario, ScenarioFileError
+    from vllm_output_rate.adapter import counterexample
+    from vllm_output_rate.adapter.scenarios import ScenarioFileError
 
     _quiet_vllm_logging()  # between the scenario and the verdict
-    text = scenario_file.read_text()
+    data = _read_json_file(scenario_file)
+    if not counterexample.is_counterexample(data):
+        _replay_bare(scenario_file, data, scheduler_cls, level or "exact", config_style, paths, base_version)
+        return
     try:
-        data = json.loads(text)
+        loaded = counterexample.load(data, scenario_file.name)
+    except (counterexample.CounterexampleError, ScenarioFileError) as exc:
+        raise click.BadParameter(f"{scenario_file}: {exc}", param_hint="SCENARIO_FILE") from None
+    if base_version is not None and loaded.kind.row != "base-fidelity":
+        raise click.BadParameter(
+            "only a step scenario (base fidelity, white box) follows a base model", param_hint="--base-model"
+        )
+    paths = paths or _file_paths(scenario_file, loaded.candidate.get("paths", []))
+    cls = scheduler_cls or counterexample.default_class(loaded)
+    _put_on_path(_checked_class(cls, paths))
+    style = _config_style(config_style or loaded.gate.get("config_style", "additional-config"))
+    judged = level or loaded.check["judged_at"]
+    _replay_header(scenario_file, loaded, cls, judged)
+    failure = counterexample.replay(loaded, cls, judged, style, _base_model(base_version))
+    if failure is not None:
+        console.print(f"[bold red]FAIL[/] {escape_markup(failure)}", soft_wrap=True)
+        sys.exit(1)
+    rule, failed_level = loaded.check.get("rule"), loaded.check.get("failed_level")
+    keeps = f"now keeps {rule} on this scenario" if rule else "now passes this check on this scenario"
+    said = f" (the gate's row failed: [{failed_level}] {rule})" if rule and failed_level else ""
+    console.print(f"[green]PASS[/] {loaded.check['name']}: {cls.rpartition('.')[2]} {keeps}{escape_markup(said)}")
+
+
+def _read_json_file(scenario_file: Path) -> Any:
+    """The parsed JSON of ``scenario_file``; a usage error naming it if it is not JSON."""
+    try:
+        return json.loads(scenario_file.read_text())
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"{scenario_file} is not JSON: {exc}", param_hint="SCENARIO_FILE") from None
+
+
+def _file_paths(scenario_file: Path, saved: list[str]) -> tuple[str, ...]:
+    """The ``--path`` directories a counterexample file names (relative to the working
+    directory as saved); a usage error naming one that does not exist here."""
+    for directory in saved:
+        if not Path(directory).is_dir():
+            raise click.BadParameter(
+                f"{scenario_file} was saved with --path {directory}, which is not a directory here: run replay from "
+                "the directory the gate ran in, or give --path DIR (the directory that holds the candidate's package)",
+                param_hint="--path",
+            )
+    return tuple(saved)
+
+
+def _checked_class(cls: str, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Put ``paths`` on the import path (``gate_plan.import_dirs``) and import ``cls``; a usage
+    error naming the --path that would work if it cannot be. Returns the directories used."""
+    from vllm_output_rate import gate_plan
+    from vllm_output_rate.adapter.harness import load_class
+
+    dirs = gate_plan.import_dirs(paths, (cls,))
+    for directory in reversed(dirs):
+        sys.path.insert(0, str(Path(directory).resolve()))
+    try:
+        load_class(cls)
+    except (ValueError, ImportError) as exc:
+        hint = gate_plan.package_hint(cls, paths) if "No module named" in str(exc) else ""
+        raise click.BadParameter(f"{exc}{hint}", param_hint="--scheduler-cls") from None
+    return dirs
+
+
+def _base_model(base_version: str | None) -> Any:
+    """The ``VllmVersionProfile`` named by ``--base-model`` (None if not given); a usage error if unknown."""
+    if base_version is None:
+        return None
+    from vllm_output_rate.adapter.versions import profile_named
+
+    try:
+        return profile_named(base_version)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--base-model") from None
+
+
+def _replay_header(scenario_file: Path, loaded: Any, cls: str, judged: str) -> None:
+    """What ``outrate replay`` re-runs: the check, its level, what it compares with, the class,
+    the run that saved it (a note if the installed vLLM differs) and the scenario."""
+    import vllm
+
+    check, gate = loaded.check, loaded.gate
+    console.print(
+        f"replaying {check['name']} (level {judged}; compares with {check['compares_with']}) on "
+        f"{cls.rpartition('.')[2]} ({cls})",
+        soft_wrap=True,
+    )
+    console.print(
+        f"saved by outrate {gate.get('outrate')} with vLLM {gate.get('vllm')}: profile {gate.get('profile')}, seed "
+        f"{gate.get('seed')}, config {gate.get('config_style')}, burst {gate.get('burst')}"
+        f"{', integer rates' if gate.get('integer_rates') else ''}; the gate's row: "
+        f"{escape_markup(check.get('failure') or '')}",
+        soft_wrap=True,
+    )
+    if gate.get("vllm") != vllm.__version__:
+        console.print(
+            f"[yellow]note: {scenario_file.name} was saved with vLLM {gate.get('vllm')}; this is vLLM "
+            f"{vllm.__version__}: the verdict may differ[/]"
+        )
+    for line in loaded.lines:
+        console.print(f"  {escape_markup(line)}")
+
+
+def _replay_bare(scenario_file, data, scheduler_cls, level, config_style, paths, base_version) -> None:
+    """``outrate replay`` of a file that names no check (a bare scenario): judged by its keys."""
+    from vllm_output_rate.adapter import fidelity
+    from vllm_output_rate.adapter.scenarios import Scenario, ScenarioFileError
+
     keys = set(data) if isinstance(data, dict) else set()
     if not ({"config", "events"} <= keys or {"rates_tokens_per_s", "requests"} <= keys):
         found = sorted(keys) if isinstance(data, dict) else type(data).__name__
         raise click.BadParameter(
-            f"{scenario_file} is neither a rate-limit scenario (keys rates_tokens_per_s, requests) nor a step "
-            f"scenario (keys config, events); found {found}",
+            f"{scenario_file} is neither a counterexample file of outrate conform (key format), a rate-limit "
+            f"scenario (keys rates_tokens_per_s, requests) nor a step scenario (keys config, events); found {found}",
             param_hint="SCENARIO_FILE",
         )
     kind = "step" if {"config", "events"} <= keys else "rate-limit"
+    text = json.dumps(data)
     try:
         scenario = fidelity.StepScenario.from_json(text) if kind == "step" else Scenario.from_json(text)
     except ScenarioFileError as exc:  # names the field and the bad value
@@ -820,22 +968,19 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
         raise click.BadParameter(
             f"{scenario_file}: not a valid {kind} scenario: {exc!r}", param_hint="SCENARIO_FILE"
         ) from None
-    for directory in reversed(paths):
-        sys.path.insert(0, str(Path(directory).resolve()))
-    style = _config_style(config_style)
     if scheduler_cls is not None:
-        try:
-            load_class(scheduler_cls)
-        except (ValueError, ImportError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--scheduler-cls") from None
-    base = None
-    if base_version is not None:
-        from vllm_output_rate.adapter.versions import profile_named
-
-        try:
-            base = profile_named(base_version)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--base-model") from None
+        _checked_class(scheduler_cls, paths)
+    else:
+        _put_on_path(paths)
+    style = _config_style(config_style or "additional-config")
+    base = _base_model(base_version)
+    if scenario_file.name.startswith("counterexample-"):  # outrate conform's name: saved before files named a check
+        console.print(
+            f"[yellow]note: {scenario_file.name} names no check (saved by outrate 0.1.0 or earlier): it is judged "
+            f"as a {kind} scenario at level {level}, which may not be the check that saved it; run outrate conform "
+            "again with this release to save a file that replays its check[/]",
+            soft_wrap=True,
+        )
     if isinstance(scenario, Scenario):
         if base is not None:
             raise click.BadParameter(
@@ -898,8 +1043,10 @@ def _replay_step(scenario: StepScenario, scheduler_cls: str | None, style: Any, 
         console.print(f"  {escape(line)}")
     if verdict.failure:
         rule = getattr(verdict, "rule", None) if check == "base fidelity" else None  # a V-rule
+        subject = "stock vLLM" if cls == fidelity.base_scheduler_cls(async_mode) else cls.rpartition(".")[2]
+        failure = verdict.failure.replace(": vLLM ", f": {subject} ")  # the class by its name (issue 31)
         console.print(
-            f"[bold red]FAIL[/] event {verdict.event_index}: {escape(verdict.failure)}" + (f" ({rule})" if rule else "")
+            f"[bold red]FAIL[/] event {verdict.event_index}: {escape(failure)}" + (f" ({rule})" if rule else "")
         )
         sys.exit(1)
     console.print(f"[green]PASS[/] {verdict.events} events, {verdict.steps} steps: {cls} agrees with the spec")

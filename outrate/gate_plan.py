@@ -45,6 +45,53 @@ def candidate_class_problem(path: str, path_hint: str) -> str | None:
     return None
 
 
+SKIPPED_DIRS = {"node_modules", "site-packages", "__pycache__", "build", "dist"}
+
+
+def import_dirs(paths: tuple[str, ...], classes: tuple[str | None, ...]) -> tuple[str, ...]:
+    """The directories to put on the import path for ``--path`` ``paths`` (as given) and the
+    candidate classes (dotted paths): a directory that is itself the top-level package of
+    a class (it holds ``__init__.py`` and is named as the class's first component, e.g.
+    ``tests/fixtures/article_style`` for ``article_style.scheduler.X``) stands for the
+    directory above it; any other directory is kept."""
+    from pathlib import Path
+
+    tops = {c.partition(".")[0] for c in classes if c}
+    out = []
+    for directory in paths:
+        d = Path(directory)
+        out.append(str(d.parent) if d.name in tops and (d / "__init__.py").is_file() else directory)
+    return tuple(out)
+
+
+def package_hint(dotted: str, paths: tuple[str, ...] = (), limit: int = 4000) -> str:
+    """What to give ``--path`` so that the class ``dotted`` imports: where its top-level
+    package lies under the working directory or a given ``path`` (searched breadth-first,
+    at most ``limit`` directories, hidden ones and ``SKIPPED_DIRS`` left out), e.g.
+    ``article_style is a package in tests/fixtures: give --path tests/fixtures``; when it is
+    not found, which directory ``--path`` takes."""
+    import os
+    from pathlib import Path
+
+    top = dotted.partition(".")[0]
+    queue = [Path(p) for p in paths] + [Path(".")]
+    seen = 0
+    while queue and seen < limit:
+        d = queue.pop(0)
+        seen += 1
+        if (d / top / "__init__.py").is_file() or (d / f"{top}.py").is_file():
+            where = os.path.relpath(d.resolve()) if d.resolve().is_relative_to(Path.cwd()) else str(d.resolve())
+            kind = "a package" if (d / top).is_dir() else "a module"
+            return f" ({top} is {kind} in {where}: give --path {where})"
+        try:
+            queue += sorted(
+                c for c in d.iterdir() if c.is_dir() and not c.name.startswith(".") and c.name not in SKIPPED_DIRS
+            )
+        except OSError:
+            continue
+    return f" (give --path DIR: the directory that holds the package {top}, or the package's own directory)"
+
+
 FRACTIONAL_PROBE_RATE = "3.5"  # tokens/s: the fractional rate the gate's scenarios use most
 
 

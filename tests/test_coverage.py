@@ -204,5 +204,5 @@ def _printed(results) -> str:
     from vllm_output_rate import cli
 
     with cli.console.capture() as captured:
-        cli._print_failures(results, "pkg.Sched", None, "")
+        cli._print_failures(results)
     return captured.get()

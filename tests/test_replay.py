@@ -90,7 +90,7 @@ def test_r14_white_box_counterexample_replays(tmp_path):
     assert_fails_then_passes(
         path,
         NO_ROTATION,
-        ("white box", "FAIL event 8: scheduled: vLLM [('a0', 1), ('b0', 1)]"),
+        ("white box", "FAIL event 8: scheduled: NoRotation [('a0', 1), ('b0', 1)]"),  # the class by its name
         f"PASS 9 events, 4 steps: {REFERENCE_SCHEDULER} agrees with the spec",
     )
 
@@ -132,7 +132,7 @@ def test_unknown_file_format_is_refused_naming_the_keys(tmp_path):
     path.write_text('{"checks": []}')
     code, out = replay(path)
     assert code == 2
-    assert "neither a rate-limit scenario" in out and "['checks']" in out
+    assert "neither a counterexample file" in out and "rate-limit scenario" in out and "['checks']" in out
 
 
 def _edited_rate_limit_file(tmp_path, edit):
