@@ -722,6 +722,7 @@ def check_boundaries(
     the failure names the boundary. ``result.scenarios`` lists the scenarios by name.
     """
     from vllm_output_rate.adapter.conform import CheckResult, _guarded, _record_failure, _save_counterexample
+    from vllm_output_rate.adapter.modes import ModeRefused
     from vllm_output_rate.adapter.scenarios import minimize, named_verdict, run_scenario
 
     tag = "async" if async_mode else "sync"
@@ -732,8 +733,12 @@ def check_boundaries(
     result.scenarios = [name for name, _ in named]
     for name, scenario in named:
         tick()
+        try:
+            verdict = run(scenario)
+        except ModeRefused as refused:  # adapter/modes.py: a mode the candidate refused at start-up
+            result.scenarios[result.scenarios.index(name)] = f"{name} (not applicable: {refused})"
+            continue
         result.examples += 1
-        verdict = run(scenario)
         result.steps += verdict.steps
         if verdict.failure is None:
             continue

@@ -445,13 +445,18 @@ def _observe_user_ids(view: _Step) -> None:
 # -- the gate's coverage row ---------------------------------------------------------------------
 def table(counts: Counter, k: int, async_tested: bool) -> list[dict]:
     """One row per obligation: name, rules, count, k, status (``ok``, ``NOT REACHED``, or
-    ``not applicable`` for an async obligation of a run without an async class;
+    ``not applicable`` for an async obligation of a run without an async class, or one
+    that needs an engine mode the candidate refused (``adapter/modes.OBLIGATION_MODES``);
     ``check_coverage`` turns ``NOT REACHED`` into ``not judged`` in a run another check
     stopped)."""
+    from vllm_output_rate.adapter.modes import obligation_refused
+
     rows = []
     for name, rules, applies in obligations():
         count = counts.get(name, 0)
         status = "not applicable" if applies == "async" and not async_tested else "ok" if count >= k else "NOT REACHED"
+        if status == "NOT REACHED" and obligation_refused(name):  # a mode refused at start-up (adapter/modes.py)
+            status = "not applicable"
         rows.append({"obligation": name, "rules": rules, "count": count, "k": k, "status": status})
     return rows
 

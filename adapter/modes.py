@@ -299,6 +299,23 @@ def check_not_refused(shape: Any) -> None:
             raise ModeRefused(name, message)
 
 
+# Coverage obligations (adapter/coverage.py) reached only in one engine mode: not applicable
+# when the candidate refused it (the rows that could reach them leave its scenarios out).
+OBLIGATION_MODES = {
+    "R8 dispatched after its final token (async)": "async",
+    "R10 no chunked prefill: a refused prompt waits whole": "no-chunked-prefill",
+    "boundary: priority-throttled-victim": "priority",
+    "boundary: priority-throttled-victim-above": "priority",
+    "boundary: refused-prompt-ahead": "no-chunked-prefill",
+}
+
+
+def obligation_refused(obligation: str) -> str | None:
+    """The refused mode (in the running gate, ``refusing``) that ``obligation`` needs, or None."""
+    mode = OBLIGATION_MODES.get(obligation)
+    return mode if mode in _REFUSED else None
+
+
 def matrix_failure(matrix: dict[str, ModeStatus], cls_name: str) -> tuple[str, str] | None:
     """``(rule, failure)`` of the ``modes`` row, or None when it passes: a refusal with the
     feature off (R18), a required mode refused (``--require-mode``), a crash while built or

@@ -234,7 +234,7 @@ def _run_with_modes(plan: list[Any], options: Any) -> list[Any]:
 
     manifest = (click.get_current_context().find_root().obj or {}).get("manifest")
     if manifest:
-        console.print(f"settings from the candidate manifest {manifest} (options given override it)")
+        console.print(f"settings from the candidate manifest {escape_markup(manifest)} (options given override it)")
     with console.status("building the candidate once per engine mode its rows use"):
         plan, modes_row, refused = gate_modes.probe(options, plan)
     with modes.refusing(refused):

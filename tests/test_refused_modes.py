@@ -94,6 +94,7 @@ def test_refusing_skips_feature_on_harnesses_of_the_mode_only():
         Harness(REFUSES, lora_on)
 
 
+@pytest.mark.slow
 def test_a_row_that_draws_the_refused_mode_leaves_its_scenarios_out_instead_of_crashing():
     # white-box draws LoRA in a quarter of its scenarios: without the probe each is a crash
     crashed = check_white_box(REFUSES, False, Hunt(12, seed=1))

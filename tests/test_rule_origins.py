@@ -1,0 +1,84 @@
+"""Issue 26 item 2: every rule names its origin; a project rule's failure is a warning at
+should and fatal at exact (``adapter/origins.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_output_rate.adapter import origins, registry
+from vllm_output_rate.adapter.conform import CheckResult
+from vllm_output_rate.adapter.registry import GateOptions, PlannedCheck
+from vllm_output_rate.cli import _verdict_line
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def failed(name: str, failure: str, level: str) -> CheckResult:
+    return CheckResult(name, [], result="fail", failure=failure, failed_level=level)
+
+
+def test_every_row_names_its_origin():
+    by_name = {spec.name: spec.origin_of() for spec in registry.registry()}
+    for project in ("not-binding/sync", "fair-residency/async", "rate-change/sync", "shadow/async"):
+        assert by_name[project] == origins.PROJECT_RULE, project
+    assert by_name["white-box/sync"] == origins.PROJECT_DECISION
+    assert by_name["engine-wait/sync"] == by_name["lora-slots/sync"] == origins.ARTICLE_RULE
+    assert by_name["rate-limit/sync"] == f"{origins.PROMISE} + {origins.ARTICLE_RULE}"
+    assert all(origin for origin in by_name.values())
+
+
+@pytest.mark.parametrize(
+    ("row", "failure", "level", "origin"),
+    [
+        (origins.PROJECT_RULE, "[should] R19: step 4: a limit that does not bind changed the batch", "should", "rule"),
+        (origins.ARTICLE_RULE, "[should] R14: step 9: a stream bypassed 5 times", "should", "article"),
+        (origins.PROMISE, "[must] crash: ArticleScheduler raised AssertionError", "must", "promise"),
+        (origins.PROJECT_DECISION, "[exact] scheduled: X != spec Y", "exact", "decision"),
+    ],
+)
+def test_failure_origin_follows_the_rule_then_the_level(row, failure, level, origin):
+    assert origin in origins.failure_origin(row, failure, level)
+
+
+def test_a_project_rule_is_a_warning_at_should_and_fatal_at_exact():
+    for level, expected in (("should", origins.WARNING), ("exact", "fail")):
+        result = failed("not-binding/sync", "[should] R19: step 4: the batch changed", "should")
+        origins.judged(result, origins.PROJECT_RULE, level)
+        assert (result.result, result.origin) == (expected, origins.PROJECT_RULE)
+    article = failed("rate-limit/sync", "[should] R14: step 9: bypassed", "should")
+    origins.judged(article, "article promise + article rule", "should")
+    assert article.result == "fail" and article.origin == origins.ARTICLE_RULE
+    declared = failed("rate-change/sync", "[must] R21: the new rate was not applied", "must")
+    origins.judged(declared, origins.PROJECT_RULE, "should", declared=True)  # --rate-change: the candidate's claim
+    assert declared.result == "fail"
+
+
+def test_the_verdict_line_names_the_warnings_and_the_exit_code_stays_0():
+    warned = failed("not-binding/sync", "[should] R19: step 4: the batch changed", "should")
+    origins.judged(warned, origins.PROJECT_RULE, "should")
+    ok = CheckResult("rate-limit/sync", ["R2"])
+    line = _verdict_line([ok, warned], "should", [], 3.0)
+    assert line.endswith("-- ACCEPTED with 1 warning(s): not-binding/sync (R19)"), line
+    assert "2/2 candidate checks passed" in line
+    assert registry.exit_code([ok, warned]) == 0
+    crash = failed("lora-slots/sync", "[must] crash: ArticleScheduler raised AssertionError", "must")
+    line = _verdict_line([ok, warned, crash], "should", [], 3.0)
+    assert line.endswith("-- REJECTED: lora-slots/sync failed; 1 warning(s): not-binding/sync (R19)"), line
+
+
+@pytest.mark.slow
+@pytest.mark.rules("R19")
+def test_r19_the_articles_rotation_is_a_warning_at_should_through_the_gate_row(monkeypatch):
+    # The article-style fixture fails R19 by construction (its swap rotation): at should the
+    # gate's own row reports it as a warning with its counterexample, at exact as a failure.
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    spec = next(s for s in registry.registry() if s.name == "not-binding/sync")
+    small = GateOptions(scheduler_cls="gate_candidates.SwapRotation", profile="quick", spec_health=False)
+    monkeypatch.setitem(registry._budget(small), "sync", 24)  # a quarter: 6 scenarios, the stall shape among them
+    result = registry.run_planned(PlannedCheck(spec), small, lambda: None)
+    assert result.result == origins.WARNING, result.failure
+    assert result.failure.startswith("[should] R19:") and result.counterexample
+    assert result.origin == origins.PROJECT_RULE
+    assert registry.exit_code([result]) == 0
