@@ -89,6 +89,8 @@ class OutputRateConfig:
     rates_file: str | None = None  # R21: watched JSON rate table (reference/ratesfile.py); None: off
     shared_budget_url: str | None = None  # R23-R26: the store shared by engines (Redis/Valkey); None: off
     identity: IdentitySettings = field(default_factory=IdentitySettings)  # R30-R32: where the user comes from
+    # R27-R29: the rates file's table (plans, patterns, unlimited, per-plan shadow); None: the two keys above
+    rate_table: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -190,6 +192,12 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
     url = section.get("shared_budget_url")
     if url is not None:
         config = replace(config, shared_budget_url=check_shared_budget_url(url))
+        if config.rate_table is not None and not config.rate_table.is_flat:
+            raise OutputRateConfigError(
+                f"rates file {rates_file}: plans, patterns and unlimited users (R27-R29) are not supported with "
+                "shared_budget_url (the store keeps one rate per user); write default_tokens_per_s and "
+                "user_tokens_per_s only, or remove shared_budget_url"
+            )
     if any(section.get(key) is not None for key in IDENTITY_KEYS):
         config = replace(config, identity=parse_identity_section(section))
     return config
@@ -296,8 +304,9 @@ def _check_trace_path(trace_path: str) -> None:
 
 
 def _with_rates_file(config: OutputRateConfig, rates_file: Any) -> OutputRateConfig:
-    """R21: ``rates_file`` validated; an existing file's rates replace the section's (a bad
-    file stops start-up, naming it and what to change; a missing one is watched)."""
+    """R21: ``rates_file`` validated; an existing file's table replaces the section's rates
+    (``rate_table``, R27-R29; a bad file stops start-up, naming it and what to change; a
+    missing one is watched)."""
     if not isinstance(rates_file, str) or not rates_file.strip():
         raise OutputRateConfigError(
             f"rates_file must be a non-empty string naming a JSON file of rates (watched for changes, R21), e.g. "
@@ -307,7 +316,11 @@ def _with_rates_file(config: OutputRateConfig, rates_file: Any) -> OutputRateCon
 
     table = RatesFileWatcher(rates_file).load_initial()
     config = replace(config, rates_file=rates_file)
-    return config if table is None else replace(config, default_rate=table.default_rate, user_rates=table.user_rates)
+    if table is None:
+        return config
+    # R28: an unlimited default keeps the section's rate as the "feature on" mark (R18); the table decides.
+    default = table.default_rate if table.default_rate is not None else config.default_rate
+    return replace(config, default_rate=default, user_rates=table.user_rates, rate_table=table)
 
 
 def nearest_key(key: object, known: tuple[str, ...] | list[str], cutoff: float = 0.6) -> str | None:

@@ -13,7 +13,13 @@ Fractional rates are exact: a rate is taken as the decimal number it is written 
 (``0.5`` -> 1/2, ``2.5`` -> 5/2, ``Fraction(1, 3)`` stays 1/3). Floats are read through
 their shortest ``repr`` so ``0.1`` means 1/10, not the binary double nearest to it.
 
-Source: docs/SPEC.md "The limiter (R1-R6)" and Decision R3 (fractional rates).
+R27-R29 (reference/ratetable.py): the rates come from a ``RateTable``: exact users'
+scales are built with the table (off the step for a watched file, ``prepare``), users
+matched by a prefix pattern are resolved on first sight and cached, and an unlimited user
+(R28; a shadow plan's user, R29, in the enforcing limiter) has the ``UNLIMITED`` scale: it
+is always granted, holds no TAT and has nothing to refund.
+
+Source: docs/SPEC.md "The limiter (R1-R6)", Decision R3 (fractional rates) and R27-R29.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from fractions import Fraction
 from numbers import Rational
+from typing import Any
 
 # The rule constants are the spec's (R1: tau = 100 ms); the arithmetic below is this
 # limiter's own (integer-scaled), checked against the spec's rationals by the gate.
@@ -30,6 +37,9 @@ from vllm_output_rate.spec.limiter import BURST_NS, NS_PER_S
 
 MAX_RATE_TOKENS_PER_S: int = 10**9  # one token per ns; anything above is a typo
 MAX_RATE_DENOMINATOR: int = 10**9  # rates are given to at most 9 decimal places
+# R28: grants_at of an unlimited user: more than any step can charge (one per request, R7).
+UNLIMITED_GRANTS: int = 1 << 62
+MAX_RESOLVED_USERS: int = 1 << 20  # pattern-matched users cached; the cache restarts above it
 
 
 def parse_rate(value: object, name: str = "rate") -> Fraction:
@@ -69,12 +79,45 @@ def parse_rate(value: object, name: str = "rate") -> Fraction:
 class _Scale:
     """R3: the integer constants of one rate ``p/q``: scale p, increment, scaled tau."""
 
-    __slots__ = ("burst", "inc", "p")
+    __slots__ = ("burst", "inc", "p", "rate")
 
     def __init__(self, rate: Fraction, burst_ns: int) -> None:
+        self.rate = rate
         self.p = rate.numerator
         self.inc = NS_PER_S * rate.denominator  # T * p, exact
         self.burst = burst_ns * rate.numerator  # tau * p
+
+
+class _Unlimited(_Scale):
+    """R28: the scale of an unlimited user: every method checks for it first (no TAT)."""
+
+    def __init__(self) -> None:
+        self.rate, self.p, self.inc, self.burst = None, 1, 0, 0  # type: ignore[assignment]
+
+
+UNLIMITED = _Unlimited()
+
+
+class PreparedTable:
+    """R21/R27: a ``RateTable`` with the scales of its exact users built for one limiter's
+    burst and view (``prepare``; O(table), off the step for a watched file)."""
+
+    __slots__ = ("default", "patterns", "scales", "shadow_view", "table")
+
+    def __init__(self, table: Any, burst_ns: int, shadow_view: bool = False) -> None:
+        self.table, self.shadow_view = table, shadow_view
+        by_rate: dict[Fraction | None, _Scale] = {None: UNLIMITED}
+
+        def scale(entry: Any) -> _Scale:
+            rate = entry.rate if shadow_view else entry.enforced_rate
+            found = by_rate.get(rate)
+            if found is None:
+                found = by_rate[rate] = _Scale(rate, burst_ns)
+            return found
+
+        self.scales: dict[str, _Scale] = {user: scale(entry) for user, entry in table.exact.items()}
+        self.default = scale(table.default_entry)
+        self.patterns = bool(table.prefixes)
 
 
 class OutputRateLimiter:
@@ -93,32 +136,75 @@ class OutputRateLimiter:
         default_rate_tokens_per_s: object,
         user_rates_tokens_per_s: Mapping[str, object] | None = None,
         burst_ns: int = BURST_NS,
+        table: Any = None,
+        shadow_view: bool = False,
     ) -> None:
         if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns <= 0:
             raise ValueError(f"burst_ns must be a positive int of nanoseconds, got {burst_ns!r}")
         self.burst_ns = burst_ns
-        self.default_rate = parse_rate(default_rate_tokens_per_s, "default rate")
-        self._default = _Scale(self.default_rate, burst_ns)
-        self.user_rates: dict[str, Fraction] = {}
-        self._scales: dict[str, _Scale] = {}
-        for user, rate in (user_rates_tokens_per_s or {}).items():
-            if not isinstance(user, str) or not user:
-                raise ValueError(f"user ids in the rate overrides must be non-empty strings, got {user!r}")
-            self.user_rates[user] = parse_rate(rate, f"rate of user {user!r}")
-            self._scales[user] = _Scale(self.user_rates[user], burst_ns)
-        # R1: scaled TAT per known user. Absent = idle (R6).
+        self.shadow_view = shadow_view  # R29: a shadow plan's users at their rate (else unlimited)
+        if table is None:
+            table = flat_table(default_rate_tokens_per_s, user_rates_tokens_per_s)
+        # R1: scaled TAT per known user. Absent = idle (R6); an unlimited user never has one (R28).
         self._tat: dict[str, int] = {}
+        self._use(PreparedTable(table, burst_ns, shadow_view))
 
-    def rate_of(self, user: str) -> Fraction:
-        """The user's rate in tokens/s (exact)."""
-        return self.user_rates.get(user, self.default_rate)
+    def _use(self, prepared: PreparedTable) -> None:
+        """Install ``prepared``'s scales (O(1)): exact users' eagerly, pattern users lazily."""
+        table = prepared.table
+        self.table = table
+        self.default_rate = table.default_rate if self.shadow_view else table.default_entry.enforced_rate
+        self.user_rates: Mapping[str, Fraction] = table.user_rates
+        self._default = prepared.default
+        self._scales = prepared.scales
+        self._patterns = prepared.patterns
+        self._resolved: dict[str, _Scale] = {}  # pattern-matched users (R27), resolved once
+
+    def prepare(self, table: Any) -> PreparedTable:
+        """R21/R27: ``table``'s scales for this limiter (O(table); thread-safe: reads only
+        the burst and the view), for ``install``."""
+        return PreparedTable(table, self.burst_ns, self.shadow_view)
+
+    def _resolve(self, user: str) -> _Scale:
+        """The scale of a user that is not an exact entry: a pattern's or the default's."""
+        if not self._patterns:
+            return self._default
+        s = self._resolved.get(user)
+        if s is None:
+            entry = self.table.lookup(user)
+            rate = entry.rate if self.shadow_view else entry.enforced_rate
+            if rate is None:
+                s = UNLIMITED
+            elif rate == self._default.rate:
+                s = self._default
+            else:
+                s = _Scale(rate, self.burst_ns)
+            if len(self._resolved) >= MAX_RESOLVED_USERS:
+                self._resolved.clear()
+            self._resolved[user] = s
+        return s
+
+    def _scale(self, user: str) -> _Scale:
+        """R1/R27: the user's scale (``UNLIMITED`` for R28)."""
+        return self._scales.get(user) or self._resolve(user)
+
+    def rate_of(self, user: str) -> Fraction | None:
+        """The user's rate in tokens/s (exact); None: unlimited (R28)."""
+        return self._scale(user).rate
+
+    def is_unlimited(self, user: str) -> bool:
+        """R28: the user is never throttled and never charged by this limiter."""
+        return self._scale(user) is UNLIMITED
 
     def try_take(self, user: str, now_ns: int) -> bool:
         """R2: grant one output token to ``user`` at ``now_ns`` if ``TAT - now <= tau``.
 
         On a grant, ``TAT := max(TAT, now) + T``. A refusal changes nothing. O(1).
+        R28: an unlimited user is always granted and keeps no TAT.
         """
-        s = self._scales.get(user) or self._default
+        s = self._scales.get(user) or self._resolve(user)
+        if s is UNLIMITED:
+            return True
         now = now_ns * s.p
         tat = self._tat.get(user)
         if tat is None or tat < now:
@@ -135,9 +221,11 @@ class OutputRateLimiter:
         while ``d + (j - 1) T <= tau``, so the count is ``floor((tau - d) / T) + 1`` when
         ``d <= tau`` and 0 otherwise. Changes nothing. O(1). The scheduler asks once per
         user per step and charges against the count (``take_counts``), which is the same as
-        calling ``try_take`` once per charge.
+        calling ``try_take`` once per charge. R28: ``UNLIMITED_GRANTS`` for an unlimited user.
         """
-        s = self._scales.get(user) or self._default
+        s = self._scales.get(user) or self._resolve(user)
+        if s is UNLIMITED:
+            return UNLIMITED_GRANTS
         now = now_ns * s.p
         tat = self._tat.get(user)
         lead = 0 if tat is None or tat < now else tat - now
@@ -170,9 +258,11 @@ class OutputRateLimiter:
         if counts and min(counts.values()) < 1:  # checked before any TAT changes
             user, count = next((u, n) for u, n in counts.items() if n < 1)
             raise ValueError(f"take_counts needs counts >= 1, got {count!r} for user {user!r}")
-        tat_of, scales, default = self._tat, self._scales, self._default
+        tat_of, scales, resolve = self._tat, self._scales, self._resolve
         for user, count in counts.items():
-            s = scales.get(user) or default
+            s = scales.get(user) or resolve(user)
+            if s is UNLIMITED:
+                continue  # R28: never charged
             now = now_ns * s.p
             tat = tat_of.get(user)
             if tat is None or tat < now:
@@ -184,16 +274,20 @@ class OutputRateLimiter:
         tat = self._tat.get(user)
         if tat is None:
             return True
-        s = self._scales.get(user) or self._default
+        s = self._scales.get(user) or self._resolve(user)
         return tat - now_ns * s.p <= s.burst
 
     def refund(self, user: str) -> None:
         """R4: undo one grant: ``TAT := TAT - T``.
 
+        R28: nothing to refund for an unlimited user (it was never charged).
+
         Raises:
             KeyError: if the user holds no TAT (a refund without a charge is a bug, R9).
         """
-        s = self._scales.get(user) or self._default
+        s = self._scales.get(user) or self._resolve(user)
+        if s is UNLIMITED:
+            return
         self._tat[user] -= s.inc
 
     def ready_at_ns(self, user: str) -> int | None:
@@ -204,7 +298,7 @@ class OutputRateLimiter:
         tat = self._tat.get(user)
         if tat is None:
             return None
-        s = self._scales.get(user) or self._default
+        s = self._scales.get(user) or self._resolve(user)
         return -((s.burst - tat) // s.p)  # ceil((tat - burst) / p)
 
     def tat_ns(self, user: str) -> Fraction | None:
@@ -212,12 +306,12 @@ class OutputRateLimiter:
         tat = self._tat.get(user)
         if tat is None:
             return None
-        s = self._scales.get(user) or self._default
+        s = self._scales.get(user) or self._resolve(user)
         return Fraction(tat, s.p)
 
     def cleanup_idle_users(self, now_ns: int) -> int:
         """R6: delete every user with ``TAT <= now``; return how many were deleted."""
-        idle = [u for u, tat in self._tat.items() if tat <= now_ns * (self._scales.get(u) or self._default).p]
+        idle = [u for u, tat in self._tat.items() if tat <= now_ns * self._scale(u).p]
         for user in idle:
             del self._tat[user]
         return len(idle)
@@ -241,24 +335,45 @@ class OutputRateLimiter:
         Raises:
             ValueError: a bad rate or user id (``parse_rate``); nothing is changed then.
         """
-        fresh = OutputRateLimiter(default_rate_tokens_per_s, user_rates_tokens_per_s, self.burst_ns)  # validates
+        fresh = self.prepare(flat_table(default_rate_tokens_per_s, user_rates_tokens_per_s))  # validates
+        return self.install(fresh, now_ns)
+
+    def install(self, prepared: PreparedTable, now_ns: int) -> int:
+        """R21/R27: put a prepared table (``prepare``) in force at ``now_ns``, as
+        ``change_rates`` does: O(users holding a TAT), whatever the table's size.
+
+        R28: a user becoming unlimited drops its TAT (nothing to keep); one leaving
+        unlimited has none, so it starts idle (R6).
+
+        Returns:
+            How many users' TATs were rescaled or forgotten.
+        """
         changed = 0
+        new_scales, new_default = prepared.scales, prepared.default
         for user, scaled in list(self._tat.items()):
-            old_rate, new_rate = self.rate_of(user), fresh.rate_of(user)
+            old = self._scale(user)
+            new = new_scales.get(user)
+            if new is None:
+                new = new_default if not prepared.patterns else self._pattern_scale(prepared, user)
+            old_rate, new_rate = old.rate, new.rate
             if old_rate == new_rate:
                 continue
             changed += 1
-            old = self._scales.get(user) or self._default
             lead = scaled - now_ns * old.p
-            if lead <= 0:
-                del self._tat[user]
+            if lead <= 0 or new_rate is None:
+                del self._tat[user]  # R6 idle, or R28 unlimited from now on
                 continue
             num, den = lead * new_rate.denominator, old_rate.denominator * new_rate.numerator
             lead_ns = -((-num) // den)  # R21: rounded up
             self._tat[user] = (now_ns + lead_ns) * new_rate.numerator
-        self.default_rate, self._default = fresh.default_rate, fresh._default
-        self.user_rates, self._scales = fresh.user_rates, fresh._scales
+        self._use(prepared)
         return changed
+
+    def _pattern_scale(self, prepared: PreparedTable, user: str) -> _Scale:
+        """The scale ``user`` gets from ``prepared`` when no exact entry names it."""
+        entry = prepared.table.lookup(user)
+        rate = entry.rate if self.shadow_view else entry.enforced_rate
+        return UNLIMITED if rate is None else _Scale(rate, self.burst_ns)
 
     def users(self) -> Iterable[str]:
         """Users that currently hold a TAT (for observation and memory checks)."""
@@ -266,3 +381,20 @@ class OutputRateLimiter:
 
     def __len__(self) -> int:
         return len(self._tat)
+
+
+def flat_table(default_rate_tokens_per_s: object, user_rates_tokens_per_s: Mapping[str, object] | None) -> Any:
+    """Today's table (a default and per-user rates) as a ``ratetable.RateTable``.
+
+    Raises:
+        ValueError: a bad rate (``parse_rate``) or a user id that is not a non-empty string.
+    """
+    from vllm_output_rate.reference.ratetable import RateTable
+
+    default = parse_rate(default_rate_tokens_per_s, "default rate")
+    users: dict[str, Fraction] = {}
+    for user, rate in (user_rates_tokens_per_s or {}).items():
+        if not isinstance(user, str) or not user:
+            raise ValueError(f"user ids in the rate overrides must be non-empty strings, got {user!r}")
+        users[user] = parse_rate(rate, f"rate of user {user!r}")
+    return RateTable.flat(default, users)

@@ -19,9 +19,11 @@ server, so the series travel another way:
    once on prometheus_client's default registry, which vLLM's ``/metrics`` serves with one
    API server. On each scrape the collector reads the snapshot(s) and yields the families.
 
-Series (``user`` label: each user named in ``user_tokens_per_s`` by its id -- at start-up,
-or first in a rates-file change (R21, ``output_rate.rates_file``) -- every other user -- the
-default rate's users, ``__anonymous__`` included -- summed as ``other``):
+Series (``user`` label, bounded: the rate table's plan names, users marked ``"detailed":
+true`` and each user named in ``user_tokens_per_s`` by its id while they fit in 1,024 --
+at start-up, or first in a rates-file change (R21, ``output_rate.rates_file``) -- every
+other user summed into its plan's label, and the default rate's users, ``__anonymous__``
+included, into ``other``; reference/ratetable.py):
 
 =================================================== ======= =========================================
 ``vllm:output_rate_granted_tokens_total{user}``     counter sampling dispatches granted and not refunded
@@ -43,20 +45,22 @@ default rate's users, ``__anonymous__`` included -- summed as ``other``):
                                                             snapshot (at most ~1 s while it steps)
 =================================================== ======= =========================================
 
-**Bounded cardinality and memory.** Labels are the configured names plus ``other``: the
-start-up overrides, and each user a rates-file change names (R21) gets its own label from
-that change on, at most ``MAX_ADDED_LABELS`` (1024) such names per engine run (a user
-named later is counted in ``other``). A label is kept when its user leaves the table (its
-counters never vanish; its limit gauge shows the default then). So the series count is
-``6 x (N + 1) + 3``, N = start-up overrides + names added (<= 1024), whatever the number of
-users seen; the engine core keeps one counter set per label (never per user id), the
-snapshot holds one entry per label, and the collector keeps nothing between scrapes.
+**Bounded cardinality and memory.** Labels are the table's labels (``RateTable.labels``:
+plans, at most 1,024; detailed users, at most 1,024) plus ``other``; each label a
+rates-file change names (R21) gets its series from that change on, at most
+``MAX_ADDED_LABELS`` (1024) such names per engine run (a user named later is counted in
+its plan's label or ``other``). A label is kept when it leaves the table (its counters
+never vanish; its limit gauge shows the default then). So the series count is
+``6 x (plans + detailed + 1) + 3`` for one table, whatever the number of users; the
+engine core keeps one counter set per label (never per user id), the snapshot holds one
+entry per label, and the collector keeps nothing between scrapes.
 
 **Cost in the engine core.** Per ``schedule()``: one loop over the users charged in the step
-(a set lookup and a counter add each), and, only when requests are throttled or refunded,
-one pass over those ids. Once per second: one pass over the limiter's users (leads) and a
-file write of a few hundred bytes. Off (no directory variable, e.g. the gate's in-process
-harness): nothing.
+(a label lookup, cached per user id, and a counter add each), and, only when requests are
+throttled or refunded, one pass over those ids. Once per second: copies of the counters
+(one entry per label) and of the limiter's TATs handed to the recorder's writer thread,
+which computes the leads and writes the file off the step. A rate-table change costs
+O(labels). Off (no directory variable, e.g. the gate's in-process harness): nothing.
 
 **Freshness.** Counters are at most one second old while the engine steps and exact once it
 goes idle (the idle flush). The lead is corrected at scrape time by the time since the
@@ -73,6 +77,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -112,18 +117,30 @@ class MetricsRecorder:
 
     Args:
         directory: where ``engine-<pid>.json`` is written.
-        user_rates: the configured overrides (their users are the named labels).
+        user_rates: the configured overrides (their users are labels while at most
+            ``ratetable.MAX_DETAILED``).
         default_rate: the rate of ``other``.
         shadow: shadow mode (reported as ``vllm:output_rate_shadow``).
+        table: R27-R29: the rate table (``ratetable.RateTable``); its labels replace
+            ``user_rates``'.
     """
 
     def __init__(
-        self, directory: str, user_rates: Mapping[str, Fraction], default_rate: Fraction, shadow: bool = False
+        self,
+        directory: str,
+        user_rates: Mapping[str, Fraction],
+        default_rate: Fraction,
+        shadow: bool = False,
+        table: Any = None,
     ) -> None:
+        from vllm_output_rate.reference.ratetable import RateTable
+
         self.path = os.path.join(directory, f"engine-{os.getpid()}.json")
-        self.named = frozenset(user_rates)
+        self.table = table if table is not None else RateTable.flat(default_rate, user_rates)
+        # Users with a label of their own (a detailed or user_tokens_per_s user, ever): kept when they leave.
+        self.named = frozenset(u for u in self.table.labels if u not in self.table.plans)
         self.added_labels = 0  # labels named by rates-file changes (R21), <= MAX_ADDED_LABELS
-        self.rates = {**{u: float(r) for u, r in user_rates.items()}, OTHER: float(default_rate)}
+        self.rates = self.table.label_rates()
         self.shadow = shadow
         self.granted: Counter[str] = Counter()
         self.throttled_steps: Counter[str] = Counter()
@@ -134,6 +151,12 @@ class MetricsRecorder:
         self._last_ns: int | None = None
         self.next_ns = 0  # the first step writes a snapshot
         self.snapshots = 0  # written (for tests)
+        self._written_ns = -1  # now_ns of the newest snapshot written (an older one never replaces it)
+        self._write_lock = threading.Lock()
+        self._queued: tuple[Any, ...] | None = None  # the next snapshot for the writer thread
+        self._busy = False  # the writer thread is writing one
+        self._handoff = threading.Condition()
+        self._writer: threading.Thread | None = None
 
     @classmethod
     def from_env(cls, config: Any) -> MetricsRecorder | None:
@@ -142,22 +165,54 @@ class MetricsRecorder:
         directory = os.environ.get(ENV_DIR)
         if not directory or os.environ.get(ENV_OWNER) == str(os.getpid()):
             return None
-        return cls(directory, config.user_rates, config.default_rate, bool(getattr(config, "shadow", False)))
+        return cls(
+            directory,
+            config.user_rates,
+            config.default_rate,
+            bool(getattr(config, "shadow", False)),
+            getattr(config, "rate_table", None),
+        )
 
     def label(self, user: str | None) -> str:
-        """The ``user`` label of ``user``: its id if named, else ``OTHER``."""
-        return user if user in self.named else OTHER
+        """The ``user`` label of ``user``: its id if it has a label of its own, else its
+        plan's (R27) if that is a label, else ``OTHER``. O(1) after its first lookup."""
+        if user in self.named:
+            return user  # type: ignore[return-value]
+        if user is None:
+            return OTHER
+        label = self.table.lookup(user).label
+        return label if label in self.rates else OTHER
 
-    def rates_changed(self, user_rates: Mapping[str, Fraction], default_rate: Fraction) -> None:
-        """R21: a new rate table is in force. Each user it names gets its own label from now
-        on (at most ``MAX_ADDED_LABELS`` added per run; later ones stay in ``OTHER``); every
-        label keeps its series, and its limit gauge shows the new table's rate (the default
-        for a label whose user left the table)."""
-        added = [u for u in user_rates if u not in self.named][: max(0, MAX_ADDED_LABELS - self.added_labels)]
+    def rates_changed(self, table: Any, default_rate: Any = None) -> None:
+        """R21: a new rate table is in force. Each label it names gets its series from now
+        on (at most ``MAX_ADDED_LABELS`` added per run; later ones stay in their plan's or
+        ``OTHER``); every label keeps its series, and its limit gauge shows the new table's
+        rate (the default's for a label that left the table). O(labels): the table's label
+        rates were built off the step (``RateTable.prepare``).
+
+        ``table``: a ``ratetable.RateTable``; or, as before, ``user_rates`` with
+        ``default_rate`` (today's two keys)."""
+        from vllm_output_rate.reference.ratetable import RateTable
+
+        if not isinstance(table, RateTable):
+            table = RateTable.flat(default_rate, table)
+        prepared = table._prepared
+        label_rates = prepared.label_rates if prepared is not None else table.label_rates()
+        room = max(0, MAX_ADDED_LABELS - self.added_labels)
+        added = [u for u in table.labels if u not in self.rates][:room]
         self.added_labels += len(added)
-        self.named = self.named | frozenset(added)
-        names = [u for u in self.rates if u != OTHER] + added
-        self.rates = {**{u: float(user_rates.get(u, default_rate)) for u in names}, OTHER: float(default_rate)}
+        keep = set(self.rates) | set(added)
+        self.named = self.named | frozenset(u for u in added if u not in table.plans)
+        self.table = table
+        default = label_rates[OTHER]
+        rates = {}
+        for key in keep:
+            rate = label_rates.get(key)
+            if rate is None:  # a label that left the table: its user's rate now, or the default
+                rate = default if key in self.table.plans or key not in self.named else _shown(table.rate_of(key))
+            rates[key] = rate
+        rates.pop(OTHER, None)
+        self.rates = {**rates, OTHER: default}
 
     def step(
         self,
@@ -173,12 +228,13 @@ class MetricsRecorder:
         ``granted``: user -> sampling dispatches charged in the step (before refunds);
         ``throttled``: ids of the requests throttled (shadow: would-be throttled) in it;
         ``user_of``: request id -> user; ``refunded_users``: the user of each refund (R9);
-        ``limiter``: for the leads in a snapshot.
+        ``limiter``: for the leads in a snapshot. A snapshot due at ``now_ns`` is handed to
+        the writer thread (``write_async``).
         """
         label = self.label
         counts = self.granted
         for user, n in granted.items():
-            counts[user if user in self.named else OTHER] += n
+            counts[label(user)] += n
         for refunded in refunded_users:
             key = label(refunded)
             counts[key] -= 1
@@ -196,52 +252,124 @@ class MetricsRecorder:
         self.throttled_requests = len(throttled)
         self._last_ns = now_ns
         if now_ns >= self.next_ns:
-            self.write(now_ns, limiter)
+            self.write_async(now_ns, limiter)
+
+    def _state(self, now_ns: int, limiter: Any) -> tuple[Any, ...]:
+        """What a snapshot needs, copied (O(labels + users holding a TAT), C-level copies):
+        the writer thread builds the file from it while the step goes on."""
+        tats = dict(limiter._tat) if limiter is not None and hasattr(limiter, "_tat") else None
+        return (
+            now_ns,
+            dict(self.granted),
+            dict(self.throttled_steps),
+            dict(self.refunds),
+            dict(self.throttled_ns),
+            dict(self.rates),
+            self.throttled_requests,
+            limiter,
+            tats,
+        )
+
+    def _leads(self, rates: Mapping[str, float], now_ns: int, limiter: Any, tats: Mapping[str, int] | None):
+        leads = dict.fromkeys(rates, 0.0)
+        if limiter is None:
+            return leads
+        label = self.label
+        if tats is None:  # a limiter without integer TATs (duck-typed): its exact view
+            items = ((u, limiter.tat_ns(u)) for u in list(limiter.users()))
+            tat_ns_of = ((u, t) for u, t in items if t is not None)
+        else:
+            scale = limiter._scale
+            tat_ns_of = ((u, t / scale(u).p) for u, t in tats.items())
+        for user, tat in tat_ns_of:
+            key = label(user)
+            lead = max(0.0, float(tat - now_ns) / 1e9)
+            if lead > leads.get(key, 0.0):
+                leads[key] = lead
+        return leads
 
     def snapshot(self, now_ns: int, limiter: Any = None) -> dict[str, Any]:
         """The file's content: per label counters, lead and rate; engine-wide gauges."""
-        leads = dict.fromkeys(self.rates, 0.0)
-        if limiter is not None:
-            for user in list(limiter.users()):
-                tat = limiter.tat_ns(user)
-                if tat is None:
-                    continue
-                key = self.label(user)
-                lead = max(0.0, float(tat - now_ns) / 1e9)
-                if lead > leads[key]:
-                    leads[key] = lead
+        return self._build(self._state(now_ns, limiter))
+
+    def _build(self, state: tuple[Any, ...]) -> dict[str, Any]:
+        now_ns, granted, throttled_steps, refunds, throttled_ns, rates, throttled_requests, limiter, tats = state
+        leads = self._leads(rates, now_ns, limiter, tats)
         labels = {
             key: {
-                "granted": self.granted.get(key, 0),
-                "throttled_request_steps": self.throttled_steps.get(key, 0),
-                "refunds": self.refunds.get(key, 0),
-                "throttled_seconds": self.throttled_ns.get(key, 0) / 1e9,
-                "lead_seconds": leads[key],
+                "granted": granted.get(key, 0),
+                "throttled_request_steps": throttled_steps.get(key, 0),
+                "refunds": refunds.get(key, 0),
+                "throttled_seconds": throttled_ns.get(key, 0) / 1e9,
+                "lead_seconds": leads.get(key, 0.0),
                 "limit_tokens_per_second": rate,
             }
-            for key, rate in self.rates.items()
+            for key, rate in rates.items()
         }
         return {
             "version": SNAPSHOT_VERSION,
             "pid": os.getpid(),
             "now_ns": now_ns,
             "shadow": self.shadow,
-            "throttled_requests": self.throttled_requests,
+            "throttled_requests": throttled_requests,
             "labels": labels,
         }
 
     def write(self, now_ns: int, limiter: Any = None) -> None:
-        """Write the snapshot atomically (temporary file + ``os.replace``); never raises."""
+        """Write the snapshot now, atomically (temporary file + ``os.replace``); never raises."""
         self.next_ns = now_ns + SNAPSHOT_INTERVAL_NS
-        try:
-            data = json.dumps(self.snapshot(now_ns, limiter), separators=(",", ":"))
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
-            self.snapshots += 1
-        except OSError:
-            pass  # metrics must never stop the engine; the snapshot age shows the gap
+        self._write_state(self._state(now_ns, limiter))
+
+    def write_async(self, now_ns: int, limiter: Any = None) -> None:
+        """Hand the snapshot at ``now_ns`` to the writer thread (started once): the step
+        only copies the counters (``_state``); a snapshot not yet written is replaced."""
+        self.next_ns = now_ns + SNAPSHOT_INTERVAL_NS
+        state = self._state(now_ns, limiter)
+        with self._handoff:
+            self._queued = state
+            self._handoff.notify()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._run_writer, name="outrate-metrics", daemon=True)
+            self._writer.start()
+
+    def _run_writer(self) -> None:
+        handoff = self._handoff
+        while True:
+            with handoff:
+                handoff.wait_for(lambda: self._queued is not None)
+                state, self._queued, self._busy = self._queued, None, True
+            try:
+                self._write_state(state)
+            finally:
+                with handoff:
+                    self._busy = False
+                    handoff.notify_all()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Tests and benchmarks: wait until the writer thread has written what it was
+        given (True), or ``timeout_s`` passed (False)."""
+        with self._handoff:
+            return self._handoff.wait_for(lambda: self._queued is None and not self._busy, timeout_s)
+
+    def _write_state(self, state: tuple[Any, ...]) -> None:
+        with self._write_lock:
+            if state[0] < self._written_ns:
+                return  # a newer snapshot is already on disk
+            try:
+                data = json.dumps(self._build(state), separators=(",", ":"))
+                tmp = f"{self.path}.tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(data)
+                os.replace(tmp, self.path)
+                self._written_ns = state[0]
+                self.snapshots += 1
+            except (OSError, RuntimeError, ValueError):
+                pass  # metrics must never stop the engine; the snapshot age shows the gap
+
+
+def _shown(rate: Fraction | None) -> float:
+    """A limit gauge's value: tokens/s, ``inf`` for unlimited (R28)."""
+    return float("inf") if rate is None else float(rate)
 
 
 # -- API server -----------------------------------------------------------------------

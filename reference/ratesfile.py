@@ -1,21 +1,27 @@
 """R21: the watched rates file (``output_rate.rates_file``, ``outrate serve --rates-file``).
 
 The operator's interface for changing limits without a restart (docs/SPEC.md R21 and
-Decision R21). The file is a JSON object with the two rate keys of ``output_rate``::
+Decision R21). The file is a JSON object: today's two rate keys of ``output_rate``::
 
     {"default_tokens_per_s": 100, "user_tokens_per_s": {"user-a": 20, "user-b": 250}}
 
-The whole table is replaced: a user left out of ``user_tokens_per_s`` moves to the default.
-Validation is start-up's (``config.parse_output_rate``: exact rates, > 0, at most 9
-decimal places, a default required) plus: a key given twice is refused, and any other key
-of ``output_rate`` (``burst_ms``, ``max_num_active_seqs``, ...) is refused with "needs a
-restart"; an unknown key names the nearest valid one.
+or a plan table (``default_plan``, ``plans``, ``users`` with prefix patterns, unlimited
+users and per-plan shadow: R27-R29, reference/ratetable.py). The whole table is replaced:
+a user left out moves to the default. Validation is ``ratetable.parse_table`` (exact
+rates, > 0, at most 9 decimal places, a default required, entries named in every
+message) plus: a key given twice is refused, and any other key of ``output_rate``
+(``burst_ms``, ``max_num_active_seqs``, ...) is refused with "needs a restart"; an
+unknown key names the nearest valid one.
 
 ``RatesFileWatcher.poll()`` is called by the scheduler at the start of each
 ``schedule()``: one ``os.stat``; the file is read only when ``(st_mtime_ns, st_size,
-st_ino)`` changed (write it atomically: a temporary file renamed over it). A bad file is
-logged once at ERROR (what to change) and the limits in force are kept; a missing file
-keeps them too (logged once at WARNING). It never raises at run time. At start-up
+st_ino)`` changed (write it atomically: a temporary file renamed over it). A file of at
+most ``INLINE_BYTES`` (a few hundred users) is read and parsed there, in well under a
+millisecond, so it is in force from that very step. A larger one is read, parsed and
+validated by the watcher's own thread, off the step (R21, no stall: 100,000 users take a
+few hundred ms); the first ``poll()`` after it is ready returns it (an O(1) swap). A bad
+file is logged once at ERROR (what to change) and the limits in force are kept; a missing
+file keeps them too (logged once at WARNING). It never raises at run time. At start-up
 ``load_initial()`` reads an existing file and raises on a bad one (start-up stops with the
 message as its last line).
 """
@@ -23,9 +29,8 @@ message as its last line).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from vllm_output_rate.reference.config import (
@@ -33,19 +38,18 @@ from vllm_output_rate.reference.config import (
     OutputRateConfigError,
     _suggest_keys,
     loads_no_duplicates,
-    parse_output_rate,
 )
+from vllm_output_rate.reference.ratetable import TABLE_KEYS, RateTable, parse_table
 
-RATE_KEYS = ("default_tokens_per_s", "user_tokens_per_s")
+RATE_KEYS = TABLE_KEYS
 MAX_RATES_FILE_BYTES = 16 << 20  # a rate table far larger than this is not a rate table
+INLINE_BYTES = 16 << 10  # R21: a file up to this size is parsed in the step (< 0.3 ms), larger ones off it
+__all__ = ["RateTable", "RatesFileWatcher", "parse_rates_file"]
 
 
-@dataclass(frozen=True)
-class RateTable:
-    """R21: one validated rate table: the default and the overrides, tokens/s (exact)."""
-
-    default_rate: Fraction
-    user_rates: Mapping[str, Fraction]
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def parse_rates_file(text: str, path: str = "rates file") -> RateTable:
@@ -54,7 +58,8 @@ def parse_rates_file(text: str, path: str = "rates file") -> RateTable:
     Raises:
         OutputRateConfigError: not JSON, not an object, a key given twice, another
             ``output_rate`` key (needs a restart), an unknown key (nearest named), no
-            default, a bad rate (naming the user and value); every message starts with
+            default, a bad rate (naming the user and value), a bad plan table entry
+            (``ratetable.parse_table``: naming the entry); every message starts with
             ``rates file PATH:`` and says what to change.
     """
     what = f"rates file {path}"
@@ -69,30 +74,24 @@ def parse_rates_file(text: str, path: str = "rates file") -> RateTable:
         ) from None
     if not isinstance(data, Mapping):
         raise OutputRateConfigError(
-            f"{what}: must be a JSON object with default_tokens_per_s and user_tokens_per_s, got {data!r}"
+            f"{what}: must be a JSON object with default_tokens_per_s and user_tokens_per_s (or default_plan, "
+            f"plans and users), got {_short(data)}"
         )
     restart = sorted(k for k in data if k in KNOWN_KEYS and k not in RATE_KEYS)
     if restart:
         raise OutputRateConfigError(
             f"{what}: {', '.join(map(repr, restart))} cannot be changed without a restart; "
-            f"the rates file holds only {' and '.join(RATE_KEYS)}"
+            f"the rates file holds only {', '.join(RATE_KEYS)}"
         )
     unknown = sorted((k for k in data if k not in RATE_KEYS), key=str)
     if unknown:
         raise OutputRateConfigError(
             f"{what}: unknown key(s) {_suggest_keys(unknown, RATE_KEYS)}; known keys: {', '.join(RATE_KEYS)}"
         )
-    if data.get("default_tokens_per_s") is None:
-        raise OutputRateConfigError(
-            f"{what}: no default_tokens_per_s; give the default rate too (the file "
-            "replaces the whole rate table, and the feature stays on: R18)"
-        )
     try:
-        config = parse_output_rate(dict(data))
+        return parse_table(data, what)
     except OutputRateConfigError as exc:
         raise OutputRateConfigError(f"{what}: {exc}") from None
-    assert config.default_rate is not None
-    return RateTable(config.default_rate, dict(config.user_rates))
 
 
 def _signature(st: os.stat_result) -> tuple[int, int, int]:
@@ -106,17 +105,27 @@ class RatesFileWatcher:
         path: the file (need not exist yet).
         logger: where run-time problems go (``logging.Logger``-like); default
             ``vllm.output_rate`` (reference/oplog.py).
+        burst_ns: the limiter's burst tolerance; given, the watcher thread also prepares
+            each table it reads (``RateTable.prepare``).
     """
 
-    def __init__(self, path: str, logger: Any = None) -> None:
+    def __init__(self, path: str, logger: Any = None, burst_ns: int | None = None) -> None:
         if not isinstance(path, str) or not path.strip():
             raise OutputRateConfigError(f"rates_file must be a non-empty string naming a JSON file, got {path!r}")
         self.path = path
         self._logger = logger
+        self.burst_ns = burst_ns  # the limiter's tau: tables are prepared for it off the step
         self._seen: tuple[int, int, int] | None = None  # signature of the last file read (good or bad)
         self._missing_logged = False
         self.reloads = 0  # tables installed from the file (for tests and logs)
         self.errors = 0  # bad files seen
+        # Off the step: the signature to read (set by poll), the table read (set by the thread).
+        self._wanted: tuple[int, int, int] | None = None
+        self._ready: RateTable | None = None
+        self._done: tuple[int, int, int] | None = None  # the last signature the thread finished
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     @property
     def logger(self) -> Any:
@@ -152,15 +161,32 @@ class RatesFileWatcher:
                 text = handle.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise OutputRateConfigError(f"rates file {self.path}: cannot be read ({exc})") from None
-        return parse_rates_file(text, self.path)
+        table = parse_rates_file(text, self.path)
+        table.signature = _signature(st)  # the version read (``prime``)
+        return table
+
+    def prime(self, table: RateTable | None) -> None:
+        """Start-up: ``table`` (read by ``load_initial``, perhaps by another watcher) is in
+        force; its version of the file is not read again."""
+        signature = getattr(table, "signature", None)
+        if signature is not None:
+            self._seen = signature
 
     def poll(self) -> RateTable | None:
-        """The new table if the file changed since the last look and is valid, else None.
+        """The new table if the file changed and is valid and ready, else None.
 
         Never raises: a bad or unreadable file is logged once (per version of the file) at
         ERROR and None is returned, so the limits in force stay; a missing file is logged
-        once at WARNING. Cost when nothing changed: one ``os.stat``.
+        once at WARNING. Cost when nothing changed: one ``os.stat``. A changed file of at
+        most ``INLINE_BYTES`` is parsed here; a larger one by the watcher thread, and a
+        later ``poll()`` returns it once ready (O(1)).
         """
+        ready = self._ready
+        if ready is not None:
+            with self._lock:
+                ready, self._ready = self._ready, None
+            if ready is not None:
+                return ready
         try:
             st = os.stat(self.path)
         except OSError as exc:
@@ -176,22 +202,70 @@ class RatesFileWatcher:
         if signature == self._seen:
             return None
         self._seen = signature
+        if st.st_size > INLINE_BYTES:
+            self._read_off_step(signature)
+            return None
+        return self._read_logged(st)
+
+    def _read_logged(self, st: os.stat_result, count: bool = True) -> RateTable | None:
+        """The file's table, or None with the error logged (never raises)."""
         try:
             table = self._read(st)
         except OutputRateConfigError as exc:
             self.errors += 1
             self.logger.error("output-rate: %s; the limits in force are kept until the file is fixed", exc)
             return None
-        self.reloads += 1
+        if count:
+            self.reloads += 1
         return table
+
+    def _read_off_step(self, signature: tuple[int, int, int]) -> None:
+        """Hand the read of the file at ``signature`` to the watcher thread (started once)."""
+        with self._lock:
+            self._wanted = signature
+            self._ready = None  # an older version still being read is not installed
+        self._wake.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="outrate-rates-file", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        """The watcher thread: read and validate each version ``poll`` asks for."""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                wanted = self._wanted
+            table = None
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                st = None  # removed meanwhile: poll logs it at its next look
+            if st is not None and _signature(st) == wanted:
+                table = self._read_logged(st, count=False)
+            if table is not None and self.burst_ns is not None:
+                table.prepare(self.burst_ns)  # scales, labels and log line built here: the step only swaps
+            with self._lock:
+                if self._wanted == wanted:
+                    self._ready, self._done = table, wanted
+                    if table is not None:
+                        self.reloads += 1
+
+    def wait_ready(self, timeout_s: float = 30.0) -> bool:
+        """Tests and benchmarks: wait until the watcher thread has read the last version
+        ``poll`` handed to it (True), or ``timeout_s`` passed (False)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while self._wanted is not None and self._done != self._wanted:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
 
 
 def describe(table: RateTable) -> str:
-    """A one-line description of a table for the operator log."""
-    overrides = ", ".join(f"{u!r} {r} tok/s" for u, r in sorted(table.user_rates.items())[:5])
-    more = len(table.user_rates) - 5
-    return (
-        f"default {table.default_rate} tok/s; {len(table.user_rates)} override(s)"
-        + (f": {overrides}" if overrides else "")
-        + (f" and {more} more" if more > 0 else "")
-    )
+    """A one-line description of a table for the operator log (built by the watcher thread
+    for a large file)."""
+    text = getattr(table, "describe_text", None)
+    return text if text is not None else table.describe()

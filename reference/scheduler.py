@@ -156,8 +156,13 @@ class _RateLimitMixin(_SchedulerHost):
         self._step_taken: dict[str, int] = {}  # user -> charges of the last step (for the metrics)
         # R21: rate changes without a restart, applied at the start of schedule() only.
         self._rates_watcher: RatesFileWatcher | None = (
-            RatesFileWatcher(output_rate_config.rates_file) if output_rate_config.rates_file else None
+            RatesFileWatcher(output_rate_config.rates_file, burst_ns=output_rate_config.burst_ns)
+            if output_rate_config.rates_file
+            else None
         )
+        if self._rates_watcher is not None:
+            self._rates_watcher.prime(output_rate_config.rate_table)  # the start-up table is in force
+        self._plan_shadow: ShadowAccounting | None = None  # R29: would-be throttles of shadow plans
         self._pending_rates: RateTable | None = None  # queued by update_output_rates (any thread)
         self._rates_lock = threading.Lock()
 
@@ -174,8 +179,9 @@ class _RateLimitMixin(_SchedulerHost):
                 url=cfg.shared_budget_url,
                 clock_ns=lambda: self.clock_ns(),
             )
-        else:
-            self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns)
+        else:  # R27-R29: the rates file's table when there is one
+            self.rate_limiter = OutputRateLimiter(cfg.default_rate, cfg.user_rates, cfg.burst_ns, table=cfg.rate_table)
+            self._plan_shadow_for(self.rate_limiter.table)
         # R12: with the feature on, max_num_active_seqs means "requests in a step's batch".
         self._active_cap = min(
             cfg.max_num_active_seqs or self.scheduler_config.max_num_active_seqs or self.max_num_running_reqs,
@@ -312,6 +318,8 @@ class _RateLimitMixin(_SchedulerHost):
                     del self._user_requests[user]
             self._group_cache.pop(request.request_id, None)
             self._turns.pop(request.request_id, None)  # R14: only running requests take turns
+            if self._plan_shadow is not None:  # R29
+                self._plan_shadow.freed(request.request_id)
             if self._trace is not None:
                 self._trace.note_freed(request.request_id, request.status.name, request.num_output_tokens)
         elif self._shadow is not None:  # shadow mode: forget the request's user
@@ -341,6 +349,7 @@ class _RateLimitMixin(_SchedulerHost):
         if stock_order is not None:
             self._restore_order(stock_order)  # R13: only the choice of victims changed
         refunded = self._settle(scheduler_output)  # R9
+        would = self._plan_shadow.step(self._now_ns, scheduler_output, self.requests) if self._plan_shadow else ()
         self._steps += 1
         if self._steps % CLEANUP_INTERVAL_STEPS == 0:
             limiter.cleanup_idle_users(self._now_ns)  # R6
@@ -356,7 +365,7 @@ class _RateLimitMixin(_SchedulerHost):
             self._metrics.step(
                 self._now_ns,
                 self._step_taken,
-                self._throttled,
+                self._throttled.union(would) if would else self._throttled,  # R29: would-be throttles too
                 cache.get,
                 map(cache.get, refunded) if refunded else (),
                 limiter,
@@ -390,14 +399,20 @@ class _RateLimitMixin(_SchedulerHost):
             {"default_tokens_per_s": default_tokens_per_s, "user_tokens_per_s": dict(user_tokens_per_s or {})}
         )
         assert config.default_rate is not None
+        table = RateTable.flat(config.default_rate, dict(config.user_rates))
+        table.prepare(self.output_rate_config.burst_ns)
         with self._rates_lock:
-            self._pending_rates = RateTable(config.default_rate, dict(config.user_rates))
+            self._pending_rates = table
 
     def _apply_pending_rates(self, now_ns: int) -> None:
         """R21: install a queued table or a changed rates file at ``now_ns`` (the start of
-        ``schedule()``): each user keeps its lead in tokens (``OutputRateLimiter.change_rates``),
+        ``schedule()``): each user keeps its lead in tokens (``OutputRateLimiter.install``),
         the spare-grant bounds of ``_survey_users`` are dropped (they were for the old
-        rates), and the log, the metrics' limit gauges and the trace learn the new table."""
+        rates), and the log, the metrics' limit gauges and the trace learn the new table.
+
+        O(users holding a TAT + labels), whatever the table's size: the table was read,
+        validated and prepared (scales, labels, log line) off the step (``RatesFileWatcher``;
+        ``RateTable.prepare``), so installing it is a swap."""
         table = self._rates_watcher.poll() if self._rates_watcher is not None else None
         if self._pending_rates is not None:
             with self._rates_lock:
@@ -409,23 +424,52 @@ class _RateLimitMixin(_SchedulerHost):
         else:  # R21 in shadow mode: the shadow limiter's rates
             assert self._shadow is not None
             limiter = self._shadow.limiter
-        if table.default_rate == limiter.default_rate and dict(table.user_rates) == limiter.user_rates:
-            return  # the table in force (e.g. the file as read at start-up)
-        changed = limiter.change_rates(table.default_rate, table.user_rates, now_ns)
+        if self._shared_budget_refuses(table):
+            return
+        prepared = table.prepare(self.output_rate_config.burst_ns)
+        changed = limiter.install(prepared.for_view(limiter.shadow_view), now_ns)
         if self.rate_limiter is not None:
             self._spare, self._spare_taken = {}, {}  # lower bounds at the old rates
+            self._plan_shadow_for(table, now_ns)  # R29
+        default = table.default_rate if table.default_rate is not None else self.output_rate_config.default_rate
         self.output_rate_config = replace(
-            self.output_rate_config, default_rate=table.default_rate, user_rates=dict(table.user_rates)
+            self.output_rate_config, default_rate=default, user_rates=table.user_rates, rate_table=table
         )
-        if self._metrics is not None:  # users the table names get their own series (bounded)
-            self._metrics.rates_changed(table.user_rates, table.default_rate)
+        if self._metrics is not None:  # the table's labels get their own series (bounded)
+            self._metrics.rates_changed(table)
         if self._trace is not None:
-            self._trace.rates_changed(now_ns, table.default_rate, table.user_rates)
+            self._trace.rates_changed(now_ns, table, limiter.users())
         oplog_logger.info(
             "output-rate limits changed without a restart (R21): %s; %d user(s) rescaled, lead kept in tokens",
             describe_rates(table),
             changed,
         )
+
+    def _shared_budget_refuses(self, table: RateTable) -> bool:
+        """R23-R26 keep one rate per user in the store: a plan table (R27-R29) is refused
+        (logged; the limits in force are kept)."""
+        if self.output_rate_config.shared_budget_url is None or table.is_flat:
+            return False
+        oplog_logger.error(
+            "output-rate: rates file %s: plans, patterns and unlimited users (R27-R29) are not supported with "
+            "shared_budget_url; the limits in force are kept (write default_tokens_per_s and user_tokens_per_s only)",
+            self.output_rate_config.rates_file,
+        )
+        return True
+
+    def _plan_shadow_for(self, table: Any, now_ns: int = 0) -> None:
+        """R29: the shadow accounting of the table's shadow plans (None without one). Its
+        limiter counts only shadow plans' users (the enforcing limiter has them unlimited)."""
+        if not table.has_shadow:
+            self._plan_shadow = None
+            return
+        prepared = table.prepare(self.output_rate_config.burst_ns).shadow
+        if self._plan_shadow is None:
+            self._plan_shadow = ShadowAccounting(self.output_rate_config, self._resolve_user, only_shadow_plans=table)
+            self._plan_shadow.limiter.install(prepared, now_ns)
+        else:
+            self._plan_shadow.only_shadow_plans = table
+            self._plan_shadow.limiter.install(prepared, now_ns)
 
     # -- shadow mode (Decision "Shadow mode"; reference/shadow.py) ------------------------
     def _start_shadow(self) -> None:

@@ -25,7 +25,13 @@ question per user with dispatches; nothing on the base class's decision path. Me
 request id -> user for the requests seen (pruned every ``PRUNE_INTERVAL_STEPS`` steps and
 on every free), plus the limiter's TATs (R6 cleanup at the same cadence).
 
-Source: issue 15 "Operators see and steer the limit", shadow mode.
+R29, per-plan shadow: with the feature on and a rate table whose plan says
+``"shadow": true``, the enforcing limiter treats that plan's users as unlimited (R28) and
+one ``ShadowAccounting`` with ``only_shadow_plans`` replays just their dispatches at the
+plan's rate, after the enforcing ``schedule()``. It reads the step's output and never
+writes scheduler state, so the enforced users' schedule cannot depend on it.
+
+Source: issue 15 "Operators see and steer the limit", shadow mode; R29.
 """
 
 from __future__ import annotations
@@ -45,14 +51,32 @@ class ShadowAccounting:
     """The shadow limiter of one scheduler (see module docstring).
 
     Args:
-        config: the validated section (``config.shadow`` is True; rates and burst used).
+        config: the validated section (``config.shadow`` is True, or a table with shadow
+            plans; rates, table and burst used).
         resolve_user: R17, request -> user, never raising (the scheduler's resolver).
+        only_shadow_plans: R29: a ``RateTable``; only the users of its shadow plans are
+            counted (the rest are enforced by the scheduler). None: everyone (shadow mode).
     """
 
-    __slots__ = ("last_granted", "last_would", "limiter", "resolve_user", "step_dispatches", "steps", "users")
+    __slots__ = (
+        "last_granted",
+        "last_would",
+        "limiter",
+        "only_shadow_plans",
+        "resolve_user",
+        "step_dispatches",
+        "steps",
+        "users",
+    )
 
-    def __init__(self, config: OutputRateConfig, resolve_user: Callable[[Any], str]) -> None:
-        self.limiter = OutputRateLimiter(config.default_rate, config.user_rates, config.burst_ns)
+    def __init__(
+        self, config: OutputRateConfig, resolve_user: Callable[[Any], str], only_shadow_plans: Any = None
+    ) -> None:
+        # R27/R29: the table's rates, shadow plans at their own rate (shadow_view).
+        self.limiter = OutputRateLimiter(
+            config.default_rate, config.user_rates, config.burst_ns, table=config.rate_table, shadow_view=True
+        )
+        self.only_shadow_plans = only_shadow_plans  # R29: a RateTable; only its shadow plans' users count
         self.resolve_user = resolve_user
         self.users: dict[str, str] = {}  # request id -> user (R17, resolved once)
         self.steps = 0
@@ -79,6 +103,7 @@ class ShadowAccounting:
         would: list[str] = []
         per_user: dict[str, list[str]] = {}
         users = self.users
+        only = self.only_shadow_plans
         for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None or request.is_prefill_chunk:
@@ -86,6 +111,8 @@ class ShadowAccounting:
             user = users.get(rid)
             if user is None:
                 user = users[rid] = self.resolve_user(request)
+            if only is not None and not only.lookup(user).shadow:
+                continue  # R29: an enforced user; the scheduler decided its dispatches
             mine = per_user.get(user)
             if mine is None:
                 per_user[user] = [rid]

@@ -37,7 +37,7 @@ import atexit
 import json
 import os
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 FLUSH_INTERVAL_NS = 500_000_000  # flush at least every 0.5 s of steps
@@ -64,6 +64,9 @@ def rank_trace_path(path: str, vllm_config: Any) -> str:
     if not isinstance(rank, int):
         rank = getattr(parallel, "data_parallel_rank", 0)
     return f"{path}.dp{rank}" if isinstance(rank, int) and rank > 0 else path
+
+
+MAX_TRACED_USERS = 1024  # R21: rates of at most this many users in one rates line
 
 
 class TraceWriter:
@@ -123,22 +126,33 @@ class TraceWriter:
             file.flush()
             self._last_flush_ns = now_ns
 
-    def rates_changed(self, now_ns: int, default_rate: Any, user_rates: Mapping[str, Any]) -> None:
+    def rates_changed(self, now_ns: int, table: Any, holders: Iterable[str] = ()) -> None:
         """R21: the rate table changed at ``now_ns`` (before that step's record); rates as
-        exact fraction strings, like the header's."""
+        exact fraction strings, like the header's. Today's table (``RateTable.is_flat``) of
+        at most ``MAX_TRACED_USERS`` users is written whole; a larger or plan table (R27)
+        as its default, the rates of ``holders`` (the users holding a TAT: the ones whose
+        lead the change rescales) and its size, so the line stays bounded (R28's unlimited
+        users are listed as ``"unlimited"``)."""
         file = self._file
         if file is None:
             return
-        self._write(
-            file,
-            {
-                "rates": {
-                    "now_ns": now_ns,
-                    "default_tokens_per_s": str(default_rate),
-                    "user_tokens_per_s": {u: str(r) for u, r in user_rates.items()},
-                }
-            },
-        )
+        if table.is_flat and len(table.user_rates) <= MAX_TRACED_USERS:
+            users = {u: str(r) for u, r in table.user_rates.items()}
+            extra: dict[str, Any] = {}
+        else:
+            users = {}
+            for user in list(holders)[:MAX_TRACED_USERS]:
+                rate = table.rate_of(user)
+                users[user] = "unlimited" if rate is None else str(rate)
+            extra = {"table": {"plans": len(table.plans), "users": len(table.exact), "patterns": len(table.prefixes)}}
+        default = table.default_entry.rate
+        record = {
+            "now_ns": now_ns,
+            "default_tokens_per_s": "unlimited" if default is None else str(default),
+            "user_tokens_per_s": users,
+            **extra,
+        }
+        self._write(file, {"rates": record})
         file.flush()
 
     def idle(self, now_ns: int) -> None:
