@@ -147,7 +147,9 @@ def check_limiter_differential(examples: int, seed: int, tick: Callable[[], None
 
 def _guarded(run: Callable, cls: str) -> Callable:
     """``run(scenario)`` with any exception of the class under test turned into a failing
-    verdict (rule "crash", level must) instead of ending the gate."""
+    verdict (rule "crash", level must) instead of ending the gate -- if stock vLLM survives
+    the same scenario (else ``environment.EnvironmentFailure``: no verdict)."""
+    from vllm_output_rate.adapter.environment import stock_survives
     from vllm_output_rate.adapter.scenarios import Verdict
 
     def guarded(scenario):
@@ -155,6 +157,7 @@ def _guarded(run: Callable, cls: str) -> Callable:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding, not a gate crash
             _reraise_gate_error(exc)
+            stock_survives(scenario, exc)
             return Verdict(
                 0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash", None, level="must"
             )
@@ -371,7 +374,9 @@ def check_white_box(
 
 
 def _guarded_step(run: Callable, cls: str) -> Callable:
-    """``run(step_scenario)`` with an exception of the class under test as a failing verdict."""
+    """``run(step_scenario)`` with an exception of the class under test as a failing verdict
+    (if stock vLLM survives the same scenario, as in ``_guarded``)."""
+    from vllm_output_rate.adapter.environment import stock_survives
     from vllm_output_rate.adapter.fidelity import StepVerdict
 
     def guarded(scenario):
@@ -379,6 +384,7 @@ def _guarded_step(run: Callable, cls: str) -> Callable:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding
             _reraise_gate_error(exc)
+            stock_survives(scenario, exc)
             return StepVerdict(0, 0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", None)
 
     return guarded

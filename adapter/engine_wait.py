@@ -52,6 +52,15 @@ no earlier than the next ready time of a user with pending requests: the wait is
 earliest ready time, rounded up), (3) the new request is scheduled and the abort handled
 within ``WAKE_TOLERANCE_NS`` of their arrival.
 
+Polling world (``polling=True``, the multiproc executor's way): ``execute_model`` returns a
+future that can ``poll()`` and ``wait_briefly()`` (``_PollingFuture``), and a step takes fake
+time inside it. vLLM 0.34.0's ``EngineCore._wait_for_output`` then handles ADD/ABORT inputs
+while a step runs (TP > 1, the CPU platform, the ``mp`` backend). In this world B's request
+arrives *during an empty step* (the first one after its seeded instant): the engine takes it
+in that step, after ``schedule()``, so the input queue is empty when the step ends, and an
+engine that then waits for the next ready time keeps B waiting up to a throttled interval.
+On releases whose step only calls ``result()`` the request stays queued and wakes the wait.
+
 Async: an ``AsyncScheduler`` subclass runs with ``async_scheduling`` on, so vLLM's
 ``step_with_batch_queue`` (two batches in flight) drives it; vLLM's CPU platform turns
 async scheduling off for a live engine, so the child turns it back on after the config is
@@ -137,6 +146,10 @@ ABORT_WINDOW_NS = (720 * MS, 880 * MS)
 """One of A's streams is aborted at a seeded instant in here (A's interval 567-900 ms)."""
 MODEL_STEP_NS = 200_000
 """Fake time (ns) one model step that computes tokens takes."""
+POLLING_EMPTY_STEP_NS = 5_000
+"""Fake time (ns) an empty step takes in the polling world (the executor's round trip for a
+step with no token); inside the 10 us slack of ``WAKE_TOLERANCE_NS``, so a request taken
+during an empty step may still be scheduled after one stock 1 ms idle sleep."""
 
 # -- bounds -----------------------------------------------------------------------------
 MAX_LOOP_ITERATIONS = 20_000
@@ -156,6 +169,8 @@ class ScriptedInput:
     """One input put into the engine's input queue at fake instant ``at_ns``.
 
     ``kind`` "add" (a request of ``user`` with ``max_tokens``) or "abort" (of ``request_id``).
+    ``during_step``: the input arrives during the first empty engine step at or after
+    ``at_ns`` (polling world), never during a wait.
     """
 
     at_ns: int
@@ -163,6 +178,7 @@ class ScriptedInput:
     request_id: str
     user: str = ""
     max_tokens: int = 0
+    during_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,6 +191,7 @@ class EngineWaitScenario:
     run_ns: int
     new_request_id: str
     aborted_request_id: str
+    polling: bool = False  # the multiproc-like world: steps return a polling future
 
     def output_rate(self) -> dict[str, Any]:
         """The ``output_rate`` section of ``EngineShape`` for this scenario."""
@@ -184,8 +201,11 @@ class EngineWaitScenario:
         }
 
 
-def engine_wait_scenario(seed: int = 0) -> EngineWaitScenario:
-    """The R16 scenario for ``seed`` (only the arrival instants of B's request and the abort vary)."""
+def engine_wait_scenario(seed: int = 0, polling: bool = False) -> EngineWaitScenario:
+    """The R16 scenario for ``seed`` (only the arrival instants of B's request and the abort vary).
+
+    ``polling``: the multiproc-like world, where B's request arrives during an empty step.
+    """
     from vllm_output_rate.spec.limiter import BURST_NS
 
     rng = random.Random(seed)
@@ -193,7 +213,7 @@ def engine_wait_scenario(seed: int = 0) -> EngineWaitScenario:
     t_abort = rng.randrange(*ABORT_WINDOW_NS)
     inputs = [ScriptedInput(0, "add", f"a{i}", USER_A, A_MAX_TOKENS) for i in range(A_STREAMS)]
     inputs.append(ScriptedInput(0, "add", "c0", USER_C, A_MAX_TOKENS))
-    inputs.append(ScriptedInput(t_new, "add", "b0", USER_B, B_MAX_TOKENS))
+    inputs.append(ScriptedInput(t_new, "add", "b0", USER_B, B_MAX_TOKENS, during_step=polling))
     inputs.append(ScriptedInput(t_abort, "abort", f"a{A_STREAMS - 1}"))
     return EngineWaitScenario(
         inputs=tuple(sorted(inputs, key=lambda i: i.at_ns)),
@@ -202,6 +222,7 @@ def engine_wait_scenario(seed: int = 0) -> EngineWaitScenario:
         run_ns=RUN_NS,
         new_request_id="b0",
         aborted_request_id=f"a{A_STREAMS - 1}",
+        polling=polling,
     )
 
 
@@ -217,7 +238,8 @@ class EngineWaitVerdict:
     a throttled user's next token after its ready time; ``max_wait_ns`` the longest gap
     between wake-ups while requests were pending; ``new_request_latency_ns`` /
     ``abort_latency_ns``: arrival to first scheduled / to the scheduler's
-    ``finish_requests`` (None: never). ``plugins``: the general plugins allowed to load;
+    ``finish_requests`` (None: never); in the polling world B's arrival is the instant it
+    reached the input queue, during an empty step. ``plugins``: the general plugins allowed to load;
     ``max_early_ns``: how long before the next ready time of a user with pending
     requests a wait on the input queue, other than one of ``ARTICLE_RECHECK_NS``, timed out (0:
     never early); ``seconds``: real seconds of the run (a batch's time shared equally);
@@ -230,6 +252,7 @@ class EngineWaitVerdict:
 
     scheduler_cls: str
     async_mode: bool = False
+    polling: bool = False  # the multiproc-like world (``_PollingFuture``)
     failure: str | None = None
     rule: str = "R16"
     seed: int = 0
@@ -302,6 +325,7 @@ def run_engine_wait(
     *,
     plugins: Sequence[str] | None = None,
     timeout_s: float = CHILD_TIMEOUT_S,
+    polling: bool = False,
 ) -> EngineWaitVerdict:
     """R16: run ``scheduler_cls`` inside vLLM's engine-core loop on a fake clock and judge it.
 
@@ -314,17 +338,18 @@ def run_engine_wait(
         plugins: names of the ``vllm.general_plugins`` to load (``VLLM_PLUGINS``); None:
             those shipped with the candidate's packages (``candidate_plugins``); ``[]``: none.
         timeout_s: real seconds before the child process is killed.
+        polling: the multiproc-like world (a polling future; B arrives during an empty step).
     Returns:
         The verdict; ``failure`` is None iff R16 held. A crash of the candidate or of the
         child becomes a failure naming it, never an exception.
     Raises:
         ValueError: ``scheduler_cls`` is not a dotted path to a class.
     """
-    return run_engine_waits([(scheduler_cls, plugins)], style=style, seed=seed, timeout_s=timeout_s)[0]
+    return run_engine_waits([(scheduler_cls, plugins, polling)], style=style, seed=seed, timeout_s=timeout_s)[0]
 
 
 def run_engine_waits(
-    candidates: Sequence[str | tuple[str, Sequence[str] | None]],
+    candidates: Sequence[str | tuple[str, Sequence[str] | None] | tuple[str, Sequence[str] | None, bool]],
     style: Any = None,
     seed: int = 0,
     *,
@@ -334,8 +359,9 @@ def run_engine_waits(
 
     The child imports vLLM's engine core once (~10 s), then forks one process per candidate,
     so each one still starts with no plugin loaded and no vLLM class patched.
-    ``candidates``: dotted class paths, or ``(path, plugins)`` pairs (``plugins`` as in
-    ``run_engine_wait``). Returns the verdicts in order.
+    ``candidates``: dotted class paths, or ``(path, plugins)`` pairs, or ``(path, plugins,
+    polling)`` (``plugins`` and ``polling`` as in ``run_engine_wait``). Returns the verdicts
+    in order.
 
     Raises:
         ValueError: a path is not a dotted path to a class.
@@ -345,15 +371,19 @@ def run_engine_waits(
     from vllm_output_rate.adapter.harness import load_class
 
     started = time.monotonic()
-    scenario = engine_wait_scenario(seed)
     verdicts: list[EngineWaitVerdict] = []
     runs: list[dict] = []
     for candidate in candidates:
-        scheduler_cls, plugins = (candidate, None) if isinstance(candidate, str) else candidate
+        scheduler_cls, plugins, polling = (
+            (candidate, None, False) if isinstance(candidate, str) else (*candidate, False)[:3]
+        )
+        scenario = engine_wait_scenario(seed, polling=bool(polling))
         cls = load_class(scheduler_cls)
         async_mode = issubclass(cls, AsyncScheduler)
         allowed = sorted(plugins) if plugins is not None else candidate_plugins(cls)
-        verdict = EngineWaitVerdict(scheduler_cls, async_mode=async_mode, seed=seed, plugins=list(allowed))
+        verdict = EngineWaitVerdict(
+            scheduler_cls, async_mode=async_mode, polling=bool(polling), seed=seed, plugins=list(allowed)
+        )
         verdicts.append(verdict)
         try:
             config, shape = _build_config(scheduler_cls, async_mode, scenario, style)
@@ -372,7 +402,7 @@ def run_engine_waits(
         )
     observations = _run_child(runs, timeout_s) if runs else []
     for run, obs in zip(runs, observations):
-        judge(obs, scenario, verdicts[run["index"]])
+        judge(obs, run["scenario"], verdicts[run["index"]])
     elapsed = time.monotonic() - started
     for verdict in verdicts:
         verdict.seconds = elapsed / max(1, len(verdicts))
@@ -382,10 +412,12 @@ def run_engine_waits(
 def check_engine_wait(scheduler_cls: str, seed: int, tick: Callable[[], None], style: Any = None):
     """The gate's ``engine-wait/sync`` row (rule R16): ``run_engine_wait`` as a ``CheckResult``.
 
-    One example: the seeded scenario through vLLM's engine-core loop; ``steps`` counts the
-    loop's wake-ups. An ``AsyncScheduler`` class is driven through ``step_with_batch_queue``
-    and its row is named ``engine-wait/async``. ``tick`` is called once. Raises nothing for
-    a failing candidate (``ValueError`` only for a malformed class path).
+    Two examples: the seeded scenario through vLLM's engine-core loop with plain futures,
+    and again in the polling world (a multiproc-like future; B's request arrives during an
+    empty step); the first failure is the row's. ``steps`` counts the loops' wake-ups. An
+    ``AsyncScheduler`` class is driven through ``step_with_batch_queue`` and its row is
+    named ``engine-wait/async``. ``tick`` is called once. Raises nothing for a failing
+    candidate (``ValueError`` only for a malformed class path).
     """
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
@@ -395,17 +427,24 @@ def check_engine_wait(scheduler_cls: str, seed: int, tick: Callable[[], None], s
     name = CHECK_NAME_ASYNC if issubclass(load_class(scheduler_cls), AsyncScheduler) else CHECK_NAME
     result = CheckResult(name, ["R16"])
     tick()
-    verdict = run_engine_wait(scheduler_cls, style=style, seed=seed)
-    result.examples = 1
-    result.steps = verdict.wakeups
-    result.seconds = verdict.seconds
-    if verdict.failure is not None:
+    found = run_engine_waits([(scheduler_cls, None, False), (scheduler_cls, None, True)], style=style, seed=seed)
+    result.examples = len(found)
+    result.steps = sum(v.wakeups for v in found)
+    result.seconds = sum(v.seconds for v in found)
+    verdict = next((v for v in found if v.failure is not None), None)
+    if verdict is not None:
         result.result = "fail"
-        result.failure = f"{verdict.rule}: {verdict.failure}"
-        inputs = engine_wait_scenario(seed).inputs
-        result.counterexample = [f"seed {seed}: {ev.kind} {ev.request_id} at {ev.at_ns / MS:.3f} ms" for ev in inputs]
+        world = " (polling future, as vLLM's multiproc executor)" if verdict.polling else ""
+        result.failure = f"{verdict.rule}{world}: {verdict.failure}"
+        inputs = engine_wait_scenario(seed, polling=verdict.polling).inputs
+        result.counterexample = [f"seed {seed}: {_describe(ev)}" for ev in inputs]
         result.counterexample.append(_numbers(verdict))
     return result
+
+
+def _describe(ev: ScriptedInput) -> str:
+    when = "during the first empty step from" if ev.during_step else "at"
+    return f"{ev.kind} {ev.request_id} {when} {ev.at_ns / MS:.3f} ms"
 
 
 def _numbers(v: EngineWaitVerdict) -> str:
@@ -486,7 +525,7 @@ def judge(obs: dict, scenario: EngineWaitScenario, verdict: EngineWaitVerdict) -
     verdict.wakeups = len(wakeups)
     productive = [s for s in steps if s["tokens"] > 0]
     verdict.productive_steps = len(productive)
-    run = _Replay(scenario, end_ns, wakeups)
+    run = _Replay(scenario, end_ns, wakeups, obs.get("arrivals", {}))
     run.replay(productive, verdict)
     _judge_spin(run, productive, verdict)
     _judge_oversleep(run, verdict)
@@ -509,11 +548,16 @@ class _Replay:
     the sampling dispatches replayed through the spec limiter (R1-R5) and the ready times
     they imply."""
 
-    def __init__(self, scenario: EngineWaitScenario, end_ns: int, wakeups: list[Any]) -> None:
+    def __init__(
+        self, scenario: EngineWaitScenario, end_ns: int, wakeups: list[Any], arrived: dict[str, int] | None = None
+    ) -> None:
         self.scenario, self.end_ns, self.wakeups = scenario, end_ns, wakeups
         self.user_of = {i.request_id: i.user for i in scenario.inputs if i.kind == "add"}
         self.max_tokens = {i.request_id: i.max_tokens for i in scenario.inputs if i.kind == "add"}
-        self.arrivals = {i.request_id: i.at_ns for i in scenario.inputs if i.kind == "add"}
+        # An input that arrives during a step (polling world) arrives when it reached the queue.
+        self.arrivals = {
+            i.request_id: (arrived or {}).get(i.request_id, i.at_ns) for i in scenario.inputs if i.kind == "add"
+        }
         self.t_abort = next(i.at_ns for i in scenario.inputs if i.kind == "abort")
         self.sampled_by_user: dict[str, list[int]] = {}
         self.dispatch_times: dict[str, list[int]] = {}  # request id -> instants of its sampling dispatches
@@ -566,7 +610,8 @@ def _judge_spin(run: _Replay, productive: list[dict[str, Any]], verdict: EngineW
     """(1) Spin: idle wake-ups (while some user still wants tokens) per interval between events."""
     scenario, end_ns, wakeups = run.scenario, run.end_ns, run.wakeups
     # Events: steps that ran the model, inputs, the end of the run.
-    events = sorted({s["t"] for s in productive} | {i.at_ns for i in scenario.inputs} | {end_ns})
+    arrivals = set(run.arrivals.values()) | {run.t_abort}
+    events = sorted({s["t"] for s in productive} | arrivals | {end_ns})
     idle_in: dict[int, int] = {}
     idle_times = []
     for t, ran in wakeups:
@@ -632,7 +677,7 @@ def _judge_early_wake(run: _Replay, obs: dict[str, Any], verdict: EngineWaitVerd
     # so that the wait hint ended it, must not end before the earliest
     # ready time (R5: rounded up) of the users with pending requests, from the replay at
     # the wait's start (nothing is dispatched during a wait).
-    inputs_at = {i.at_ns for i in scenario.inputs}
+    inputs_at = set(run.arrivals.values()) | {run.t_abort}
     replay_times = [t for t, _ in replay_at]
     for w in obs["waits"]:
         start, end, pending, kind = w[0], w[1], w[2], w[3]
@@ -726,6 +771,12 @@ def _first_failure(v: EngineWaitVerdict, obs: dict) -> str | None:
         )
     if v.new_request_latency_ns is None or v.new_request_latency_ns > WAKE_TOLERANCE_NS:
         when = "never" if v.new_request_latency_ns is None else f"only after {ms(v.new_request_latency_ns)}"
+        if v.polling:
+            return (
+                f"a new request did not wake the engine: {USER_B}'s request, taken by the engine during an empty "
+                f"step, was scheduled {when}; after a step that took a request, the engine must not wait for a "
+                f"throttled user's ready time (the request is pending and unscheduled, and the input queue is empty)"
+            )
         return (
             f"a new request did not wake the engine: {USER_B}'s request arriving mid-wait was scheduled {when}; "
             f"the article's engine waits on its input queue, so a new request wakes it at once"
@@ -774,6 +825,8 @@ class _World:
         self.looping = False
         self.loop_thread: int | None = None
         self.step_fn_name = ""
+        self.in_empty_step = False  # inside an empty step's polling future (polling world)
+        self.arrived: dict[str, int] = {}  # during-step request id -> instant it reached the input queue
 
     # -- time -----------------------------------------------------------------------
     def _deliver_due(self) -> None:
@@ -784,8 +837,11 @@ class _World:
         from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID
 
         engine = self.engine
-        while self.script and self.script[0].at_ns <= self.clock.now_ns() and engine is not None:
-            item = self.script.pop(0)
+        due = [i for i in self.script if i.at_ns <= self.clock.now_ns() and (self.in_empty_step or not i.during_step)]
+        for item in due if engine is not None else ():
+            self.script.remove(item)
+            if item.during_step:  # its arrival is when it came, not its scripted lower bound
+                self.arrived[item.request_id] = self.clock.now_ns()
             if item.kind == "add":
                 params = SamplingParams(max_tokens=item.max_tokens, extra_args={"output_rate_user": item.user})
                 params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
@@ -812,7 +868,24 @@ class _World:
                 q.put_nowait(message)
 
     def _next_input_ns(self) -> float:
-        return self.script[0].at_ns if self.script else math.inf
+        """The next instant a scripted input can arrive outside a step (waits never see
+        ``during_step`` inputs)."""
+        return min((i.at_ns for i in self.script if not i.during_step), default=math.inf)
+
+    def next_step_input_ns(self, empty: bool) -> float:
+        """The next instant a scripted input can arrive during a step (``during_step``
+        inputs only during an empty one)."""
+        return min((i.at_ns for i in self.script if empty or not i.during_step), default=math.inf)
+
+    def advance_in_step(self, to_ns: int, empty: bool) -> None:
+        """Inside a step's polling future: move the clock to ``to_ns`` (never back) and
+        deliver the inputs due by then (``during_step`` ones too if the step is empty)."""
+        self.clock.advance(max(0, to_ns - self.clock.now_ns()))
+        self.in_empty_step = empty
+        try:
+            self._deliver_due()
+        finally:
+            self.in_empty_step = False
 
     def block(self, timeout_s: float | None, wake_on_input: bool, kind: str) -> bool:
         """A blocking wait: advance the fake clock to its end (its timeout, or for a wait on
@@ -892,17 +965,51 @@ class _World:
 
 def _fabricated_output(scheduler_output, sampled: list[str]):
     """One non-EOS token per sampling request (``harness`` fabricates the same)."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
     from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
+    from vllm_output_rate.adapter.vllm_compat import model_runner_output
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
     chosen = set(sampled)
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[NON_EOS_TOKEN_ID] if r in chosen else [] for r in req_ids],
-    )
+    return model_runner_output(req_ids, [[NON_EOS_TOKEN_ID] if r in chosen else [] for r in req_ids])
+
+
+def _polling_future_class():
+    from concurrent.futures import Future
+
+    class _PollingFuture(Future):
+        """A step's result as vLLM's multiproc executor returns it: ``poll()`` (done yet?)
+        and ``wait_briefly(pending, deadline)`` (wait until done, ``pending`` is non-empty
+        or ``time.monotonic()`` reaches ``deadline``); the step lasts ``duration_ns`` of fake
+        time, during which due inputs reach the engine's input queue."""
+
+        def __init__(self, world: _World, value: Any, duration_ns: int, empty: bool) -> None:
+            super().__init__()
+            self._world, self._value, self._empty = world, value, empty
+            self._done_at = world.clock.now_ns() + duration_ns
+
+        def _settle(self) -> bool:
+            if not self.done() and self._world.clock.now_ns() >= self._done_at:
+                self.set_result(self._value)
+            return self.done()
+
+        def poll(self) -> bool:
+            self._world.advance_in_step(self._world.clock.now_ns(), self._empty)
+            return self._settle()
+
+        def wait_briefly(self, pending: Any, deadline: float) -> None:
+            if len(pending):
+                return
+            until = min(self._done_at, math.ceil(deadline * 1e9), self._world.next_step_input_ns(self._empty))
+            self._world.advance_in_step(int(until), self._empty)
+            self._settle()
+
+        def result(self, timeout: float | None = None) -> Any:
+            if not self.done():
+                self._world.advance_in_step(self._done_at, self._empty)
+                self._settle()
+            return super().result(timeout)
+
+    return _PollingFuture
 
 
 _WORLD: _World | None = None  # the child's world (one run per child process)
@@ -917,10 +1024,19 @@ def _executor_class():
 
     from vllm_output_rate.adapter.harness import build_kv_cache_config
 
+    polling_future = _polling_future_class()
+
     def done(value):
         future = Future()
         future.set_result(value)
         return future
+
+    def step_future(value, empty: bool):
+        """A plain finished future, or in the polling world one that takes the step's time."""
+        world = _WORLD
+        if world is None or not world.scenario.polling:
+            return done(value)
+        return polling_future(world, value, POLLING_EMPTY_STEP_NS if empty else MODEL_STEP_NS, empty)
 
     class _GateExecutor(Executor):
         """An executor without workers: fixed KV cache, fabricated model outputs, fake time."""
@@ -941,7 +1057,7 @@ def _executor_class():
             return [[layout.name for layout in KVCacheLayout]]
 
         def set_kv_cache_layout(self, layout_name: str, *extra) -> None:
-            # vLLM 0.33 also passes cp_kv_cache_interleave_size (Executor.set_kv_cache_layout).
+            # Later releases pass more arguments (Executor.set_kv_cache_layout); only the layout is kept.
             self.kv_cache_layout = layout_name
 
         def initialize_from_config(self, kv_cache_configs) -> None:
@@ -955,15 +1071,17 @@ def _executor_class():
             return done(result) if non_block else result
 
         def execute_model(self, scheduler_output, non_block: bool = False):
-            if scheduler_output.total_num_scheduled_tokens == 0:
+            empty = scheduler_output.total_num_scheduled_tokens == 0
+            if empty:
                 value = EMPTY_MODEL_RUNNER_OUTPUT
             else:
                 world = _WORLD
                 assert world is not None, "the child sets _WORLD before it builds the engine"
                 sampled = world.sampled_of.pop(id(scheduler_output), [])
-                world.model_step()
+                if not (world.scenario.polling and non_block):
+                    world.model_step()  # the polling future takes the step's time instead
                 self._pending, value = _fabricated_output(scheduler_output, sampled), None
-            return done(value) if non_block else value
+            return step_future(value, empty) if non_block else value
 
         def sample_tokens(self, grammar_output, non_block: bool = False):
             value, self._pending = self._pending, None
@@ -988,6 +1106,8 @@ def _build_engine(world: _World, vllm_config):
 
     from vllm.v1.engine.core import EngineCore, EngineCoreProc, EngineShutdownState
 
+    from vllm_output_rate.adapter.vllm_compat import prepare_engine_core
+
     engine = object.__new__(EngineCoreProc)
     world.engine = engine
     # The attributes EngineCoreProc.__init__ sets around its handshake (single engine, no
@@ -997,7 +1117,7 @@ def _build_engine(world: _World, vllm_config):
     engine.engine_index = 0
     engine.engines_running = False
     engine.shutdown_state = EngineShutdownState.RUNNING
-    engine.reject_new_requests = False  # vLLM 0.33 (pause/resume of new requests)
+    prepare_engine_core(engine)  # the per-release attributes (adapter/vllm_compat.py)
     engine.tensor_ipc_receiver = None
     engine.has_coordinator = False
     engine.frontend_stats_publish_address = None
@@ -1098,6 +1218,7 @@ def _drive(payload: dict) -> dict:
             steps=world.steps,
             waits=world.waits,
             aborts=world.aborts,
+            arrivals=world.arrived,
             async_scheduling=bool(getattr(engine, "async_scheduling", False)),
             batch_queue=engine.batch_queue is not None,
             real_seconds=world._real_perf() - world.wall_start,

@@ -1,15 +1,15 @@
 """Which base-model profile (``spec/versions.py``) the installed vLLM gets.
 
-The spec takes the vLLM version as data; this is the one place that reads it from vLLM
-(``vllm.__version__``, e.g. ``0.32.0+cpu`` for the CPU build, ``0.33.0`` for the CUDA wheel)
-and selects the profile. An unsupported version runs with the nearest older profile and a
-warning (``installed_warning``), printed once to stderr and shown in the drift header.
+The spec takes the vLLM version as data; this is the gate's one place that reads it from
+vLLM (``vllm.__version__``; a local part such as ``+cpu`` is ignored) and selects the profile.
+An unsupported version runs with the nearest older profile and a warning
+(``installed_warning``), which each command prints once: ``outrate conform`` first of all,
+``outrate drift`` in its header.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 
 from vllm_output_rate.spec.versions import PROFILES, VllmVersionProfile, select_profile
 
@@ -22,21 +22,20 @@ def installed_version() -> str:
 
 
 @functools.cache
-def _selected(version: str) -> tuple[VllmVersionProfile, str | None]:
-    profile, warning = select_profile(version)
-    if warning is not None:
-        print(warning, file=sys.stderr)
-    return profile, warning
+def profile_and_warning(version: str) -> tuple[VllmVersionProfile, str | None]:
+    """The base-model profile a vLLM ``version`` runs with, and the unsupported-release
+    warning (None if ``version`` is a supported release)."""
+    return select_profile(version)
 
 
 def installed_profile() -> VllmVersionProfile:
-    """The base-model profile of the installed vLLM (warns once if it is not supported)."""
-    return _selected(installed_version())[0]
+    """The base-model profile of the installed vLLM (``installed_warning`` if it is not supported)."""
+    return profile_and_warning(installed_version())[0]
 
 
 def installed_warning() -> str | None:
     """The unsupported-version warning of the installed vLLM, or None."""
-    return _selected(installed_version())[1]
+    return profile_and_warning(installed_version())[1]
 
 
 def profile_named(version: str | None) -> VllmVersionProfile:

@@ -180,8 +180,8 @@ def conform(
     survived); 2: some check was NOT TESTED; 3: spec health failed (the verdict cannot be
     trusted on this vLLM).
     """
-    from vllm_output_rate import gate_plan
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate import gate_environment, gate_plan
+    from vllm_output_rate.adapter import environment, registry
 
     sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
@@ -202,11 +202,22 @@ def conform(
         paths=gate_plan.import_dirs(paths, (sync_cls, async_scheduler_cls)),
         require_modes=tuple(require_modes),
     )
+    release_clause = _environment_first(options, vllm_version, config_style, json_path)
     with console.status("probing the candidate's configuration"):
         problem = gate_plan.fractional_rates_problem(options)
     if problem is not None:  # every fractional-rate scenario would read as a crash
         raise click.BadParameter(problem, param_hint="--integer-rates")
-    results = _run_with_modes(gate_plan.plan(options), options)
+    try:
+        results = _run_with_modes(gate_plan.plan(options), options)
+    except environment.EnvironmentFailure as failure:  # stock vLLM raised where the candidate did
+        _exit_now(
+            gate_environment.stop_without_verdict(
+                console,
+                environment.environment_paragraph(failure.what),
+                json_path,
+                _conform_settings(options, vllm_version, config_style),
+            )
+        )
     code = _report_conform(
         results,
         options,
@@ -217,12 +228,37 @@ def conform(
         mutants,
         (json_path, junit_path, markdown_path),
         started,
+        release_clause=release_clause,
     )
-    # Exit without interpreter teardown: Z3's context destructors (boundary scenarios) were
-    # seen to hang at exit on a loaded machine after the verdict was printed and saved.
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without interpreter teardown: Z3's context destructors (boundary scenarios) were
+    seen to hang at exit on a loaded machine after the verdict was printed and saved."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _environment_first(options: Any, vllm_version: str, config_style: str, json_path: Path | None) -> str | None:
+    """Before any candidate row (``outrate/gate_environment.py``): the unsupported-release
+    warning, printed once; stock vLLM's preflight in the harness; on an unsupported release
+    the drift hunt. A failure prints one paragraph and exits 3 (no verdict, no
+    counterexample). Returns the verdict-line clause of an unsupported release, or None."""
+    from vllm_output_rate import gate_environment
+
+    notice = gate_environment.version_notice(vllm_version)
+    if notice is not None:
+        console.print(escape_markup(notice), soft_wrap=True)
+    settings = _conform_settings(options, vllm_version, config_style)
+    paragraph = gate_environment.preflight(console)
+    clause = None
+    if paragraph is None:
+        paragraph, clause = gate_environment.unsupported_release_drift(console, vllm_version)
+    if paragraph is not None:
+        _exit_now(gate_environment.stop_without_verdict(console, paragraph, json_path, settings))
+    return clause
 
 
 def _run_with_modes(plan: list[Any], options: Any) -> list[Any]:
@@ -251,11 +287,13 @@ def _report_conform(
     mutants: bool,
     report_paths: tuple[Path | None, Path | None, Path | None],
     started: float,
+    release_clause: str | None = None,
 ) -> int:
     """Everything ``outrate conform`` prints and writes after its checks ran: the tables,
     the failures with their replay commands, the mutant hunt (``mutants``; with the
     white-box checks if ``white_box``), the JSON, JUnit and Markdown reports
-    (``report_paths``, None: not written) and the verdict line. Returns the exit code."""
+    (``report_paths``, None: not written) and the verdict line (led by ``release_clause`` on
+    an unsupported vLLM release). Returns the exit code."""
     from vllm_output_rate.adapter import registry
 
     json_path, junit_path, markdown_path = report_paths
@@ -282,7 +320,8 @@ def _report_conform(
             },
         )
     _write_reports(junit_path, markdown_path, header, checks_json, mutant_rows, profile)
-    console.print(_verdict_line(results, level, mutant_rows, time.monotonic() - started), soft_wrap=True)
+    line = _verdict_line(results, level, mutant_rows, time.monotonic() - started)
+    console.print(f"{release_clause}: {line}" if release_clause else line, soft_wrap=True)
     return code
 
 
@@ -373,11 +412,11 @@ def _put_on_path(paths: tuple[str, ...]) -> None:
 
 
 def _version_warning() -> str:
-    """A header line warning that the installed vLLM is not a supported version ("" if it is)."""
+    """A header clause for an installed vLLM that is not a supported release ("" if it is);
+    the warning itself is printed once, first (``_environment_first``)."""
     from vllm_output_rate.adapter.versions import installed_warning
 
-    version_warning = installed_warning()
-    return f"\nWARNING: {version_warning}" if version_warning else ""
+    return " -- not a supported vLLM release" if installed_warning() else ""
 
 
 def _checks_json(results: list[Any]) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
-"""The gate's spec-health rows that come from proofs/: ``proofs/z3``, ``model-check/quick``
-and ``proofs/shared-budget`` (R23-R26).
+"""The gate's spec-health rows that come from proofs/: ``proofs/z3``, ``model-check/quick``,
+``proofs/shared-budget`` (R23-R26) and ``identity/bind`` (R30-R32, proofs/identity_check.py).
 
 They live here, not in ``adapter/``, because the layers go one way (spec <- reference <-
 adapter <- proofs <- outrate; ``tests/test_layers.py``): the proofs use the adapter's
@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_output_rate.adapter.conform import CheckResult
 from vllm_output_rate.adapter.registry import CheckSpec
+from vllm_output_rate.proofs.identity_check import IDENTITY_RULES, check_identity, identity_cases
 
 Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R21")
 MODEL_RULES = ("I1-I18", "F1", "R6", "R19", "liveness")
@@ -140,6 +141,15 @@ def spec_health_checks() -> list[CheckSpec]:
             None,
             lambda o: _shared_budget_items(),
             lambda o, tick: check_shared_budget(tick),
+        ),
+        CheckSpec(
+            "identity/bind",
+            "spec health",
+            "must",
+            IDENTITY_RULES,
+            None,
+            lambda o: identity_cases(),
+            lambda o, tick: check_identity(tick),
         ),
     ]
 

@@ -198,12 +198,17 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
                 "shared_budget_url (the store keeps one rate per user); write default_tokens_per_s and "
                 "user_tokens_per_s only, or remove shared_budget_url"
             )
-    if any(section.get(key) is not None for key in IDENTITY_KEYS):
-        config = replace(config, identity=parse_identity_section(section))
-    return config
+    return _with_identity(config, section)
 
 
 IDENTITY_KEYS = ("identity", "keys_file", "identity_on_claim", "identity_on_missing")
+
+
+def _with_identity(config: OutputRateConfig, section: Mapping[str, Any]) -> OutputRateConfig:
+    """``config`` with the section's identity settings (R30-R32), if it gives any."""
+    if all(section.get(key) is None for key in IDENTITY_KEYS):
+        return config
+    return replace(config, identity=parse_identity_section(section))
 
 
 def parse_identity_section(section: Mapping[str, Any]) -> IdentitySettings:

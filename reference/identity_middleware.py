@@ -215,7 +215,13 @@ def bind_body(settings: IdentitySettings, user: str, raw: bytes) -> bytes | Refu
 
 def _error_body(refusal: Refusal) -> bytes:
     kind = "BadRequestError" if refusal.status == 400 else "AuthenticationError"
-    error = {"message": refusal.message, "type": kind, "param": refusal.param, "code": refusal.status}
+    error = {
+        "message": refusal.message,
+        "type": kind,
+        "param": refusal.param,
+        "code": refusal.status,
+        "reason": refusal.reason,
+    }
     return json.dumps({"error": error}).encode()
 
 

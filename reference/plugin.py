@@ -64,6 +64,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
+from vllm_output_rate.reference import vllm_compat
 from vllm_output_rate.reference.config import (
     SECTION,
     OutputRateConfigError,
@@ -431,8 +432,10 @@ def engine_wait_timeout_ns(core) -> int:
     blocked on background work (``background_blocked``); and 0 unless: the scheduler offers
     ``next_ready_ns`` and some user was refused in the step, the feature is on, the engine
     is a single (non data-parallel) engine, and no batch that ran the model is still in
-    flight (async scheduling / pipeline batch queue). A new request or abort ends the wait
-    at once (``wait_for_input``).
+    flight (async scheduling / pipeline batch queue), and no input deferred during the step
+    is pending (``vllm_compat.deferred_inputs``, 0.34.0). A new request or abort ends the
+    wait at once (``wait_for_input``); one the engine took during the step (0.34.0, a
+    polling executor future) means no wait at all (``_install_engine_wait``).
     """
     scheduler = getattr(core, "scheduler", None)
     next_ready_ns = getattr(scheduler, "next_ready_ns", None)
@@ -445,6 +448,8 @@ def engine_wait_timeout_ns(core) -> int:
         return 0
     if not _nothing_in_flight(core):
         return 0
+    if vllm_compat.deferred_inputs(core):
+        return 0  # inputs taken during the step are handled at the next loop: go there now
     clock_ns = getattr(scheduler, "clock_ns", time.monotonic_ns)
     now_ns = clock_ns()
     timeout_ns = max(0, ready_ns - now_ns)
@@ -478,7 +483,7 @@ def log_on_time(core) -> bool:
     if scheduler is None or flush is None or due_ns is None:
         return False
     clock_ns = getattr(scheduler, "clock_ns", time.monotonic_ns)
-    if not scheduler.has_requests() and not getattr(core, "_idle_state_callbacks", None):
+    if not scheduler.has_requests() and not vllm_compat.idle_callbacks(core):
         timeout_ns = due_ns - clock_ns()
         if timeout_ns > 0:
             wait_for_input(core.input_queue, timeout_ns / 1e9)
@@ -501,7 +506,7 @@ def background_blocked(scheduler) -> bool:
 
 def _nothing_in_flight(core) -> bool:
     """True if no dispatched batch that computes tokens awaits its result (batch queue)."""
-    batch_queue = getattr(core, "batch_queue", None)
+    batch_queue = vllm_compat.batch_queue(core)
     if not batch_queue:
         return True
     try:
@@ -524,21 +529,32 @@ def wait_for_input(input_queue, timeout_s: float) -> bool:
 
 
 def _install_engine_wait() -> None:
+    """R16: after a step that ran no model, wait on the input queue (``engine_wait_timeout_ns``)
+    unless an input reached the engine during the step: with a polling executor future,
+    vLLM 0.34.0 handles ADD/ABORT while a step runs (after ``schedule()``), so a request
+    that arrived then is pending and unscheduled while the queue is empty. Every input is
+    counted in ``_handle_client_request`` (``vllm_compat.count_inputs``)."""
     from vllm.v1.engine.core import EngineCoreProc
 
-    original = EngineCoreProc._process_engine_step
+    original = getattr(EngineCoreProc, vllm_compat.ENGINE_STEP)
 
     @functools.wraps(original)
     def _process_engine_step(self) -> bool:
+        inputs_before = vllm_compat.inputs_handled(self)
         model_executed = original(self)
-        if not model_executed:
+        if not model_executed and vllm_compat.inputs_handled(self) == inputs_before:
             timeout_ns = engine_wait_timeout_ns(self)
             if timeout_ns > 0:
                 wait_for_input(self.input_queue, timeout_ns / 1e9)
         log_on_time(self)
         return model_executed
 
-    EngineCoreProc._process_engine_step = _process_engine_step
+    setattr(EngineCoreProc, vllm_compat.ENGINE_STEP, _process_engine_step)
+    handler = EngineCoreProc.__dict__[vllm_compat.INPUT_HANDLER]
+    if handler not in _OUR_WRAPPERS:
+        counting = vllm_compat.count_inputs(handler)
+        _OUR_WRAPPERS.add(counting)
+        setattr(EngineCoreProc, vllm_compat.INPUT_HANDLER, counting)
 
 
 # -- R16, worker side: the worker parks while the engine core waits -------------------------

@@ -41,7 +41,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -62,12 +61,13 @@ from vllm_output_rate.reference.ratesfile import RatesFileWatcher, RateTable
 from vllm_output_rate.reference.ratesfile import describe as describe_rates
 from vllm_output_rate.reference.shadow import ShadowAccounting
 from vllm_output_rate.reference.trace import TraceWriter, rank_trace_path
-from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
+from vllm_output_rate.reference.vllm_compat import INSTALLED_PROFILE
+from vllm_output_rate.spec.versions import VllmVersionProfile
 
 CLEANUP_INTERVAL_STEPS = 256  # R6
 # Where the installed vLLM release differs near the hooks (docs/SPEC.md "vLLM versions"):
 # the zero-token stop of the waiting loop (V8) and the LoRA count of its max_loras check.
-VLLM_PROFILE: VllmVersionProfile = select_profile(vllm.__version__)[0]
+VLLM_PROFILE: VllmVersionProfile = INSTALLED_PROFILE
 _RUNNING = RequestStatus.RUNNING
 _REQUEST_ID = operator.attrgetter("request_id")
 _IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")

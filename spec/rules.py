@@ -278,5 +278,76 @@ SHARED_BUDGET_RULES: tuple[Rule, ...] = (
         ),
     ),
 )
-RULES = RULES + SHARED_BUDGET_RULES
+# R30-R32: identity an operator can trust (docs/SPEC.md, "Bound identity"): the user comes
+# from a gateway's header or an API key, never from the client's body.
+IDENTITY_RULES: tuple[Rule, ...] = (
+    Rule(
+        "R30",
+        "bound identity",
+        ("identity.bound_outcome", "identity.Outcome"),
+        (
+            "identity.parse_identity",
+            "identity_middleware.IdentityMiddleware",
+            "identity_middleware.resolve_user",
+            "identity_middleware.bind_body",
+            "keysfile.KeysFileWatcher",
+            "keysfile.parse_keys_file",
+            "plugin.identity_for_server",
+            "plugin._install_identity_check",
+        ),
+    ),
+    Rule(
+        "R31",
+        "a body that names its user",
+        ("identity.bound_outcome",),
+        ("identity_middleware.bind_body",),
+    ),
+    Rule(
+        "R32",
+        "no identity",
+        ("identity.bound_outcome",),
+        ("identity_middleware.resolve_user",),
+    ),
+)
+RULES = RULES + SHARED_BUDGET_RULES + IDENTITY_RULES
+BY_ID = {rule.rule_id: rule for rule in RULES}
+
+# R27-R29: rate tables of real size (docs/SPEC.md, "Rate tables"): plans and prefix
+# patterns, unlimited users, per-plan shadow.
+RATE_TABLE_RULES: tuple[Rule, ...] = (
+    Rule(
+        "R27",
+        "most specific table entry wins",
+        ("tables.resolve", "tables.TableEntry"),
+        (
+            "ratetable.parse_table",
+            "ratetable.RateTable.lookup",
+            "ratetable.RateTable.prepare",
+            "ratesfile.RatesFileWatcher.poll",
+            "limiter.OutputRateLimiter.install",
+            "limiter.PreparedTable",
+            "metrics.MetricsRecorder.label",
+        ),
+    ),
+    Rule(
+        "R28",
+        "unlimited",
+        ("tables.UNLIMITED", "limiter.try_take", "limiter.refund", "limiter.change_rates"),
+        (
+            "limiter.UNLIMITED",
+            "limiter.OutputRateLimiter.grants_at",
+            "limiter.OutputRateLimiter.take_counts",
+            "limiter.OutputRateLimiter.refund",
+            "limiter.OutputRateLimiter.install",
+        ),
+    ),
+    Rule(
+        "R29",
+        "per-plan shadow",
+        ("tables.enforced_rate", "tables.shadow_rate"),
+        ("ratetable.Entry.enforced_rate", "shadow.ShadowAccounting.step")
+        + _mixin("_plan_shadow_for", "_apply_pending_rates"),
+    ),
+)
+RULES = RULES + RATE_TABLE_RULES
 BY_ID = {rule.rule_id: rule for rule in RULES}

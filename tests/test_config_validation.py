@@ -560,11 +560,9 @@ def test_local_prefill_cadence_refused_where_the_scheduler_applies_it(cls_path, 
     # steps have passed while a decode is resident: a throttled user's paused decodes leave
     # the steps empty and hold every other user's prefill (P4). 0.32 applies the interval
     # only in the data-parallel engine core: without data parallelism it is a no-op.
-    import vllm
+    from vllm_output_rate.reference.vllm_compat import INSTALLED_PROFILE
 
-    from vllm_output_rate.spec.versions import select_profile
-
-    applies = select_profile(vllm.__version__)[0].local_prefill_cadence
+    applies = INSTALLED_PROFILE.local_prefill_cadence
     config = _prefill_cadence(model_dirs)
     assert [mode for mode, _ in unsupported_modes(config)] == (["local prefill cadence"] if applies else [])
     if applies:
@@ -573,6 +571,45 @@ def test_local_prefill_cadence_refused_where_the_scheduler_applies_it(cls_path, 
         assert "set --prefill-schedule-interval 1 (got 4)" in str(err.value)
     else:
         assert build_scheduler(cls_path, config).rate_limiter is not None
+
+
+def _scheduler_has_field(name: str) -> bool:
+    import dataclasses
+
+    from vllm.config import SchedulerConfig
+
+    return name in {f.name for f in dataclasses.fields(SchedulerConfig)}
+
+
+@pytest.mark.parametrize("cls_path", [SYNC, ASYNC], ids=["sync", "async"])
+def test_cache_aware_admission_window_refused_in_the_scheduler_and_the_front_end(cls_path, model_dirs):
+    # vLLM 0.34 reorders the first N waiting requests by cached prefix (FCFS, prefix caching):
+    # an order the spec does not model. With the feature on it is refused at start-up, naming
+    # the flag; on releases without the setting an engine configuration cannot carry it, so the
+    # duck-typed check is shown on the attribute.
+    from vllm.config import SchedulerConfig
+
+    from vllm_output_rate.reference import plugin
+
+    if _scheduler_has_field("cache_aware_admission_window"):
+        sched = SchedulerConfig(max_model_len=256, is_encoder_decoder=False, cache_aware_admission_window=8)
+        config = vllm_config(model_dirs, scheduler_config=sched)
+    else:
+        config = vllm_config(model_dirs)
+        object.__setattr__(config.scheduler_config, "cache_aware_admission_window", 8)
+    assert [mode for mode, _ in unsupported_modes(config)] == ["cache-aware admission"]
+    with pytest.raises(OutputRateConfigError) as err:
+        build_scheduler(cls_path, config)
+    assert "set --cache-aware-admission-window 0 (got 8)" in str(err.value).splitlines()[1]
+    if _scheduler_has_field("cache_aware_admission_window"):
+        plugin.register()
+        args = _engine_args(
+            model_dirs, cls_path, additional_config=copy.deepcopy(FEATURE_ON), cache_aware_admission_window=8
+        )
+        with pytest.raises(OutputRateConfigError, match=r"- cache-aware admission: .*--cache-aware-admission-window 0"):
+            args.create_engine_config()
+        # Feature off: stock vLLM's setting, untouched (R18).
+        _engine_args(model_dirs, cls_path, cache_aware_admission_window=8).create_engine_config()
 
 
 def test_default_prefill_cadence_is_accepted(model_dirs):

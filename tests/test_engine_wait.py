@@ -14,7 +14,12 @@ module costs one engine-core import plus about a second per candidate:
   the earliest oversleeps for the other throttled user;
 - a candidate that sleeps inside ``schedule()`` (the article's rejected first idea) neither
   spins nor oversleeps, but a request arriving mid-sleep waits: it fails on the new request;
-- stock vLLM (no rate limit) throttles nobody: the wait cannot be judged, which is a failure.
+- stock vLLM (no rate limit) throttles nobody: the wait cannot be judged, which is a failure;
+- the polling world (a multiproc-like future; B's request arrives during an empty step): the
+  reference passes on every release; the reference as it was before the R16 fix (it waited
+  after an empty step even when the engine took a request during that step) fails it on a
+  release whose engine handles inputs during a step (0.34.0), and passes where the request
+  stays queued (0.32.0, 0.33.0).
 """
 
 from __future__ import annotations
@@ -69,6 +74,22 @@ class SleepInScheduleScheduler(RateLimitedScheduler):
         return output
 
 
+class PreFixWaitScheduler(RateLimitedScheduler):
+    """The reference as it was before the R16 fix for inputs taken during a step: its plugin
+    waits after every empty step, as if no input had reached the engine meanwhile (the
+    constructor, run in the engine core after the plugins loaded, removes the plugin's
+    input counter from ``_handle_client_request``)."""
+
+    def __init__(self, *args, **kwargs):
+        from vllm.v1.engine.core import EngineCoreProc
+
+        from vllm_output_rate.reference import vllm_compat
+
+        handler = EngineCoreProc.__dict__[vllm_compat.INPUT_HANDLER]
+        setattr(EngineCoreProc, vllm_compat.INPUT_HANDLER, getattr(handler, "__wrapped__", handler))
+        super().__init__(*args, **kwargs)
+
+
 HERE = __name__  # the module name the child imports these classes by (tests/ is on sys.path)
 CANDIDATES = {
     "reference": (REFERENCE_SCHEDULER, None),
@@ -81,6 +102,8 @@ CANDIDATES = {
     "latest-hint": ("vllm_output_rate.adapter.mutants.WaitHintFromLatestUser", None),
     "sleep-in-schedule": (f"{HERE}.SleepInScheduleScheduler", []),
     "stock": (STOCK_SCHEDULER, None),
+    "reference-polling": (REFERENCE_SCHEDULER, None, True),
+    "pre-fix-polling": (f"{HERE}.PreFixWaitScheduler", ["output_rate"], True),
 }
 
 
@@ -179,7 +202,43 @@ def test_a_scheduler_that_throttles_nobody_cannot_pass(verdicts):
 
 
 def test_check_row_names_the_rule(verdicts, monkeypatch):
-    monkeypatch.setattr(ew, "run_engine_wait", lambda *a, **k: verdicts["no-plugin"])
+    # The row runs the plain world and the polling world; the first failure is the row's.
+    worlds = []
+
+    def run_both(candidates, **kwargs):
+        worlds.extend(polling for _, _, polling in candidates)
+        return [verdicts["no-plugin"], verdicts["reference-polling"]]
+
+    monkeypatch.setattr(ew, "run_engine_waits", run_both)
     row = ew.check_engine_wait(REFERENCE_SCHEDULER, seed=3, tick=lambda: None)
+    assert worlds == [False, True] and row.examples == 2
     assert row.name == "engine-wait/sync" and row.rules == ["R16"]
     assert row.result == "fail" and row.failure.startswith("R16: the engine spun")
+    monkeypatch.setattr(ew, "run_engine_waits", lambda *a, **k: [verdicts["reference"], verdicts["pre-fix-polling"]])
+    row = ew.check_engine_wait(REFERENCE_SCHEDULER, seed=3, tick=lambda: None)
+    failing = verdicts["pre-fix-polling"].failure is not None  # on a release that takes inputs during a step
+    assert row.result == ("fail" if failing else "pass"), row.failure
+    if failing:
+        assert row.failure.startswith("R16 (polling future, as vLLM's multiproc executor): a new request")
+        assert any("b0 during the first empty step from" in line for line in row.counterexample)
+
+
+@pytest.mark.rules("R16")
+def test_r16_reference_schedules_a_request_taken_during_an_empty_step(verdicts):
+    v = verdicts["reference-polling"]
+    assert v.polling and v.failure is None, (v.failure, v.error)
+    assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ew.WAKE_TOLERANCE_NS
+    assert v.tokens[ew.USER_B] == ew.B_MAX_TOKENS and v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+
+
+@pytest.mark.rules("R16")
+def test_r16_the_reference_before_the_fix_sleeps_through_a_request_taken_during_a_step(verdicts):
+    from vllm_output_rate.adapter.vllm_compat import engine_core_handles_inputs_during_step
+
+    v = verdicts["pre-fix-polling"]
+    if engine_core_handles_inputs_during_step():  # 0.34.0: the engine took B during the empty step
+        assert v.failure is not None and "taken by the engine during an empty step" in v.failure, v.failure
+        assert v.new_request_latency_ns is not None and v.new_request_latency_ns > 10 * ew.WAKE_TOLERANCE_NS
+    else:  # 0.32.0, 0.33.0: B stays in the input queue during the step and ends the wait
+        assert v.failure is None, (v.failure, v.error)
+        assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ew.WAKE_TOLERANCE_NS

@@ -50,7 +50,7 @@ def test_plan_levels_and_parts():
     adapter_only = [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
     assert "proofs/z3" not in adapter_only and "model-check/quick" not in adapter_only
     full = [p.spec.name for p in gate_plan.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
-    assert full == adapter_only + ["proofs/z3", "model-check/quick", "proofs/shared-budget"]
+    assert full == adapter_only + ["proofs/z3", "model-check/quick", "proofs/shared-budget", "identity/bind"]
 
 
 def test_plan_without_async_class_is_not_tested_unless_sync_only():
