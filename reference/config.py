@@ -451,6 +451,10 @@ UNSUPPORTED_WHY = {
         "so every other user's prefill waits for the throttled user's next grant "
         "(docs/MODES.md)"
     ),
+    "cache-aware admission": (
+        "vLLM 0.34 reorders the first waiting requests by cached prefix under FCFS with prefix caching; that "
+        "order is not modelled (it can move a refused whole prompt, R10, and change R20's admission order)"
+    ),
     "sleep mode": (
         "sleep and wake-up pause the engine and discard or offload the KV cache of paused requests, "
         "which the accounting does not cover and no test here exercises (docs/MODES.md)"
@@ -467,7 +471,7 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
     ``kv_transfer_config``, ``ec_transfer_config``, ``aux_output_config.enabled``,
     ``model_config.enable_sleep_mode``, ``scheduler_config.prefill_schedule_interval`` (only
     where the installed vLLM applies it inside the scheduler: ``local_prefill_cadence`` of
-    ``spec.versions``, 0.33).
+    ``spec.versions``, 0.33), ``scheduler_config.cache_aware_admission_window`` (0.34).
     """
     found: list[tuple[str, str]] = []
     if getattr(vllm_config, "speculative_config", None) is not None:
@@ -520,7 +524,10 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
     if getattr(model, "enable_sleep_mode", False):
         found.append(("sleep mode", "remove --enable-sleep-mode"))
     interval = getattr(getattr(vllm_config, "scheduler_config", None), "prefill_schedule_interval", 1)
-    if interval > 1 and (dp > 1 or _installed_profile().local_prefill_cadence):
+    window = getattr(getattr(vllm_config, "scheduler_config", None), "cache_aware_admission_window", 0)
+    if isinstance(window, int) and window > 0:  # 0.34.0+ (absent before: the default 0)
+        found.append(("cache-aware admission", f"set --cache-aware-admission-window 0 (got {window})"))
+    if interval > 1 and (dp > 1 or _local_prefill_cadence()):
         # P4 (other users proceed): measured on 0.33, interval 4, one user at 1 tok/s resident:
         # another user's first prefill waited 2.9 s, against 1 ms on stock vLLM. On 0.32 the
         # data-parallel engine core applies the same cadence (accepted with a shared budget).
@@ -528,13 +535,11 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
     return found
 
 
-def _installed_profile():
-    """The ``spec.versions`` profile of the installed vLLM release."""
-    import vllm
+def _local_prefill_cadence() -> bool:
+    """The installed vLLM applies ``prefill_schedule_interval`` inside the scheduler (0.33+)."""
+    from vllm_output_rate.reference.vllm_compat import INSTALLED_PROFILE
 
-    from vllm_output_rate.spec.versions import select_profile
-
-    return select_profile(vllm.__version__)[0]
+    return INSTALLED_PROFILE.local_prefill_cadence
 
 
 def check_engine_supported(vllm_config: Any) -> None:

@@ -42,6 +42,8 @@ from vllm_output_rate.reference.config import (
     unsupported_modes,
 )
 
+pytestmark = pytest.mark.check
+
 FEATURE_ON = {"output_rate": {"default_tokens_per_s": 100}}
 SYNC = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 ASYNC = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"

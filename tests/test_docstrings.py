@@ -12,6 +12,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.check
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("spec", "reference", "adapter", "proofs", "outrate", "tests", "gpu_tests")
 # An independent implementation, never edited to suit this project.

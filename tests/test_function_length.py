@@ -11,6 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.check
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("spec", "reference", "adapter", "proofs", "outrate")
 LIMIT = 70

@@ -11,6 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.check
+
 ROOT = Path(__file__).resolve().parents[1]
 # Bottom first. The folder holding the modules of a layer, and its import prefix.
 LAYERS = ("spec", "reference", "adapter", "proofs", "outrate")

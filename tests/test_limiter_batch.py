@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 
+pytestmark = pytest.mark.check
+
 RATES = st.sampled_from(
     [
         Fraction(1, 1000),

@@ -19,6 +19,8 @@ from hypothesis import Phase, find, given, settings
 from vllm_output_rate.adapter.limiter_diff import Op, OpSequence, operations, run_differential
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 
+pytestmark = pytest.mark.check
+
 DIFF_SETTINGS = settings(derandomize=True, max_examples=300, deadline=None, database=None)
 
 

@@ -20,6 +20,8 @@ from vllm_output_rate.adapter.limiter_diff import SpecLimiter
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.spec import limiter as spec
 
+pytestmark = pytest.mark.check
+
 MS = 1_000_000  # ns
 TAU = 100 * MS  # R1: burst tolerance, 10**8 ns
 

@@ -21,6 +21,8 @@ from vllm_output_rate.reference.config import (
 )
 from vllm_output_rate.reference.limiter import OutputRateLimiter, parse_rate
 
+pytestmark = pytest.mark.check
+
 BAD_RATES = [
     0,
     -1,

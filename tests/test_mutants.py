@@ -125,7 +125,7 @@ CI_SUBSET = (
 )
 
 
-@pytest.mark.ci
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CI_SUBSET)
 def test_mutant_is_killed_black_box_in_profile_ci(name):
     mutant = BY_NAME[name]

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from vllm_output_rate.spec.limiter import BURST_NS, window_bound_tokens
 from vllm_output_rate.spec.properties import R2Window, accounting_error, first_cut, net_charges, window_excess
 
+pytestmark = pytest.mark.check
+
 MS = 1_000_000
 
 

@@ -16,6 +16,8 @@ import pytest
 from vllm_output_rate.spec import limiter
 from vllm_output_rate.spec import shared_budget as sb
 
+pytestmark = pytest.mark.check
+
 MS = 1_000_000
 
 

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.check
+
 FORBIDDEN_FOR_SPEC = (
     "vllm_output_rate.reference",
     "vllm_output_rate.adapter",

@@ -27,6 +27,8 @@ from vllm_output_rate.spec.state import (
     find,
 )
 
+pytestmark = pytest.mark.check
+
 MS = 1_000_000
 
 

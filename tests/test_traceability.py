@@ -13,6 +13,8 @@ import pytest
 from vllm_output_rate import traceability
 from vllm_output_rate.spec.rules import RULES, Rule, expand
 
+pytestmark = pytest.mark.check
+
 
 @pytest.fixture(scope="module")
 def cover() -> dict[str, traceability.Coverage]:
