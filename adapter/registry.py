@@ -206,6 +206,18 @@ def _shadow_check(async_mode: bool) -> CheckSpec:
     return _stock_comparison_check("shadow", "exact", ("shadow",), async_mode, check)
 
 
+def _rate_tables_check(async_mode: bool) -> CheckSpec:
+    """R27-R29 (level exact: the article has no rate table): a plan table whose most
+    specific entries free every user is stock step for step (``adapter/rate_tables.py``)."""
+
+    def check():
+        from vllm_output_rate.adapter.rate_tables import check_rate_tables
+
+        return check_rate_tables
+
+    return _stock_comparison_check("rate-tables", "exact", ("R27", "R28", "R29"), async_mode, check)
+
+
 def _white_box_check(async_mode: bool) -> CheckSpec:
     from vllm_output_rate.adapter import conform as gate
 
@@ -418,6 +430,7 @@ ROW_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "feature-off": ((), _SCHEDULER_DRAWS),
     "not-binding": ((), _SCHEDULER_DRAWS),
     "shadow": ((), _SCHEDULER_DRAWS),
+    "rate-tables": ((), _SCHEDULER_DRAWS),
     "boundaries": ((), ("priority", "no-chunked-prefill")),
     "fair-residency": ((), ("no-chunked-prefill",)),
     "rate-change": ((), ("no-chunked-prefill",)),
@@ -500,6 +513,8 @@ def registry(extra: Sequence[CheckSpec] = ()) -> list[CheckSpec]:
         _white_box_check(True),
         _shadow_check(False),
         _shadow_check(True),
+        _rate_tables_check(False),
+        _rate_tables_check(True),
         _coverage_check(),
     ]
     return [_declared(c) for c in checks] + _spec_health_checks() + list(extra)

@@ -293,9 +293,10 @@ def _parse_plan(name: Any, body: Any) -> Plan:
 
 def _check_key(key: Any, where: str) -> str | None:
     """The prefix of a pattern key, None for a user id; refuses anything else."""
-    if not isinstance(key, str) or not key or len(key) > MAX_USER_ID_CHARS:
+    if not isinstance(key, str) or not key or len(key.removesuffix("*")) > MAX_USER_ID_CHARS:
         raise TableError(
-            f"{where}: user ids and patterns must be non-empty strings of at most {MAX_USER_ID_CHARS} characters"
+            f"{where}: user ids and pattern prefixes must be non-empty strings of at most {MAX_USER_ID_CHARS} "
+            "characters (what a request can name)"
         )
     if "*" not in key:
         return None

@@ -79,7 +79,7 @@ def allows(state: LimiterState, user: str, now_ns: int, burst_ns: int = BURST_NS
 def try_take(
     state: LimiterState,
     user: str,
-    rate_tokens_per_s: Fraction,
+    rate_tokens_per_s: Fraction | None,
     now_ns: int,
     burst_ns: int = BURST_NS,
 ) -> tuple[LimiterState, bool]:
@@ -88,12 +88,17 @@ def try_take(
     Allowed iff ``TAT - now <= tau``; then ``TAT := max(TAT, now) + T``. A refusal leaves
     the state unchanged.
 
+    R28: with the rate ``UNLIMITED`` (None) the take is granted and no TAT is kept.
+
     Returns:
         ``(new_state, granted)``.
     Raises:
         AssertionError: negative clock or non-positive rate.
     """
     assert now_ns >= 0, f"now_ns must be >= 0, got {now_ns}"
+    if rate_tokens_per_s is None:  # R28: unlimited
+        assert user not in state.tat_ns, f"R28: unlimited user {user!r} holds a TAT"
+        return state, True
     if not allows(state, user, now_ns, burst_ns):
         return state, False
     new_tat = tat_of(state, user, now_ns) + emission_interval_ns(rate_tokens_per_s)
@@ -102,15 +107,18 @@ def try_take(
     return _with_tat(state, user, new_tat), True
 
 
-def refund(state: LimiterState, user: str, rate_tokens_per_s: Fraction) -> LimiterState:
+def refund(state: LimiterState, user: str, rate_tokens_per_s: Fraction | None) -> LimiterState:
     """R4: undo one charge: ``TAT := TAT - T``.
 
     Only for a charge made earlier in the same ``schedule()`` whose request was not
-    dispatched (R9), so the user is always known here.
+    dispatched (R9), so the user is always known here. R28: an unlimited user (rate
+    ``UNLIMITED``, None) was never charged: nothing to refund, the state is unchanged.
 
     Raises:
         AssertionError: if the user has no TAT (refund without a charge).
     """
+    if rate_tokens_per_s is None:  # R28
+        return state
     assert user in state.tat_ns, f"refund for user {user!r} that holds no charge"
     return _with_tat(state, user, state.tat_ns[user] - emission_interval_ns(rate_tokens_per_s))
 
@@ -192,6 +200,8 @@ def change_rates(
     default changing, a user moving to or from the default and an override changing are
     all a change of ``rate_of(user)``). Users whose rate is unchanged keep their TAT;
     the others get ``rescaled_tat_ns`` (forgotten if idle). Unknown users stay unknown.
+    R28: a user whose new rate is ``UNLIMITED`` (None) loses its TAT; one leaving
+    unlimited holds none, so it starts idle (R6).
     """
     tats: dict[str, Fraction] = {}
     for user, tat in state.tat_ns.items():
@@ -199,6 +209,9 @@ def change_rates(
         if old == new:
             tats[user] = tat
             continue
+        if new is None:  # R28: unlimited from now on: no TAT (nothing to keep or refund)
+            continue
+        assert old is not None, f"R28: unlimited user {user!r} held a TAT"
         rescaled = rescaled_tat_ns(tat, old, new, now_ns)
         if rescaled is not None:
             tats[user] = rescaled

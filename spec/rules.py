@@ -311,3 +311,43 @@ IDENTITY_RULES: tuple[Rule, ...] = (
 )
 RULES = RULES + SHARED_BUDGET_RULES + IDENTITY_RULES
 BY_ID = {rule.rule_id: rule for rule in RULES}
+
+# R27-R29: rate tables of real size (docs/SPEC.md, "Rate tables"): plans and prefix
+# patterns, unlimited users, per-plan shadow.
+RATE_TABLE_RULES: tuple[Rule, ...] = (
+    Rule(
+        "R27",
+        "most specific table entry wins",
+        ("tables.resolve", "tables.TableEntry"),
+        (
+            "ratetable.parse_table",
+            "ratetable.RateTable.lookup",
+            "ratetable.RateTable.prepare",
+            "ratesfile.RatesFileWatcher.poll",
+            "limiter.OutputRateLimiter.install",
+            "limiter.PreparedTable",
+            "metrics.MetricsRecorder.label",
+        ),
+    ),
+    Rule(
+        "R28",
+        "unlimited",
+        ("tables.UNLIMITED", "limiter.try_take", "limiter.refund", "limiter.change_rates"),
+        (
+            "limiter.UNLIMITED",
+            "limiter.OutputRateLimiter.grants_at",
+            "limiter.OutputRateLimiter.take_counts",
+            "limiter.OutputRateLimiter.refund",
+            "limiter.OutputRateLimiter.install",
+        ),
+    ),
+    Rule(
+        "R29",
+        "per-plan shadow",
+        ("tables.enforced_rate", "tables.shadow_rate"),
+        ("ratetable.Entry.enforced_rate", "shadow.ShadowAccounting.step")
+        + _mixin("_plan_shadow_for", "_apply_pending_rates"),
+    ),
+)
+RULES = RULES + RATE_TABLE_RULES
+BY_ID = {rule.rule_id: rule for rule in RULES}

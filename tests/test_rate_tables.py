@@ -355,3 +355,74 @@ def test_r27_metrics_series_stay_bounded_at_100000_users(tmp_path) -> None:
     assert sum(granted.values()) == len(every) + 5000  # every token counted, summed into its label
     assert granted["internal"] == 1000 and granted[OTHER] == 0 and granted["free"] > 30_000
     assert MAX_DETAILED == 1024
+
+
+_ids = st.text(alphabet="ab/-", min_size=1, max_size=5)
+
+
+@pytest.mark.rules("R27", "R29")
+@settings(max_examples=200, deadline=None)
+@given(
+    exact=st.dictionaries(_ids, st.sampled_from(["free", "pro", "trial", "internal"]), max_size=4),
+    prefixes=st.dictionaries(_ids, st.sampled_from(["free", "pro", "trial", "internal"]), max_size=4),
+    users=st.lists(_ids, min_size=1, max_size=8),
+)
+def test_r27_lookup_is_the_specs_most_specific_entry(exact, prefixes, users) -> None:
+    from vllm_output_rate.spec import tables
+
+    table = parse_rates_file(table_text(users={**exact, **{f"{p}*": plan for p, plan in prefixes.items()}}))
+
+    def spec_entry(plan: str) -> tables.TableEntry:
+        body = PLANS[plan]
+        rate = None if body.get("unlimited") else Fraction(body["tokens_per_s"])
+        return tables.TableEntry(rate, bool(body.get("shadow")))
+
+    spec_exact = {u: spec_entry(plan) for u, plan in exact.items()}
+    spec_prefixes = {p: spec_entry(plan) for p, plan in prefixes.items()}
+    for user in users:
+        want = tables.resolve(spec_exact, spec_prefixes, spec_entry("free"), user)
+        got = table.lookup(user)
+        assert (got.rate, got.shadow) == (want.rate, want.shadow), user
+        assert got.enforced_rate == tables.enforced_rate(want)
+
+
+@pytest.mark.rules("R28")
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["take", "refund", "advance", "rerate"]), st.sampled_from(["u", "x"])), max_size=30
+    )
+)
+def test_r28_reference_limiter_is_the_spec_with_unlimited_users(ops) -> None:
+    # "u" switches between unlimited and 10 tok/s at each rerate; "x" stays at 5 tok/s.
+    from vllm_output_rate.spec import limiter as spec_limiter
+
+    rates = [{"u": None, "x": Fraction(5)}, {"u": Fraction(10), "x": Fraction(5)}]
+    phase, now, state = 0, 0, spec_limiter.EMPTY
+
+    def table(i: int):
+        users = {"x": {"tokens_per_s": 5}, "u": {"unlimited": True} if rates[i]["u"] is None else {"tokens_per_s": 10}}
+        return parse_rates_file(table_text(users=users))
+
+    ref = OutputRateLimiter(None, table=table(0))
+    taken: list[str] = []  # charges of the current instant (R9: refunds only of those)
+    for op, user in ops:
+        rate = rates[phase][user]
+        if op == "take":
+            state, granted = spec_limiter.try_take(state, user, rate, now)
+            assert ref.try_take(user, now) == granted
+            if granted:
+                taken.append(user)
+        elif op == "refund" and user in taken:
+            taken.remove(user)
+            state = spec_limiter.refund(state, user, rate)
+            ref.refund(user)
+        elif op == "advance":
+            now, taken = now + 37 * MS, []
+        elif op == "rerate":
+            old = phase
+            phase, taken = 1 - phase, []
+            state = spec_limiter.change_rates(state, rates[old].get, rates[phase].get, now)
+            ref.install(table(phase).prepare(100 * MS).enforced, now)
+        assert {u: ref.tat_ns(u) for u in ref.users()} == dict(state.tat_ns)
+        assert ref.allows(user, now) == spec_limiter.allows(state, user, now)
