@@ -139,17 +139,18 @@ _SURVIVED: dict[str, bool] = {}  # repr(scenario) -> stock survived it (one re-r
 
 
 def stock_survives(
-    scenario: Any, candidate_error: BaseException, stock_run: Callable[[Any], Any] = run_on_stock
+    scenario: Any, candidate_error: BaseException, stock_run: Callable[[Any], Any] | None = None
 ) -> None:
     """A candidate raised ``candidate_error`` on ``scenario``: run ``stock_run(scenario)`` (the
-    same scenario on the stock class), once per scenario. Returns if stock vLLM survives it
-    (the crash is the candidate's); raises ``EnvironmentFailure`` if stock raises too.
+    same scenario on the stock class; default ``run_on_stock``), once per scenario. Returns
+    if stock vLLM survives it (the crash is the candidate's); raises ``EnvironmentFailure`` if
+    stock raises too.
     """
     key = repr(scenario)
     if _SURVIVED.get(key):
         return
     try:
-        stock_run(scenario)
+        (stock_run or run_on_stock)(scenario)
         _SURVIVED[key] = True
     except Exception as exc:
         raise EnvironmentFailure(
