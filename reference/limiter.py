@@ -25,9 +25,10 @@ Source: docs/SPEC.md "The limiter (R1-R6)", Decision R3 (fractional rates) and R
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from fractions import Fraction
+from itertools import islice
 from numbers import Rational
 from typing import Any
 
@@ -40,6 +41,7 @@ MAX_RATE_DENOMINATOR: int = 10**9  # rates are given to at most 9 decimal places
 # R28: grants_at of an unlimited user: more than any step can charge (one per request, R7).
 UNLIMITED_GRANTS: int = 1 << 62
 MAX_RESOLVED_USERS: int = 1 << 20  # pattern-matched users cached; the cache restarts above it
+PREPARE_CHUNK: int = 2000  # exact users' scales built between two pauses (PreparedTable)
 
 
 def parse_rate(value: object, name: str = "rate") -> Fraction:
@@ -104,7 +106,9 @@ class PreparedTable:
 
     __slots__ = ("default", "patterns", "scales", "shadow_view", "table")
 
-    def __init__(self, table: Any, burst_ns: int, shadow_view: bool = False) -> None:
+    def __init__(
+        self, table: Any, burst_ns: int, shadow_view: bool = False, pause: Callable[[], None] | None = None
+    ) -> None:
         self.table, self.shadow_view = table, shadow_view
         by_rate: dict[Fraction | None, _Scale] = {None: UNLIMITED}
 
@@ -115,7 +119,12 @@ class PreparedTable:
                 found = by_rate[rate] = _Scale(rate, burst_ns)
             return found
 
-        self.scales: dict[str, _Scale] = {user: scale(entry) for user, entry in table.exact.items()}
+        self.scales: dict[str, _Scale] = {}
+        items = iter(table.exact.items())
+        while chunk := list(islice(items, PREPARE_CHUNK)):  # pause: the watcher thread lets the step run
+            self.scales.update((user, scale(entry)) for user, entry in chunk)
+            if pause is not None:
+                pause()
         self.default = scale(table.default_entry)
         self.patterns = bool(table.prefixes)
 

@@ -28,8 +28,12 @@ message as its last line).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +43,7 @@ from vllm_output_rate.reference.config import (
     _suggest_keys,
     loads_no_duplicates,
 )
-from vllm_output_rate.reference.ratetable import TABLE_KEYS, RateTable, parse_table
+from vllm_output_rate.reference.ratetable import TABLE_KEYS, RateTable, parse_table, table_from_lines, table_lines
 
 RATE_KEYS = TABLE_KEYS
 MAX_RATES_FILE_BYTES = 16 << 20  # a rate table far larger than this is not a rate table
@@ -147,23 +151,59 @@ class RatesFileWatcher:
             return None
         except OSError as exc:
             raise OutputRateConfigError(f"rates file {self.path}: cannot be read ({exc})") from None
-        table = self._read(st)
-        self._seen = _signature(st)
+        del st  # it exists: read it (the version read is the table's signature)
+        table = self._read()
+        self._seen = table.signature
         return table
 
-    def _read(self, st: os.stat_result) -> RateTable:
-        if st.st_size > MAX_RATES_FILE_BYTES:
-            raise OutputRateConfigError(
-                f"rates file {self.path}: {st.st_size} bytes > {MAX_RATES_FILE_BYTES}; this is not a rate table"
-            )
+    def _read(self) -> RateTable:
+        """The table of the file as it is now (its version: ``table.signature``).
+
+        Raises:
+            OutputRateConfigError: too large, unreadable or invalid, naming the file.
+        """
         try:
             with open(self.path, encoding="utf-8") as handle:
+                st = os.fstat(handle.fileno())  # the version actually read
+                if st.st_size > MAX_RATES_FILE_BYTES:
+                    raise OutputRateConfigError(
+                        f"rates file {self.path}: {st.st_size} bytes > {MAX_RATES_FILE_BYTES} (the size limit); "
+                        "this is not a rate table"
+                    )
                 text = handle.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise OutputRateConfigError(f"rates file {self.path}: cannot be read ({exc})") from None
         table = parse_rates_file(text, self.path)
         table.signature = _signature(st)  # the version read (``prime``)
         return table
+
+    def _read_in_reader_process(self) -> RateTable | None:
+        """R21, no stall: the file read and validated by a reader process (``python -m
+        vllm_output_rate.reference.ratesfile PATH``, ``_reader_main``), which writes the
+        table as JSON lines; this thread builds it from them a chunk at a time, sleeping
+        between chunks, so the engine's step never waits for a whole JSON document or
+        table. None with the error logged (a bad file: the limits in force are kept)."""
+        command = [sys.executable, "-m", "vllm_output_rate.reference.ratesfile", self.path]
+        with subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as reader:
+            assert reader.stdout is not None and reader.stderr is not None
+            status = json.loads(reader.stdout.readline() or "null")
+            table = None
+            if isinstance(status, dict) and status.get("ok"):
+                table = table_from_lines(reader.stdout, _pause)
+                table.signature = tuple(status["signature"])
+            reader.stdout.close()
+            errors = reader.stderr.read()
+        if table is not None:
+            return table
+        self.errors += 1
+        if isinstance(status, dict) and status.get("error"):
+            message = status["error"]
+        else:
+            message = f"rates file {self.path}: the reader process failed ({errors.strip()[-300:] or 'no output'})"
+        self.logger.error("output-rate: %s; the limits in force are kept until the file is fixed", message)
+        return None
 
     def prime(self, table: RateTable | None) -> None:
         """Start-up: ``table`` (read by ``load_initial``, perhaps by another watcher) is in
@@ -205,18 +245,17 @@ class RatesFileWatcher:
         if st.st_size > INLINE_BYTES:
             self._read_off_step(signature)
             return None
-        return self._read_logged(st)
+        return self._read_logged()
 
-    def _read_logged(self, st: os.stat_result, count: bool = True) -> RateTable | None:
+    def _read_logged(self) -> RateTable | None:
         """The file's table, or None with the error logged (never raises)."""
         try:
-            table = self._read(st)
+            table = self._read()
         except OutputRateConfigError as exc:
             self.errors += 1
             self.logger.error("output-rate: %s; the limits in force are kept until the file is fixed", exc)
             return None
-        if count:
-            self.reloads += 1
+        self.reloads += 1
         return table
 
     def _read_off_step(self, signature: tuple[int, int, int]) -> None:
@@ -236,15 +275,11 @@ class RatesFileWatcher:
             self._wake.clear()
             with self._lock:
                 wanted = self._wanted
-            table = None
-            try:
-                st = os.stat(self.path)
-            except OSError:
-                st = None  # removed meanwhile: poll logs it at its next look
-            if st is not None and _signature(st) == wanted:
-                table = self._read_logged(st, count=False)
+            table = self._read_in_reader_process()
+            if table is not None and table.signature != wanted:
+                table = None  # replaced meanwhile: poll asks for the newer version
             if table is not None and self.burst_ns is not None:
-                table.prepare(self.burst_ns)  # scales, labels and log line built here: the step only swaps
+                table.prepare(self.burst_ns, _pause)  # scales, labels and log line built here: the step swaps
             with self._lock:
                 if self._wanted == wanted:
                     self._ready, self._done = table, wanted
@@ -269,3 +304,30 @@ def describe(table: RateTable) -> str:
     for a large file)."""
     text = getattr(table, "describe_text", None)
     return text if text is not None else table.describe()
+
+
+def _pause() -> None:
+    """The watcher thread lets other threads (the engine's step) take the GIL."""
+    time.sleep(0)
+
+
+def _reader_main(argv: list[str]) -> int:
+    """The reader process: read and validate the rates file ``argv[0]``; print a status
+    line (``{"ok", "signature"}`` or ``{"ok": false, "error"}``), then the table as JSON
+    lines (``ratetable.table_lines``). Exit 0 (a bad file is a status, not a failure)."""
+    watcher = RatesFileWatcher(argv[0])
+    try:
+        table = watcher._read()
+    except OutputRateConfigError as exc:
+        print(json.dumps({"ok": False, "error": str(exc)}))
+        return 0
+    out = sys.stdout
+    out.write(json.dumps({"ok": True, "signature": list(table.signature or ())}) + "\n")
+    for line in table_lines(table):
+        out.write(line + "\n")
+    out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_reader_main(sys.argv[1:]))

@@ -49,9 +49,11 @@ lengths) the first time and from a per-user-id cache after that.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from itertools import islice
 from typing import Any
 
 from vllm_output_rate.reference.config import OutputRateConfigError, check_override_user
@@ -61,6 +63,7 @@ OTHER = "other"  # the /metrics label of users on no plan (metrics.OTHER)
 MAX_PLANS = 1024  # a plan is a tier, not a customer: each one is a /metrics label
 MAX_DETAILED = 1024  # users with a /metrics label of their own
 MAX_LOOKUP_CACHE = 1 << 20  # user ids cached per table; the cache restarts above it
+CHUNK = 2000  # entries built between two pauses of the watcher thread (well under 1 ms)
 TABLE_KEYS = ("default_tokens_per_s", "default_plan", "plans", "users", "user_tokens_per_s")
 PLAN_KEYS = ("tokens_per_s", "unlimited", "shadow")
 USER_KEYS = ("plan", "tokens_per_s", "unlimited", "detailed")
@@ -142,16 +145,17 @@ class RateTable:
         self.describe_text: str | None = None
         self.signature: tuple[int, int, int] | None = None  # the rates file version it was read from
 
-    def prepare(self, burst_ns: int) -> Prepared:
+    def prepare(self, burst_ns: int, pause: Callable[[], None] | None = None) -> Prepared:
         """R21: everything installing this table needs, built once (O(table)): the
         enforcing limiter's scales, the shadow plans' (R29), the ``/metrics`` labels' limit
-        gauges and the log line. The watcher thread calls it, so the step only swaps."""
+        gauges and the log line. The watcher thread calls it, so the step only swaps;
+        ``pause`` is called every ``CHUNK`` entries (the thread lets the step run)."""
         prepared = self._prepared
         if prepared is None or prepared.burst_ns != burst_ns:
             from vllm_output_rate.reference.limiter import PreparedTable
 
-            enforced = PreparedTable(self, burst_ns, shadow_view=False)
-            shadow = PreparedTable(self, burst_ns, shadow_view=True) if self.has_shadow else None
+            enforced = PreparedTable(self, burst_ns, shadow_view=False, pause=pause)
+            shadow = PreparedTable(self, burst_ns, shadow_view=True, pause=pause) if self.has_shadow else None
             prepared = Prepared(burst_ns, enforced, shadow, self.label_rates(), self.describe())
             self.describe_text = prepared.description
             self._prepared = prepared
@@ -216,7 +220,7 @@ class RateTable:
             f"{name} {_shown(p.rate)}" + (" (shadow)" if p.shadow else "") for name, p in list(self.plans.items())[:5]
         )
         more = len(self.plans) - 5
-        overrides = ", ".join(f"{u!r} {r} tok/s" for u, r in sorted(self.user_rates.items())[:5])
+        overrides = ", ".join(f"{u!r} {r} tok/s" for u, r in islice(self.user_rates.items(), 5))
         more_users = len(self.user_rates) - 5
         text = default
         if self.plans:
@@ -417,3 +421,69 @@ def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
         exact[user] = Entry(rate, user if own_labels else OTHER, False, f"user_tokens_per_s[{_shown_key(user)}]")
     labels = tuple(dict.fromkeys([*plans, *detailed, *(user_rates if own_labels else ())]))
     return RateTable(default_rate, user_rates, plans, default_plan, exact, prefixes, labels)
+
+
+# -- a validated table as lines (the rates-file reader process, R21) ---------------------
+def _rate_text(rate: Fraction | None) -> str | None:
+    return None if rate is None else str(rate)
+
+
+def _entry_record(kind: str, key: str, entry: Entry) -> str:
+    return json.dumps([kind, key, _rate_text(entry.rate), entry.label, entry.shadow, entry.source])
+
+
+def table_lines(table: RateTable) -> Iterator[str]:
+    """``table`` as JSON lines (``table_from_lines`` reads them back): a header with the
+    default, plans and labels, then one line per user entry, pattern and
+    ``user_tokens_per_s`` rate. Written by the reader process (``ratesfile``), so the
+    engine process never holds the GIL for a whole JSON document."""
+    plans = {name: [_rate_text(p.rate), p.shadow] for name, p in table.plans.items()}
+    yield json.dumps(
+        {
+            "default_rate": _rate_text(table.default_rate),
+            "default_plan": table.default_plan,
+            "plans": plans,
+            "labels": list(table.labels),
+        }
+    )
+    for user, entry in table.exact.items():
+        yield _entry_record("E", user, entry)
+    for prefix, entry in table.prefixes.items():
+        yield _entry_record("P", prefix, entry)
+    for user, rate in table.user_rates.items():
+        yield json.dumps(["U", user, str(rate)])
+
+
+def table_from_lines(lines: Iterable[str], pause: Callable[[], None] = lambda: None) -> RateTable:
+    """The table ``table_lines`` wrote (already validated), built ``CHUNK`` lines at a time
+    with ``pause()`` between chunks.
+
+    Raises:
+        ValueError: a line that ``table_lines`` did not write.
+    """
+    it = iter(lines)
+    header = json.loads(next(it))
+    rates: dict[str | None, Fraction | None] = {None: None}
+
+    def rate(text: str | None) -> Fraction | None:
+        found = rates.get(text)
+        if found is None and text is not None:
+            found = rates[text] = Fraction(text)
+        return found
+
+    plans = {name: Plan(rate(r), bool(shadow)) for name, (r, shadow) in header["plans"].items()}
+    exact: dict[str, Entry] = {}
+    prefixes: dict[str, Entry] = {}
+    user_rates: dict[str, Fraction] = {}
+    into = {"E": exact, "P": prefixes}
+    for i, line in enumerate(it, 1):
+        record = json.loads(line)
+        if record[0] == "U":
+            user_rates[record[1]] = Fraction(record[2])
+        else:
+            kind, key, r, label, shadow, source = record
+            into[kind][key] = Entry(rate(r), label, shadow, source)
+        if i % CHUNK == 0:
+            pause()
+    default = header["default_rate"]
+    return RateTable(rate(default), user_rates, plans, header["default_plan"], exact, prefixes, tuple(header["labels"]))

@@ -316,13 +316,19 @@ def test_r21_a_large_table_is_read_and_validated_off_the_step(tmp_path, monkeypa
     path.write_text('{"default_tokens_per_s": 3}')
     assert watcher.poll().default_rate == 3 and readers == ["MainThread"]  # small: in the step
     users = {f"user-{i:05d}": "pro" for i in range(5000)}
-    path.write_text(table_text(users=users))
+    path.write_text(table_text(users={**users, "team/*": "internal"}))
     assert watcher.poll() is None  # handed to the watcher thread
     assert watcher.wait_ready(60)
     table = watcher.poll()  # ready: an O(1) hand-over
-    assert readers[-1] == "outrate-rates-file" and table.rate_of("user-04999") == 200
-    assert table._prepared is not None and table._prepared.burst_ns == 100 * MS  # prepared there too
-    assert watcher.poll() is None
+    assert readers == ["MainThread"]  # parsed by the reader process, not in this one
+    assert table.rate_of("user-04999") == 200 and table.rate_of("team/x") is None and table.rate_of("z") == 20
+    assert table.lookup("user-00001").source == "users['user-00001']" and table.labels == tuple(PLANS)
+    assert table.signature == ratesfile._signature(path.stat())
+    assert table._prepared is not None and table._prepared.burst_ns == 100 * MS  # prepared by the thread
+    assert watcher.poll() is None and watcher.reloads == 2
+    path.write_text(table_text(users={**users, "bad": "gold"}))
+    assert watcher.poll() is None and watcher.wait_ready(60) and watcher.poll() is None  # refused there
+    assert watcher.errors == 1
 
 
 @pytest.mark.rules("R27")
