@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from itertools import filterfalse
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -96,8 +97,25 @@ def user_of(request: Request) -> str:
     return validate_extra_args(params.extra_args if params is not None else None)
 
 
+def _decoding(r: Request) -> bool:
+    """R10/R14: only the sampling position is left (a decoding stream), and its last output
+    is not already in flight (V3)."""
+    return (
+        r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
+        and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+    )
+
+
 class _RateLimitMixin(_SchedulerHost):
     """The rules R6-R18 layered on a vLLM V1 scheduler class (see module docstring)."""
+
+    # The per-step shortcuts: the unconstrained step (no user can be refused: the hook only
+    # records charges, counted per user once), the turn order kept between steps
+    # (``_turns_hold``), the all-served R15 store, the in-place restore of ``running`` and
+    # the hook's skip of requests throttled at the step start. Each decides exactly what
+    # the general path decides (tests/test_shortcuts.py runs both step by step); False
+    # (on a subclass or an instance) takes the general path everywhere.
+    shortcuts: bool = True
 
     # -- construction ---------------------------------------------------------
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -223,8 +241,11 @@ class _RateLimitMixin(_SchedulerHost):
         # R14: the order of turns the last step left (request ids of running requests; the
         # requests that left are removed as they leave). Never the order of ``running``.
         self._turns: dict[str, None] = {}
-        self._turn_list: list[Request] = []  # this step's turn order (``_take_turns``)
         self._turn_pos: dict[str, int] | None = None  # its places, when asked (``_turn_position``)
+        # group key -> its last request id in ``_turns`` as built (R15: the last place).
+        self._group_last: dict[str, str] = {}
+        # A request left ``_turns`` since it was built (freed or preempted): rebuild it.
+        self._turns_shrunk = True
 
     def _open_trace(self, trace_path: str, **header: Any) -> None:
         """Open this engine's event trace (``reference/trace.py``; per data-parallel rank):
@@ -250,6 +271,8 @@ class _RateLimitMixin(_SchedulerHost):
         self._throttled: set[str] = set()  # running requests refused and skipped (R11)
         self._scheduled_running: set[str] = set()  # running requests given tokens (R12)
         self._throttled_at_start: list[Request] = []  # R13: preferred victims of this step
+        self._skipped_at_start: set[str] = set()  # their ids (the hook refuses them at once)
+        self._left_running = 0  # requests preempted in this step (``_restore_order``)
         self._held: set[str] = set()  # R14: throttled at the start although the user has grants
         self._preempted_for_r13 = False  # R13: we preempted; the waiting loop must not run
         self._unconstrained = False  # no user can be refused in this step (_survey_users)
@@ -318,6 +341,7 @@ class _RateLimitMixin(_SchedulerHost):
                     del self._user_requests[user]
             self._group_cache.pop(request.request_id, None)
             self._turns.pop(request.request_id, None)  # R14: only running requests take turns
+            self._turns_shrunk = True
             if self._plan_shadow is not None:  # R29
                 self._plan_shadow.freed(request.request_id)
             if self._trace is not None:
@@ -343,7 +367,7 @@ class _RateLimitMixin(_SchedulerHost):
         stock_order = self._move_throttled_last(short) if short else None  # R11, R13, R14
         if short and self.lora_config is not None and self._throttled_at_start:
             self._free_lora_slot(short)  # R13, LoRA
-        self._record_only = self._unconstrained = enough and self._hook_fast
+        self._record_only = self._unconstrained = enough and self._hook_fast and self.shortcuts
         scheduler_output = super().schedule(*args, **kwargs)
         self._commit_grants()  # R2/R7: the charges of this step, into the limiter
         if stock_order is not None:
@@ -619,8 +643,12 @@ class _RateLimitMixin(_SchedulerHost):
         ``running`` order; within it each (user, priority) group rotated within its own
         places so that the stream after the group's last-served one comes first. If the
         last-served stream is no longer running (or is already last), that group keeps its
-        order. ``running`` itself is never reordered (R19). O(running).
+        order. ``running`` itself is never reordered (R19). O(running); when that order is
+        this step's (``_turns_hold``), it is kept as it is.
         """
+        self._turn_pos = None
+        if self.shortcuts and self._turns_hold():
+            return
         turns, cache = self._turns, self._group_cache
         base = [r for r in self.running if r.request_id in turns]
         if len(base) > 1:
@@ -645,14 +673,32 @@ class _RateLimitMixin(_SchedulerHost):
                 continue
             for slot, request in zip(slots, members[pos + 1 :] + members[: pos + 1]):
                 order[slot] = request
-        self._turn_list = order
-        self._turns = dict.fromkeys(map(_REQUEST_ID, order))
-        self._turn_pos = None
+        turns = self._turns = dict.fromkeys(map(_REQUEST_ID, order))
+        self._group_last = dict(zip(map(cache.__getitem__, turns), turns))  # later places win: the last
+        self._turns_shrunk = False
+
+    def _turns_hold(self) -> bool:
+        """R14: the order the last step left is this step's turn order, as ``_take_turns``
+        would build it: the same running requests (none left since it was built, none
+        joined), and no group's last-served stream (R15) is one of its running streams
+        other than its last, so no group rotates. O(running) in C; O(groups) only while
+        some group's last-served stream is not its last."""
+        turns, running = self._turns, self.running
+        if self._turns_shrunk or len(turns) != len(running):
+            return False
+        if not all(map(turns.__contains__, map(_REQUEST_ID, running))):
+            return False
+        last_served, group_last = self._last_served, self._group_last
+        if group_last.items() <= last_served.items():
+            return True  # every group's last-served stream is its last
+        get = last_served.get
+        return all((s := get(key)) is None or s == last or s not in turns for key, last in group_last.items())
 
     def _turn_position(self) -> dict[str, int]:
         """R14/R15: request id -> place in this step's turn order (built once per step)."""
         if self._turn_pos is None:
-            self._turn_pos = {rid: i for i, rid in enumerate(self._turns)}
+            turns = self._turns
+            self._turn_pos = dict(zip(turns, range(len(turns))))
         return self._turn_pos
 
     def _turn_order(self, streams: list[Request]) -> list[Request]:
@@ -670,54 +716,63 @@ class _RateLimitMixin(_SchedulerHost):
         streams (only the sampling position left, R10; last output not already in
         flight, V3) beyond its grants, in its turn order (``_turn_order``), are throttled
         at the start: all of them if the user is refused (a refusal holds for the whole
-        step, grants only push TAT up), otherwise those whose turn it is not (``_held``):
-        the user's grants go to the others (R14). The running loop skips them anyway; the
-        move changes only vLLM's victims (FCFS: ``running[-1]``; PRIORITY: see
-        ``_allocate_slots_throttled_victims_first``). They are recorded as throttled
-        (R11/R12) and their users for the wait hint (R16) even if the active cap stops the
-        running loop before it reaches them. Returns the order before the move, or None
-        if nothing moved.
+        step, grants only push TAT up; no turn order needed), otherwise those whose turn
+        it is not (``_held``): the user's grants go to the others (R14). The running loop
+        skips them anyway; the move changes only vLLM's victims (FCFS: ``running[-1]``;
+        PRIORITY: see ``_allocate_slots_throttled_victims_first``). They are recorded as
+        throttled (R11/R12) and their users for the wait hint (R16) even if the active
+        cap stops the running loop before it reaches them. Returns the order before the
+        move, or None if nothing moved. O(running).
         """
         running = self.running
         cache = self._user_cache
-        streams: dict[str, list[Request]] = {}
+        throttled: list[Request] = []  # refused users' decoding streams, in running order
+        streams: dict[str, list[Request]] = {}  # the running requests of users with some grants
         for r in running:
             user = cache.get(r.request_id) or self._user(r)
-            if user in short:
+            grants = short.get(user)
+            if grants is None:
+                continue
+            if grants:
                 streams.setdefault(user, []).append(r)
-        passed: set[int] = set()
+            elif _decoding(r):
+                throttled.append(r)
+        held: list[Request] = []
         for user, mine in streams.items():
             grants = short[user]
-            decoding = [
-                r
-                for r in self._turn_order(mine)
-                if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
-                and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
-            ]
-            if len(decoding) <= grants:
-                continue
-            passed.update(id(r) for r in decoding[grants:])
-            if grants:
-                self._held.update(r.request_id for r in decoding[grants:])  # R14: not its turn
-        throttled = [r for r in running if id(r) in passed]
+            decoding = [r for r in self._turn_order(mine) if _decoding(r)]
+            if len(decoding) > grants:
+                held += decoding[grants:]
+        if held:
+            self._held.update(map(_REQUEST_ID, held))  # R14: not its turn
+            passed = set(held).union(throttled)
+            throttled = list(filter(passed.__contains__, running))
         self._throttled_at_start = throttled
-        self._throttled.update(r.request_id for r in throttled)
-        self._refused_users.update(self._user(r) for r in throttled)
+        ids = list(map(_REQUEST_ID, throttled))
+        self._skipped_at_start = set(ids)
+        self._throttled.update(ids)
+        self._refused_users.update(map(cache.__getitem__, ids))
         if not throttled or running[-len(throttled) :] == throttled:
             return None
         stock_order = list(running)
-        running[:] = [r for r in running if id(r) not in passed] + throttled
+        moved = set(throttled)
+        running[:] = [*filterfalse(moved.__contains__, running), *throttled]
         return stock_order
 
     def _restore_order(self, stock_order: list[Request]) -> None:
         """R13: put ``running`` back in the order vLLM alone would have left it.
 
-        vLLM only removes (preempts) and appends (admits) during ``schedule()``.
+        vLLM only removes (preempts) and appends (admits) during ``schedule()``; with no
+        preemption in the step, ``running`` is the moved order followed by the admitted.
         """
-        present = {id(r) for r in self.running}
-        before = {id(r) for r in stock_order}
-        admitted = [r for r in self.running if id(r) not in before]
-        self.running[:] = [r for r in stock_order if id(r) in present] + admitted
+        running = self.running
+        if self.shortcuts and not self._left_running:
+            running[:] = [*stock_order, *running[len(stock_order) :]]
+            return
+        present = set(running)
+        before = set(stock_order)
+        admitted = [r for r in running if r not in before]
+        running[:] = [r for r in stock_order if r in present] + admitted
 
     def _allocate_slots_throttled_victims_first(self, request: Request, *args: Any, **kwargs: Any):
         """R13 under PRIORITY: before vLLM preempts, preempt a throttled request of its level.
@@ -774,6 +829,8 @@ class _RateLimitMixin(_SchedulerHost):
             return self._reserve_general(request, num_computed_tokens, num_new_tokens)
         if num_new_tokens <= 0:
             return 0  # vLLM's hook, without an MTP drafter, only clamps at 0
+        if self.shortcuts and request.request_id in self._skipped_at_start:
+            return 0  # R11/R14: throttled at the step start; _refuse would skip it the same way
         end = request.num_tokens + request.num_output_placeholders
         if num_computed_tokens + num_new_tokens < end:
             return num_new_tokens  # R7: a prefill chunk that does not sample is not charged
@@ -872,7 +929,10 @@ class _RateLimitMixin(_SchedulerHost):
         assert limiter is not None, "called by schedule() with the feature on"
         if self._unconstrained:
             ids = self._charged_ids = list(map(_REQUEST_ID, self._charged))
-            counted = Counter(map(self._user_cache.__getitem__, ids))
+            if len(ids) == len(self._user_cache):  # every request charged (once, R7): its user's count
+                counted = dict(self._user_requests)
+            else:
+                counted = Counter(map(self._user_cache.__getitem__, ids))
             limiter.take_counts(counted, now)
             self._spare, self._spare_taken = self._grants_at_start, counted
             self._step_taken = counted  # the metrics' granted tokens (reference/metrics.py)
@@ -1046,6 +1106,8 @@ class _RateLimitMixin(_SchedulerHost):
             self._scheduled_running.discard(request.request_id)
             self._throttled.discard(request.request_id)
             self._turns.pop(request.request_id, None)  # R14: only running requests take turns
+            self._turns_shrunk = True
+            self._left_running += 1
         return super()._preempt_request(request, *args, **kwargs)
 
     def _settle(self, scheduler_output) -> list[str]:
@@ -1078,19 +1140,23 @@ class _RateLimitMixin(_SchedulerHost):
         """R15: of this step's dispatched charges ``ids``, the one of each (user, priority)
         group that comes last in the step's turn order followed by the requests admitted
         in it (in ``running`` order) becomes the group's last served (spec
-        ``rate.next_last_served``)."""
+        ``rate.next_last_served``). When ``ids`` are exactly the turn order as built, that
+        is each group's last place (``_group_last``). O(ids log ids) in C."""
         if not ids:
             return
+        turns = self._turns
+        if self.shortcuts and not self._turns_shrunk and len(ids) == len(turns) and turns.keys() == set(ids):
+            self._last_served.update(self._group_last)
+            return
         position = self._turn_position()
-        late = len(position)
-        admitted = {r.request_id: late + i for i, r in enumerate(self.running) if r.request_id not in position}
-
-        def key(rid: str) -> int:  # a turn position; admitted in this step: after every turn
-            return position[rid] if rid in position else admitted.get(rid, late)
-
-        last_served, groups = self._last_served, self._group_cache
-        for rid in sorted(ids, key=key):  # admitted in this step: after every turn
-            last_served[groups[rid]] = rid
+        ordered = sorted(filter(position.__contains__, ids), key=position.__getitem__)
+        if len(ordered) < len(ids):  # admitted in this step: after every turn, in running order
+            late = len(position)
+            admitted = {r.request_id: late + i for i, r in enumerate(self.running) if r.request_id not in position}
+            rest = [rid for rid in ids if rid not in position]
+            ordered += sorted(rest, key=lambda rid: admitted.get(rid, late))
+        groups = self._group_cache
+        self._last_served.update(zip(map(groups.__getitem__, ordered), ordered))  # later wins: the last
 
     def _observe(self, scheduler_output, refunded: list[str]) -> None:
         """Record this step's decisions; the observation dict is built only when read."""

@@ -1,0 +1,180 @@
+"""The reference's per-step shortcuts decide exactly what its general path decides (issue 27).
+
+``_RateLimitMixin.shortcuts`` (default True) turns on: the unconstrained step (no user can
+be refused: the hook only records charges, counted per user once), the turn order kept
+between steps (``_turns_hold``), the all-served R15 store (``_group_last``), the in-place
+restore of ``running`` after a step without preemption, and the hook's immediate skip of
+a request throttled at the step start. With ``shortcuts = False`` every step takes the
+general path.
+
+Hypothesis runs the same scenario on two reference schedulers side by side, one of each,
+and after every step compares everything the step decides: the batch in
+``SchedulerOutput`` order, what was sampled, preempted, admitted and finished, the
+white-box observation (charges, refunds, throttled, wait hint, every TAT), the order of
+``running``, the turn order (R14) and the last-served streams (R15). The scenarios are the
+gate's own strategies: ample ones (many unconstrained steps, users held to fewer grants
+than streams) and pressured ones (preemption, small budgets, an active cap, PRIORITY,
+aborts, runs past the R6 clean-up).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, EngineShape, Harness
+from vllm_output_rate.adapter.scenarios import (
+    DRAIN_STEP_LIMIT,
+    RequestSpec,
+    Scenario,
+    _arrivals_and_aborts,
+    build_harness,
+    pressured_scenarios,
+    scenarios,
+)
+from vllm_output_rate.reference.scheduler import _RateLimitMixin
+
+MS = 1_000_000
+
+
+def _state(harness: Harness) -> tuple:
+    """What a step leaves behind in the scheduler beside its trace: ``running`` order, the
+    turn order (R14), the last-served streams (R15), the wait hint (R16)."""
+    s = harness.scheduler
+    return (
+        [r.request_id for r in s.running],
+        list(s._turns),
+        dict(s._last_served),
+        s.next_ready_ns(),
+    )
+
+
+def run_side_by_side(scenario: Scenario) -> int:
+    """``scenario`` on the reference with and without shortcuts, compared after every
+    step (AssertionError naming the step and what differs). Returns the steps taken."""
+    cls = REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER
+    fast, slow = build_harness(cls, scenario), build_harness(cls, scenario)
+    slow.scheduler.shortcuts = False
+    plans = [(sorted(scenario.requests, key=lambda r: r.at_step), scenario.abort_schedule()) for _ in (fast, slow)]
+    for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
+        for harness, (pending, aborts) in zip((fast, slow), plans):
+            _arrivals_and_aborts(harness, pending, aborts, step)
+        if step >= scenario.num_steps and not fast.scheduler.requests and not plans[0][0]:
+            return step
+        got, want = fast.step(), slow.step()
+        assert got == want, f"step {step}: the step differs\nshortcuts: {got}\ngeneral:   {want}"
+        assert _state(fast) == _state(slow), f"step {step}: state differs\n{_state(fast)}\n{_state(slow)}"
+        advances = scenario.advances_ns or ()
+        delta = advances[step] if step < len(advances) else scenario.step_interval_ns
+        fast.advance(delta)
+        slow.advance(delta)
+    return scenario.num_steps + DRAIN_STEP_LIMIT
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(max_steps=40))
+def test_shortcuts_equal_the_general_path_on_ample_scenarios(scenario: Scenario) -> None:
+    run_side_by_side(scenario)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=pressured_scenarios(max_steps=40))
+def test_shortcuts_equal_the_general_path_under_pressure(scenario: Scenario) -> None:
+    run_side_by_side(scenario)
+
+
+def _bench_like(async_scheduling: bool, throttled_user_rate: float) -> Harness:
+    """12 streams of 3 users (4 each) decoding with ample KV; user ``t`` at
+    ``throttled_user_rate`` tokens/s, the others never bound."""
+    h = Harness(
+        REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER,
+        EngineShape(
+            max_num_seqs=12,
+            async_scheduling=async_scheduling,
+            output_rate={"default_tokens_per_s": 10**9, "user_tokens_per_s": {"t": throttled_user_rate}},
+        ),
+    )
+    for i in range(12):
+        h.add_request(f"r{i}", ("a", "b", "t")[i % 3], prompt_len=4 + i, max_tokens=200)
+    return h
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("shortcuts", [True, False])
+def test_not_binding_steady_state_keeps_the_turn_order_and_skips_nothing(async_scheduling, shortcuts):
+    # Not binding, every stream decodes every step: with the shortcuts the turn order is
+    # the same object step after step (no rebuild), each step is unconstrained and the
+    # R15 store is each group's last place; without them it is rebuilt every step.
+    h = _bench_like(async_scheduling, 10**9)
+    h.scheduler.shortcuts = shortcuts
+    for _ in range(6):
+        h.step()
+        h.advance(10 * MS)
+    kept = 0
+    for _ in range(10):
+        before = h.scheduler._turns
+        trace = h.step()
+        h.advance(10 * MS)
+        assert trace.white["throttled"] == [] and len(trace.scheduled) == 12
+        assert h.scheduler._unconstrained is shortcuts
+        kept += h.scheduler._turns is before
+    assert kept == (10 if shortcuts else 0)
+    assert h.scheduler._last_served == h.scheduler._group_last
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_throttled_at_start_are_refused_by_the_hook_at_once(async_scheduling):
+    # User t at 0.001 tok/s spends its burst, then its 4 streams are throttled at every
+    # step start: the hook refuses them without asking for grants (_skipped_at_start),
+    # and the turn order is kept (t's group does not rotate while it is never served).
+    h = _bench_like(async_scheduling, 0.001)
+    for _ in range(8):
+        h.step()
+        h.advance(10 * MS)
+    asked = []
+    scheduler = h.scheduler
+    real = scheduler._refuse
+    scheduler._refuse = lambda request, *a: asked.append(request.request_id) or real(request, *a)
+    before = scheduler._turns
+    trace = h.step()
+    assert sorted(trace.white["throttled"]) == ["r11", "r2", "r5", "r8"]
+    assert set(scheduler._skipped_at_start) == {"r2", "r5", "r8", "r11"}
+    assert asked == []
+    assert scheduler._turns is before
+    assert [r.request_id for r in scheduler.running] == [f"r{i}" for i in range(12)]  # R13 move undone
+
+
+def test_a_finished_stream_rebuilds_the_turn_order():
+    # A request that leaves (finished or preempted) marks the order shrunk; the next step
+    # rebuilds it, so no group's last place names a request that is gone.
+    h = _bench_like(False, 10**9)
+    for _ in range(6):
+        h.step()
+        h.advance(10 * MS)
+    h.abort("r5")
+    assert h.scheduler._turns_shrunk
+    h.step()
+    assert not h.scheduler._turns_shrunk
+    assert "r5" not in h.scheduler._turns and "r5" not in h.scheduler._group_last.values()
+
+
+def test_the_side_by_side_run_sees_a_difference(monkeypatch) -> None:
+    # The comparison can fail: a shortcut that forgets R15 (no last-served stream stored
+    # when every stream was served) differs from the general path within a few steps.
+    scenario = Scenario(
+        rates_tokens_per_s={},
+        requests=tuple(RequestSpec(request_id=f"r{i}", user="u", prompt_len=4, max_tokens=12) for i in range(3)),
+        step_interval_ns=10 * MS,
+        num_steps=8,
+        default_rate_tokens_per_s="1000",
+    )
+    general = _RateLimitMixin._record_last_served
+
+    def forgetful(self, ids):
+        return None if self.shortcuts else general(self, ids)
+
+    monkeypatch.setattr(_RateLimitMixin, "_record_last_served", forgetful)
+    with pytest.raises(AssertionError, match="state differs"):
+        run_side_by_side(scenario)
