@@ -367,3 +367,34 @@ def test_plugin_installs_identity_only_when_bound_and_refuses_vllm_api_key(tmp_p
     assert settings_.mode == "api-key" and keys is not None and identity_middleware.active_settings() is settings_
     with pytest.raises(OutputRateConfigError, match="remove --api-key"):
         identity_for_server(Namespace(additional_config={"output_rate": section}, api_key=["k"]))
+
+
+@pytest.mark.rules("R30")
+def test_r30_front_end_refuses_a_request_without_user_while_identity_is_bound(monkeypatch):
+    """An endpoint that builds its own SamplingParams (no vllm_xargs) cannot carry the bound
+    user: the plugin's front-end check refuses it instead of charging ``__anonymous__``."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_output_rate.reference import identity_middleware, plugin
+
+    plugin.register()
+    engine = SimpleNamespace(
+        vllm_config=SimpleNamespace(additional_config={"output_rate": {"default_tokens_per_s": 5}})
+    )
+    monkeypatch.setattr(identity_middleware, "_ACTIVE", {"settings": parse_identity("header:X-U"), "keys": None})
+    with pytest.raises(plugin.OutputRateRequestError, match="does not carry the user"):
+        InputProcessor._validate_params(engine, SamplingParams(max_tokens=2), ("generate",))
+    passed = []  # with the user bound (or identity not bound) our check lets it through
+    for extra, settings_ in (({USER_KEY: "u"}, parse_identity("header:X-U")), (None, None)):
+        monkeypatch.setattr(identity_middleware, "_ACTIVE", {"settings": settings_, "keys": None})
+        try:
+            InputProcessor._validate_params(engine, SamplingParams(max_tokens=2, extra_args=extra), ("generate",))
+        except plugin.OutputRateRequestError:
+            raise
+        except Exception:  # vLLM's own checks on this bare engine object: past ours
+            pass
+        passed.append(extra)
+    assert passed == [{USER_KEY: "u"}, None]
