@@ -4,7 +4,8 @@ to its API key (``output_rate.identity``), before vLLM parses the request.
 The plugin installs it (``plugin._install_identity_middleware``) as the outermost
 middleware of vLLM's OpenAI server when the feature is on and ``identity`` is not
 ``"body"``; ``--middleware vllm_output_rate.reference.identity_middleware.IdentityMiddleware``
-names the same class (the second copy then passes requests through). Pure ASGI: no vLLM
+names the same class (the second copy then passes requests through; named without the
+plugin's configuration it refuses to start, ``NOT_CONFIGURED``). Pure ASGI: no vLLM
 import, no Starlette import.
 
 Per HTTP request (``identity`` not ``"body"``):
@@ -229,20 +230,36 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+NOT_CONFIGURED = (
+    "IdentityMiddleware is named by --middleware, but no bound identity is configured in this "
+    'process: set output_rate.identity ("header:NAME" or "api-key", --identity) with the feature on, '
+    "and keep the output_rate plugin loaded (VLLM_PLUGINS must not filter it out); or drop --middleware"
+)
+
+
 class IdentityMiddleware:
     """R30-R32: the identity-binding ASGI middleware (module docstring).
 
     Args:
         app: the ASGI application it wraps.
         settings: the identity settings; None: those ``configure`` set in this process
-            (``--middleware``), and a pass-through if none were set.
+            (``--middleware``).
         keys: the ``KeysFileWatcher`` (``"api-key"``); None: the configured one.
+
+    Raises:
+        RuntimeError: no settings given and none configured (``NOT_CONFIGURED``): fails
+            closed, so a ``--middleware`` without the plugin's configuration never passes
+            requests as if identity were bound.
     """
 
     def __init__(self, app: Any, settings: IdentitySettings | None = None, keys: Any = None) -> None:
         self.app = app
         self.settings = settings if settings is not None else active_settings()
         self.keys = keys if keys is not None else _ACTIVE["keys"]
+        if self.settings is None:
+            # Named by --middleware, but nothing configured this process: failing open here
+            # would let every client name its user while the operator believes otherwise.
+            raise RuntimeError(NOT_CONFIGURED)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         settings = self.settings

@@ -398,3 +398,19 @@ def test_r30_front_end_refuses_a_request_without_user_while_identity_is_bound(mo
             pass
         passed.append(extra)
     assert passed == [{USER_KEY: "u"}, None]
+
+
+@pytest.mark.rules("R30")
+def test_r30_middleware_named_by_flag_uses_the_plugins_settings_and_fails_closed_without(monkeypatch):
+    from vllm_output_rate.reference import identity_middleware
+
+    monkeypatch.setattr(identity_middleware, "_ACTIVE", {"settings": None, "keys": None})
+    with pytest.raises(RuntimeError, match="no bound identity is configured"):
+        IdentityMiddleware(_App())
+    monkeypatch.setattr(identity_middleware, "_ACTIVE", {"settings": parse_identity("header:X-U"), "keys": None})
+    app = _App()
+    inner = IdentityMiddleware(app)  # --middleware: vLLM builds it with the app alone
+    outer = IdentityMiddleware(inner, parse_identity("header:X-U"), None)  # the plugin's, outermost
+    assert _call(inner, [], b"{}")[0] == 401
+    assert _call(outer, [(b"x-u", b"alice")], b'{"vllm_xargs": {}}')[0] == 200
+    assert [_user_of(body) for _, body in app.calls] == ["alice"]  # bound once, passed by the inner copy
