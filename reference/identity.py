@@ -2,7 +2,9 @@
 
 ``extra_args["output_rate_user"]`` (``vllm_xargs`` in the OpenAI API) if present, else the
 shared bucket ``"__anonymous__"``. The OpenAI ``user`` field plays no part. The value is not
-authenticated: a trusted gateway must overwrite it.
+authenticated: with ``output_rate.identity`` set to ``"header:NAME"`` or ``"api-key"`` the
+server binds it to a gateway's header or to the API key instead (R30-R32, below, and
+``identity_middleware.py``).
 
 Decision (docs, R17): a valid user id is a non-empty ``str`` of at most 256 characters.
 Anything else is refused for that request only, at the front end (``plugin.py``) with a
