@@ -64,6 +64,7 @@ FAST_PACED = (("10", "16", "20", "25", "50"), ("12.5",))  # T <= tau
 TWO_AT_ONCE = (("16", "20", "24", "25"), ("12.5",))  # 2 grants at once after one grant
 SLOW = (("1", "2", "4", "5"), ("0.5", "2.5"))  # T > tau: refused one step after a grant
 ROTATION = (("20", "25", "30"), ("20.5", "33.3"))  # idle burst >= 3
+CAP_PLACES = (("10", "12", "15", "16"), ("12.5", "10.5"))  # 2 grants at once, then 2 T > tau
 
 
 def _zmax(a, b):
@@ -486,6 +487,82 @@ def _fcfs_throttled_victim(rate, async_mode, seed):
     return _priority_throttled_victim(rate, async_mode, seed, policy="fcfs")
 
 
+def _refused_prefill_ahead(rate, async_mode, seed):
+    """R10/P4 with chunked prefill: the shape of ``_refused_prompt_ahead``, but U1's refused
+    prompt (4 tokens) can advance to n - 1, so it never ends admission: V (another user's
+    request behind it) is admitted in the same step. Head-of-line blocking here is the
+    limit's, not vLLM's."""
+    scenario = _refused_prompt_ahead(rate, async_mode, seed)
+    return None if scenario is None else replace(scenario, chunked_prefill=True)
+
+
+def _active_cap_throttled_places(rate, async_mode, seed):
+    """R12 (active cap 2, ample otherwise): user u (2 grants at once, then refused: 10 to
+    19 tokens/s) has two streams admitted at step 0; from step 1 on both are throttled and
+    give up both their active places, so of v's three requests arriving at step 1 exactly
+    two are admitted (len(running) - throttled < A), and the batch holds A requests."""
+    r = Fraction(rate)
+    m = _Model(3, seed=seed)
+    u = m.user("u", r, [2, 2, 2])
+    v = m.user("v", Fraction(FAST_RATE), [0, 2, 2])
+    m.add(u.granted(0), u.refused(1), u.refused(2), v.granted(1), v.granted(2))
+    m.add(*[m.a[i] >= 1_000_000 for i in range(2)])
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec(f"u-r{k}", "u", 4, 3) for k in range(2)]
+    requests += [RequestSpec(f"v-r{k}", "v", 4, 3, at_step=1) for k in range(3)]
+    return _scenario({"u": rate}, requests, advances, max_num_active_seqs=2)
+
+
+def _running_prefill_refused(rate, async_mode, seed):
+    """R10 (chunked prefill, token budget 16): U0 (prompt 4) samples at step 0, when U1
+    (prompt 40) starts its prefill; u (T > tau) is refused at steps 1 and 2, so U1, a
+    running request, is refused at its final chunk (step 2) and advances to n - 1 (11 of
+    the 12 tokens left) while the step leaves budget; its last token samples later."""
+    r = Fraction(rate)
+    m = _Model(3, seed=seed)
+    u = m.user("u", r, [1, 1, 2])
+    m.add(u.granted(0), u.refused(1), u.refused(2), *[m.a[i] >= 1_000_000 for i in range(2)])
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec("u-r0", "u", 4, 3), RequestSpec("u-r1", "u", 40, 2)]
+    return _scenario({"u": rate}, requests, advances, max_num_batched_tokens=16)
+
+
+def _rotation_beside_others(rate, async_mode, seed):
+    """R14 beside another user: U0, V0, U1 arrive in that order (u's streams hold places
+    0 and 2 of ``running``, v's place 1); after both first tokens u gets exactly one grant
+    per step, so its streams take turns by trading places 0 and 2, and V0 keeps place 1."""
+    r = Fraction(rate)
+    steps = 7
+    m = _Model(steps, seed=seed)
+    u = m.user("u", r, [2] * steps)
+    m.add(u.g[0] == 2, *[u.g[i] == 1 for i in range(1, steps)], *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec("u-r0", "u", 4, 6), RequestSpec("v-r0", "v", 4, 12), RequestSpec("u-r1", "u", 4, 6)]
+    return _scenario({"u": rate}, requests, advances)
+
+
+def _parallel_children(rate, async_mode, seed):
+    """R17, n > 1: one request of user u (T > tau) fanned out into 3 children sharing one
+    ``SamplingParams`` (vLLM's front end); one child's first token is granted at step 0,
+    the other two wait for u's budget. Every child is u's, none anonymous (the anonymous
+    bucket, at the default 1000 tokens/s, would grant them at once)."""
+    r = Fraction(rate)
+    m = _Model(2, seed=seed)
+    u = m.user("u", r, [3, 2])
+    m.add(u.g[0] == 1, u.refused(1), *[m.a[i] >= 1_000_000 for i in range(1)])
+    advances = m.solve()
+    if advances is None:
+        return None
+    requests = [RequestSpec(f"u-c{k}", "u", 4, 2, parent="u-n3") for k in range(3)]
+    return _scenario({"u": rate}, requests, advances)
+
+
 def _refused_prompt_ahead(rate, async_mode, seed):
     """R10 without chunked prefill: U0 (user u at ``rate``, T > tau) decodes from step 0;
     step 1 runs 1 ns past u's burst edge and brings U1 (user u) and, behind it, V (user v,
@@ -668,6 +745,48 @@ BOUNDARIES: tuple[Boundary, ...] = (
         "a request admitted while throttled requests fill the active cap, then the cap binds",
         "throttled requests counted toward the active cap (the other user is not admitted: under-grant)",
         _active_cap_binds,
+        SLOW,
+    ),
+)
+BOUNDARIES += (
+    Boundary(
+        "refused-prefill-ahead",
+        ("R10",),
+        "with chunked prefill a refused waiting prompt that can advance to n - 1, ahead of another user's request",
+        "should: a refused waiting request that ends admission (head-of-line blocking caused by the limit, P4)",
+        _refused_prefill_ahead,
+        SLOW,
+    ),
+    Boundary(
+        "active-cap-throttled-places",
+        ("R12",),
+        "two throttled streams of one user free two active places; another user's requests take exactly those",
+        "one place freed per throttled user (under-grant, must); one request admitted past A (should)",
+        _active_cap_throttled_places,
+        CAP_PLACES,
+    ),
+    Boundary(
+        "running-prefill-refused",
+        ("R10",),
+        "a running request's refused final prefill chunk advances to n - 1",
+        "should: the refused running prefill given 0 tokens (R10)",
+        _running_prefill_refused,
+        SLOW,
+    ),
+    Boundary(
+        "rotation-beside-others",
+        ("R14",),
+        "a user's two streams take turns in places 0 and 2 of running, another user's stream in place 1",
+        "should: the rotation moving a stream across another user's (R14, other users' order)",
+        _rotation_beside_others,
+        ROTATION,
+    ),
+    Boundary(
+        "parallel-children",
+        ("R17",),
+        "an n > 1 request's children share one SamplingParams (vLLM's front end)",
+        "the identity read once and removed from the shared params: later children anonymous (over-grant)",
+        _parallel_children,
         SLOW,
     ),
 )

@@ -59,7 +59,12 @@ RULE_OBLIGATIONS: tuple[tuple[str, str, str], ...] = (
     ("R17 anonymous bucket", "R17", "any"),
     ("R17 odd ids kept exactly", "R17", "any"),
     ("R18 feature off", "R18", "any"),
+    # Issue 26: the gate's black-box blind spots.
+    ("R18 feature off: two streams of one user, a long prompt, a binding token budget", "R18", "any"),
+    ("P4 other users served in an FCFS step that preempted", "R11 R13", "any"),
+    ("R17 n > 1 children share one SamplingParams", "R17", "any"),
 )
+FEATURE_OFF_ORDER = RULE_OBLIGATIONS[-3][0]
 _ODD_ID = re.compile(r"^[a-z0-9-]{1,64}$")
 
 
@@ -121,6 +126,28 @@ def record_check(options, check: str, result, reached: Counter) -> None:
         failed.append(check)
     if check.startswith("feature-off/"):
         counts["R18 feature off"] += result.examples
+
+
+def order_sensitive(scenario) -> bool:
+    """R18's shapes where order matters (``adapter/feature_off.py``): chunked prefill with a
+    token budget that a prompt exceeds (a binding budget, a long prompt) and two or more
+    streams of one user."""
+    budget = scenario.max_num_batched_tokens
+    users = [r.user for r in scenario.requests]
+    return (
+        scenario.chunked_prefill
+        and budget is not None
+        and any(r.prompt_len > budget for r in scenario.requests)
+        and any(users.count(u) >= 2 for u in users)
+    )
+
+
+def note_feature_off(scenario) -> None:
+    """A feature-off comparison ran ``scenario`` (no judge): its order-sensitive shape, if it
+    is one, counts once (``order_sensitive``)."""
+    if order_sensitive(scenario):
+        for counts in _ACTIVE:
+            counts[FEATURE_OFF_ORDER] += 1
 
 
 def note(judge, name: str) -> None:
@@ -208,6 +235,7 @@ def observe(judge, step: int, trace, unfinished: list[str], resident: set[str]) 
     _observe_alloc_failure(view)
     _observe_turns(view)
     _observe_user_ids(view)
+    _observe_blind_spots(view)
 
 
 def _observe_takes(view: _Step) -> spec_limiter.LimiterState:
@@ -440,6 +468,67 @@ def _observe_user_ids(view: _Step) -> None:
             note(judge, "R17 anonymous bucket")
         elif not _ODD_ID.match(user):
             note(judge, "R17 odd ids kept exactly")
+
+
+def _observe_blind_spots(view: _Step) -> None:
+    """Issue 26's situations (``adapter/step_checks.py``): a refused waiting prompt that can
+    advance, ahead of another user's request (R10/P4); two or more throttled streams whose
+    places others take (R12); a running request's refused prefill advanced (R10); a user's
+    streams taking turns beside another user's stream (R14); other users served in an FCFS
+    step that preempted (P4); n > 1 children sampling (R17)."""
+    from vllm_output_rate.adapter import step_checks
+
+    judge, trace, refused, start = view.judge, view.trace, view.refused, view.judge.start
+    scheduled, sampled, admitted = trace.scheduled, set(trace.sampled), set(trace.admitted)
+    ahead = False
+    for rid in view.unfinished:
+        if rid in view.resident:
+            continue
+        if judge.user_of(rid) in refused:
+            ahead = ahead or step_checks.can_advance(judge, rid)
+        elif ahead:
+            note(judge, "boundary: refused-prefill-ahead")
+    throttled = [r for r in view.resident if r not in scheduled and judge.user_of(r) in refused]
+    if len(throttled) >= 2 and len(admitted) >= 2:
+        note(judge, "boundary: active-cap-throttled-places")
+    if start is not None:
+        for rid in scheduled:
+            if (
+                rid in view.resident
+                and rid not in sampled
+                and rid not in start.decoding
+                and judge.user_of(rid) in refused
+            ):
+                note(judge, "boundary: running-prefill-refused")
+        _observe_turns_beside(view)
+    if trace.preempted and judge.scenario.policy == "fcfs":
+        victims = {judge.user_of(r) for r in trace.preempted if r in judge.by_id}
+        if any(judge.user_of(r) not in victims for r in scheduled if r in view.resident):
+            note(judge, "P4 other users served in an FCFS step that preempted")
+    for rid in trace.sampled:
+        parent = judge.by_id[rid].parent if rid in judge.by_id else None
+        if parent is not None and any(
+            o != rid and judge.by_id[o].parent == parent for o in view.unfinished if o in judge.by_id
+        ):
+            note(judge, "R17 n > 1 children share one SamplingParams")
+            note(judge, "boundary: parallel-children")
+
+
+def _observe_turns_beside(view: _Step) -> None:
+    """R14 beside another user: a (user, priority) group holding places of ``running`` on
+    both sides of another group's request got exactly one grant among its streams."""
+    judge, start = view.judge, view.judge.start
+    known = [rid for rid in start.running if rid in judge.by_id]
+    places: dict[tuple[str, int], list[int]] = {}
+    for i, rid in enumerate(known):
+        places.setdefault((judge.user_of(rid), judge.by_id[rid].priority), []).append(i)
+    for mine in places.values():
+        if len(mine) < 2 or all(p in mine for p in range(mine[0], mine[-1] + 1)):
+            continue
+        served = [known[p] for p in mine if known[p] in view.trace.sampled]
+        if len(served) == 1:
+            note(judge, "boundary: rotation-beside-others")
+            return
 
 
 # -- the gate's coverage row ---------------------------------------------------------------------

@@ -28,9 +28,11 @@ from vllm_output_rate.adapter.scenarios import (
     Hunt,
     Scenario,
     Verdict,
+    add_spec,
     build_harness,
     feature_off,
     minimize,
+    parallel_children,
     pressured_scenarios,
     scenarios,
 )
@@ -44,7 +46,10 @@ def base_class(async_mode: bool) -> str:
 def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdict:
     """Run ``scenario`` with the feature off on ``scheduler_cls`` and on its stock base;
     ``failure`` names the first step at which they differ (rule R18, level must)."""
+    from vllm_output_rate.adapter import coverage
+
     scenario = feature_off(scenario)
+    coverage.note_feature_off(scenario)  # R18's order-sensitive shapes (issue 26)
     base_cls = base_class(scenario.async_scheduling)
     name = scheduler_cls.rpartition(".")[2]
     steps, difference = first_difference(scheduler_cls, scenario, scenario, style)
@@ -94,12 +99,13 @@ def first_difference(
     pair = (candidate, base)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
     aborts = scenario.abort_schedule()
+    children = [parallel_children(scenario.requests) for _ in pair]  # n > 1: one family per side
     steps = 0
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
         while pending and pending[0].at_step <= step:
             r = pending.pop(0)
-            for h in pair:
-                h.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
+            for h, shared in zip(pair, children, strict=True):
+                add_spec(h, r, shared)
         while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
             rid = aborts.pop(0)[1].request_id
             for h in pair:
@@ -198,6 +204,16 @@ def ample_or_pressured(async_mode: bool, max_steps: int):
     )
 
 
+def feature_off_scenarios(async_mode: bool, max_steps: int):
+    """Hypothesis strategy of R18's row: ``ample_or_pressured`` and the shapes where order
+    matters, which ``not-binding`` draws too (``adapter/not_binding.stall_scenarios``: two
+    streams of one user, a long prompt, a binding token budget): a rotation or bookkeeping
+    left running with the feature off shows only there."""
+    from vllm_output_rate.adapter.not_binding import stall_scenarios
+
+    return st.one_of(ample_or_pressured(async_mode, max_steps), stall_scenarios(async_scheduling=async_mode))
+
+
 def _every_style(style: Any) -> str | None:
     return None
 
@@ -269,7 +285,7 @@ check_feature_off = PairedCheck(
     "feature-off",
     ("R18",),
     "must",
-    ample_or_pressured,
+    feature_off_scenarios,
     run_feature_off,
     feature_off,
 )

@@ -290,19 +290,25 @@ class Harness:
         priority: int = 0,
         arrival_time: float | None = None,
         lora: int = 0,
+        sampling_params: Any = None,
     ) -> None:
         """Add a request; ``user`` None means no ``output_rate_user`` (anonymous).
 
         ``eos_index``: the 0-based output index at which the fabricated model emits EOS.
         ``lora``: the LoRA adapter id (``LoRARequest.lora_int_id``; 0: the base model).
+        ``sampling_params``: a ``SamplingParams`` used as given instead of one built from
+        ``user`` and ``max_tokens`` (n > 1: vLLM's children share one,
+        ``adapter/scenarios.parallel_children``).
         """
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
         from vllm.v1.request import Request
 
-        extra = None if user is None else {"output_rate_user": user}
-        params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
-        params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
+        params = sampling_params
+        if params is None:
+            extra = None if user is None else {"output_rate_user": user}
+            params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
+            params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
         request = Request(
             request_id=request_id,
             prompt_token_ids=[NON_EOS_TOKEN_ID + 1 + (i % 50) for i in range(prompt_len)],

@@ -46,7 +46,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter import attribution, coverage
+from vllm_output_rate.adapter import attribution, coverage, step_checks
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec import properties as spec_properties
 
@@ -67,6 +67,9 @@ class RequestSpec:
     at_step: int = 0
     priority: int = 0
     abort_at_step: int | None = None  # aborted just before this step is scheduled
+    # n > 1: the request id of the parent whose children share one SamplingParams, built as
+    # vLLM's front end builds them (``parallel_children``); None: a request of its own.
+    parent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -189,9 +192,10 @@ class Scenario:
             eos = f", eos@{r.eos_index}" if r.eos_index is not None else ""
             prio = f", priority={r.priority}" if self.policy == "priority" else ""
             user = "(none: __anonymous__)" if r.user is None else repr(r.user)
+            child = f", child of {r.parent!r} (n > 1: one shared SamplingParams)" if r.parent is not None else ""
             out.append(
                 f"step {r.at_step}: add {r.request_id} user={user} prompt={r.prompt_len} "
-                f"max_tokens={r.max_tokens}{eos}{prio}"
+                f"max_tokens={r.max_tokens}{eos}{prio}{child}"
             )
             if r.abort_at_step is not None:
                 out.append(f"step {r.abort_at_step}: abort {r.request_id}")
@@ -363,6 +367,9 @@ def _checked_request(value: Any, where: str) -> RequestSpec:
         raise bad_value(f"{where}.request_id", request_id, "must be a non-empty string")
     if data["user"] is not None:  # null: no output_rate_user, the __anonymous__ bucket (R17)
         checked_user_id(data["user"], f"{where}.user")
+    parent = data.get("parent")
+    if parent is not None and (not isinstance(parent, str) or not parent):
+        raise bad_value(f"{where}.parent", parent, "must be null or a non-empty string (the n > 1 parent's id)")
     for name, check in _REQUEST_CHECKS.items():
         if name in data:
             data[name] = check(data[name], f"{where}.{name}")
@@ -502,7 +509,26 @@ def scenarios(
     chunked = draw(st.booleans())
     async_mode = draw(st.booleans()) if async_scheduling is None else async_scheduling
     drawn = (overrides, default, requests, step_interval_ns, num_steps, chunked, async_mode)
-    return _drawn_scenario(draw, drawn, burst_configurable, max_num_active_seqs=cap)
+    return _fanned_out(draw, _drawn_scenario(draw, drawn, burst_configurable, max_num_active_seqs=cap))
+
+
+def _fanned_out(draw, scenario: Scenario) -> Scenario:
+    """Sometimes (1 in 4, drawn last) one user's streams made the children of one n > 1
+    request, as vLLM's front end fans it out: one prompt, one ``max_tokens``, one arrival,
+    one shared ``SamplingParams`` (``parallel_children``); each child keeps its own EOS."""
+    by_user: dict[str | None, list[RequestSpec]] = {}
+    for r in scenario.requests:
+        by_user.setdefault(r.user, []).append(r)
+    families = [rs for rs in by_user.values() if len(rs) >= 2]
+    if not families or draw(st.integers(0, 3)) != 0:
+        return scenario
+    family = draw(st.sampled_from(families))
+    first = family[0]
+    parent = f"{first.request_id.rpartition('-')[0]}-n{len(family)}"
+    shared = {"prompt_len": first.prompt_len, "max_tokens": first.max_tokens, "at_step": first.at_step}
+    ids = {r.request_id for r in family}
+    requests = tuple(replace(r, parent=parent, **shared) if r.request_id in ids else r for r in scenario.requests)
+    return replace(scenario, requests=requests)
 
 
 def _drawn_scenario(draw, drawn: tuple, burst_configurable: bool, **pressure: Any) -> Scenario:
@@ -651,9 +677,10 @@ def run_scenario(
     judge = _Judge(scenario, harness, level)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)
     aborts = scenario.abort_schedule()
+    children = parallel_children(scenario.requests)
     rate_failure: tuple[tuple[str, str, str], int] | None = None  # kept while the rest is recorded
     for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
-        judge.aborted_in_flight = _arrivals_and_aborts(harness, pending, aborts, step)
+        judge.aborted_in_flight = _arrivals_and_aborts(harness, pending, aborts, step, children)
         if step >= scenario.num_steps and not pending and not aborts and len(harness.finished) == len(judge.by_id):
             break
         unfinished = [rid for rid in harness.num_outputs if rid not in harness.finished]
@@ -684,15 +711,75 @@ def run_scenario(
     return _final_verdict(judge, harness, level, attribute, rate_failure)
 
 
+def parallel_children(requests: tuple[RequestSpec, ...] | list[RequestSpec]) -> dict[str, Any]:
+    """n > 1 (R17): request id -> the ``SamplingParams`` of each child request, built as
+    vLLM's front end builds them: one ``SamplingParams`` of the parent (its user in
+    ``extra_args["output_rate_user"]``, ``n`` = its children) handed to vLLM's
+    ``ParentRequest``, whose children share one copy of it (and so one ``extra_args`` dict).
+    Children of one parent have the same user and ``max_tokens``. Requests without a
+    ``parent`` are not in the map. Call once per harness: the copies are live objects."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    from vllm_output_rate.adapter.harness import EOS_TOKEN_ID
+
+    families: dict[str, list[RequestSpec]] = {}
+    for r in requests:
+        if r.parent is not None:
+            families.setdefault(r.parent, []).append(r)
+    out: dict[str, Any] = {}
+    for parent_id, children in families.items():
+        first = children[0]
+        extra = None if first.user is None else {"output_rate_user": first.user}
+        params = SamplingParams(n=len(children), max_tokens=first.max_tokens, extra_args=extra)
+        params.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
+        parent = ParentRequest(
+            EngineCoreRequest(
+                request_id=parent_id,
+                prompt_token_ids=None,
+                mm_features=None,
+                sampling_params=params,
+                pooling_params=None,
+                arrival_time=0.0,
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+                external_req_id=parent_id,
+            )
+        )
+        for index, child in enumerate(children):
+            out[child.request_id] = parent.get_child_info(index)[1]
+    return out
+
+
+def add_spec(harness: Any, r: RequestSpec, children: dict[str, Any]) -> None:
+    """Add request ``r`` to ``harness`` (an n > 1 child with its shared ``SamplingParams``
+    from ``children``, ``parallel_children``)."""
+    harness.add_request(
+        r.request_id,
+        r.user,
+        r.prompt_len,
+        r.max_tokens,
+        r.eos_index,
+        r.priority,
+        sampling_params=children.get(r.request_id),
+    )
+
+
 def _arrivals_and_aborts(
-    harness: Any, pending: list[RequestSpec], aborts: list[tuple[int, RequestSpec]], step: int
+    harness: Any,
+    pending: list[RequestSpec],
+    aborts: list[tuple[int, RequestSpec]],
+    step: int,
+    children: dict[str, Any] | None = None,
 ) -> list[str]:
     """Before ``step``: add the requests that arrive by then and abort the ones due (a
     request is never aborted in the step it arrives); both lists are consumed in order.
+    ``children``: the n > 1 children's shared params (``parallel_children``).
     Returns the requests aborted with a step still in flight (vLLM's output placeholders)."""
     while pending and pending[0].at_step <= step:
-        r = pending.pop(0)
-        harness.add_request(r.request_id, r.user, r.prompt_len, r.max_tokens, r.eos_index, r.priority)
+        add_spec(harness, pending.pop(0), children or {})
     in_flight = []
     while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
         rid = aborts.pop(0)[1].request_id
@@ -1007,6 +1094,7 @@ class _Judge:
         self.history: dict[str, list[int]] = {}  # user -> time of each sampling dispatch
         self.last_sample_step: dict[str, int] = {}  # request id -> last step it sampled
         self.bypassed: dict[str, int] = {}  # R14: request id -> same-user grants since it last sampled
+        self.bypass_bound: dict[str, int] = {}  # R14: request id -> the largest bound since then
         self.steps = 0
         self.start: _StepStart | None = None  # what vLLM's requests looked like before this step
         self.records: list[attribution.StepRecord] = []  # the black-box history, for naming a rule
@@ -1150,6 +1238,10 @@ class _Judge:
             failure = self._priority_victim_check(trace, resident)
             if failure:
                 return failure
+        if self.should:
+            failure = self._blind_spot_checks(trace, state_before)
+            if failure:
+                return failure
         if self.should and scenario.policy == "fcfs" and trace.preempted and self.start is not None:
             failure = self._fcfs_victim_check(trace, state_before, now)
             if failure:
@@ -1158,6 +1250,19 @@ class _Judge:
             failure2 = self._white_box_checks(trace)
             return (failure2[0], "exact", failure2[1]) if failure2 else None
         return None
+
+    def _blind_spot_checks(self, trace, state_before) -> tuple[str, str, str] | None:
+        """The should-level properties of ``adapter/step_checks.py`` (issue 26): R12 batch
+        within the active cap, R10 no split prompt without chunked prefill and a running
+        refused prefill advanced to n - 1, R13 throttled victims within the PRIORITY level,
+        R14 other users' order in ``running`` kept by the rotation."""
+        return (
+            step_checks.batch_over_cap(self, trace)
+            or step_checks.split_prompt(self, trace)
+            or step_checks.running_prefill_held(self, trace, state_before)
+            or step_checks.victim_within_level(self, trace, state_before)
+            or step_checks.others_reordered(self)
+        )
 
     def _ample_sync_checks(
         self, step: int, trace, unfinished: list[str], resident: set[str], state_before=None
@@ -1252,6 +1357,17 @@ class _Judge:
         if rid is not None:
             user = self.user_of(rid)
             if not spec_limiter.allows(self.state, user, now, burst):
+                if self.should and step_checks.can_advance(self, rid):
+                    return (
+                        "R10",
+                        "should",
+                        (
+                            f"{self.name} left {rid} (user {user!r}) waiting at t={now} ns with its prefill not "
+                            f"advanced although the active cap has room ({counted} < --max-num-active-seqs {cap} "
+                            "after R12's count): its user is refused, and with chunked prefill the article still "
+                            "admits it and advances its prefill to n - 1 (R10), so other users behind it proceed (P4)"
+                        ),
+                    )
                 return None  # the first left waiting is refused: it and those behind it are not judged
             return self._named(
                 "R12",
@@ -1275,6 +1391,7 @@ class _Judge:
         cap_full = cap is not None and len(trace.scheduled) >= cap
         burst = self.scenario.burst_ns
         blocked_behind = False  # an earlier waiting request of a refused user was not admitted
+        limit_blocked: str | None = None  # ... one the article would have advanced to n - 1 (R10)
         for rid in unfinished:  # in arrival order (= vLLM's FCFS waiting order)
             user = self.user_of(rid)
             if (
@@ -1284,12 +1401,20 @@ class _Judge:
             ):
                 # Open choice (docs/SPEC.md "What the article leaves open"): checking the user at
                 # the charge point, after vLLM's own checks, gives that request 0 tokens, and vLLM
-                # 0.32 then stops admitting the waiting requests behind it in this step.
-                blocked_behind = True
+                # 0.32 then stops admitting the waiting requests behind it in this step. That stop
+                # is vLLM's only where the refused request cannot advance short of sampling.
+                if step_checks.can_advance(self, rid) and not blocked_behind:
+                    limit_blocked = limit_blocked or rid
+                else:
+                    blocked_behind = True
                 continue
             if cap is not None and rid not in resident:
                 continue  # admission under an active cap is the article's open choice
             if rid not in resident and blocked_behind:
+                continue
+            if rid not in resident and limit_blocked is not None and rid not in trace.scheduled:
+                if self.should and spec_limiter.allows(self.state, user, now, burst):
+                    return self._head_of_line(rid, limit_blocked, now)
                 continue
             if rid in sampled or cap_full:
                 continue
@@ -1319,6 +1444,22 @@ class _Judge:
                     ),
                 )
         return None
+
+    def _head_of_line(self, rid: str, blocker: str, now: int) -> tuple[str, str, str]:
+        """R10/P4 (should): ``rid`` left waiting behind ``blocker``, a refused waiting request
+        whose prefill could have advanced short of sampling (``step_checks.can_advance``)."""
+        return (
+            "R10",
+            "should",
+            (
+                f"R10 broken (P4): {self.name} left {rid} (user {self.user_of(rid)!r}) waiting at t={now} ns although "
+                f"the GCRA grants that user and nothing else was short, behind {blocker} (user "
+                f"{self.user_of(blocker)!r}, refused) whose prefill could still advance to n - 1: a refused waiting "
+                "request ended admission, so other users' requests behind it wait (promise 4: 一个用户被限速时，其他用户"
+                "照常推进). vLLM's own stops (a prompt that does not fit, a request left with only its sampling "
+                "position) are stock; a stop caused by the refusal is not"
+            ),
+        )
 
     def _throttled_seats(self, trace, resident: set[str]) -> list[str]:
         """Running requests at the step start, not scheduled, with only their sampling
@@ -1444,7 +1585,9 @@ class _Judge:
         not fill the active cap must serve every request that was running at its start with
         only its sampling position left and a token to dispatch, whose user the GCRA still
         grants after the step's dispatches (within ``schedule()`` a TAT only rises, so the
-        user was granted at that request's charge point too). Waiting requests are not
+        user was granted at that request's charge point too). Under FCFS a step that
+        preempted is judged too (``step_checks.fcfs_preempting_step_judged``: the loop still
+        reached every request left running). Waiting requests are not
         judged here (admission under pressure is vLLM's and the article's open choice).
 
         Async (one step in flight): the same outcome is fixed. The charge condition counts
@@ -1458,15 +1601,12 @@ class _Judge:
         only at the end of ``schedule()``, after the running loop, and this check judges no
         step that preempted."""
         start, scenario = self.start, self.scenario
-        if start is None or trace.preempted:
+        if start is None or (trace.preempted and not step_checks.fcfs_preempting_step_judged(self, trace)):
             return None
-        budget = scenario.max_num_batched_tokens or 2048
-        if sum(trace.scheduled.values()) >= budget:
+        if not step_checks.left_room(self, trace):
             return None
-        cap = scenario.max_num_active_seqs
+        budget, cap = scenario.max_num_batched_tokens or 2048, scenario.max_num_active_seqs
         scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
-        if cap is not None and len(scheduled_running) >= cap:
-            return None
         running_after = {r.request_id for r in self.harness.scheduler.running}
         now, burst = trace.now_ns, scenario.burst_ns
         for rid in start.running:
@@ -1502,7 +1642,14 @@ class _Judge:
                     (
                         f"{self.name} paused running {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
                         f"that user a token, the step left token budget ({sum(trace.scheduled.values())} of {budget} "
-                        "scheduled), preempted nothing and did not fill the active cap: under-grant under pressure"
+                        "scheduled) and did not fill the active cap, "
+                        + (
+                            f"and under FCFS vLLM's loop reached it after preempting {trace.preempted} from the end "
+                            "of `running` (a preemption must not skip the next request)"
+                            if trace.preempted
+                            else "and preempted nothing"
+                        )
+                        + ": under-grant under pressure, other users must proceed (P4)"
                     ),
                 )
         return None
@@ -1570,36 +1717,10 @@ class _Judge:
     def _fcfs_passed_throttled(self, trace, state_before, now: int):
         """For ``_fcfs_victim_check``: (the requests Q, in ``running`` order; each running
         user's grants at the step start, up to its running requests; those counts)."""
-        start = self.start
-        assert start is not None, "checked only with the step start recorded"
-        running_after = {r.request_id for r in self.harness.scheduler.running}
-        known = [rid for rid in start.running if rid in self.by_id]
-        if not known:
+        assert self.start is not None, "checked only with the step start recorded"
+        if not any(rid in self.by_id for rid in self.start.running):
             return [], {}, {}
-
-        def group(rid: str) -> tuple[str, int]:
-            return self.user_of(rid), self.by_id[rid].priority
-
-        positions: dict[tuple[str, int], list[int]] = {}
-        for i, rid in enumerate(known):
-            positions.setdefault(group(rid), []).append(i)
-        scheduled_groups = {group(rid) for rid in known if rid in trace.scheduled}
-        first = min((min(positions[g]) for g in scheduled_groups), default=len(known))
-        counts: dict[str, int] = {}
-        for rid in known:
-            counts[self.user_of(rid)] = counts.get(self.user_of(rid), 0) + 1
-        grants = {u: self._grants_at(state_before, u, now, n) for u, n in counts.items()}
-        throttled = [
-            rid
-            for rid in known
-            if rid in running_after
-            and rid not in trace.scheduled
-            and rid in start.decoding
-            and rid in start.demand
-            and grants[self.user_of(rid)] == 0
-            and max(positions[group(rid)]) < first
-        ]
-        return throttled, grants, counts
+        return step_checks.passed_throttled(self, trace, state_before, set())
 
     def _priority_victim_check(self, trace, resident: set[str]) -> tuple[str, str, str] | None:
         """R13 under PRIORITY (level should): vLLM preempts at its victim level, the highest
@@ -1639,9 +1760,13 @@ class _Judge:
             for rid in streams:
                 if rid in sampled:
                     self.bypassed[rid] = 0
+                    self.bypass_bound.pop(rid, None)
                 elif rid in self.last_sample_step:
                     self.bypassed[rid] = self.bypassed.get(rid, 0) + len(grants)
-                    if self.bypassed[rid] > bound:
+                    # The bound of the longest turn cycle since rid last sampled: streams that
+                    # finish meanwhile (n > 1 children end together) do not shrink it.
+                    held = self.bypass_bound[rid] = max(bound, self.bypass_bound.get(rid, 0))
+                    if self.bypassed[rid] > held:
                         # Turns (R14) start after the last-served stream (R15): a slip of either
                         # shows as the same bypass, so both are named.
                         return self._named(
@@ -1649,7 +1774,7 @@ class _Judge:
                             "should",
                             (
                                 f"{self.name}: {rid} of user {user!r} waited while {self.bypassed[rid]} of that "
-                                f"user's tokens went to its other streams (bound {bound}): the article's streams "
+                                f"user's tokens went to its other streams (bound {held}): the article's streams "
                                 "of one user take turns (R14), each turn starting after the stream served last (R15)"
                             ),
                         )

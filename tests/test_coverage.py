@@ -93,8 +93,8 @@ ARTICLE = "article_style.scheduler.Article"  # the independent implementation (i
 def test_boundary_scenarios_alone_reach_every_obligation(prefix, style, integer_rates, seed, article_flags):
     """Coverage must not hang on what the random scenarios happen to draw: a correct
     candidate at the quick budget (k 1) would otherwise fail ``coverage`` on some seeds. The
-    boundary scenarios alone, at one per boundary and mode, reach every obligation but R18
-    (reached by the feature-off rows)."""
+    boundary scenarios alone, at one per boundary and mode, reach every obligation but R18's
+    two (reached by the feature-off rows)."""
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
     config_style = None if style is None else parse_config_style(style)
@@ -104,7 +104,7 @@ def test_boundary_scenarios_alone_reach_every_obligation(prefix, style, integer_
             for name, scenario in boundaries.boundary_scenarios(async_mode, integer_rates, seed):
                 verdict = run_scenario(cls, scenario, "must", config_style)
                 assert verdict.failure is None, (name, verdict.failure)
-    names = [name for name, _, _ in coverage.obligations() if name != "R18 feature off"]
+    names = [name for name, _, _ in coverage.obligations() if not name.startswith("R18 feature off")]
     assert [name for name in names if reached[name] == 0] == []
 
 
