@@ -414,3 +414,18 @@ def test_r30_middleware_named_by_flag_uses_the_plugins_settings_and_fails_closed
     assert _call(inner, [], b"{}")[0] == 401
     assert _call(outer, [(b"x-u", b"alice")], b'{"vllm_xargs": {}}')[0] == 200
     assert [_user_of(body) for _, body in app.calls] == ["alice"]  # bound once, passed by the inner copy
+
+
+def test_outrate_serve_stops_on_a_bad_keys_file_and_refuses_vllm_api_key_with_it(tmp_path):
+    from vllm_output_rate.cli import main
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"alice": ["ork-a-raw-key"]}))
+    base = ["serve", "m", "--default-user-output-tokens-per-second", "5", "--identity", "api-key", "--print-command"]
+    bad = CliRunner().invoke(main, [*base, "--keys-file", str(path)])
+    assert bad.exit_code == 2 and "user 'alice', entry 1" in bad.output and "ork-a-raw-key" not in bad.output
+    add_key(str(tmp_path / "good.json"), "alice")
+    both = CliRunner().invoke(main, [*base, "--keys-file", str(tmp_path / "good.json"), "--api-key", "k"])
+    assert both.exit_code == 2 and "drop --api-key" in both.output
+    good = CliRunner().invoke(main, [*base, "--keys-file", str(tmp_path / "good.json")])
+    assert good.exit_code == 0 and '"identity":"api-key"' in good.output and str(tmp_path / "good.json") in good.output
