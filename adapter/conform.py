@@ -158,11 +158,27 @@ def _guarded(run: Callable, cls: str) -> Callable:
         except Exception as exc:  # the candidate's own error is a finding, not a gate crash
             _reraise_gate_error(exc)
             stock_survives(scenario, exc)
-            return Verdict(
-                0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", "crash", None, level="must"
-            )
+            return Verdict(0, f"{cls.rpartition('.')[2]} raised {exception_text(exc)}", "crash", None, level="must")
 
     return guarded
+
+
+def exception_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception of the class under test (or of vLLM inside it); a
+    bare ``assert`` (no message) is named by the line that raised it, e.g. ``AssertionError
+    at vllm/v1/core/sched/scheduler.py:897: assert len(scheduled_loras) <=
+    self.lora_config.max_loras``."""
+    import traceback
+
+    text = str(exc).strip()
+    if text:
+        return f"{type(exc).__name__}: {text}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return type(exc).__name__
+    last = frames[-1]
+    where = last.filename.rpartition("site-packages/")[2] if "site-packages/" in last.filename else last.filename
+    return f"{type(exc).__name__} at {where}:{last.lineno}: {last.line}"
 
 
 def _reraise_gate_error(exc: Exception) -> None:
@@ -385,7 +401,7 @@ def _guarded_step(run: Callable, cls: str) -> Callable:
         except Exception as exc:  # the candidate's own error is a finding
             _reraise_gate_error(exc)
             stock_survives(scenario, exc)
-            return StepVerdict(0, 0, f"{cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}", None)
+            return StepVerdict(0, 0, f"{cls.rpartition('.')[2]} raised {exception_text(exc)}", None)
 
     return guarded
 

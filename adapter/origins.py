@@ -8,10 +8,12 @@
 | ``PROJECT_RULE``: this project's rule | R19, R20, R21, shadow | - | warning | fatal |
 | ``PROJECT_DECISION``: this project's decision on a choice the article leaves open | step identity with the spec (white box) | - | accepted | fatal |
 
-A failure's origin is the project's if its rule is one of ``PROJECT_RULES`` or its row
-judges a project rule only (``not-binding/*``, ``fair-residency/*``, ``rate-change/*``,
-``shadow/*``); otherwise it follows the level of the property that failed: ``must`` an
-article promise, ``should`` an article rule, ``exact`` a project decision.
+A failure at level ``must`` (a crash, a cut request, an over-grant) breaks an article
+promise in any row. Otherwise its origin is the project's if its rule is one of
+``PROJECT_RULES`` or its row judges a project rule (``not-binding/*``,
+``fair-residency/*``, ``rate-change/*``, ``shadow/*``, and ``lora-slots/*``'s bound, docs/SPEC.md
+Decision "LoRA slots"); otherwise it follows the level of the property that failed:
+``should`` an article rule, ``exact`` a project decision.
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ def row_origin(rules: tuple[str, ...], level: str) -> str:
 
 
 def failure_origin(row: str, failure: str | None, failed_level: str | None) -> str:
-    """The origin of one failure: ``PROJECT_RULE`` if the row's origin (``row_origin``) is, or
-    the failure text names a project rule (``[level] RULE: ...``); else the origin of the
-    level that failed (``failed_level``, else the one in the text, else ``must``)."""
+    """The origin of one failure: ``PROMISE`` if it failed at level must (``failed_level``,
+    else the one in the text ``[level] RULE: ...``, else must: a crash); else
+    ``PROJECT_RULE`` if the row's origin (``row_origin`` or declared) is, or the failure
+    names a project rule; else the origin of the level that failed."""
     match = _TAGGED.match(failure or "")
-    rule = failed_rule(failure)
-    if row == PROJECT_RULE or rule in PROJECT_RULES:
-        return PROJECT_RULE
     level = failed_level or (match.group(1) if match else "must")
+    if level == "must":  # a crash, a cut request, an over-grant: a promise in any row
+        return PROMISE
+    if row == PROJECT_RULE or failed_rule(failure) in PROJECT_RULES:
+        return PROJECT_RULE
     return BY_LEVEL.get(level, PROMISE)
 
 

@@ -439,12 +439,20 @@ ROW_MODES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+# Rows whose origin is not the one of their rules and level (adapter/origins.py): the LoRA
+# bound is this project's decision (docs/SPEC.md, Decision "LoRA slots"); a crash stays fatal.
+ROW_ORIGINS = {"lora-slots": "project rule"}
+
+
 def _declared(spec: CheckSpec) -> CheckSpec:
-    """``spec`` with its engine modes (``ROW_MODES``, plus ``async`` for an async row)."""
+    """``spec`` with its engine modes (``ROW_MODES``, plus ``async`` for an async row) and
+    its origin where declared (``ROW_ORIGINS``)."""
     from dataclasses import replace
 
-    needs, draws = ROW_MODES.get(spec.name.partition("/")[0], ((), ()))
-    return replace(spec, modes=needs + (("async",) if spec.async_mode else ()), draws=draws)
+    row = spec.name.partition("/")[0]
+    needs, draws = ROW_MODES.get(row, ((), ()))
+    modes = needs + (("async",) if spec.async_mode else ())
+    return replace(spec, modes=modes, draws=draws, origin=spec.origin or ROW_ORIGINS.get(row))
 
 
 def modes_used(planned: Sequence[PlannedCheck]) -> list[str]:

@@ -310,7 +310,7 @@ def judged(
     (None: the verdict's own) at its own level or else ``level``; an exception of the
     candidate (or of vLLM inside it) a ``crash`` at level must, ``crash_note`` appended to
     its message; a gate error re-raised."""
-    from vllm_output_rate.adapter.conform import _reraise_gate_error
+    from vllm_output_rate.adapter.conform import _reraise_gate_error, exception_text
 
     def run(scenario):
         try:
@@ -319,7 +319,7 @@ def judged(
             _reraise_gate_error(exc)
             return Verdict(
                 0,
-                f"{scheduler_cls.rpartition('.')[2]} raised {type(exc).__name__}: {exc}{crash_note}",
+                f"{scheduler_cls.rpartition('.')[2]} raised {exception_text(exc)}{crash_note}",
                 "crash",
                 None,
                 level="must",

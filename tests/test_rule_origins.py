@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vllm_output_rate.adapter import origins, registry
-from vllm_output_rate.adapter.conform import CheckResult
+from vllm_output_rate.adapter.conform import CheckResult, exception_text
 from vllm_output_rate.adapter.registry import GateOptions, PlannedCheck
 from vllm_output_rate.cli import _verdict_line
 
@@ -24,7 +24,8 @@ def test_every_row_names_its_origin():
     for project in ("not-binding/sync", "fair-residency/async", "rate-change/sync", "shadow/async"):
         assert by_name[project] == origins.PROJECT_RULE, project
     assert by_name["white-box/sync"] == origins.PROJECT_DECISION
-    assert by_name["engine-wait/sync"] == by_name["lora-slots/sync"] == origins.ARTICLE_RULE
+    assert by_name["lora-slots/sync"] == origins.PROJECT_RULE  # the bound: docs/SPEC.md Decision "LoRA slots"
+    assert by_name["engine-wait/sync"] == origins.ARTICLE_RULE
     assert by_name["rate-limit/sync"] == f"{origins.PROMISE} + {origins.ARTICLE_RULE}"
     assert all(origin for origin in by_name.values())
 
@@ -53,6 +54,50 @@ def test_a_project_rule_is_a_warning_at_should_and_fatal_at_exact():
     declared = failed("rate-change/sync", "[must] R21: the new rate was not applied", "must")
     origins.judged(declared, origins.PROJECT_RULE, "should", declared=True)  # --rate-change: the candidate's claim
     assert declared.result == "fail"
+
+
+def test_a_crash_in_a_project_rules_row_stays_fatal_at_should():
+    crash = failed(
+        "lora-slots/sync", "[must] crash: ArticleScheduler raised AssertionError at x.py:1: assert a", "must"
+    )
+    origins.judged(crash, origins.PROJECT_RULE, "should")
+    assert (crash.result, crash.origin) == ("fail", origins.PROMISE)
+    bound = failed("lora-slots/sync", "[should] R13: step 9: R13 (LoRA): f0 of user 'fast' has not sampled", "should")
+    origins.judged(bound, origins.PROJECT_RULE, "should")
+    assert (bound.result, bound.origin) == (origins.WARNING, origins.PROJECT_RULE)
+
+
+def test_a_bare_assert_is_named_by_the_line_that_raised_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    from types import SimpleNamespace
+
+    from mode_candidates import AssertsOnLora  # a bare assert outside pytest's assertion rewriting
+
+    with pytest.raises(AssertionError) as error:
+        AssertsOnLora(vllm_config=SimpleNamespace(lora_config=object()))
+    text = exception_text(error.value)
+    assert text.startswith("AssertionError at ") and "mode_candidates.py:" in text, text
+    assert text.endswith(': assert kwargs["vllm_config"].lora_config is None'), text
+    assert exception_text(ValueError("no LoRA")) == "ValueError: no LoRA"
+
+
+@pytest.mark.slow
+@pytest.mark.rules("R11")
+def test_r11_the_article_fixture_is_rejected_for_vllms_max_loras_assertion_not_the_lora_bound(article_flags):
+    # The article-style fixture both starves another user's adapter (the LoRA bound, this
+    # project's decision: a warning at should) and, on vLLM 0.32, admits a second adapter
+    # beside a throttled holder, which trips vLLM's own max_loras assertion: the hunt goes on
+    # past the bound to find the crash, and names the assertion.
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+    from vllm_output_rate.adapter.lora_slots import check_lora
+    from vllm_output_rate.adapter.scenarios import Hunt
+    from vllm_output_rate.adapter.versions import installed_profile
+
+    if installed_profile().loras_counted_over_all_running:
+        pytest.skip("this vLLM counts every running request's adapter itself: no max_loras crash to find")
+    result = check_lora("article_style.scheduler.ArticleScheduler", False, Hunt(22), parse_config_style("engine-args"))
+    assert result.result == "fail" and result.failure.startswith("[must] crash: ArticleScheduler raised AssertionError")
+    assert "assert len(scheduled_loras) <= self.lora_config.max_loras" in result.failure
 
 
 def test_the_verdict_line_names_the_warnings_and_the_exit_code_stays_0():
