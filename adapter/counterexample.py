@@ -151,11 +151,12 @@ def _hunted_judge(load: Callable[[], Any]) -> Callable[[Replay], str | None]:
 
 
 def _engine_wait_judge(r: Replay) -> str | None:
-    """engine-wait/*: the seeded scenario through vLLM's engine-core loop (level should)."""
-    from vllm_output_rate.adapter.engine_wait import run_engine_wait
+    """engine-wait/*: the row's own check (``engine_wait.check_engine_wait``: the seeded
+    scenario through vLLM's engine-core loop, in every world the row runs), level should."""
+    from vllm_output_rate.adapter.engine_wait import check_engine_wait
 
-    verdict = run_engine_wait(r.scheduler_cls, style=r.style, seed=r.seed)
-    return None if verdict.failure is None else f"[should] {verdict.rule}: {verdict.failure}"
+    result = check_engine_wait(r.scheduler_cls, r.seed, lambda: None, style=r.style)
+    return None if result.result != "fail" else f"[should] {result.failure}"
 
 
 def _white_box_judge(r: Replay) -> str | None:
@@ -226,12 +227,12 @@ def kind_of(check: str) -> Kind | None:
 
 
 def _failed_rule(failure: str | None) -> tuple[str | None, str | None]:
-    """(level, rule) of a row's failure text ``[level] rule: ...`` (None, None otherwise)."""
-    if not failure or not failure.startswith("["):
-        return None, None
-    level, _, rest = failure[1:].partition("] ")
-    rule = rest.partition(":")[0]
-    return level, (rule if rule and " " not in rule else None)
+    """(level, rule) of a row's failure text ``[level] RULE ...: ...`` (None, None otherwise;
+    ``adapter/origins.failed_rule`` reads the rule)."""
+    from vllm_output_rate.adapter.origins import failed_rule
+
+    rule = failed_rule(failure)
+    return (failure[1:].partition("]")[0], rule) if rule is not None and failure is not None else (None, None)
 
 
 def rule_of(failure: str | None) -> str | None:
@@ -271,10 +272,11 @@ def record(result: Any, options: Any) -> None:
     """Save a failing row of a gate run (``options``: ``registry.GateOptions``) as a
     counterexample file: the scenario its check saved (``result.saved``), or for engine-wait
     the seed, wrapped with the check and the run's settings (module docstring). Sets
-    ``result.saved``. Nothing is written for a passing row, a row of no ``KINDS`` kind, or
-    without ``options.save_dir``."""
+    ``result.saved``. A warning row (a project rule failed at should, ``adapter/origins.py``)
+    is saved as a failure. Nothing is written for a passing row, a row of no ``KINDS``
+    kind, or without ``options.save_dir``."""
     kind = kind_of(result.name)
-    if result.result != "fail" or kind is None or options.save_dir is None:
+    if result.result not in ("fail", "warning") or kind is None or options.save_dir is None:
         return
     if result.saved is not None:
         scenario = json.loads(Path(result.saved).read_text())

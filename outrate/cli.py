@@ -901,6 +901,8 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
         sys.exit(1)
     rule, failed_level = loaded.check.get("rule"), loaded.check.get("failed_level")
     keeps = f"now keeps {rule} on this scenario" if rule else "now passes this check on this scenario"
+    if rule == "crash":  # the gate's crash row: the candidate raised
+        keeps = "runs this scenario without crashing"
     said = f" (the gate's row failed: [{failed_level}] {rule})" if rule and failed_level else ""
     console.print(f"[green]PASS[/] {loaded.check['name']}: {cls.rpartition('.')[2]} {keeps}{escape_markup(said)}")
 
