@@ -180,6 +180,7 @@ class _RateLimitMixin(_SchedulerHost):
         )
         if self._rates_watcher is not None:
             self._rates_watcher.prime(output_rate_config.rate_table)  # the start-up table is in force
+            self._rates_watcher.start_thread()  # with a large file, its reader process starts now, not in a step
         self._plan_shadow: ShadowAccounting | None = None  # R29: would-be throttles of shadow plans
         self._pending_rates: RateTable | None = None  # queued by update_output_rates (any thread)
         self._rates_lock = threading.Lock()
@@ -246,6 +247,10 @@ class _RateLimitMixin(_SchedulerHost):
         self._group_last: dict[str, str] = {}
         # A request left ``_turns`` since it was built (freed or preempted): rebuild it.
         self._turns_shrunk = True
+        # len(running) when the last schedule() returned: between steps vLLM only removes
+        # from ``running`` (a finish, an abort, a streaming request's pause), so a change
+        # says some request left, also one that left without a hook here.
+        self._running_after_step = -1
 
     def _open_trace(self, trace_path: str, **header: Any) -> None:
         """Open this engine's event trace (``reference/trace.py``; per data-parallel rank):
@@ -372,6 +377,7 @@ class _RateLimitMixin(_SchedulerHost):
         self._commit_grants()  # R2/R7: the charges of this step, into the limiter
         if stock_order is not None:
             self._restore_order(stock_order)  # R13: only the choice of victims changed
+        self._running_after_step = len(self.running)  # R14: see _turns_hold
         refunded = self._settle(scheduler_output)  # R9
         would = self._plan_shadow.step(self._now_ns, scheduler_output, self.requests) if self._plan_shadow else ()
         self._steps += 1
@@ -468,6 +474,9 @@ class _RateLimitMixin(_SchedulerHost):
             describe_rates(table),
             changed,
         )
+        if self._rates_watcher is not None:  # the replaced table is emptied off the step
+            shadow = self._plan_shadow.limiter.replaced if self._plan_shadow is not None else ()
+            self._rates_watcher.retire(*limiter.replaced, *shadow)
 
     def _shared_budget_refuses(self, table: RateTable) -> bool:
         """R23-R26 keep one rate per user in the store: a plan table (R27-R29) is refused
@@ -489,8 +498,9 @@ class _RateLimitMixin(_SchedulerHost):
             return
         prepared = table.prepare(self.output_rate_config.burst_ns).shadow
         if self._plan_shadow is None:
-            self._plan_shadow = ShadowAccounting(self.output_rate_config, self._resolve_user, only_shadow_plans=table)
-            self._plan_shadow.limiter.install(prepared, now_ns)
+            self._plan_shadow = ShadowAccounting(
+                self.output_rate_config, self._resolve_user, only_shadow_plans=table, prepared=prepared
+            )
         else:
             self._plan_shadow.only_shadow_plans = table
             self._plan_shadow.limiter.install(prepared, now_ns)
@@ -679,14 +689,16 @@ class _RateLimitMixin(_SchedulerHost):
 
     def _turns_hold(self) -> bool:
         """R14: the order the last step left is this step's turn order, as ``_take_turns``
-        would build it: the same running requests (none left since it was built, none
-        joined), and no group's last-served stream (R15) is one of its running streams
-        other than its last, so no group rotates. O(running) in C; O(groups) only while
-        some group's last-served stream is not its last."""
+        would build it: the same running requests, and no group's last-served stream (R15)
+        is one of its running streams other than its last, so no group rotates.
+
+        The same requests: none left (in a step only through ``_preempt_request``, which
+        marks ``_turns_shrunk``; between steps ``running`` only shrinks, so its length is
+        that of the last step's end) and none joined (``_turns`` as long as ``running``).
+        O(1), and O(groups) in C; O(groups) in Python only while some group's last-served
+        stream is not its last place."""
         turns, running = self._turns, self.running
-        if self._turns_shrunk or len(turns) != len(running):
-            return False
-        if not all(map(turns.__contains__, map(_REQUEST_ID, running))):
+        if self._turns_shrunk or not len(turns) == len(running) == self._running_after_step:
             return False
         last_served, group_last = self._last_served, self._group_last
         if group_last.items() <= last_served.items():
@@ -928,10 +940,10 @@ class _RateLimitMixin(_SchedulerHost):
         limiter, now = self.rate_limiter, self._now_ns
         assert limiter is not None, "called by schedule() with the feature on"
         if self._unconstrained:
-            ids = self._charged_ids = list(map(_REQUEST_ID, self._charged))
-            if len(ids) == len(self._user_cache):  # every request charged (once, R7): its user's count
+            if len(self._charged) == len(self._user_cache):  # every request charged (once, R7): its user's count
                 counted = dict(self._user_requests)
             else:
+                ids = self._charged_ids = list(map(_REQUEST_ID, self._charged))
                 counted = Counter(map(self._user_cache.__getitem__, ids))
             limiter.take_counts(counted, now)
             self._spare, self._spare_taken = self._grants_at_start, counted
@@ -1114,6 +1126,9 @@ class _RateLimitMixin(_SchedulerHost):
         """R9: the single refund point; R15: record the last-served stream per group."""
         scheduled = scheduler_output.num_scheduled_tokens
         charged = self._charged
+        if self._all_served(scheduled) and not any(map(_IS_PREFILL_CHUNK, charged)):
+            self._last_served.update(self._group_last)  # R15: each group's last place
+            return []
         ids = self._charged_ids
         if ids is None:
             ids = list(map(_REQUEST_ID, charged))
@@ -1135,6 +1150,22 @@ class _RateLimitMixin(_SchedulerHost):
                 refunded.append(rid)
         self._record_last_served(served)
         return refunded
+
+    def _all_served(self, scheduled: Mapping[str, int]) -> bool:
+        """R9/R15 in O(1): every request in the scheduler was charged in this unconstrained
+        step and each one is in ``scheduled``, and they are this step's turn order as built.
+
+        The charges are distinct requests of the scheduler (R7: at most one per request per
+        step), so as many charges as requests means every request; with no preemption and
+        as many running requests as turns, nothing joined or left, so ``running`` holds them
+        all and ``scheduled`` (a subset of ``running``) as many is all of them."""
+        return (
+            self.shortcuts
+            and self._unconstrained
+            and not self._left_running
+            and not self._turns_shrunk
+            and len(self._charged) == len(self._user_cache) == len(self.running) == len(self._turns) == len(scheduled)
+        )
 
     def _record_last_served(self, ids: list[str]) -> None:
         """R15: of this step's dispatched charges ``ids``, the one of each (user, priority)
