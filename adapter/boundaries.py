@@ -64,6 +64,7 @@ FAST_PACED = (("10", "16", "20", "25", "50"), ("12.5",))  # T <= tau
 TWO_AT_ONCE = (("16", "20", "24", "25"), ("12.5",))  # 2 grants at once after one grant
 SLOW = (("1", "2", "4", "5"), ("0.5", "2.5"))  # T > tau: refused one step after a grant
 ROTATION = (("20", "25", "30"), ("20.5", "33.3"))  # idle burst >= 3
+RECOMPUTE = (("16", "20", "25"), ("12.5",))  # >= 3 grants from idle, paced 1 ms apart
 CAP_PLACES = (("10", "12", "15", "16"), ("12.5", "10.5"))  # 2 grants at once, then 2 T > tau
 
 
@@ -563,6 +564,26 @@ def _parallel_children(rate, async_mode, seed):
     return _scenario({"u": rate}, requests, advances)
 
 
+def _recompute_after_preemption(rate, async_mode, seed):
+    """R7 after a preemption (FCFS, 3 usable KV blocks of 16, token budget 8): A (user a,
+    fast, prompt 16, 20 outputs) and B (user b at ``rate``, prompt 12) share the blocks
+    until A's growth needs B's; B, last in ``running`` (and throttled: b's burst is spent
+    by then), is preempted, and when A finishes B recomputes its prompt and outputs in
+    chunks of 8: only the chunk that samples is charged (R7), so b's budget then grants its
+    decodes as from the spec's replay; a recompute chunk charged shows as an under-grant."""
+    del seed
+    m = _Model(2)
+    u = m.user("b", Fraction(rate), [1, 1])
+    m.add(u.granted(0), u.granted(1), m.a[0] == 1_000_000)
+    if m.solve() is None:  # the pool's rates grant 2 tokens 1 ms apart from idle
+        return None
+    requests = [RequestSpec("a-r0", "a", 16, 20), RequestSpec("b-r0", "b", 12, 10)]
+    advances = tuple([1_000_000] * 39)
+    return _scenario(
+        {"b": rate}, requests, advances, max_num_batched_tokens=8, num_blocks=4, block_size=16, ample_from_step=None
+    )
+
+
 def _refused_prompt_ahead(rate, async_mode, seed):
     """R10 without chunked prefill: U0 (user u at ``rate``, T > tau) decodes from step 0;
     step 1 runs 1 ns past u's burst edge and brings U1 (user u) and, behind it, V (user v,
@@ -780,6 +801,14 @@ BOUNDARIES += (
         "should: the rotation moving a stream across another user's (R14, other users' order)",
         _rotation_beside_others,
         ROTATION,
+    ),
+    Boundary(
+        "recompute-after-preemption",
+        ("R7",),
+        "a preempted request with outputs recomputes in chunks; only the chunk that samples is charged",
+        "a recompute chunk that does not sample charged (over-charge: under-grant later, must)",
+        _recompute_after_preemption,
+        RECOMPUTE,
     ),
     Boundary(
         "parallel-children",

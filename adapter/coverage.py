@@ -500,6 +500,8 @@ def _observe_blind_spots(view: _Step) -> None:
                 and judge.user_of(rid) in refused
             ):
                 note(judge, "boundary: running-prefill-refused")
+            if rid in judge.last_sample_step and rid not in sampled and rid not in start.decoding:
+                note(judge, "boundary: recompute-after-preemption")  # a chunk of one that sampled before
         _observe_turns_beside(view)
     if trace.preempted and judge.scenario.policy == "fcfs":
         victims = {judge.user_of(r) for r in trace.preempted if r in judge.by_id}

@@ -230,6 +230,13 @@ SHOULD_ONLY = {
     "ArticleVictimAcrossPriorities",
     "ArticleNoRotation",
     "ArticleLastServedLost",
+    # issue 26's blind spots that break only a design rule
+    "ArticleAdmitsOnePastCap",
+    "ArticleSplitsPromptWhenChunkedOff",
+    "ArticleRunningPrefillWaits",
+    "ArticleRefusedWaitingEndsLoop",
+    "ArticlePriorityVictimNotThrottled",
+    "ArticleRotationMovesToFront",
 }
 
 
