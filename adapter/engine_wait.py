@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -973,6 +974,7 @@ def _fabricated_output(scheduler_output, sampled: list[str]):
     return model_runner_output(req_ids, [[NON_EOS_TOKEN_ID] if r in chosen else [] for r in req_ids])
 
 
+@functools.cache
 def _polling_future_class():
     from concurrent.futures import Future
 
@@ -1016,27 +1018,29 @@ _WORLD: _World | None = None  # the child's world (one run per child process)
 _SHAPE: Any = None  # the child's EngineShape (adapter/harness.py), set with _WORLD
 
 
-def _executor_class():
+def _done(value: Any) -> Any:
+    """A finished ``concurrent.futures.Future`` holding ``value``."""
     from concurrent.futures import Future
 
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _step_future(value: Any, empty: bool) -> Any:
+    """A step's future: plain and finished, or in the polling world one that takes the step's
+    fake time (``POLLING_EMPTY_STEP_NS`` for an empty step, else ``MODEL_STEP_NS``)."""
+    world = _WORLD
+    if world is None or not world.scenario.polling:
+        return _done(value)
+    return _polling_future_class()(world, value, POLLING_EMPTY_STEP_NS if empty else MODEL_STEP_NS, empty)
+
+
+def _executor_class():
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
     from vllm_output_rate.adapter.harness import build_kv_cache_config
-
-    polling_future = _polling_future_class()
-
-    def done(value):
-        future = Future()
-        future.set_result(value)
-        return future
-
-    def step_future(value, empty: bool):
-        """A plain finished future, or in the polling world one that takes the step's time."""
-        world = _WORLD
-        if world is None or not world.scenario.polling:
-            return done(value)
-        return polling_future(world, value, POLLING_EMPTY_STEP_NS if empty else MODEL_STEP_NS, empty)
 
     class _GateExecutor(Executor):
         """An executor without workers: fixed KV cache, fabricated model outputs, fake time."""
@@ -1068,7 +1072,7 @@ def _executor_class():
 
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
             result = [None]
-            return done(result) if non_block else result
+            return _done(result) if non_block else result
 
         def execute_model(self, scheduler_output, non_block: bool = False):
             empty = scheduler_output.total_num_scheduled_tokens == 0
@@ -1081,11 +1085,11 @@ def _executor_class():
                 if not (world.scenario.polling and non_block):
                     world.model_step()  # the polling future takes the step's time instead
                 self._pending, value = _fabricated_output(scheduler_output, sampled), None
-            return step_future(value, empty) if non_block else value
+            return _step_future(value, empty) if non_block else value
 
         def sample_tokens(self, grammar_output, non_block: bool = False):
             value, self._pending = self._pending, None
-            return done(value) if non_block else value
+            return _done(value) if non_block else value
 
         def take_draft_token_ids(self):
             return None

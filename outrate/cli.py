@@ -180,8 +180,8 @@ def conform(
     survived); 2: some check was NOT TESTED; 3: spec health failed (the verdict cannot be
     trusted on this vLLM).
     """
-    from vllm_output_rate import gate_environment, gate_plan
-    from vllm_output_rate.adapter import environment, registry
+    from vllm_output_rate import gate_plan
+    from vllm_output_rate.adapter import registry
 
     sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
@@ -207,17 +207,9 @@ def conform(
         problem = gate_plan.fractional_rates_problem(options)
     if problem is not None:  # every fractional-rate scenario would read as a crash
         raise click.BadParameter(problem, param_hint="--integer-rates")
-    try:
-        results = _run_with_modes(gate_plan.plan(options), options)
-    except environment.EnvironmentFailure as failure:  # stock vLLM raised where the candidate did
-        _exit_now(
-            gate_environment.stop_without_verdict(
-                console,
-                environment.environment_paragraph(failure.what),
-                json_path,
-                _conform_settings(options, vllm_version, config_style),
-            )
-        )
+    results = _run_or_stop(
+        gate_plan.plan(options), options, _conform_settings(options, vllm_version, config_style), json_path
+    )
     code = _report_conform(
         results,
         options,
@@ -231,6 +223,20 @@ def conform(
         release_clause=release_clause,
     )
     _exit_now(code)
+
+
+def _run_or_stop(plan: list[Any], options: Any, settings: dict[str, Any], json_path: Path | None) -> list[Any]:
+    """``_run_with_modes``; if stock vLLM raised where the candidate did
+    (``environment.EnvironmentFailure``), print the no-verdict paragraph and exit 3."""
+    from vllm_output_rate import gate_environment
+    from vllm_output_rate.adapter import environment
+
+    try:
+        return _run_with_modes(plan, options)
+    except environment.EnvironmentFailure as failure:
+        paragraph = environment.environment_paragraph(failure.what)
+        _exit_now(gate_environment.stop_without_verdict(console, paragraph, json_path, settings))
+        raise  # not reached: _exit_now ends the process
 
 
 def _exit_now(code: int) -> None:

@@ -523,10 +523,19 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
         found.append(("aux output connector", "remove --enable-return-routed-experts"))
     if getattr(model, "enable_sleep_mode", False):
         found.append(("sleep mode", "remove --enable-sleep-mode"))
-    interval = getattr(getattr(vllm_config, "scheduler_config", None), "prefill_schedule_interval", 1)
-    window = getattr(getattr(vllm_config, "scheduler_config", None), "cache_aware_admission_window", 0)
-    if isinstance(window, int) and window > 0:  # 0.34.0+ (absent before: the default 0)
+    found += _scheduler_orders(getattr(vllm_config, "scheduler_config", None), dp)
+    return found
+
+
+def _scheduler_orders(scheduler_config: Any, dp: int) -> list[tuple[str, str]]:
+    """The admission orders of ``scheduler_config`` the accounting does not cover:
+    ``cache_aware_admission_window`` > 0 (0.34.0+; absent before, the default 0) and
+    ``prefill_schedule_interval`` > 1 where it applies (``_local_prefill_cadence``, or DP)."""
+    found: list[tuple[str, str]] = []
+    window = getattr(scheduler_config, "cache_aware_admission_window", 0)
+    if isinstance(window, int) and window > 0:
         found.append(("cache-aware admission", f"set --cache-aware-admission-window 0 (got {window})"))
+    interval = getattr(scheduler_config, "prefill_schedule_interval", 1)
     if interval > 1 and (dp > 1 or _local_prefill_cadence()):
         # P4 (other users proceed): measured on 0.33, interval 4, one user at 1 tok/s resident:
         # another user's first prefill waited 2.9 s, against 1 ms on stock vLLM. On 0.32 the
