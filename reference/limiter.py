@@ -41,7 +41,7 @@ MAX_RATE_DENOMINATOR: int = 10**9  # rates are given to at most 9 decimal places
 # R28: grants_at of an unlimited user: more than any step can charge (one per request, R7).
 UNLIMITED_GRANTS: int = 1 << 62
 MAX_RESOLVED_USERS: int = 1 << 20  # pattern-matched users cached; the cache restarts above it
-PREPARE_CHUNK: int = 2000  # exact users' scales built between two pauses (PreparedTable)
+PREPARE_CHUNK: int = 500  # exact users' scales built between two pauses (PreparedTable)
 
 
 def parse_rate(value: object, name: str = "rate") -> Fraction:
@@ -147,16 +147,18 @@ class OutputRateLimiter:
         burst_ns: int = BURST_NS,
         table: Any = None,
         shadow_view: bool = False,
+        prepared: PreparedTable | None = None,
     ) -> None:
         if isinstance(burst_ns, bool) or not isinstance(burst_ns, int) or burst_ns <= 0:
             raise ValueError(f"burst_ns must be a positive int of nanoseconds, got {burst_ns!r}")
         self.burst_ns = burst_ns
         self.shadow_view = shadow_view  # R29: a shadow plan's users at their rate (else unlimited)
-        if table is None:
+        if prepared is None and table is None:
             table = flat_table(default_rate_tokens_per_s, user_rates_tokens_per_s)
         # R1: scaled TAT per known user. Absent = idle (R6); an unlimited user never has one (R28).
         self._tat: dict[str, int] = {}
-        self._use(PreparedTable(table, burst_ns, shadow_view))
+        self.replaced: tuple[Any, ...] = ()  # what the last install replaced (for the watcher to retire)
+        self._use(prepared if prepared is not None else PreparedTable(table, burst_ns, shadow_view))
 
     def _use(self, prepared: PreparedTable) -> None:
         """Install ``prepared``'s scales (O(1)): exact users' eagerly, pattern users lazily."""
@@ -375,6 +377,7 @@ class OutputRateLimiter:
             num, den = lead * new_rate.denominator, old_rate.denominator * new_rate.numerator
             lead_ns = -((-num) // den)  # R21: rounded up
             self._tat[user] = (now_ns + lead_ns) * new_rate.numerator
+        self.replaced = (self.table, self._scales, self._resolved)
         self._use(prepared)
         return changed
 

@@ -92,6 +92,8 @@ OTHER = "other"  # the label of every user not named in user_tokens_per_s
 MAX_ADDED_LABELS = 1024
 PREFIX = "vllm:output_rate_"
 SNAPSHOT_VERSION = 1
+CHUNK_LABELS = 64  # the writer thread lets the step run after this many labels
+CHUNK_USERS = 1000  # ... and after this many users' leads
 
 
 # -- front end ------------------------------------------------------------------------
@@ -157,6 +159,7 @@ class MetricsRecorder:
         self._busy = False  # the writer thread is writing one
         self._handoff = threading.Condition()
         self._writer: threading.Thread | None = None
+        self.pacer: Callable[[], None] | None = None  # the writer thread's chunks (ratetable.Pacer)
 
     @classmethod
     def from_env(cls, config: Any) -> MetricsRecorder | None:
@@ -270,7 +273,14 @@ class MetricsRecorder:
             tats,
         )
 
-    def _leads(self, rates: Mapping[str, float], now_ns: int, limiter: Any, tats: Mapping[str, int] | None):
+    def _leads(
+        self,
+        rates: Mapping[str, float],
+        now_ns: int,
+        limiter: Any,
+        tats: Mapping[str, int] | None,
+        pause: Callable[[], None] | None = None,
+    ):
         leads = dict.fromkeys(rates, 0.0)
         if limiter is None:
             return leads
@@ -281,22 +291,25 @@ class MetricsRecorder:
         else:
             scale = limiter._scale
             tat_ns_of = ((u, t / scale(u).p) for u, t in tats.items())
-        for user, tat in tat_ns_of:
+        for i, (user, tat) in enumerate(tat_ns_of, 1):
             key = label(user)
             lead = max(0.0, float(tat - now_ns) / 1e9)
             if lead > leads.get(key, 0.0):
                 leads[key] = lead
+            if pause is not None and i % CHUNK_USERS == 0:
+                pause()
         return leads
 
     def snapshot(self, now_ns: int, limiter: Any = None) -> dict[str, Any]:
         """The file's content: per label counters, lead and rate; engine-wide gauges."""
         return self._build(self._state(now_ns, limiter))
 
-    def _build(self, state: tuple[Any, ...]) -> dict[str, Any]:
+    def _build(self, state: tuple[Any, ...], pause: Callable[[], None] | None = None) -> dict[str, Any]:
         now_ns, granted, throttled_steps, refunds, throttled_ns, rates, throttled_requests, limiter, tats = state
-        leads = self._leads(rates, now_ns, limiter, tats)
-        labels = {
-            key: {
+        leads = self._leads(rates, now_ns, limiter, tats, pause)
+        labels = {}
+        for i, (key, rate) in enumerate(rates.items(), 1):
+            labels[key] = {
                 "granted": granted.get(key, 0),
                 "throttled_request_steps": throttled_steps.get(key, 0),
                 "refunds": refunds.get(key, 0),
@@ -304,8 +317,8 @@ class MetricsRecorder:
                 "lead_seconds": leads.get(key, 0.0),
                 "limit_tokens_per_second": rate,
             }
-            for key, rate in rates.items()
-        }
+            if pause is not None and i % CHUNK_LABELS == 0:
+                pause()
         return {
             "version": SNAPSHOT_VERSION,
             "pid": os.getpid(),
@@ -333,13 +346,17 @@ class MetricsRecorder:
             self._writer.start()
 
     def _run_writer(self) -> None:
+        from vllm_output_rate.reference.ratetable import Pacer
+
+        pacer = self.pacer = Pacer()
         handoff = self._handoff
         while True:
             with handoff:
                 handoff.wait_for(lambda: self._queued is not None)
                 state, self._queued, self._busy = self._queued, None, True
             try:
-                self._write_state(state)
+                pacer.start()
+                self._write_state(state, pacer)
             finally:
                 with handoff:
                     self._busy = False
@@ -351,12 +368,12 @@ class MetricsRecorder:
         with self._handoff:
             return self._handoff.wait_for(lambda: self._queued is None and not self._busy, timeout_s)
 
-    def _write_state(self, state: tuple[Any, ...]) -> None:
+    def _write_state(self, state: tuple[Any, ...], pause: Callable[[], None] | None = None) -> None:
         with self._write_lock:
             if state[0] < self._written_ns:
                 return  # a newer snapshot is already on disk
             try:
-                data = json.dumps(self._build(state), separators=(",", ":"))
+                data = _dumps(self._build(state, pause), pause)
                 tmp = f"{self.path}.tmp"
                 with open(tmp, "w", encoding="utf-8") as f:
                     f.write(data)
@@ -365,6 +382,21 @@ class MetricsRecorder:
                 self.snapshots += 1
             except (OSError, RuntimeError, ValueError):
                 pass  # metrics must never stop the engine; the snapshot age shows the gap
+
+
+def _dumps(snapshot: dict[str, Any], pause: Callable[[], None] | None) -> str:
+    """``json.dumps(snapshot)``, compact, one label at a time with ``pause()`` every
+    ``CHUNK_LABELS`` labels (the writer thread lets the step take the GIL)."""
+    if pause is None:
+        return json.dumps(snapshot, separators=(",", ":"))
+    labels = snapshot["labels"]
+    head = json.dumps({**snapshot, "labels": {}}, separators=(",", ":"))[:-3]  # without '{}}'
+    parts = []
+    for i, (key, values) in enumerate(labels.items(), 1):
+        parts.append(f"{json.dumps(key)}:{json.dumps(values, separators=(',', ':'))}")
+        if i % CHUNK_LABELS == 0:
+            pause()
+    return head + "{" + ",".join(parts) + "}}"
 
 
 def _shown(rate: Fraction | None) -> float:

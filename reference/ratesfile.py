@@ -43,7 +43,15 @@ from vllm_output_rate.reference.config import (
     _suggest_keys,
     loads_no_duplicates,
 )
-from vllm_output_rate.reference.ratetable import TABLE_KEYS, RateTable, parse_table, table_from_lines, table_lines
+from vllm_output_rate.reference.ratetable import (
+    CHUNK,
+    TABLE_KEYS,
+    Pacer,
+    RateTable,
+    parse_table,
+    table_from_lines,
+    table_lines,
+)
 
 RATE_KEYS = TABLE_KEYS
 MAX_RATES_FILE_BYTES = 16 << 20  # a rate table far larger than this is not a rate table
@@ -130,6 +138,9 @@ class RatesFileWatcher:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.pacer = Pacer()  # the watcher thread's chunks (the most it holds the GIL at once)
+        self._reader: subprocess.Popen | None = None
+        self._retired: list[Any] = []
 
     @property
     def logger(self) -> Any:
@@ -177,33 +188,78 @@ class RatesFileWatcher:
         table.signature = _signature(st)  # the version read (``prime``)
         return table
 
+    def _reader_process(self) -> subprocess.Popen:
+        """The reader process (``python -m vllm_output_rate.reference.ratesfile``,
+        ``_reader_main``), started once and kept: it reads a path per line on its stdin."""
+        reader = self._reader
+        if reader is None or reader.poll() is not None:
+            command = [sys.executable, "-m", "vllm_output_rate.reference.ratesfile"]
+            self.pacer.start()
+            reader = self._reader = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+            self.pacer()  # starting the process holds the GIL: a chunk too
+        return reader
+
     def _read_in_reader_process(self) -> RateTable | None:
-        """R21, no stall: the file read and validated by a reader process (``python -m
-        vllm_output_rate.reference.ratesfile PATH``, ``_reader_main``), which writes the
-        table as JSON lines; this thread builds it from them a chunk at a time, sleeping
-        between chunks, so the engine's step never waits for a whole JSON document or
-        table. None with the error logged (a bad file: the limits in force are kept)."""
-        command = [sys.executable, "-m", "vllm_output_rate.reference.ratesfile", self.path]
-        with subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        ) as reader:
-            assert reader.stdout is not None and reader.stderr is not None
-            status = json.loads(reader.stdout.readline() or "null")
-            table = None
+        """R21, no stall: the file read and validated by the reader process, which writes
+        the table as JSON lines; this thread builds it from them a chunk at a time, letting
+        the step run between chunks (``Pacer``), so the engine's step never waits for a
+        whole JSON document or table. None with the error logged (a bad file: the limits in
+        force are kept)."""
+        status: Any = None
+        table = None
+        try:
+            reader = self._reader_process()
+            assert reader.stdin is not None and reader.stdout is not None
+            reader.stdin.write(self.path + "\n")
+            reader.stdin.flush()
+            lines = iter(reader.stdout.readline, END + "\n")
+            status = json.loads(next(lines, "null"))
             if isinstance(status, dict) and status.get("ok"):
-                table = table_from_lines(reader.stdout, _pause)
+                self.pacer.start()  # the wait for the reader is not a chunk
+                table = table_from_lines(lines, self.pacer)
                 table.signature = tuple(status["signature"])
-            reader.stdout.close()
-            errors = reader.stderr.read()
+            for _ in lines:  # up to the end mark (nothing left after a whole table)
+                pass
+        except (OSError, ValueError, StopIteration) as exc:
+            self._stop_reader()
+            status = {"error": f"rates file {self.path}: the reader process failed ({exc!r}); it is restarted"}
         if table is not None:
             return table
         self.errors += 1
-        if isinstance(status, dict) and status.get("error"):
-            message = status["error"]
-        else:
-            message = f"rates file {self.path}: the reader process failed ({errors.strip()[-300:] or 'no output'})"
-        self.logger.error("output-rate: %s; the limits in force are kept until the file is fixed", message)
+        message = status.get("error") if isinstance(status, dict) else None
+        self.logger.error(
+            "output-rate: %s; the limits in force are kept until the file is fixed",
+            message or f"rates file {self.path}: the reader process gave no answer",
+        )
         return None
+
+    def _stop_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.kill()
+            reader.wait()
+
+    def retire(self, *objects: Any) -> None:
+        """R21, no stall: tables and scale maps the step has just replaced; the watcher
+        thread empties them a chunk at a time, so their memory is not freed inside a step
+        (dropping a 100,000-entry dict takes milliseconds)."""
+        self._retired.extend(o for o in objects if o is not None)
+        self._wake.set()
+
+    def _drain_retired(self) -> None:
+        while self._retired:
+            retired = self._retired.pop()
+            if retired is _START_READER:
+                self._reader_process()
+                continue
+            for mapping in _big_maps(retired):
+                self.pacer.start()
+                while mapping:
+                    for _ in range(min(len(mapping), CHUNK)):
+                        mapping.popitem()
+                    self.pacer()
 
     def prime(self, table: RateTable | None) -> None:
         """Start-up: ``table`` (read by ``load_initial``, perhaps by another watcher) is in
@@ -259,27 +315,46 @@ class RatesFileWatcher:
         return table
 
     def _read_off_step(self, signature: tuple[int, int, int]) -> None:
-        """Hand the read of the file at ``signature`` to the watcher thread (started once)."""
+        """Hand the read of the file at ``signature`` to the watcher thread."""
         with self._lock:
             self._wanted = signature
             self._ready = None  # an older version still being read is not installed
+        self.start_thread()
         self._wake.set()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="outrate-rates-file", daemon=True)
-            self._thread.start()
+
+    def start_thread(self) -> None:
+        """Start the watcher thread (once); with a large file in place, its reader process
+        too, so that no step pays for starting it later (the scheduler calls this at
+        start-up)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="outrate-rates-file", daemon=True)
+        self._thread.start()
+        try:
+            large = os.stat(self.path).st_size > INLINE_BYTES
+        except OSError:
+            large = False
+        if large:
+            self._retired.append(_START_READER)
+            self._wake.set()
 
     def _run(self) -> None:
-        """The watcher thread: read and validate each version ``poll`` asks for."""
+        """The watcher thread: read and validate each version ``poll`` asks for; empty
+        what the step retired."""
         while True:
             self._wake.wait()
             self._wake.clear()
+            self._drain_retired()
             with self._lock:
                 wanted = self._wanted
+                if wanted is None or wanted == self._done:
+                    continue
             table = self._read_in_reader_process()
             if table is not None and table.signature != wanted:
                 table = None  # replaced meanwhile: poll asks for the newer version
             if table is not None and self.burst_ns is not None:
-                table.prepare(self.burst_ns, _pause)  # scales, labels and log line built here: the step swaps
+                self.pacer.start()
+                table.prepare(self.burst_ns, self.pacer)  # scales, labels, log line built here: the step swaps
             with self._lock:
                 if self._wanted == wanted:
                     self._ready, self._done = table, wanted
@@ -289,7 +364,6 @@ class RatesFileWatcher:
     def wait_ready(self, timeout_s: float = 30.0) -> bool:
         """Tests and benchmarks: wait until the watcher thread has read the last version
         ``poll`` handed to it (True), or ``timeout_s`` passed (False)."""
-        import time
 
         deadline = time.monotonic() + timeout_s
         while self._wanted is not None and self._done != self._wanted:
@@ -306,26 +380,42 @@ def describe(table: RateTable) -> str:
     return text if text is not None else table.describe()
 
 
-def _pause() -> None:
-    """The watcher thread lets other threads (the engine's step) take the GIL."""
-    time.sleep(0)
+END = "."  # the reader's last line for one file (no JSON line is ".")
+_START_READER = object()  # retired marker: the watcher thread starts the reader process
+
+
+def _big_maps(obj: Any) -> list[Any]:
+    """The large mutable maps of a retired table, prepared table or scale map."""
+    if isinstance(obj, dict):
+        return [obj]
+    found = []
+    for name in ("exact", "prefixes", "user_rates", "_cache", "scales"):
+        value = getattr(obj, name, None)
+        if isinstance(value, dict):
+            found.append(value)
+    prepared = getattr(obj, "_prepared", None)  # a table's scales for the limiters
+    if prepared is not None:
+        found += [p.scales for p in (prepared.enforced, prepared.shadow) if p is not None]
+    return found
 
 
 def _reader_main(argv: list[str]) -> int:
-    """The reader process: read and validate the rates file ``argv[0]``; print a status
-    line (``{"ok", "signature"}`` or ``{"ok": false, "error"}``), then the table as JSON
-    lines (``ratetable.table_lines``). Exit 0 (a bad file is a status, not a failure)."""
-    watcher = RatesFileWatcher(argv[0])
-    try:
-        table = watcher._read()
-    except OutputRateConfigError as exc:
-        print(json.dumps({"ok": False, "error": str(exc)}))
-        return 0
+    """The reader process: for each rates file path read from stdin (or ``argv[0]``, once),
+    read and validate it; print a status line (``{"ok", "signature"}`` or ``{"ok":
+    false, "error"}``), the table as JSON lines (``ratetable.table_lines``) and ``END``.
+    Exits 0 at the end of its input (a bad file is a status, not a failure)."""
     out = sys.stdout
-    out.write(json.dumps({"ok": True, "signature": list(table.signature or ())}) + "\n")
-    for line in table_lines(table):
-        out.write(line + "\n")
-    out.flush()
+    for path in argv[:1] or (line.rstrip("\n") for line in sys.stdin):
+        try:
+            table = RatesFileWatcher(path)._read()
+        except OutputRateConfigError as exc:
+            out.write(json.dumps({"ok": False, "error": str(exc)}) + "\n")
+        else:
+            out.write(json.dumps({"ok": True, "signature": list(table.signature or ())}) + "\n")
+            for line in table_lines(table):
+                out.write(line + "\n")
+        out.write(END + "\n")
+        out.flush()
     return 0
 
 

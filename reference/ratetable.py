@@ -50,6 +50,7 @@ lengths) the first time and from a per-user-id cache after that.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -63,10 +64,32 @@ OTHER = "other"  # the /metrics label of users on no plan (metrics.OTHER)
 MAX_PLANS = 1024  # a plan is a tier, not a customer: each one is a /metrics label
 MAX_DETAILED = 1024  # users with a /metrics label of their own
 MAX_LOOKUP_CACHE = 1 << 20  # user ids cached per table; the cache restarts above it
-CHUNK = 2000  # entries built between two pauses of the watcher thread (well under 1 ms)
+CHUNK = 500  # entries built between two pauses of the watcher thread (well under 1 ms)
 TABLE_KEYS = ("default_tokens_per_s", "default_plan", "plans", "users", "user_tokens_per_s")
 PLAN_KEYS = ("tokens_per_s", "unlimited", "shadow")
 USER_KEYS = ("plan", "tokens_per_s", "unlimited", "detailed")
+
+
+class Pacer:
+    """For a background thread (the rates-file watcher, the metrics writer): called between
+    chunks of work, it lets other threads take the GIL (``time.sleep(0)``), so the engine's
+    step waits at most one chunk for it. ``longest``: the longest chunk so far, in seconds
+    of this thread's CPU time (the most it held the GIL at once)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        """A run of work begins (the time before it is not a chunk)."""
+        self._since = time.thread_time()
+
+    def __call__(self) -> None:
+        """Between two chunks: record the chunk, let other threads run, start the next."""
+        if self._since is not None:
+            self.longest = max(self.longest, time.thread_time() - self._since)
+        time.sleep(0)
+        self._since = time.thread_time()
 
 
 class TableError(OutputRateConfigError):
@@ -77,7 +100,9 @@ class TableError(OutputRateConfigError):
 class Entry:
     """What a user resolves to. ``rate``: tokens/s (exact), None if unlimited (R28);
     ``label``: its ``/metrics`` label; ``shadow``: on a shadow plan (R29); ``source``: the
-    table entry that decided (``users['team-a/*']``, ``default``), for messages."""
+    kind of entry that decided (``users``, ``user_tokens_per_s``, the default), for
+    messages. Equal entries are one object (``_Interned``): a table of 100,000 users on a
+    few plans holds a few entries, not 100,000 objects for the garbage collector."""
 
     rate: Fraction | None
     label: str
@@ -166,7 +191,8 @@ class RateTable:
         """Today's table: a default and exact per-user rates (validated by the caller)."""
         users = dict(user_rates)
         detailed = len(users) <= MAX_DETAILED
-        exact = {u: Entry(r, u if detailed else OTHER, False, f"user_tokens_per_s[{u!r}]") for u, r in users.items()}
+        intern = _Interned()
+        exact = {u: intern(r, u if detailed else OTHER, False, "user_tokens_per_s") for u, r in users.items()}
         return cls(default_rate, users, exact=exact, labels=tuple(users) if detailed else ())
 
     @property
@@ -312,7 +338,18 @@ def _check_key(key: Any, where: str) -> str | None:
     return key[:-1]
 
 
-def _parse_user(key: str, body: Any, plans: Mapping[str, Plan], where: str) -> tuple[Entry, bool]:
+class _Interned(dict):
+    """Entries by value: ``intern(rate, label, shadow, source)`` is one ``Entry`` per value."""
+
+    def __call__(self, rate: Fraction | None, label: str, shadow: bool, source: str) -> Entry:
+        key = (rate, label, shadow, source)
+        entry = self.get(key)
+        if entry is None:
+            entry = self[key] = Entry(rate, label, shadow, source)
+        return entry
+
+
+def _parse_user(key: str, body: Any, plans: Mapping[str, Plan], where: str, intern: _Interned) -> tuple[Entry, bool]:
     """One ``users`` entry: its ``Entry`` (label set later) and whether it is detailed."""
     if isinstance(body, str):
         body = {"plan": body}
@@ -344,7 +381,7 @@ def _parse_user(key: str, body: Any, plans: Mapping[str, Plan], where: str) -> t
         assert plan is not None
         rate = plan.rate
     label = key if detailed else (plan_name if plan is not None else OTHER)
-    return Entry(rate, label, plan is not None and plan.shadow, where), detailed
+    return intern(rate, label, plan is not None and plan.shadow, "users"), detailed
 
 
 def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
@@ -380,10 +417,12 @@ def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
     exact: dict[str, Entry] = {}
     prefixes: dict[str, Entry] = {}
     detailed: list[str] = []
+    intern = _Interned()
+    rates: dict[Fraction, Fraction] = {}
     for key, body in raw_users.items():
         where = f"users[{_shown_key(key)}]"
         prefix = _check_key(key, where)
-        entry, is_detailed = _parse_user(key, body, plans, where)
+        entry, is_detailed = _parse_user(key, body, plans, where, intern)
         if prefix is None:
             exact[key] = entry
             if is_detailed:
@@ -399,7 +438,8 @@ def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
                 f"{where} and users[{_shown_key(user)}] both name user {_shown_key(user)} (a tie: neither is more "
                 "specific); keep one of them"
             )
-        user_rates[user] = _rate(value, where)
+        rate = _rate(value, where)
+        user_rates[user] = rates.setdefault(rate, rate)  # one object per distinct rate
     if len(detailed) > MAX_DETAILED:
         raise TableError(
             f'users: {len(detailed)} users marked "detailed": true > {MAX_DETAILED} (each is a /metrics label); '
@@ -418,7 +458,7 @@ def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
                 f"user_tokens_per_s[{_shown_key(user)}]: its /metrics label is its id, which is also a plan name; "
                 "rename the plan or move the user to users"
             )
-        exact[user] = Entry(rate, user if own_labels else OTHER, False, f"user_tokens_per_s[{_shown_key(user)}]")
+        exact[user] = intern(rate, user if own_labels else OTHER, False, "user_tokens_per_s")
     labels = tuple(dict.fromkeys([*plans, *detailed, *(user_rates if own_labels else ())]))
     return RateTable(default_rate, user_rates, plans, default_plan, exact, prefixes, labels)
 
@@ -474,15 +514,17 @@ def table_from_lines(lines: Iterable[str], pause: Callable[[], None] = lambda: N
     plans = {name: Plan(rate(r), bool(shadow)) for name, (r, shadow) in header["plans"].items()}
     exact: dict[str, Entry] = {}
     prefixes: dict[str, Entry] = {}
-    user_rates: dict[str, Fraction] = {}
+    user_rates: dict[str, Fraction | None] = {}
     into = {"E": exact, "P": prefixes}
+    intern = _Interned()
+    loads = json.loads
     for i, line in enumerate(it, 1):
-        record = json.loads(line)
+        record = loads(line)
         if record[0] == "U":
-            user_rates[record[1]] = Fraction(record[2])
+            user_rates[record[1]] = rate(record[2])
         else:
             kind, key, r, label, shadow, source = record
-            into[kind][key] = Entry(rate(r), label, shadow, source)
+            into[kind][key] = intern(rate(r), label, shadow, source)
         if i % CHUNK == 0:
             pause()
     default = header["default_rate"]

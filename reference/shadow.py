@@ -70,11 +70,21 @@ class ShadowAccounting:
     )
 
     def __init__(
-        self, config: OutputRateConfig, resolve_user: Callable[[Any], str], only_shadow_plans: Any = None
+        self,
+        config: OutputRateConfig,
+        resolve_user: Callable[[Any], str],
+        only_shadow_plans: Any = None,
+        prepared: Any = None,
     ) -> None:
-        # R27/R29: the table's rates, shadow plans at their own rate (shadow_view).
+        # R27/R29: the table's rates, shadow plans at their own rate (shadow_view); ``prepared``:
+        # the table's scales already built (``RateTable.prepare``), so nothing is built here.
         self.limiter = OutputRateLimiter(
-            config.default_rate, config.user_rates, config.burst_ns, table=config.rate_table, shadow_view=True
+            config.default_rate,
+            config.user_rates,
+            config.burst_ns,
+            table=config.rate_table,
+            shadow_view=True,
+            prepared=prepared,
         )
         self.only_shadow_plans = only_shadow_plans  # R29: a RateTable; only its shadow plans' users count
         self.resolve_user = resolve_user

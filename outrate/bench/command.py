@@ -39,6 +39,7 @@ from vllm_output_rate.bench.render import (
 )
 from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler
 from vllm_output_rate.bench.shared import measure_all_shared, shared_configs
+from vllm_output_rate.bench.tables import measure_tables, tables_steps, tables_table
 from vllm_output_rate.clitools import bar_progress, flag_option, json_option, output_file_option
 
 
@@ -74,7 +75,7 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
 )
 @click.option(
     "--only",
-    type=click.Choice(["scheduler", "shared", "limiter", "gate", "live"]),
+    type=click.Choice(["scheduler", "shared", "limiter", "gate", "tables", "live"]),
     multiple=True,
     help="Run only these parts (repeatable); default: all.",
 )
@@ -95,7 +96,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
     """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     plan = _plan(quick, sizes, rounds)
-    parts = set(only) or {"scheduler", "shared", "limiter", "gate"}
+    parts = set(only) or {"scheduler", "shared", "limiter", "gate", "tables"}
     if live or (live is None and not only and not quick):
         parts.add("live")
     elif live is False:
@@ -114,6 +115,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
         _profile(profile_n, 20 if quick else 100, json_path, command)
         return
     scheduler_rows, shared, limiter, gate, live_result = _measure(parts, plan, clock)
+    tables = _measure_tables(quick) if "tables" in parts else None
 
     env = machine()
     env["load_average_at_start"] = load_at_start
@@ -123,6 +125,8 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
         f"load average at the end {env['load_average']}; command: {command}"
     )
     _print_tables(scheduler_rows, shared, limiter, gate, live_result, clock)
+    if tables is not None:
+        console.print(tables_table(tables))
     if plot_path is not None and scheduler_rows:
         write_plot(
             scheduler_rows,
@@ -146,9 +150,18 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
             "limiter": limiter,
             "gate": gate,
             "live": live_result,
+            "tables": tables,
         }
         json_path.write_text(json.dumps(report, indent=2, default=_json_default))
         console.print(f"wrote {json_path}")
+
+
+def _measure_tables(quick: bool) -> dict[str, Any]:
+    """Rate tables of real size (``bench/tables.py``), with its progress bar."""
+    progress = bar_progress(console, 34)
+    with progress:
+        task = progress.add_task("rate tables (1k, 10k, 100k users)", total=tables_steps(quick))
+        return measure_tables(quick, functools.partial(progress.advance, task))
 
 
 def _plan(quick: bool, sizes: str | None, rounds: int | None) -> Plan:
