@@ -346,8 +346,10 @@ class MetricsRecorder:
             self._writer.start()
 
     def _run_writer(self) -> None:
+        from vllm_output_rate.reference.ratesfile import _lower_priority
         from vllm_output_rate.reference.ratetable import Pacer
 
+        _lower_priority()  # below the engine's step on a busy machine
         pacer = self.pacer = Pacer()
         handoff = self._handoff
         while True:

@@ -28,6 +28,7 @@ message as its last line).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -341,6 +342,7 @@ class RatesFileWatcher:
     def _run(self) -> None:
         """The watcher thread: read and validate each version ``poll`` asks for; empty
         what the step retired."""
+        _lower_priority()
         while True:
             self._wake.wait()
             self._wake.clear()
@@ -399,11 +401,19 @@ def _big_maps(obj: Any) -> list[Any]:
     return found
 
 
+def _lower_priority() -> None:
+    """Run this thread (Linux: a thread has its own nice value) or process below the
+    engine's step on a busy machine; nothing happens where that is not allowed."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 def _reader_main(argv: list[str]) -> int:
     """The reader process: for each rates file path read from stdin (or ``argv[0]``, once),
     read and validate it; print a status line (``{"ok", "signature"}`` or ``{"ok":
     false, "error"}``), the table as JSON lines (``ratetable.table_lines``) and ``END``.
     Exits 0 at the end of its input (a bad file is a status, not a failure)."""
+    _lower_priority()
     out = sys.stdout
     for path in argv[:1] or (line.rstrip("\n") for line in sys.stdin):
         try:
