@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ FORMAT = "outrate-counterexample"
 FORMAT_VERSION = 1
 LIMITER_ORACLE = "the spec limiter (spec/limiter.py) replaying every sampling dispatch, and the spec's invariants"
 STOCK = "stock vLLM's Scheduler / AsyncScheduler, step for step"
+RULE_TOKEN = re.compile(r"^(R\d+|V\d+|crash|shadow|coverage)$")  # what a row's failure text names as its rule
 
 
 class CounterexampleError(ValueError):
@@ -232,7 +234,9 @@ def _failed_rule(failure: str | None) -> tuple[str | None, str | None]:
     from vllm_output_rate.adapter.origins import failed_rule
 
     rule = failed_rule(failure)
-    return (failure[1:].partition("]")[0], rule) if rule is not None and failure is not None else (None, None)
+    if rule is None or failure is None or not RULE_TOKEN.match(rule):  # white box: "[exact] event 2: ..."
+        return None, None
+    return failure[1:].partition("]")[0], rule
 
 
 def rule_of(failure: str | None) -> str | None:
