@@ -25,7 +25,9 @@ from hypothesis import strategies as st
 from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.scenarios import (
     DRAIN_STEP_LIMIT,
+    STEP_INTERVALS_NS,
     Hunt,
+    RequestSpec,
     Scenario,
     Verdict,
     add_spec,
@@ -204,14 +206,40 @@ def ample_or_pressured(async_mode: bool, max_steps: int):
     )
 
 
+@st.composite
+def order_scenarios(draw, async_scheduling: bool) -> Scenario:
+    """Hypothesis strategy: R18's shapes where order matters. User ``v`` has a decoding
+    stream and, 1-5 steps later, a long prompt (40-400 tokens); user ``w`` (sometimes also
+    an anonymous user) decodes beside them, between the two in ``running``; a token budget
+    of 8-32 tokens with chunked prefill, so the long prompt takes several steps. A rotation
+    or a last-served record left running with the feature off moves the long prompt ahead
+    and changes the batch only here (two streams of one user, a long prompt, a binding
+    budget: the shape of ``adapter/not_binding.stall_scenarios``, feature off)."""
+    arrival = draw(st.integers(1, 5))
+    requests = [
+        RequestSpec("v-r0", "v", draw(st.integers(1, 8)), draw(st.integers(8, 40))),
+        RequestSpec("w-r0", "w", draw(st.integers(1, 8)), draw(st.integers(8, 40))),
+    ]
+    if draw(st.booleans()):
+        requests.append(RequestSpec("x-r0", None, draw(st.integers(1, 8)), draw(st.integers(4, 40))))
+    requests.append(RequestSpec("v-long", "v", draw(st.integers(40, 400)), draw(st.integers(1, 8)), at_step=arrival))
+    return Scenario(
+        rates_tokens_per_s={},
+        requests=tuple(requests),
+        step_interval_ns=draw(st.sampled_from(STEP_INTERVALS_NS)),
+        num_steps=arrival + draw(st.integers(1, 12)),
+        chunked_prefill=True,
+        async_scheduling=async_scheduling,
+        max_num_batched_tokens=draw(st.integers(8, 32)),
+        feature_on=False,
+    )
+
+
 def feature_off_scenarios(async_mode: bool, max_steps: int):
     """Hypothesis strategy of R18's row: ``ample_or_pressured`` and the shapes where order
-    matters, which ``not-binding`` draws too (``adapter/not_binding.stall_scenarios``: two
-    streams of one user, a long prompt, a binding token budget): a rotation or bookkeeping
-    left running with the feature off shows only there."""
-    from vllm_output_rate.adapter.not_binding import stall_scenarios
-
-    return st.one_of(ample_or_pressured(async_mode, max_steps), stall_scenarios(async_scheduling=async_mode))
+    matters (``order_scenarios``: two streams of one user, a long prompt, a binding token
+    budget), which the generic draws rarely reach."""
+    return st.one_of(ample_or_pressured(async_mode, max_steps), order_scenarios(async_scheduling=async_mode))
 
 
 def _every_style(style: Any) -> str | None:
