@@ -71,7 +71,21 @@ def main() -> int:
         print("environment check FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
     print(f"environment ok: vllm {version}, python {sys.version.split()[0]}")
+    print(dtype_note())
     return 0
+
+
+def dtype_note() -> str:
+    """One line saying which platform ``outrate serve`` found and the dtype it picks there."""
+    from vllm_output_rate.serve import cpu_platform
+
+    cpu = cpu_platform()
+    if cpu is None:
+        return "platform: not the CPU build (vLLM picks the device); outrate serve leaves --dtype to vLLM"
+    return (
+        f"platform: cpu ({cpu}); vLLM's CPU default dtype is bfloat16, so outrate serve passes "
+        "--dtype float32 for a model that declares float32 (the tiny model) unless --dtype is given"
+    )
 
 
 if __name__ == "__main__":

