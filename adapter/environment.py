@@ -127,12 +127,33 @@ def run_on_stock(scenario: Any) -> None:
     its mode (``STOCK_CLASS_PATHS``): the same arrivals, aborts and steps; the rate-limit
     section is ignored by stock vLLM. Raises whatever stock vLLM raises."""
     from vllm_output_rate.adapter.fidelity import StepScenario, run_step_scenario
-    from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
+    from vllm_output_rate.adapter.scenarios import Scenario
 
     if isinstance(scenario, StepScenario):
         run_step_scenario(STOCK_CLASS_PATHS[scenario.config.async_scheduling], scenario)
     elif isinstance(scenario, Scenario):
-        run_scenario(STOCK_CLASS_PATHS[scenario.async_scheduling], scenario, "must", attribute=True)
+        _drive_stock(scenario)
+
+
+def _drive_stock(scenario: Any) -> None:
+    """A rate-limit ``Scenario``'s arrivals, aborts and steps on the stock class, judging
+    nothing (stock vLLM does not limit rates; only whether it raises matters), 1 ms between
+    steps, until every request has finished (at most ``DRAIN_STEP_LIMIT`` steps more)."""
+    from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, add_spec, build_harness, parallel_children
+
+    harness = build_harness(STOCK_CLASS_PATHS[scenario.async_scheduling], scenario)
+    pending = sorted(scenario.requests, key=lambda r: r.at_step)
+    aborts = scenario.abort_schedule()
+    children = parallel_children(scenario.requests)
+    for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
+        while pending and pending[0].at_step <= step:
+            add_spec(harness, pending.pop(0), children)
+        while aborts and aborts[0][0] <= step and aborts[0][1].at_step < step:
+            harness.abort(aborts.pop(0)[1].request_id)
+        if step >= scenario.num_steps and not pending and len(harness.finished) == len(harness.num_outputs):
+            return
+        harness.step()
+        harness.advance(1_000_000)
 
 
 _SURVIVED: dict[str, bool] = {}  # repr(scenario) -> stock survived it (one re-run per scenario)

@@ -145,3 +145,19 @@ def test_a_supported_release_runs_no_drift():
 
     assert gate_environment.unsupported_release_drift(_console(), "0.34.0+cpu", never) == (None, None)
     assert gate_environment.version_notice("0.33.0") is None
+
+
+def test_stock_runs_a_rate_limit_scenario_to_its_end_and_a_broken_stock_does_not(broken_stock, monkeypatch):
+    # The stock re-run drives the scenario's arrivals, aborts and steps, judging nothing:
+    # real stock vLLM survives it; the broken stock raises, which is no verdict.
+    from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
+
+    requests = (
+        RequestSpec("r0", "u0", prompt_len=4, max_tokens=3),
+        RequestSpec("r1", None, prompt_len=6, max_tokens=50, at_step=1, abort_at_step=3),
+    )
+    scenario = Scenario({"u0": "5"}, requests, step_interval_ns=1_000_000, num_steps=4)
+    with pytest.raises(environment.EnvironmentFailure, match="Triton"):
+        environment.stock_survives(scenario, ValueError("candidate bug"))
+    monkeypatch.setattr(environment, "STOCK_CLASS_PATHS", {False: "vllm.v1.core.sched.scheduler.Scheduler"})
+    environment.stock_survives(scenario, ValueError("candidate bug"))  # returns: the crash is the candidate's
