@@ -17,7 +17,7 @@ from vllm_output_rate.adapter.registry import CheckSpec
 from vllm_output_rate.proofs.identity_check import IDENTITY_RULES, check_identity, identity_cases
 
 Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R21")
-MODEL_RULES = ("I1-I18", "F1", "R6", "R19", "liveness")
+MODEL_RULES = ("I1-I18", "F1", "R6", "R19", "R28", "liveness")  # R28: scope sync-unlimited
 SHARED_RULES = ("R23", "R24", "R25", "R26")
 
 

@@ -102,7 +102,8 @@ def scope_from_json(data: dict) -> Scope:
     burst_ms = c.pop("burst_ms", 100)
     config = EngineConfig(
         default_rate_tokens_per_s=None if default is None else Fraction(default),
-        user_rates_tokens_per_s=tuple((u, Fraction(r)) for u, r in rates.items()),
+        # R28: "unlimited" is a user with no TAT, never refused
+        user_rates_tokens_per_s=tuple((u, None if r == "unlimited" else Fraction(r)) for u, r in rates.items()),
         burst_ns=int(Fraction(burst_ms) * MS),
         **c,
     )
@@ -148,6 +149,11 @@ def scope_by_name(name: str, path: Path = MANIFEST_PATH) -> Scope:
     raise KeyError(name)
 
 
+def interval_ns(rate: Fraction | None) -> Fraction | None:
+    """The emission interval of ``rate`` (ns); None for an unlimited user (R28: no ledger)."""
+    return None if rate is None else spec_limiter.emission_interval_ns(rate)
+
+
 class Compiled:
     """Per-scope constants used on the hot path."""
 
@@ -160,9 +166,7 @@ class Compiled:
         self.identity = {u: u for u in self.users}
         self.rate_limited = config.rate_limited
         self.burst = config.burst_ns
-        self.interval = (
-            {u: spec_limiter.emission_interval_ns(config.rate_of(u)) for u in self.users} if self.rate_limited else {}
-        )
+        self.interval = {u: interval_ns(config.rate_of(u)) for u in self.users} if self.rate_limited else {}
         # Symmetry classes: users of equal rate (feature off: all users are alike).
         by_rate: dict[Any, list[str]] = {}
         for u in self.users:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_output_rate.proofs.modelcheck_reduction import World
-from vllm_output_rate.proofs.modelcheck_scopes import MS, Compiled
+from vllm_output_rate.proofs.modelcheck_scopes import MS, Compiled, interval_ns
 from vllm_output_rate.spec import invariants
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec import scheduler as spec
@@ -154,6 +154,9 @@ def _advance_ledger(ledger, users_of, obs, cs: Compiled, after: SchedulerState |
     ledger = list(ledger)
     for rid in obs.sampled:
         user = users_of[rid]
+        interval = cs.interval[user] if after is None else interval_ns(after.config.rate_of(user))
+        if interval is None:
+            continue  # R28: an unlimited user: never refused, no window bound
         ui = cs.uidx[user]
         current = ledger[ui]
         if current is not None and current - now > cs.burst:
@@ -165,7 +168,6 @@ def _advance_ledger(ledger, users_of, obs, cs: Compiled, after: SchedulerState |
                     f"bound floor((W + tau) x rate) + 1 is exceeded for some window ending now",
                 )
             )
-        interval = cs.interval[user] if after is None else spec_limiter.emission_interval_ns(after.config.rate_of(user))
         ledger[ui] = max(current if current is not None else now, now) + interval  # R21: the rate in force
     return tuple(ledger), found
 

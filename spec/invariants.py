@@ -157,11 +157,10 @@ class DispatchHistory:
         changed = {u for u, _ in self.times_ns + self.ledger_tat_ns if old_rate_of(u) != new_rate_of(u)}
         ledger = []
         for user, tat in self.ledger_tat_ns:
-            kept = (
-                spec_limiter.rescaled_tat_ns(tat, old_rate_of(user), new_rate_of(user), now_ns)
-                if user in changed
-                else tat
-            )
+            old, new = old_rate_of(user), new_rate_of(user)
+            if user in changed and (old is None or new is None):
+                continue  # R28: to or from unlimited: no ledger TAT kept
+            kept = spec_limiter.rescaled_tat_ns(tat, old, new, now_ns) if user in changed else tat
             if kept is not None:
                 ledger.append((user, kept))
         times = tuple((u, t) for u, t in self.times_ns if u not in changed)
@@ -175,7 +174,10 @@ class DispatchHistory:
 
 def i7_window_bound(history: DispatchHistory, user: str, after: SchedulerState) -> str | None:
     """I7 (R2): every window ending at the user's newest dispatch respects the bound."""
-    excess = spec_properties.window_excess(history.of(user), after.config.rate_of(user), after.config.burst_ns)
+    rate = after.config.rate_of(user)
+    if rate is None:
+        return None  # R28: an unlimited user has no window bound
+    excess = spec_properties.window_excess(history.of(user), rate, after.config.burst_ns)
     if excess is not None:
         return (
             f"I7 (R2): user {user}: {excess.count} dispatches in [{excess.start_ns}, {excess.end_ns}] ns "
@@ -496,7 +498,7 @@ def advance_history(history: DispatchHistory, before: SchedulerState, obs: Obser
         request = find(before, rid)
         assert request is not None, f"{rid} sampled without being live"
         history = history.add(request.user, obs.now_ns)
-        if config.rate_limited:
-            interval = spec_limiter.emission_interval_ns(config.rate_of(request.user))
-            history = history.replay(request.user, obs.now_ns, interval)
+        rate = config.rate_of(request.user) if config.rate_limited else None
+        if rate is not None:  # R28: an unlimited user's dispatches are not charged (no ledger TAT)
+            history = history.replay(request.user, obs.now_ns, spec_limiter.emission_interval_ns(rate))
     return history

@@ -97,7 +97,8 @@ class EngineConfig:
         assert 2 <= self.max_model_len <= MAX_MODEL_LEN, f"max_model_len {self.max_model_len}"
         # R1/R3: rates are positive exact rationals; burst tau > 0.
         assert self.default_rate_tokens_per_s is None or self.default_rate_tokens_per_s > 0
-        assert all(rate > 0 for _, rate in self.user_rates_tokens_per_s), self.user_rates_tokens_per_s
+        # R28: a user's rate may be UNLIMITED (None): no TAT, never refused (spec/tables.py).
+        assert all(rate is None or rate > 0 for _, rate in self.user_rates_tokens_per_s), self.user_rates_tokens_per_s
         assert self.default_rate_tokens_per_s is not None or not self.user_rates_tokens_per_s, (
             "per-user rates need a default rate (the feature is off without one)"
         )
@@ -164,8 +165,9 @@ class EngineConfig:
             user_rates_tokens_per_s=tuple(user_rates_tokens_per_s),
         )
 
-    def rate_of(self, user: str) -> Fraction:
-        """R1: the user's rate in tokens/s (override, else the default)."""
+    def rate_of(self, user: str) -> Fraction | None:
+        """R1: the user's rate in tokens/s (override, else the default); R28: None for an
+        unlimited user."""
         assert self.default_rate_tokens_per_s is not None, "rate_of with the feature off"
         for name, rate in self.user_rates_tokens_per_s:
             if name == user:

@@ -432,3 +432,19 @@ def test_r28_reference_limiter_is_the_spec_with_unlimited_users(ops) -> None:
             ref.install(table(phase).prepare(100 * MS).enforced, now)
         assert {u: ref.tat_ns(u) for u in ref.users()} == dict(state.tat_ns)
         assert ref.allows(user, now) == spec_limiter.allows(state, user, now)
+
+
+@pytest.mark.rules("R28")
+def test_r28_model_checker_scope_with_an_unlimited_user_beside_a_throttled_one() -> None:
+    # The spec with user a unlimited (rate None: no TAT, never refused) beside b at 10 tok/s:
+    # every invariant holds on every reachable state (I13: the limiter holds exactly the
+    # charges of the ledger, none for a), b is throttled in some, and the scope is in the
+    # gate's quick profile (model-check/quick).
+    from vllm_output_rate.proofs import modelcheck as mc
+
+    scope = mc.scope_by_name("sync-unlimited")
+    assert dict(scope.config.user_rates_tokens_per_s) == {"a": None}
+    result = mc.explore(scope)
+    assert not result.violations, result.violations
+    assert result.coverage["throttled"] > 0 and result.coverage["not_binding"] > 0
+    assert "sync-unlimited" in [s.name for s in mc.profile_scopes("quick")]
