@@ -60,6 +60,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     flag("--outrate-integer-rates", "the candidate takes integer rates only")
     flag("--outrate-rate-change", "R21: the candidate reloads output_rate.rates_file (rate-change rows at every level)")
     flag("--outrate-spec-health", "also run the spec-health checks")
+    group.addoption(
+        "--outrate-require-mode",
+        action="append",
+        default=[],
+        choices=["async", "lora", "priority", "prefix-caching", "no-chunked-prefill", "n>1"],
+        help="an engine mode whose refusal at start-up fails the run (repeatable; adapter/modes.py)",
+    )
+
+
+class GateWarning(UserWarning):
+    """A project rule failed at level should (adapter/origins.py): reported, never a failure."""
+
+
+def outcome(result) -> str:
+    """What a gate row's ``CheckResult`` is as a pytest item: ``"pass"``; ``"skip"`` (coverage
+    not judged, a row not applicable to a mode the candidate refused at start-up);
+    ``"warn"`` (a project rule at should: a ``GateWarning``, the item passes); ``"fail"``
+    (a failure, or NOT TESTED)."""
+    if result.result in ("not judged", "not applicable"):
+        return "skip"
+    if result.result == "warning":
+        return "warn"
+    return "pass" if result.result == "pass" else "fail"
 
 
 class GateCheckItem(pytest.Item):
@@ -70,11 +93,16 @@ class GateCheckItem(pytest.Item):
         self.check = check
 
     def runtest(self) -> None:
+        import warnings
+
         result = self.check()
         self.user_properties.append(("outrate_result", result.result))
-        if result.result == "not judged":  # coverage after another check failed
+        verdict = outcome(result)
+        if verdict == "skip":  # coverage after another check failed; a mode refused at start-up
             pytest.skip(result.failure)
-        if result.result != "pass":
+        if verdict == "warn":
+            warnings.warn(GateWarning(f"{result.name}: {result.failure}"), stacklevel=1)
+        if verdict == "fail":
             raise GateCheckFailed(result)
 
     def repr_failure(self, excinfo, style=None):
@@ -135,13 +163,20 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         rate_change=config.getoption("--outrate-rate-change"),
         spec_health=config.getoption("--outrate-spec-health"),
         save_dir=config.rootpath / "reports",
+        require_modes=tuple(config.getoption("--outrate-require-mode")),
     )
     problem = gate_plan.fractional_rates_problem(options)
     if problem is not None:
         raise pytest.UsageError(f"--outrate-integer-rates: {problem}")
-    for planned in gate_plan.plan(options):
+    from vllm_output_rate import gate_modes
+    from vllm_output_rate.adapter import modes
+
+    plan, modes_row, refused = gate_modes.probe(options, gate_plan.plan(options))  # the mode matrix first
+    items.append(GateCheckItem.from_parent(session, name="outrate::modes", check=lambda: modes_row))
+    for planned in plan:
 
         def check(planned=planned):
-            return registry.run_planned(planned, options, lambda: None)
+            with modes.refusing(refused):  # a refused mode's scenarios are left out (adapter/modes.py)
+                return registry.run_planned(planned, options, lambda: None)
 
         items.append(GateCheckItem.from_parent(session, name=f"outrate::{planned.spec.name}", check=check))

@@ -43,7 +43,7 @@ def test_r2_plugin_passes_the_reference(tmp_path):
     planned = registry.plan(
         registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick", spec_health=False)
     )
-    assert f"{len(planned) + 1} passed" in run.stdout  # the patch's own test + every planned gate check
+    assert f"{len(planned) + 2} passed" in run.stdout  # the patch's own test, the mode matrix, every planned check
 
 
 @pytest.mark.rules("R2")
@@ -108,3 +108,15 @@ def test_plugin_stops_before_any_check_when_engine_args_refuse_fractional_rates(
     assert "got 3.5" in run.stderr and not (tmp_path / "reports").exists()
     run = _pytest(tmp_path, *common, "--outrate-integer-rates", "-k", "rate-limit")
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_a_warning_passes_with_a_gate_warning_and_a_refused_mode_is_skipped():
+    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.pytest_plugin import outcome
+
+    assert outcome(CheckResult("not-binding/sync", ["R19"], result="warning")) == "warn"
+    assert outcome(CheckResult("lora-slots/sync", ["R13"], result="not applicable")) == "skip"
+    assert outcome(CheckResult("coverage", [], result="not judged")) == "skip"
+    assert outcome(CheckResult("rate-limit/sync", ["R2"], result="fail")) == "fail"
+    assert outcome(CheckResult("rate-limit/async", ["R2"], result="not tested")) == "fail"
+    assert outcome(CheckResult("modes", ["R18"])) == "pass"
