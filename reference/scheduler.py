@@ -72,6 +72,7 @@ VLLM_PROFILE: VllmVersionProfile = INSTALLED_PROFILE
 _RUNNING = RequestStatus.RUNNING
 _REQUEST_ID = operator.attrgetter("request_id")
 _IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
+_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
 logger = logging.getLogger(__name__)
 # The mixin is only ever combined with vLLM's Scheduler (the two classes at the end), whose
 # attributes (running, waiting, requests, scheduler_config, ...) and methods it uses and
@@ -243,6 +244,10 @@ class _RateLimitMixin(_SchedulerHost):
         # requests that left are removed as they leave). Never the order of ``running``.
         self._turns: dict[str, None] = {}
         self._turn_pos: dict[str, int] | None = None  # its places, when asked (``_turn_position``)
+        self._streams_of: dict[str, list[Request]] | None = None  # user -> running requests (``_index_streams``)
+        self._running_place: dict[Request, int] = {}  # request -> place in ``running`` (the same)
+        # request -> num_computed_tokens when ``_short_streams`` last found it decoding (the same)
+        self._decoding_seen: dict[Request, int] = {}
         # group key -> its last request id in ``_turns`` as built (R15: the last place).
         self._group_last: dict[str, str] = {}
         # A request left ``_turns`` since it was built (freed or preempted): rebuild it.
@@ -347,6 +352,7 @@ class _RateLimitMixin(_SchedulerHost):
             self._group_cache.pop(request.request_id, None)
             self._turns.pop(request.request_id, None)  # R14: only running requests take turns
             self._turns_shrunk = True
+            self._turn_pos = None
             if self._plan_shadow is not None:  # R29
                 self._plan_shadow.freed(request.request_id)
             if self._trace is not None:
@@ -656,9 +662,9 @@ class _RateLimitMixin(_SchedulerHost):
         order. ``running`` itself is never reordered (R19). O(running); when that order is
         this step's (``_turns_hold``), it is kept as it is.
         """
-        self._turn_pos = None
         if self.shortcuts and self._turns_hold():
-            return
+            return  # the same order: its places (_turn_position) and streams (_streams_of) too
+        self._turn_pos = None
         turns, cache = self._turns, self._group_cache
         base = [r for r in self.running if r.request_id in turns]
         if len(base) > 1:
@@ -686,6 +692,22 @@ class _RateLimitMixin(_SchedulerHost):
         turns = self._turns = dict.fromkeys(map(_REQUEST_ID, order))
         self._group_last = dict(zip(map(cache.__getitem__, turns), turns))  # later places win: the last
         self._turns_shrunk = False
+        self._streams_of = None
+
+    def _index_streams(self) -> dict[str, list[Request]]:
+        """R11/R14: each user's running requests in ``running`` order (``_streams_of``) and
+        each request's place in ``running`` (``_running_place``), built when first asked
+        after the turn order was built and kept while it holds (``running`` is then the
+        same list in the same order: it changes only by preemption, admission and removal,
+        each of which ends the hold)."""
+        users = self._user_cache
+        streams: dict[str, list[Request]] = {}
+        for r in self.running:
+            streams.setdefault(users[r.request_id], []).append(r)
+        self._streams_of = streams
+        self._running_place = dict(zip(self.running, range(len(self.running))))
+        self._decoding_seen = {}
+        return streams
 
     def _turns_hold(self) -> bool:
         """R14: the order the last step left is this step's turn order, as ``_take_turns``
@@ -707,7 +729,8 @@ class _RateLimitMixin(_SchedulerHost):
         return all((s := get(key)) is None or s == last or s not in turns for key, last in group_last.items())
 
     def _turn_position(self) -> dict[str, int]:
-        """R14/R15: request id -> place in this step's turn order (built once per step)."""
+        """R14/R15: request id -> place in this step's turn order (built when first asked
+        after the order was built or a request left it)."""
         if self._turn_pos is None:
             turns = self._turns
             self._turn_pos = dict(zip(turns, range(len(turns))))
@@ -738,17 +761,19 @@ class _RateLimitMixin(_SchedulerHost):
         """
         running = self.running
         cache = self._user_cache
-        throttled: list[Request] = []  # refused users' decoding streams, in running order
-        streams: dict[str, list[Request]] = {}  # the running requests of users with some grants
-        for r in running:
-            user = cache.get(r.request_id) or self._user(r)
-            grants = short.get(user)
-            if grants is None:
-                continue
-            if grants:
-                streams.setdefault(user, []).append(r)
-            elif _decoding(r):
-                throttled.append(r)
+        if self.shortcuts:  # O(short users' streams), from the index kept with the turn order
+            throttled, streams = self._short_streams(short)
+        else:
+            throttled, streams = [], {}
+            for r in running:
+                user = cache.get(r.request_id) or self._user(r)
+                grants = short.get(user)
+                if grants is None:
+                    continue
+                if grants:
+                    streams.setdefault(user, []).append(r)
+                elif _decoding(r):
+                    throttled.append(r)
         held: list[Request] = []
         for user, mine in streams.items():
             grants = short[user]
@@ -770,6 +795,45 @@ class _RateLimitMixin(_SchedulerHost):
         moved = set(throttled)
         running[:] = [*filterfalse(moved.__contains__, running), *throttled]
         return stock_order
+
+    def _short_streams(self, short: dict[str, int]) -> tuple[list[Request], dict[str, list[Request]]]:
+        """R11/R14: the refused users' decoding streams in ``running`` order, and the running
+        requests of the other ``short`` users (in ``running`` order, per user), from
+        ``_streams_of``.
+
+        A stream found decoding in an earlier step of the same index whose
+        ``num_computed_tokens`` has not moved since is still decoding: not scheduled since,
+        so its prompt + outputs + placeholders and outputs + placeholders are unchanged (an
+        output in flight that arrives adds a token and removes a placeholder); a preemption
+        (the only way back, with the KV connectors refused) rebuilds the index."""
+        streams_of = self._streams_of
+        if streams_of is None:
+            streams_of = self._index_streams()
+        seen = self._decoding_seen.get
+        throttled: list[Request] = []
+        streams: dict[str, list[Request]] = {}
+        refused = 0
+        for user, grants in short.items():
+            mine = streams_of.get(user)
+            if mine is None:
+                continue
+            if grants:
+                streams[user] = mine
+            else:  # _decoding, inline, unless known from an earlier step
+                throttled += [
+                    r
+                    for r in mine
+                    if seen(r) == r.num_computed_tokens
+                    or (
+                        r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders - 1
+                        and r.num_output_tokens + r.num_output_placeholders < r.max_tokens
+                    )
+                ]
+                refused += 1
+        if refused > 1:
+            throttled.sort(key=self._running_place.__getitem__)
+        self._decoding_seen.update(zip(throttled, map(_NUM_COMPUTED, throttled)))
+        return throttled, streams
 
     def _restore_order(self, stock_order: list[Request]) -> None:
         """R13: put ``running`` back in the order vLLM alone would have left it.
@@ -1119,6 +1183,7 @@ class _RateLimitMixin(_SchedulerHost):
             self._throttled.discard(request.request_id)
             self._turns.pop(request.request_id, None)  # R14: only running requests take turns
             self._turns_shrunk = True
+            self._turn_pos = None
             self._left_running += 1
         return super()._preempt_request(request, *args, **kwargs)
 
