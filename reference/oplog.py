@@ -78,6 +78,9 @@ def limits_message(scheduler: str, config: OutputRateConfig, active_cap: int, ma
     users = (
         f"{len(overrides)} override(s)" + (f": {named}" if named else "") + (f" and {more} more" if more > 0 else "")
     )
+    table = getattr(config, "rate_table", None)
+    if table is not None and not table.is_flat:  # R27-R29: plans, patterns, unlimited users
+        users = f"rate table: {table.describe()}"
     cap = (
         f"active cap {active_cap} of {max_num_seqs} resident requests (max_num_seqs)"
         if active_cap < max_num_seqs

@@ -448,3 +448,15 @@ def test_r28_model_checker_scope_with_an_unlimited_user_beside_a_throttled_one()
     assert not result.violations, result.violations
     assert result.coverage["throttled"] > 0 and result.coverage["not_binding"] > 0
     assert "sync-unlimited" in [s.name for s in mc.profile_scopes("quick")]
+
+
+@pytest.mark.rules("R27")
+def test_r27_start_up_line_names_the_plan_table(tmp_path) -> None:
+    from vllm_output_rate.reference.oplog import limits_message
+
+    path = tmp_path / "rates.json"
+    path.write_text(table_text(users={"svc-*": "internal"}))
+    config = parse_output_rate({"default_tokens_per_s": 1, "rates_file": str(path)})
+    line = limits_message("RateLimitedScheduler", config, 8, 8)
+    assert "rate table: default plan 'free'; 4 plan(s): free 20 tok/s, pro 200 tok/s, trial 5 tok/s (shadow)" in line
+    assert "internal unlimited" in line and "1 pattern(s)" in line
