@@ -341,6 +341,14 @@ def document(result: Any, options: Any, kind: Kind, scenario: dict) -> dict:
     }
 
 
+def scenario_text(path: str | os.PathLike) -> str:
+    """The JSON text of the scenario saved in ``path``: the ``scenario`` section of a
+    counterexample file, or the whole file for a bare scenario (saved outside a gate run)."""
+    text = Path(path).read_text()
+    data = json.loads(text)
+    return json.dumps(data["scenario"]) if is_counterexample(data) else text
+
+
 def is_counterexample(data: Any) -> bool:
     """``data`` (a parsed JSON file) is a counterexample file of this module's format (any version)."""
     return isinstance(data, dict) and data.get("format") == FORMAT

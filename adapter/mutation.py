@@ -272,6 +272,7 @@ def _named_rule(failure: str | None) -> str | None:
 def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
     """Re-run the saved counterexample of ``result`` on the mutant's base class: True if
     the base passes it (the kill is the slip's), None if it cannot be re-run."""
+    from vllm_output_rate.adapter.counterexample import scenario_text  # the gate wraps a saved scenario
     from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
 
     async_mode = result.name.endswith("/async")
@@ -289,10 +290,10 @@ def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
         from vllm_output_rate.adapter.fidelity import StepScenario
         from vllm_output_rate.adapter.lora_slots import LoraScenario, run_lora
 
-        step = StepScenario.from_json(Path(result.saved).read_text())
+        step = StepScenario.from_json(scenario_text(result.saved))
         return run_lora(base, LoraScenario(step.config, step.events), options.style).failure is None
     try:
-        scenario = Scenario.from_json(Path(result.saved).read_text())
+        scenario = Scenario.from_json(scenario_text(result.saved))
     except (TypeError, KeyError, ValueError):
         return None  # not a rate-limit scenario (a step scenario of another check)
     if family == "feature-off":

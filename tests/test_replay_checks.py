@@ -218,3 +218,17 @@ def test_the_coverage_row_says_it_saves_no_scenario_and_gives_the_gate_command()
         "re-run: outrate conform --scheduler-cls pkg.Sched --sync-only --path tests/fixtures --config-style "
         "engine-args --level should --profile quick --seed 7"
     ) in out
+
+
+def test_the_scenario_of_a_counterexample_file_reads_as_the_bare_scenario(tmp_path):
+    # adapter/mutation.py re-runs a kill's saved scenario on the mutant's base: a file the
+    # gate wrapped (registry.run_planned) must give the same scenario as a bare one.
+    import json
+
+    from vllm_output_rate.adapter.scenarios import Scenario
+
+    path = _counterexample_file(tmp_path)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(json.loads(path.read_text())["scenario"]))
+    assert Scenario.from_json(counterexample.scenario_text(path)) == Scenario.from_json(bare.read_text())
+    assert counterexample.scenario_text(bare) == bare.read_text()
