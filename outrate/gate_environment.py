@@ -56,6 +56,13 @@ def preflight(console: Any, run_base: Callable[..., Any] | None = None) -> str |
     return None if what is None else environment_paragraph(what)
 
 
+def _drift(*args: Any, **kwargs: Any) -> Any:
+    """``adapter.drift.drift`` (imported when an unsupported release needs it)."""
+    from vllm_output_rate.adapter.drift import drift
+
+    return drift(*args, **kwargs)
+
+
 def unsupported_release_drift(
     console: Any, version: str, drift_fn: Callable[..., Any] | None = None
 ) -> tuple[str | None, str | None]:
@@ -71,10 +78,9 @@ def unsupported_release_drift(
     profile, warning = profile_and_warning(version)
     if warning is None:
         return None, None
-    if drift_fn is None:
-        from vllm_output_rate.adapter.drift import drift as drift_fn
+    hunt = drift_fn if drift_fn is not None else _drift
     with console.status(f"vLLM {version} is not a supported release: hunting base-model drift first (about a minute)"):
-        report = drift_fn(profile, version, warning, examples=DRIFT_EXAMPLES, time_budget_s=DRIFT_BUDGET_S)
+        report = hunt(profile, version, warning, examples=DRIFT_EXAMPLES, time_budget_s=DRIFT_BUDGET_S)
     held = sum(report.examples.values())
     if report.found:
         first = report.found[0]
