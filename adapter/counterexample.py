@@ -414,13 +414,13 @@ def load(data: dict, name: str) -> Loaded:
         raise CounterexampleError(f"{name}: check {check!r} is not a check this outrate can replay")
     text = json.dumps(data["scenario"])
     if kind.scenario == "rate-limit":
-        scenario = Scenario.from_json(text)
-        return Loaded(kind, data, scenario, scenario.events())
+        limited = Scenario.from_json(text)
+        return Loaded(kind, data, limited, limited.events())
     if kind.scenario == "step":
-        scenario = StepScenario.from_json(text)
-        if kind.step_type is not None:
-            scenario = kind.step_type()(scenario.config, scenario.events)
-        return Loaded(kind, data, scenario, scenario.lines())
+        step = StepScenario.from_json(text)
+        if kind.step_type is not None:  # the check's own scenario class (its printed config line)
+            step = kind.step_type()(step.config, step.events)
+        return Loaded(kind, data, step, step.lines())
     seed = data["scenario"].get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise CounterexampleError(f"{name}: scenario.seed must be a non-negative integer, got {seed!r}")
