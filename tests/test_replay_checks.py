@@ -232,3 +232,21 @@ def test_the_scenario_of_a_counterexample_file_reads_as_the_bare_scenario(tmp_pa
     bare.write_text(json.dumps(json.loads(path.read_text())["scenario"]))
     assert Scenario.from_json(counterexample.scenario_text(path)) == Scenario.from_json(bare.read_text())
     assert counterexample.scenario_text(bare) == bare.read_text()
+
+
+def test_the_article_style_verdict_in_the_docs_is_the_generated_table():
+    # docs/SPEC.md said the article-style fixture passes --level should at seeds 0-9; the
+    # gate rejects it at seed 0. The docs now link the manifest of a run, whose verdict line
+    # names exactly the rows its table marks FAIL and WARNING.
+    import re
+
+    spec = (ROOT / "docs" / "SPEC.md").read_text()
+    table = (ROOT / "docs" / "verdicts" / "article_style_should.md").read_text()
+    assert "passes at seeds" not in spec and spec.count("](verdicts/article_style_should.md)") == 2
+    assert table.startswith("<!-- Generated from a gate run") and "--level should --markdown" in table
+    rows = {m[0]: m[1] for m in re.findall(r"^\| (\S+) +\|.*\| (PASS|FAIL|WARNING|NOT JUDGED) +\|$", table, re.M)}
+    verdict = table.rpartition("Verdict line of the run: `")[2]
+    failed = verdict.partition("REJECTED: ")[2].partition(" failed")[0].split(", ")
+    assert sorted(failed) == sorted(name for name, result in rows.items() if result == "FAIL"), (verdict, rows)
+    for name in (name for name, result in rows.items() if result == "WARNING"):
+        assert name in verdict.partition("warning(s): ")[2], (name, verdict)
