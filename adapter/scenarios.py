@@ -26,6 +26,13 @@ judged black-box: under PRIORITY no victim above vLLM's victim level, under FCFS
 granted for all its user's running requests while a throttled request the running loop
 already passed keeps its KV (``_Judge._fcfs_victim_check``: both timings of "throttled",
 the article's and ours).
+At should, ``adapter/step_checks.py`` closes the blind spots of issue 26: R12 a batch within
+the active cap, R10 no split prompt without chunked prefill and a running refused prefill
+advanced to n - 1, R13 throttled victims within the PRIORITY level, R14 other users' places
+in ``running`` kept; head-of-line blocking caused by the limit (a refused waiting request
+that could advance ends admission, R10/P4) is told apart from vLLM's own stops; under FCFS
+the under-grant check also judges steps that preempted. n > 1 requests are drawn as vLLM's
+front end builds them (``parallel_children``: children sharing one ``SamplingParams``).
 Scenarios with resource pressure (``pressured_scenarios``) are judged by the black-box
 checks that still hold under pressure plus the white-box invariants on the scheduler's
 observation (docs/OBSERVATION.md): charges minus refunds equal sampling dispatches (R7,
