@@ -45,7 +45,8 @@ STEP_INTERVALS_MS = (0, 1, 5, 10, 20, 33, 50, 120)
 def compare_white(
     event: Event, trace: StepTrace | None, harness: Harness, obs: Observation, state: SchedulerState
 ) -> str | None:
-    """R1-R16: the reference's ``last_step_observation`` of a step equals the spec's."""
+    """R1-R16: the class under test's ``last_step_observation`` of a step equals the spec's;
+    a difference names the class (``harness.cls_path``), never "reference" or "vLLM"."""
     if not isinstance(event, Step) or trace is None or trace.white is None:
         return None
     white: dict[str, Any] = trace.white
@@ -59,7 +60,7 @@ def compare_white(
     )
     for name, got, want in fields:
         if got != want:
-            return f"{name}: reference {got!r} != spec {want!r}"
+            return f"{name}: {harness.cls_path.rpartition('.')[2]} {got!r} != spec {want!r}"  # the class by its name
     return None
 
 

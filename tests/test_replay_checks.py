@@ -250,3 +250,17 @@ def test_the_article_style_verdict_in_the_docs_is_the_generated_table():
     assert sorted(failed) == sorted(name for name, result in rows.items() if result == "FAIL"), (verdict, rows)
     for name in (name for name, result in rows.items() if result == "WARNING"):
         assert name in verdict.partition("warning(s): ")[2], (name, verdict)
+
+
+def test_a_white_box_observation_difference_names_the_class_under_test():
+    # Before: "refunded (R9): reference [] != spec ['r1']" for any class, the reference or not.
+    from types import SimpleNamespace
+
+    from vllm_output_rate.adapter.whitebox import compare_white
+    from vllm_output_rate.spec.events import Step
+
+    white = {"now_ns": 5, "charged": ["r1"], "refunded": [], "throttled": [], "wait_hint_ns": None, "tat_ns": {}}
+    obs = SimpleNamespace(now_ns=5, charged=["r1"], refunded=["r1"], throttled=[], wait_hint_ns=None, tat_ns={})
+    harness = SimpleNamespace(cls_path="pkg.mod.NoRefund")
+    failure = compare_white(Step(), SimpleNamespace(white=white), harness, obs, None)
+    assert failure == "refunded (R9): NoRefund [] != spec ['r1']"
