@@ -43,6 +43,10 @@ def test_bench_quick_json_structure(tmp_path):
         for key in ("stock_us", "reference_us", "ratio"):
             assert _positive_finite(r[key]), (key, r)
         assert r["throttled_requests"] == round(r["running"] * r["throttled_fraction"])
+        # The article-style peer (tests/fixtures/article_style) is timed in the same rounds,
+        # with the reference / article-style column (issue 27: <= 0.87 when throttled).
+        for key in ("article_us", "article_ratio", "reference_article_ratio"):
+            assert _positive_finite(r[key]), (key, r)
 
     shared = data["shared"]  # R23-R26: a redis-server is started for the run (.ci/run installs it)
     assert shared["skipped"] is None, shared["skipped"]

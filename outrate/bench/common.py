@@ -75,6 +75,10 @@ QUICK = Plan(
     live_throttled_rate=4.0,
     live_ping_steps=20,
 )
+# Targets of the scheduler section (reported, not asserted): reference / stock with the limit
+# on but not binding, and reference / article-style with 50% or 90% of the requests throttled.
+NOT_BINDING_TARGET = 1.02
+THROTTLED_VS_ARTICLE_TARGET = 0.87
 # Targets of the live section (reported, not asserted).
 LIVE_RATIO_TARGET = 0.98  # on-but-not-binding tokens/s within 2% of off
 # A read of vLLM's RPC queue that waits this long missed its wake-up ping (ping_round_trips).

@@ -13,6 +13,8 @@ from rich.table import Table
 from vllm_output_rate.bench.common import (
     LIVE_CPU_TARGET_PERCENT,
     LIVE_RATIO_TARGET,
+    NOT_BINDING_TARGET,
+    THROTTLED_VS_ARTICLE_TARGET,
 )
 from vllm_output_rate.bench.scheduler import SchedulerRow
 
@@ -47,10 +49,17 @@ def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
         "ratio range",
         "article-style µs",
         "article-style ratio",
+        "reference / article-style",
     ):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in rows:
-        style = "green" if r.ratio <= 1.03 else ("yellow" if r.ratio <= 1.10 else "red")
+        style = "green" if r.ratio <= NOT_BINDING_TARGET else ("yellow" if r.ratio <= 1.10 else "red")
+        versus = "-"
+        if r.reference_article_ratio is not None:
+            versus = f"{r.reference_article_ratio:.3f}"
+            if r.throttled_fraction > 0:
+                good = r.reference_article_ratio <= THROTTLED_VS_ARTICLE_TARGET
+                versus = f"[{'green' if good else 'red'}]{versus}[/]"
         table.add_row(
             r.mode,
             str(r.running),
@@ -61,6 +70,7 @@ def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
             f"{r.ratio_min:.2f}-{r.ratio_max:.2f}",
             "-" if r.article_us is None else f"{r.article_us:,.0f}",
             "-" if r.article_ratio is None else f"{r.article_ratio:.3f}",
+            versus,
         )
     return table
 
@@ -277,13 +287,14 @@ def profile_tables(prof: dict[str, Any], profile_n: int, steps: int) -> list[Tab
 
 
 def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
-    """Per-step cost against running requests (log-log) and the ratio to stock."""
+    """Per-step cost against running requests (log-log), the ratio to stock, and (when the
+    article-style peer was timed) reference / article-style with requests throttled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_cost, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax_cost, ax_ratio, ax_peer) = plt.subplots(1, 3, figsize=(17, 4.8))
     colors = {0.0: "tab:blue", 0.5: "tab:orange", 0.9: "tab:red"}
     for mode, dash in (("sync", "-"), ("async", "--")):
         mine = [r for r in rows if r.mode == mode]
@@ -312,10 +323,10 @@ def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
     ax_cost.set_ylabel("µs per step (schedule + update_from_output)")
     ax_cost.set_title("per-step cost")
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
-    ax_ratio.axhline(1.03, color="grey", linewidth=0.8, linestyle=":")
+    ax_ratio.axhline(NOT_BINDING_TARGET, color="grey", linewidth=0.8, linestyle=":")
     ax_ratio.annotate(
-        "1.03 (target, limit not binding)",
-        (ax_ratio.get_xlim()[0], 1.03),
+        f"{NOT_BINDING_TARGET} (target, limit not binding)",
+        (ax_ratio.get_xlim()[0], NOT_BINDING_TARGET),
         xytext=(4, 3),
         textcoords="offset points",
         fontsize=7,
@@ -323,9 +334,42 @@ def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
     )
     ax_ratio.set_ylabel("reference / stock")
     ax_ratio.set_title("ratio to stock vLLM")
+    _plot_versus_article(ax_peer, rows, colors)
     ax_cost.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_versus_article(ax: Any, rows: list[SchedulerRow], colors: dict[float, str]) -> None:
+    """reference / article-style against running requests, per throttled fraction and mode."""
+    for mode, dash in (("sync", "-"), ("async", "--")):
+        for fraction in sorted({r.throttled_fraction for r in rows if r.throttled_fraction > 0}):
+            sel = sorted(
+                (
+                    r
+                    for r in rows
+                    if r.mode == mode and r.throttled_fraction == fraction and r.reference_article_ratio is not None
+                ),
+                key=lambda r: r.running,
+            )
+            if sel:
+                ax.plot(
+                    [r.running for r in sel],
+                    [r.reference_article_ratio for r in sel],
+                    dash,
+                    color=colors.get(fraction, "tab:green"),
+                    marker="s",
+                    label=f"{fraction:.0%} throttled ({mode})",
+                )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(THROTTLED_VS_ARTICLE_TARGET, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("running requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_ylabel("reference / article-style")
+    ax.set_title(f"throttled: against the article-style peer (target <= {THROTTLED_VS_ARTICLE_TARGET})")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)

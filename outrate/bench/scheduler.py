@@ -174,6 +174,8 @@ class SchedulerRow:
     ratio_max: float = 0.0
     article_us: float | None = None
     article_ratio: float | None = None
+    # median over rounds of reference / article-style (issue 27 target: <= 0.87 when throttled)
+    reference_article_ratio: float | None = None
 
 
 ARTICLE_SCHEDULER = "article_style.scheduler.ArticleScheduler"
@@ -287,5 +289,8 @@ def measure_scheduler(
         article_us=statistics.median(means[id(article)]) * 1e6 if article is not None else None,
         article_ratio=(
             statistics.median([a / s for a, s in zip(means[id(article)], stock_means)]) if article is not None else None
+        ),
+        reference_article_ratio=(
+            statistics.median([r / a for r, a in zip(ref_means, means[id(article)])]) if article is not None else None
         ),
     )
