@@ -14,6 +14,11 @@ Sources (each declares the rule ids it covers; nothing here parses names):
 ``python -m vllm_output_rate.traceability --write`` (``make traceability``) rewrites the
 block between the two ``traceability`` comment lines of docs/SPEC.md; ``--check`` exits 1
 with the differences. ``tests/test_traceability.py`` runs ``problems()``.
+
+The block is keyed by symbol: code as ``module.name`` linked to its file, tests as
+``file::function`` linked to theirs, never to a line. So it changes only when a rule's
+declarations change (a rule, a spec or reference name, a test, check, mutant or proof),
+not when code moves inside a file.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import argparse
 import ast
 import difflib
 import importlib
-import inspect
 import re
 import sys
 from dataclasses import dataclass, field
@@ -126,17 +130,12 @@ def resolve(dotted: str, package: str) -> object:
 
 
 def _code_link(dotted: str, package: str, folder: str) -> str:
+    """``dotted`` (``module.name``) linked to its module's file, by symbol: no line anchor."""
     try:
-        obj = resolve(dotted, package)
+        resolve(dotted, package)
     except LookupError:
         return f"`{dotted}` (missing)"  # problems() names it
-    target = obj.fget if isinstance(obj, property) else obj
-    try:
-        line = inspect.getsourcelines(inspect.unwrap(target))[1] if callable(target) else 0
-    except (TypeError, OSError):
-        line = 0  # a constant: link the module
-    path = f"../{folder}/{dotted.split('.')[0]}.py"
-    return f"[`{dotted}`]({path}#L{line})" if line else f"[`{dotted}`]({path})"
+    return f"[`{dotted}`](../{folder}/{dotted.split('.')[0]}.py)"
 
 
 def _row(rule: Rule, cov: Coverage) -> str:
@@ -150,16 +149,15 @@ def _row(rule: Rule, cov: Coverage) -> str:
 
 def render(cover: dict[str, Coverage]) -> str:
     """The generated block (without the BEGIN/END lines): one table row per rule, then per
-    rule its reference code and its tests, one a line, each linked to its line."""
+    rule its reference code and its tests, one a line, each linked to its file (by symbol:
+    no line numbers, so moving code inside a file changes nothing here)."""
     out = ["| rule | spec | tests | proofs | gate checks | mutants |", "|---|---|---|---|---|---|"]
     out += [_row(rule, cover[rule.rule_id]) for rule in RULES]
     out += ["", "Reference code and tests by rule (tests declare their rules with `@pytest.mark.rules`):", ""]
     for rule in RULES:
         out.append(f'- <a id="trace-{rule.rule_id.lower()}"></a>{rule.rule_id}, {rule.title}')
         out += [f"  - reference: {_code_link(n, 'vllm_output_rate.reference', 'reference')}" for n in rule.reference]
-        out += [
-            f"  - test: [`{Path(t.path).stem}::{t.name}`](../{t.path}#L{t.line})" for t in cover[rule.rule_id].tests
-        ]
+        out += [f"  - test: [`{Path(t.path).stem}::{t.name}`](../{t.path})" for t in cover[rule.rule_id].tests]
     return "\n".join(out)
 
 
@@ -204,7 +202,7 @@ def problems(text: str, cover: dict[str, Coverage]) -> list[str]:
     except ValueError as exc:
         return found + [str(exc)]
     expected = render(cover)
-    if _without_lines(block) != _without_lines(expected):
+    if block != expected:
         diff = difflib.unified_diff(
             block.splitlines(), expected.splitlines(), "docs/SPEC.md", "generated", lineterm="", n=0
         )
@@ -261,13 +259,6 @@ def _snippet_problem(chunk: str, functions: dict[str, list[str]], line_no: int) 
     return found
 
 
-def _without_lines(block: str) -> str:
-    """The block with its ``#L123`` line anchors dropped: code moves under concurrent work
-    every day, so a stale anchor is refreshed by ``make traceability`` but fails nothing;
-    any other difference (a row edited by hand, a declaration added) fails."""
-    return re.sub(r"#L\d+\)", ")", block)
-
-
 def write(path: Path = SPEC_MD) -> None:
     """Rewrite the generated block of ``path`` in place."""
     before, _, after = split(path.read_text())
@@ -286,8 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     found = problems(text, cover)
     for line in found:
         print(line)
-    if not found and split(text)[1] != render(cover):
-        print("note: line anchors are out of date (make traceability refreshes them)")
     return 1 if found and (args.check or args.write) else 0
 
 

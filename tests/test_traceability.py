@@ -86,3 +86,33 @@ def test_a_drifted_snippet_fails() -> None:
 
 def test_expand_rule_ranges() -> None:
     assert expand(["R1-R3", "I1-I18", "R9"]) == ["R1", "R2", "R3", "I1-I18", "R9"]
+
+
+def test_table_is_keyed_by_symbol_a_line_inserted_at_the_top_of_a_file_changes_nothing(
+    cover, tmp_path, monkeypatch
+) -> None:
+    # Issue 29, 3b: the table changes only when a rule's declarations do, never when code
+    # moves inside a file. A line inserted at the top of reference/scheduler.py moves every
+    # symbol there one line down (seen through inspect, as any reader of source lines sees
+    # it), and one inserted at the top of a test file moves its tests.
+    import inspect
+    import shutil
+
+    before = traceability.render(cover)
+    source_lines = inspect.getsourcelines
+
+    def one_line_lower(obj):
+        lines, start = source_lines(obj)
+        moved = (inspect.getsourcefile(obj) or "").endswith("reference/scheduler.py")
+        return lines, start + 1 if moved else start
+
+    monkeypatch.setattr(inspect, "getsourcelines", one_line_lower)
+    for directory in traceability.TEST_DIRS:
+        shutil.copytree(
+            traceability.ROOT / directory, tmp_path / directory, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    first = tmp_path / traceability.declared_tests()[0].path  # a file with declared tests
+    first.write_text("\n" + first.read_text())
+    assert any("reference/scheduler.py" in line for line in before.splitlines())
+    assert traceability.render(traceability.gather(tmp_path)) == before
+    assert "#L" not in before
