@@ -1,4 +1,4 @@
-"""The versioned base model (spec/versions.py) and the reference on vLLM 0.32.0 and 0.33.0.
+"""The versioned base model (spec/versions.py) and the reference on each supported vLLM release.
 
 Spec tests run both profiles on the pure spec. Reference tests run on the installed vLLM
 (``make test`` for 0.32.0, ``make test VLLM=0.33.0`` for 0.33.0) and force the other
@@ -31,6 +31,7 @@ from vllm_output_rate.spec.versions import (
     SUPPORTED_VERSIONS,
     V0_32,
     V0_33,
+    V0_34,
     VllmVersionProfile,
     select_profile,
     version_table_markdown,
@@ -68,9 +69,11 @@ def test_spec_md_has_the_versions_table_as_spec_versions_renders_it() -> None:
         ("0.32.0+cpu", "0.32.0", False),
         ("0.33.0", "0.33.0", False),
         ("0.33.1", "0.33.0", True),
+        ("0.34.0", "0.34.0", False),
+        ("0.34.1", "0.34.0", True),
         ("0.34.0rc1", "0.32.0", True),
         ("0.31.2", "0.32.0", True),
-        ("0.40.0", "0.33.0", True),
+        ("0.40.0", "0.34.0", True),
         ("dev", "0.32.0", True),
     ],
 )
@@ -102,7 +105,7 @@ def _play(base: VllmVersionProfile, events):
     return out
 
 
-@pytest.mark.parametrize("base", [V0_32, V0_33], ids=["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("base", [V0_32, V0_33, V0_34], ids=["0.32.0", "0.33.0", "0.34.0"])
 def test_v6_priority_self_preemption_ends_the_running_loop_only_on_0_32(base) -> None:
     # PRIORITY, 4 usable blocks of 4: A (prio 2) runs first; at step 6 it needs a 3rd block,
     # none is free, and the victim is A itself (worst key). 0.32: the running loop stops, B is
