@@ -460,3 +460,19 @@ def test_r27_start_up_line_names_the_plan_table(tmp_path) -> None:
     line = limits_message("RateLimitedScheduler", config, 8, 8)
     assert "rate table: default plan 'free'; 4 plan(s): free 20 tok/s, pro 200 tok/s, trial 5 tok/s (shadow)" in line
     assert "internal unlimited" in line and "1 pattern(s)" in line
+
+
+@pytest.mark.rules("R21", "R27")
+@pytest.mark.slow
+def test_r21_tables_bench_measures_a_reload_off_the_step() -> None:
+    # outrate bench --only tables on one small size: the reload is installed (through the
+    # reader process: 2,000 users are more than 16 KiB), its cost in the step and the
+    # watcher's longest chunk are measured, and a snapshot step was timed.
+    from vllm_output_rate.bench import tables
+
+    row = tables.measure_size(2_000, 1, lambda: None)
+    assert row["file_bytes"] > ratesfile.INLINE_BYTES and row["reloads"] == 1 and row["snapshots"] >= 1
+    assert 0 < row["reload_stall_ms"] < 1_000 and row["watcher_longest_chunk_ms"] > 0
+    assert row["snapshot_stall_ms"] > 0 and row["writer_longest_chunk_ms"] > 0 and row["reload_s"] > 0
+    rendered = tables.tables_table({"rows": [row], "target_ms": 1.0, "before_at_100000_users": tables.BEFORE_MS})
+    assert rendered.row_count == 1
