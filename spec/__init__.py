@@ -12,7 +12,7 @@ Read beside docs/SPEC.md. Nothing here imports vLLM or any other part of the pro
 | ``invariants`` | I1-I19, checked after every spec step by the gate (docs/SPEC.md "Invariants") |
 | ``versions`` | what differs between the supported vLLM releases near the hooks (docs/SPEC.md "vLLM versions") |
 | ``properties`` | the R2 window bound and R7/R9 accounting, used by the invariants, the gate and the trace checker |
-| ``rules`` | the rule registry (id, title, spec and reference code), source of docs/SPEC.md's traceability table |
+| ``rules`` | the rule registry (id, title, spec and reference code), source of docs/TRACEABILITY.md |
 
 Prefix caching is not modelled: the gate turns it off, so every admission starts at 0
 computed tokens (see ``spec/state.py`` for the whole modelled configuration class).

@@ -5,7 +5,7 @@ rule is declared where it lives, by rule id: a test by ``@pytest.mark.rules("R7"
 a gate check by its ``CheckSpec.rules`` (``adapter/registry.py``, ``proofs/gate_checks.py``),
 a mutant by its ``Mutant.rule`` (``adapter/mutation.catalogue``), a proof by its
 ``rules`` (``proofs/z3_limiter.PROPERTIES``, ``proofs/crosshair_limiter.PROPERTIES``).
-``vllm_output_rate.traceability`` gathers them into docs/SPEC.md's traceability table
+``vllm_output_rate.traceability`` gathers them into docs/TRACEABILITY.md's table
 (``make traceability``); ``tests/test_traceability.py`` fails when the committed table is
 out of date, a rule has no test or no gate check, or an entry names nothing.
 

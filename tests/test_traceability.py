@@ -1,4 +1,5 @@
-"""docs/SPEC.md's traceability table is generated (``make traceability``) and checked here.
+"""docs/TRACEABILITY.md, the traceability table of docs/SPEC.md's rules, is generated
+(``make traceability``) and checked here.
 
 It fails when the committed block differs from what the declarations give (a hand-edited
 row, a test or check added without regenerating), when a rule has no test or no gate
@@ -22,44 +23,44 @@ def cover() -> dict[str, traceability.Coverage]:
 
 
 @pytest.fixture(scope="module")
-def spec_text() -> str:
-    return traceability.SPEC_MD.read_text()
+def trace_text() -> str:
+    return traceability.TRACE_MD.read_text()
 
 
-def test_committed_table_matches_the_declarations(cover, spec_text) -> None:
-    assert traceability.problems(spec_text, cover) == []
+def test_committed_table_matches_the_declarations(cover, trace_text) -> None:
+    assert traceability.problems(trace_text, cover) == []
 
 
-def test_a_hand_edited_row_fails(cover, spec_text) -> None:
-    _before, block, _after = traceability.split(spec_text)
+def test_a_hand_edited_row_fails(cover, trace_text) -> None:
+    _before, block, _after = traceability.split(trace_text)
     row = next(line for line in block.splitlines() if line.startswith("| [R4]"))
-    edited = spec_text.replace(
+    edited = trace_text.replace(
         row, row.replace("| none |", "| `r4_by_hand` |", 1) if "| none |" in row else row + " hand note |"
     )
-    assert edited != spec_text
+    assert edited != trace_text
     assert any("differs from the declarations" in p for p in traceability.problems(edited, cover))
 
 
-def test_a_rule_without_test_or_gate_check_fails(cover, spec_text) -> None:
+def test_a_rule_without_test_or_gate_check_fails(cover, trace_text) -> None:
     bare = dict(cover, R4=traceability.Coverage())
-    found = traceability.problems(spec_text, bare)
+    found = traceability.problems(trace_text, bare)
     assert "R4: no test declares it (@pytest.mark.rules)" in found
     assert "R4: no gate check declares it (CheckSpec.rules)" in found
 
 
-def test_an_entry_naming_missing_code_fails(cover, spec_text, monkeypatch) -> None:
+def test_an_entry_naming_missing_code_fails(cover, trace_text, monkeypatch) -> None:
     broken = tuple(
         Rule(r.rule_id, r.title, r.spec + ("rate.no_such_function",), r.reference) if r.rule_id == "R7" else r
         for r in RULES
     )
     monkeypatch.setattr(traceability, "RULES", broken)
-    found = traceability.problems(spec_text, cover)
+    found = traceability.problems(trace_text, cover)
     assert any(p.startswith("R7: rate.no_such_function") for p in found)
 
 
-def test_an_unknown_rule_id_in_a_marker_fails(cover, spec_text) -> None:
+def test_an_unknown_rule_id_in_a_marker_fails(cover, trace_text) -> None:
     stray = traceability.TestRef("tests/test_x.py", "test_x", 1, ("R99",))
-    found = traceability.problems(spec_text, dict(cover, R99=traceability.Coverage(tests=[stray])))
+    found = traceability.problems(trace_text, dict(cover, R99=traceability.Coverage(tests=[stray])))
     assert "R99: not a rule of spec/rules.py, declared by tests/test_x.py::test_x" in found
 
 
