@@ -33,7 +33,7 @@ class Rule:
 
     @property
     def section(self) -> str:
-        """The GitHub anchor of the rule's heading in docs/SPEC.md."""
+        """The GitHub anchor of the rule's heading in docs/SPEC.md (or docs/EXTENSIONS.md, R19 and up)."""
         text = f"{self.rule_id}: {self.title}".lower()
         return "".join(c for c in text.replace(" ", "-") if c.isalnum() or c in "-_")
 
