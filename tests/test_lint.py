@@ -79,7 +79,7 @@ def test_make_test_runs_ruff_the_format_check_and_mypy_before_pytest(vllm: str) 
     if vllm == "0.32.0":
         assert '-m "not soak"' in pytest_line and "OUTRATE_PER_RELEASE_CHECK=1" in pytest_line, pytest_line
     else:
-        assert '-m "per_release and not live and not soak"' in pytest_line, pytest_line
+        assert '-m "per_release and not slow and not live and not soak"' in pytest_line, pytest_line
 
 
 def test_make_check_is_static_then_the_check_lane_then_the_quick_gate() -> None:
