@@ -41,10 +41,11 @@ _SCHEDULER_ONLY.__enter__()
 # On an extra vLLM release (`make test VLLM=0.33.0`) only the tests that can behave differently
 # between releases run: those that, on the default release, built a vLLM scheduler or a
 # ``VllmConfig`` (the seam to vLLM's internals), or started a subprocess that can (``outrate``,
-# ``python -m ...``). They are listed in tests/per_release.txt (module::test, without
-# parameters) and get the ``per_release`` marker here. `make test` on the default release sets
-# OUTRATE_PER_RELEASE_CHECK=1: the run records what each test touched, and the session fails,
-# naming the tests and the file to copy, when one that touched the seam is missing from the list.
+# ``vllm``, ``python -m ...``). tests/per_release.txt records each test (module::test, without
+# parameters) as ``+`` (touched the seam) or ``-`` (did not); a test it does not list yet is
+# taken as ``+``, so a new test runs on every release until the file is regenerated. `make test`
+# on the default release sets OUTRATE_PER_RELEASE_CHECK=1: the run writes what it observed to
+# .outrate/per_release.txt, and fails, naming the tests, when one recorded ``-`` touched the seam.
 PER_RELEASE_LIST = Path(__file__).with_name("per_release.txt")
 PER_RELEASE_OBSERVED = Path(__file__).resolve().parents[1] / ".outrate" / "per_release.txt"
 _running: list[str] = []
@@ -57,12 +58,22 @@ def base_test_id(nodeid: str) -> str:
     return nodeid.split("[", 1)[0]
 
 
-def listed_per_release() -> set[str]:
-    """The base test ids of tests/per_release.txt (blank lines and ``#`` comments ignored)."""
+def recorded_per_release() -> dict[str, bool]:
+    """tests/per_release.txt as ``{base test id: touched the seam}`` (``+``/``-`` lines; blank
+    lines and ``#`` comments ignored).
+
+    Raises ``pytest.UsageError`` naming the line when a line is neither."""
     if not PER_RELEASE_LIST.is_file():
-        return set()
-    lines = (line.strip() for line in PER_RELEASE_LIST.read_text(encoding="utf-8").splitlines())
-    return {line for line in lines if line and not line.startswith("#")}
+        return {}
+    recorded: dict[str, bool] = {}
+    for number, line in enumerate(PER_RELEASE_LIST.read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line[:2] not in ("+ ", "- "):
+            raise pytest.UsageError(f"tests/per_release.txt:{number}: {line!r} is not '+ TEST' or '- TEST'")
+        recorded[line[2:]] = line[0] == "+"
+    return recorded
 
 
 def _note_seam() -> None:
@@ -114,37 +125,36 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark the tests of tests/per_release.txt ``per_release``."""
-    listed = listed_per_release()
+    """Mark ``per_release`` every test recorded ``+`` in tests/per_release.txt or not recorded."""
+    recorded = recorded_per_release()
     for item in items:
-        if base_test_id(item.nodeid) in listed:
+        if recorded.get(base_test_id(item.nodeid), True):
             item.add_marker(pytest.mark.per_release)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """With OUTRATE_PER_RELEASE_CHECK=1: fail the session when a test that touched the seam is
-    not in tests/per_release.txt; write the list this run observed to .outrate/per_release.txt."""
-    if os.environ.get("OUTRATE_PER_RELEASE_CHECK") != "1":
+    """With OUTRATE_PER_RELEASE_CHECK=1: write this run's record to .outrate/per_release.txt
+    (tests that did not run keep their entry) and fail the session when a test recorded ``-``
+    touched the seam; say how many tests are not recorded yet."""
+    if os.environ.get("OUTRATE_PER_RELEASE_CHECK") != "1" or not _ran:
         return
-    listed = listed_per_release()
-    observed = sorted(_touched | (listed - _ran))  # tests that did not run keep their entry
+    recorded = recorded_per_release()
+    observed = {test: test in _touched for test in _ran}
+    merged = {**{t: v for t, v in recorded.items() if t not in _ran}, **observed}
     PER_RELEASE_OBSERVED.parent.mkdir(parents=True, exist_ok=True)
-    header = "# Tests run again on every extra vLLM release (tests/conftest.py, per_release). Generated.\n"
-    PER_RELEASE_OBSERVED.write_text(header + "".join(f"{t}\n" for t in observed), encoding="utf-8")
-    missing = sorted(_touched - listed)
-    stale = sorted((listed & _ran) - _touched)
+    header = "# Tests run again on every extra vLLM release: + (touched vLLM's internals), - (did not). Generated.\n"
+    rows = "".join(f"{'+' if touched else '-'} {test}\n" for test, touched in sorted(merged.items()))
+    PER_RELEASE_OBSERVED.write_text(header + rows, encoding="utf-8")
+    wrong = sorted(t for t in _touched if recorded.get(t) is False)
+    new = sorted(t for t in _ran if t not in recorded)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if stale and reporter is not None:
+    if reporter is not None and (wrong or new):
         reporter.write_line(
-            f"per_release: {len(stale)} listed tests no longer touch vLLM's internals (left out of .outrate/per_release.txt)"
+            f"per_release: {len(new)} tests not recorded yet (run on every release), {len(wrong)} recorded '-' "
+            f"but touched vLLM's internals{': ' + ', '.join(wrong[:5]) if wrong else ''}. "
+            "To record them: cp .outrate/per_release.txt tests/per_release.txt"
         )
-    if missing:
-        if reporter is not None:
-            reporter.write_line(
-                f"per_release: {len(missing)} tests touch vLLM's internals but are not in tests/per_release.txt, "
-                f"so extra releases would not run them: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. "
-                "Copy the observed list: cp .outrate/per_release.txt tests/per_release.txt"
-            )
+    if wrong:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
