@@ -65,7 +65,7 @@ TWO_AT_ONCE = (("16", "20", "24", "25"), ("12.5",))  # 2 grants at once after on
 SLOW = (("1", "2", "4", "5"), ("0.5", "2.5"))  # T > tau: refused one step after a grant
 ROTATION = (("20", "25", "30"), ("20.5", "33.3"))  # idle burst >= 3
 RECOMPUTE = (("16", "20", "25"), ("12.5",))  # >= 3 grants from idle, paced 1 ms apart
-CAP_PLACES = (("10", "12", "15", "16"), ("12.5", "10.5"))  # 2 grants at once, then 2 T > tau
+CAP_PLACES = (("10", "12", "15", "16"), ("12.5", "10.5"))  # 2 grants at once, then 2 T > tau (1 a step)
 
 
 def _zmax(a, b):
@@ -800,7 +800,7 @@ BOUNDARIES += (
         "a user's two streams take turns in places 0 and 2 of running, another user's stream in place 1",
         "should: the rotation moving a stream across another user's (R14, other users' order)",
         _rotation_beside_others,
-        ROTATION,
+        CAP_PLACES,
     ),
     Boundary(
         "recompute-after-preemption",

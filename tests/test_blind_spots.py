@@ -187,7 +187,7 @@ KILLS = [
     ("fcfs-throttled-victim", "1", "ArticleVictimRemovedInPlace", ("R11", "must")),
     ("recompute-after-preemption", "16", "ArticleChargesRecompute", ("R11", "must")),
     ("priority-throttled-victim", "1", "ArticlePriorityVictimNotThrottled", ("R13", "should")),
-    ("rotation-beside-others", "20", "ArticleRotationMovesToFront", ("R14", "should")),
+    ("rotation-beside-others", "10", "ArticleRotationMovesToFront", ("R14", "should")),
     ("parallel-children", "1", "ArticleIdentityPoppedOnce", ("R2", "must")),
 ]
 
