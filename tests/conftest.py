@@ -45,7 +45,8 @@ _SCHEDULER_ONLY.__enter__()
 # parameters) as ``+`` (touched the seam) or ``-`` (did not); a test it does not list yet is
 # taken as ``+``, so a new test runs on every release until the file is regenerated. `make test`
 # on the default release sets OUTRATE_PER_RELEASE_CHECK=1: the run writes what it observed to
-# .outrate/per_release.txt, and fails, naming the tests, when one recorded ``-`` touched the seam.
+# .outrate/per_release.txt and names, in its summary, the tests recorded ``-`` that touched the
+# seam (they would be left out on extra releases) with the command that records them.
 PER_RELEASE_LIST = Path(__file__).with_name("per_release.txt")
 PER_RELEASE_OBSERVED = Path(__file__).resolve().parents[1] / ".outrate" / "per_release.txt"
 _running: list[str] = []
@@ -134,8 +135,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     """With OUTRATE_PER_RELEASE_CHECK=1: write this run's record to .outrate/per_release.txt
-    (tests that did not run keep their entry) and fail the session when a test recorded ``-``
-    touched the seam; say how many tests are not recorded yet."""
+    (tests that did not run keep their entry); name the tests recorded ``-`` that touched the
+    seam and say how many tests are not recorded yet."""
     if os.environ.get("OUTRATE_PER_RELEASE_CHECK") != "1" or not _ran:
         return
     recorded = recorded_per_release()
@@ -154,8 +155,6 @@ def pytest_sessionfinish(session, exitstatus) -> None:
             f"but touched vLLM's internals{': ' + ', '.join(wrong[:5]) if wrong else ''}. "
             "To record them: cp .outrate/per_release.txt tests/per_release.txt"
         )
-    if wrong:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
