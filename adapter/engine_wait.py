@@ -680,7 +680,7 @@ def _judge_early_wake(run: _Replay, obs: dict[str, Any], verdict: EngineWaitVerd
     # the wait's start (nothing is dispatched during a wait).
     inputs_at = set(run.arrivals.values()) | {run.t_abort}
     replay_times = [t for t, _ in replay_at]
-    for w in obs["waits"]:
+    for w in _merged_waits(obs["waits"]):
         start, end, pending, kind = w[0], w[1], w[2], w[3]
         if (
             kind != "input-queue"
@@ -708,6 +708,25 @@ def _judge_early_wake(run: _Replay, obs: dict[str, Any], verdict: EngineWaitVerd
             verdict.early_rounded_down = (
                 exact is not None and exact.denominator != 1 and math.floor(exact) == end and ready - end == 1
             )
+
+
+def _merged_waits(waits: list[list[Any]]) -> list[list[Any]]:
+    """Waits on the input queue that follow each other without a gap, as one wait: Python's
+    ``queue.Queue.get(timeout)`` waits again for what float rounding of its deadline leaves
+    (e.g. 1 ns after a 50 ms wait), which is the same wait, not an early wake."""
+    merged: list[list[Any]] = []
+    for w in waits:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and w[3] == last[3] == "input-queue"
+            and w[0] == last[1]
+            and w[1] - w[0] <= FLOAT_TIMEOUT_SLACK_NS
+        ):
+            last[1] = w[1]
+        else:
+            merged.append(list(w))
+    return merged
 
 
 def _has_demand(

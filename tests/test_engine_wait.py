@@ -242,3 +242,19 @@ def test_r16_the_reference_before_the_fix_sleeps_through_a_request_taken_during_
     else:  # 0.32.0, 0.33.0: B stays in the input queue during the step and ends the wait
         assert v.failure is None, (v.failure, v.error)
         assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ew.WAKE_TOLERANCE_NS
+
+
+def test_a_wait_that_queue_get_resumes_for_a_rounding_residual_is_one_wait():
+    # queue.Queue.get(timeout=0.05) from 1 ms on waits 50 ms, then again for the 1 ns its float
+    # deadline leaves: one 50 ms wait (the article's re-check), not an early wake at 51 ms.
+    waits = [
+        [1_000_000, 51_000_000, True, "input-queue"],
+        [51_000_000, 51_000_001, True, "input-queue"],
+        [51_000_001, 52_000_001, True, "sleep"],
+        [52_000_001, 100_000_001, True, "input-queue"],
+    ]
+    assert ew._merged_waits(waits) == [
+        [1_000_000, 51_000_001, True, "input-queue"],
+        [51_000_001, 52_000_001, True, "sleep"],
+        [52_000_001, 100_000_001, True, "input-queue"],
+    ]
