@@ -1183,14 +1183,12 @@ class _Judge:
         user = self.by_id[rid].user
         return spec_limiter_user(user)
 
-    def after_step(self, step: int, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
-        self.steps += 1
+    def _replay_dispatches(self, trace) -> tuple[str, str, str] | None:
+        """R2 (must): replay the step's sampling dispatches (``trace.sampled``, at
+        ``trace.now_ns``) on the spec GCRA, one take each, into ``state`` and ``history``.
+        The first dispatch the GCRA refuses is a failure, named from the dispatch replay
+        (``_named``); the dispatches after it are not replayed."""
         scenario, now = self.scenario, trace.now_ns
-        coverage.observe(self, step, trace, unfinished, resident)  # obligations reached (adapter/coverage.py)
-        if not scenario.feature_on:
-            return None
-        state_before = self.state  # the replay at the step's start (before its dispatches)
-        self._record(trace)
         for rid in trace.sampled:
             user = self.user_of(rid)
             self.state, granted = spec_limiter.try_take(
@@ -1207,24 +1205,49 @@ class _Judge:
                     ),
                 )
             self.history.setdefault(user, []).append(now)
-        if self.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
-            self.state = spec_limiter.cleanup_idle_users(self.state, now)  # R6, same cadence
+        return None
+
+    def _under_grant_checks(
+        self, step: int, trace, unfinished: list[str], resident: set[str], state_before
+    ) -> tuple[str, str, str] | None:
+        """P4 for the regime of ``step`` (``state_before``: the replay at the step's start):
+        ample and sync, ``_ample_sync_checks``; ample under async scheduling, or past the
+        pressure, ``_under_grant_check`` alone; under pressure,
+        ``_pressured_under_grant_check``. The first failure, or None."""
+        scenario = self.scenario
         if scenario.ample and not scenario.async_scheduling:
-            failure = self._ample_sync_checks(step, trace, unfinished, resident, state_before)
-            if failure:
-                return failure
-        elif scenario.ample_at(step):
+            return self._ample_sync_checks(step, trace, unfinished, resident, state_before)
+        if scenario.ample_at(step):
             # Async (ample, or ample from a step on), or sync past the pressure: the
             # under-grant check (P4) alone, for the requests that still have a token to
             # dispatch (async: the last one may be in flight).
             demand = self.start.demand if self.start is not None else set(unfinished)
-            failure = self._under_grant_check(trace, [r for r in unfinished if r in demand], resident)
-            if failure:
-                return failure
-        else:  # under pressure, sync and async: where the article fixes the outcome
-            failure = self._pressured_under_grant_check(trace, unfinished)
-            if failure:
-                return failure
+            return self._under_grant_check(trace, [r for r in unfinished if r in demand], resident)
+        # under pressure, sync and async: where the article fixes the outcome
+        return self._pressured_under_grant_check(trace, unfinished)
+
+    def after_step(self, step: int, trace, unfinished: list[str], resident: set[str]) -> tuple[str, str, str] | None:
+        """Judge the step ``step`` just run (``trace``: its black-box facts; ``unfinished``
+        and ``resident``: request ids after it): replay its dispatches (R2), the under-grant
+        checks of its regime (P4, R11, R12), the window bound (R2), then at level should
+        the active cap (R12), victim choice (R13) and ``_blind_spot_checks``, and at level
+        exact the white-box checks. Returns the first failure as (rule, level, message), or
+        None; with the feature off it only records coverage."""
+        self.steps += 1
+        scenario, now = self.scenario, trace.now_ns
+        coverage.observe(self, step, trace, unfinished, resident)  # obligations reached (adapter/coverage.py)
+        if not scenario.feature_on:
+            return None
+        state_before = self.state  # the replay at the step's start (before its dispatches)
+        self._record(trace)
+        failure = self._replay_dispatches(trace)
+        if failure:
+            return failure
+        if self.steps % spec_limiter.CLEANUP_INTERVAL_STEPS == 0:
+            self.state = spec_limiter.cleanup_idle_users(self.state, now)  # R6, same cadence
+        failure = self._under_grant_checks(step, trace, unfinished, resident, state_before)
+        if failure:
+            return failure
         for rid in trace.sampled:
             self.last_sample_step[rid] = step
         window_failure = _window_violation(self.history, scenario)
@@ -1612,7 +1635,6 @@ class _Judge:
             return None
         if not step_checks.left_room(self, trace):
             return None
-        budget, cap = scenario.max_num_batched_tokens or 2048, scenario.max_num_active_seqs
         scheduled_running = [r for r in trace.scheduled if r not in trace.admitted]
         running_after = {r.request_id for r in self.harness.scheduler.running}
         now, burst = trace.now_ns, scenario.burst_ns
@@ -1630,36 +1652,48 @@ class _Judge:
             if self.records:
                 self.records[-1].pauses.append(rid)  # the judge holds this pause to be the limiter's
             if spec_limiter.allows(self.state, user, now, burst):
-                seated = self._throttled_seats(trace, set(start.running)) if cap is not None else []
-                if cap is not None and len(scheduled_running) + len(seated) >= cap:
-                    return (
-                        "R12",
-                        "must",
-                        (
-                            f"R12 broken: {self.name} paused running {rid} (user {user!r}) at t={now} ns although the "
-                            f"GCRA still grants that user a token and the step left budget and preempted nothing: "
-                            f"{len(scheduled_running)} running requests scheduled, below --max-num-active-seqs {cap}, "
-                            f"which the throttled running requests {sorted(seated)} (users the GCRA refuses) fill only "
-                            f"if they are counted; R12: throttled requests give up their place. Seen: under-grant"
-                        ),
-                    )
-                return self._named(
-                    "R11",
-                    "must",
-                    (
-                        f"{self.name} paused running {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
-                        f"that user a token, the step left token budget ({sum(trace.scheduled.values())} of {budget} "
-                        "scheduled) and did not fill the active cap, "
-                        + (
-                            f"and under FCFS vLLM's loop reached it after preempting {trace.preempted} from the end "
-                            "of `running` (a preemption must not skip the next request)"
-                            if trace.preempted
-                            else "and preempted nothing"
-                        )
-                        + ": under-grant under pressure, other users must proceed (P4)"
-                    ),
-                )
+                return self._paused_while_granted(trace, start, rid, user, scheduled_running)
         return None
+
+    def _paused_while_granted(
+        self, trace, start: _StepStart, rid: str, user: str, scheduled_running: list[str]
+    ) -> tuple[str, str, str]:
+        """The failure of ``_pressured_under_grant_check`` for running ``rid`` paused although
+        the GCRA still grants ``user`` (``scheduled_running``: the step's scheduled requests
+        that were not admitted in it): R12 (must) when those fill --max-num-active-seqs only
+        if the throttled running requests (``_throttled_seats``) are counted, else R11
+        (must, named from the dispatch replay: P4 under-grant under pressure)."""
+        scenario, now = self.scenario, trace.now_ns
+        budget, cap = scenario.max_num_batched_tokens or 2048, scenario.max_num_active_seqs
+        seated = self._throttled_seats(trace, set(start.running)) if cap is not None else []
+        if cap is not None and len(scheduled_running) + len(seated) >= cap:
+            return (
+                "R12",
+                "must",
+                (
+                    f"R12 broken: {self.name} paused running {rid} (user {user!r}) at t={now} ns although the "
+                    f"GCRA still grants that user a token and the step left budget and preempted nothing: "
+                    f"{len(scheduled_running)} running requests scheduled, below --max-num-active-seqs {cap}, "
+                    f"which the throttled running requests {sorted(seated)} (users the GCRA refuses) fill only "
+                    f"if they are counted; R12: throttled requests give up their place. Seen: under-grant"
+                ),
+            )
+        return self._named(
+            "R11",
+            "must",
+            (
+                f"{self.name} paused running {rid} (user {user!r}) at t={now} ns although the GCRA still grants "
+                f"that user a token, the step left token budget ({sum(trace.scheduled.values())} of {budget} "
+                "scheduled) and did not fill the active cap, "
+                + (
+                    f"and under FCFS vLLM's loop reached it after preempting {trace.preempted} from the end "
+                    "of `running` (a preemption must not skip the next request)"
+                    if trace.preempted
+                    else "and preempted nothing"
+                )
+                + ": under-grant under pressure, other users must proceed (P4)"
+            ),
+        )
 
     def naming_history(self) -> tuple[attribution.Context, list[attribution.StepRecord]]:
         """(the scenario's facts, the recorded steps) for ``adapter/attribution.py``."""

@@ -127,17 +127,14 @@ def _parse_rates(section: Mapping[str, Any]) -> tuple[Fraction, dict[str, Fracti
     return default_rate, user_rates
 
 
-def parse_output_rate(section: Any) -> OutputRateConfig:
-    """Parse and validate ``additional_config["output_rate"]``.
-
-    ``None`` (no section) is the feature off (R18).
+def _check_section_shape(section: Any) -> None:
+    """R18: a given ``output_rate`` section (not None) is a non-empty JSON object of
+    ``KNOWN_KEYS`` only.
 
     Raises:
-        OutputRateConfigError: an empty section, unknown keys, bad rates (naming the user and
-            value), overrides without a default, a bad active cap or burst.
+        OutputRateConfigError: an empty section (the feature meant on, no rate), not an
+            object, or unknown keys (naming them, with the nearest known key).
     """
-    if section is None:
-        return OutputRateConfig()
     if section == {}:
         # An explicit, empty section given to a class that implements it: the operator meant
         # to turn the feature on and gave no rate (R18: "off" is no section at all).
@@ -154,6 +151,20 @@ def parse_output_rate(section: Any) -> OutputRateConfig:
             f'unknown key(s) in additional_config["output_rate"]: {_suggest_keys(unknown, KNOWN_KEYS)}; '
             f"known keys: {', '.join(KNOWN_KEYS)}"
         )
+
+
+def parse_output_rate(section: Any) -> OutputRateConfig:
+    """Parse and validate ``additional_config["output_rate"]``.
+
+    ``None`` (no section) is the feature off (R18).
+
+    Raises:
+        OutputRateConfigError: an empty section, unknown keys, bad rates (naming the user and
+            value), overrides without a default, a bad active cap or burst.
+    """
+    if section is None:
+        return OutputRateConfig()
+    _check_section_shape(section)
     default_rate, user_rates = _parse_rates(section)
     active = section.get("max_num_active_seqs")
     if active is not None and (isinstance(active, bool) or not isinstance(active, int) or active < 1):

@@ -384,6 +384,51 @@ def _parse_user(key: str, body: Any, plans: Mapping[str, Plan], where: str, inte
     return intern(rate, label, plan is not None and plan.shadow, "users"), detailed
 
 
+def _parse_default(data: Mapping[str, Any], plans: Mapping[str, Plan]) -> tuple[Fraction | None, str | None]:
+    """R18, R27: the table's default as ``(rate in tokens/s or None for unlimited, default_plan
+    name or None)``, from exactly one of ``default_tokens_per_s`` and ``default_plan`` (a name
+    in ``plans``).
+
+    Raises:
+        TableError: neither given, both given (a tie), a ``default_plan`` not in ``plans``
+            (nearest named), or a bad ``default_tokens_per_s``.
+    """
+    default, default_plan = data.get("default_tokens_per_s"), data.get("default_plan")
+    if default is None and default_plan is None:
+        raise TableError(
+            "no default_tokens_per_s (or default_plan); give the default rate too (the file replaces the whole "
+            "rate table, and the feature stays on: R18)"
+        )
+    if default is not None and default_plan is not None:
+        raise TableError("default_tokens_per_s and default_plan both give the default (a tie); keep one of them")
+    if default_plan is not None and (not isinstance(default_plan, str) or default_plan not in plans):
+        raise TableError(f"default_plan {_shown_key(default_plan)} is not in plans{_nearest(default_plan, plans)}")
+    default_rate = _rate(default, "default_tokens_per_s") if default is not None else plans[default_plan].rate
+    return default_rate, default_plan
+
+
+def _parse_flat_rates(flat: Mapping[Any, Any], exact: Mapping[str, Entry]) -> dict[str, Fraction]:
+    """R21, R27: the ``user_tokens_per_s`` object (today's form) as ``user id -> rate (tokens/s)``, one
+    ``Fraction`` object per distinct rate; ``exact`` holds the ``users`` entries already parsed.
+
+    Raises:
+        TableError: a bad user id or rate, or a user also named in ``users`` (a tie).
+    """
+    rates: dict[Fraction, Fraction] = {}
+    user_rates: dict[str, Fraction] = {}
+    for user, value in flat.items():
+        where = f"user_tokens_per_s[{_shown_key(user)}]"
+        check_override_user(user)
+        if user in exact:
+            raise TableError(
+                f"{where} and users[{_shown_key(user)}] both name user {_shown_key(user)} (a tie: neither is more "
+                "specific); keep one of them"
+            )
+        rate = _rate(value, where)
+        user_rates[user] = rates.setdefault(rate, rate)  # one object per distinct rate
+    return user_rates
+
+
 def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
     """R21, R27-R29: validate a decoded rate table (module docstring) and build it.
 
@@ -403,22 +448,11 @@ def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
     if len(raw_plans) > MAX_PLANS:
         raise TableError(f"plans: {len(raw_plans)} plans > {MAX_PLANS}; a plan is a tier: put customers in users")
     plans = {name: _parse_plan(name, body) for name, body in raw_plans.items()}
-    default, default_plan = data.get("default_tokens_per_s"), data.get("default_plan")
-    if default is None and default_plan is None:
-        raise TableError(
-            "no default_tokens_per_s (or default_plan); give the default rate too (the file replaces the whole "
-            "rate table, and the feature stays on: R18)"
-        )
-    if default is not None and default_plan is not None:
-        raise TableError("default_tokens_per_s and default_plan both give the default (a tie); keep one of them")
-    if default_plan is not None and (not isinstance(default_plan, str) or default_plan not in plans):
-        raise TableError(f"default_plan {_shown_key(default_plan)} is not in plans{_nearest(default_plan, plans)}")
-    default_rate = _rate(default, "default_tokens_per_s") if default is not None else plans[default_plan].rate
+    default_rate, default_plan = _parse_default(data, plans)
     exact: dict[str, Entry] = {}
     prefixes: dict[str, Entry] = {}
     detailed: list[str] = []
     intern = _Interned()
-    rates: dict[Fraction, Fraction] = {}
     for key, body in raw_users.items():
         where = f"users[{_shown_key(key)}]"
         prefix = _check_key(key, where)
@@ -429,17 +463,7 @@ def parse_table(data: Mapping[str, Any], what: str = "rate table") -> RateTable:
                 detailed.append(key)
         else:
             prefixes[prefix] = entry
-    user_rates: dict[str, Fraction] = {}
-    for user, value in flat.items():
-        where = f"user_tokens_per_s[{_shown_key(user)}]"
-        check_override_user(user)
-        if user in exact:
-            raise TableError(
-                f"{where} and users[{_shown_key(user)}] both name user {_shown_key(user)} (a tie: neither is more "
-                "specific); keep one of them"
-            )
-        rate = _rate(value, where)
-        user_rates[user] = rates.setdefault(rate, rate)  # one object per distinct rate
+    user_rates = _parse_flat_rates(flat, exact)
     if len(detailed) > MAX_DETAILED:
         raise TableError(
             f'users: {len(detailed)} users marked "detailed": true > {MAX_DETAILED} (each is a /metrics label); '

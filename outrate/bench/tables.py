@@ -97,15 +97,14 @@ class _Timed:
             self.last += _CPU() - start
 
 
-def measure_size(users: int, reloads: int, tick: Callable[[], None]) -> dict[str, Any]:
-    """One size (module docstring); ``tick()`` after each reload."""
+def _tables_harness(users: int, directory: str, path: str) -> Any:
+    """The gate's in-process harness (fake clock) running the reference scheduler with the
+    rates file ``path`` and the /metrics recorder on (writing under ``directory``, as an
+    engine core's recorder), holding ``RUNNING`` decoding requests of table users (one in
+    four a ``team-NNNN/svc`` pattern user). The metrics environment is restored after."""
     from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness
     from vllm_output_rate.reference import metrics
 
-    directory = tempfile.mkdtemp(prefix="outrate-bench-tables-")
-    path = os.path.join(directory, "rates.json")
-    text = table_json(users, 0)
-    _write_atomically(path, text)
     saved = {k: os.environ.get(k) for k in (metrics.ENV_DIR, metrics.ENV_OWNER)}
     os.environ[metrics.ENV_DIR], os.environ[metrics.ENV_OWNER] = directory, "1"  # an engine core's recorder
     try:
@@ -122,26 +121,32 @@ def measure_size(users: int, reloads: int, tick: Callable[[], None]) -> dict[str
     finally:
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-    scheduler = h.scheduler
-    recorder = scheduler._metrics
-    assert recorder is not None, "the bench needs the /metrics recorder"
-    apply_timer = scheduler._apply_pending_rates = _Timed(scheduler._apply_pending_rates)
-    metrics_timer = recorder.step = _Timed(recorder.step)
     for i in range(RUNNING):
         user = f"user-{(i * users) // RUNNING:06d}" if i % 4 else f"team-{i:04d}/svc"
         h.add_request(f"r{i}", user, prompt_len=4, max_tokens=3000)
+    return h
 
-    def step() -> tuple[float, float, float, bool]:
-        apply_timer.last = metrics_timer.last = 0.0
-        due = h.clock.now_ns() >= recorder.next_ns
-        start = _WALL()
-        h.step()
-        wall = _WALL() - start
-        h.advance(STEP_NS)
-        return wall, apply_timer.last, metrics_timer.last, due
 
-    baseline = [step()[0] for _ in range(150)]
-    base = statistics.median(baseline)
+def _reload_rounds(
+    scheduler: Any,
+    step: Callable[[], tuple[float, float, float, bool]],
+    path: str,
+    users: int,
+    reloads: int,
+    base: float,
+    tick: Callable[[], None],
+) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+    """``reloads`` times: replace the rates file ``path`` by a changed table of ``users``
+    users (R21) and ``step()`` until the scheduler's limiter holds the new table, then a
+    metrics second (100 steps) more; ``tick()`` after each reload. ``step()`` returns
+    (wall s, apply CPU s, metrics CPU s, snapshot due); ``base`` is the median step (wall s).
+
+    Returns ``(reload_apply, reload_excess, latency, snapshot_in, snapshot_excess)``, in s:
+    per reload the longest apply CPU time, the longest step's wall time over ``base`` (at
+    least 0) and the wall time from the write to the table in force; per step with a
+    snapshot due the metrics CPU time and the wall time over ``base``.
+    Raises ``RuntimeError`` when a table is not in force 120 s after its file was written.
+    """
     reload_apply: list[float] = []
     reload_excess: list[float] = []
     snapshot_in: list[float] = []
@@ -169,6 +174,36 @@ def measure_size(users: int, reloads: int, tick: Callable[[], None]) -> dict[str
                 snapshot_in.append(metric)
                 snapshot_excess.append(max(0.0, wall - base))
         tick()
+    return reload_apply, reload_excess, latency, snapshot_in, snapshot_excess
+
+
+def measure_size(users: int, reloads: int, tick: Callable[[], None]) -> dict[str, Any]:
+    """One size (module docstring); ``tick()`` after each reload."""
+    directory = tempfile.mkdtemp(prefix="outrate-bench-tables-")
+    path = os.path.join(directory, "rates.json")
+    text = table_json(users, 0)
+    _write_atomically(path, text)
+    h = _tables_harness(users, directory, path)
+    scheduler = h.scheduler
+    recorder = scheduler._metrics
+    assert recorder is not None, "the bench needs the /metrics recorder"
+    apply_timer = scheduler._apply_pending_rates = _Timed(scheduler._apply_pending_rates)
+    metrics_timer = recorder.step = _Timed(recorder.step)
+
+    def step() -> tuple[float, float, float, bool]:
+        apply_timer.last = metrics_timer.last = 0.0
+        due = h.clock.now_ns() >= recorder.next_ns
+        start = _WALL()
+        h.step()
+        wall = _WALL() - start
+        h.advance(STEP_NS)
+        return wall, apply_timer.last, metrics_timer.last, due
+
+    baseline = [step()[0] for _ in range(150)]
+    base = statistics.median(baseline)
+    reload_apply, reload_excess, latency, snapshot_in, snapshot_excess = _reload_rounds(
+        scheduler, step, path, users, reloads, base, tick
+    )
     recorder.flush()
     watcher = scheduler._rates_watcher
     reload_in_step, watcher_chunk = max(reload_apply), watcher.pacer.longest
