@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 from hypothesis import strategies as st
 
@@ -244,7 +244,7 @@ def engine_shape(config: EngineConfig, rates_file: str | None = None) -> EngineS
     if config.default_rate_tokens_per_s is not None:  # R18: rate_limited
         output_rate = {
             "default_tokens_per_s": _as_number(config.default_rate_tokens_per_s),
-            "user_tokens_per_s": {u: _as_number(r) for u, r in config.user_rates_tokens_per_s},
+            "user_tokens_per_s": {u: _as_number(cast(Fraction, r)) for u, r in config.user_rates_tokens_per_s},
         }
         if config.burst_ns != 100_000_000:  # only candidates that read burst_ms get another tau
             output_rate["burst_ms"] = config.burst_ns // 1_000_000

@@ -150,7 +150,7 @@ def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None, late
             failure = judge(trace) if judging else None
             if failure is not None and late is None:
                 return Verdict(steps, failure, step=steps - 1, level="should")
-            if failure is not None:  # kept aside; the rest of the run is judged for level must only
+            if failure is not None and late is not None:  # kept aside; the rest is judged for level must only
                 judging = False
                 if not late:
                     late.append((scenario, failure, steps - 1))
@@ -193,7 +193,11 @@ class LoraCheck:
         if (level or _HUNTED.level) == "exact":
             return _HUNTED(scheduler_cls, async_mode, hunt, style, level)
         late: list = []
-        deferred = replace(_HUNTED, run=lambda cls, scenario, st=None: run_lora(cls, scenario, st, late=late))
+
+        def run_deferred(cls: str, scenario: LoraScenario, st: Any = None) -> Verdict:
+            return run_lora(cls, scenario, st, late=late)
+
+        deferred = replace(_HUNTED, run=run_deferred)
         result = deferred(scheduler_cls, async_mode, hunt, style, level)
         if result.result != "pass" or not late:
             return result

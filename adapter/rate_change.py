@@ -169,11 +169,13 @@ class _Judge:
             if i and times[i - 1] == start:
                 continue
             count = len(times) - i
-            segments = []  # every table in force at some instant of the closed window
+            segments: list[tuple[int, Fraction]] = []  # every table in force at some instant of the closed window
             for j, (begin, table) in enumerate(self.segments):
                 until = self.segments[j + 1][0] if j + 1 < len(self.segments) else end
                 if begin <= end and until >= start:
-                    segments.append((max(0, min(until, end) - max(begin, start)), table.rate_of(user)))
+                    rate = table.rate_of(user)
+                    assert rate is not None, f"R28: unlimited user {user!r} has no window bound"  # not drawn here
+                    segments.append((max(0, min(until, end) - max(begin, start)), rate))
             bound = spec_limiter.piecewise_window_bound_tokens(segments, self.config.burst_ns)
             if count > bound:
                 return (

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 # manifest key -> (conform's parameter, expected Python type(s))
 KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
@@ -97,7 +97,7 @@ def conform_defaults(path: Path, table: dict[str, Any]) -> dict[str, Any]:
             want = " or ".join("a list of strings" if t is list else t.__name__ for t in types)
             raise ManifestError(f"{path.name}: [tool.outrate] {raw_key} = {value!r}: must be {want}")
         if key in LISTS:
-            items = [value] if isinstance(value, str) else value
+            items: list[Any] = [value] if isinstance(value, str) else list(cast(list[Any], value))
             if not all(isinstance(item, str) for item in items):
                 raise ManifestError(f"{path.name}: [tool.outrate] {raw_key} = {value!r}: must be a list of strings")
             if key == "path":

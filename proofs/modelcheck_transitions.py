@@ -141,7 +141,8 @@ def _rerate_ledger(ledger, before: SchedulerState, after: SchedulerState, now: i
     for user, current in zip(cs.users, ledger):
         old, new = before.config.rate_of(user), after.config.rate_of(user)
         if current is not None and old != new:
-            current = spec_limiter.rescaled_tat_ns(current, old, new, now)
+            # R28: to or from unlimited, no ledger TAT is kept (as DispatchHistory.rerate)
+            current = None if old is None or new is None else spec_limiter.rescaled_tat_ns(current, old, new, now)
         out.append(current)
     return tuple(out)
 

@@ -80,7 +80,7 @@ class OutputRateConfig:
     """Validated feature configuration. ``default_rate`` None means the feature is off."""
 
     default_rate: Fraction | None = None
-    user_rates: Mapping[str, Fraction] = field(default_factory=dict)
+    user_rates: Mapping[str, Fraction | None] = field(default_factory=dict)  # None: unlimited (R28)
     max_num_active_seqs: int | None = None
     burst_ns: int = BURST_NS
     trace_path: str | None = None

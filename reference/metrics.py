@@ -356,6 +356,7 @@ class MetricsRecorder:
             with handoff:
                 handoff.wait_for(lambda: self._queued is not None)
                 state, self._queued, self._busy = self._queued, None, True
+            assert state is not None  # wait_for above: a snapshot is queued
             try:
                 pacer.start()
                 self._write_state(state, pacer)

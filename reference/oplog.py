@@ -73,7 +73,10 @@ def limits_message(scheduler: str, config: OutputRateConfig, active_cap: int, ma
     """The start-up line: default, overrides (count, the first few named), burst, active cap."""
     overrides = config.user_rates
     assert config.default_rate is not None, "limits_message is for a configuration with the feature on (R18)"
-    named = ", ".join(f"{shown_user(u)} {shown_rate(r)} tok/s" for u, r in list(overrides.items())[:NAMES_SHOWN])
+    named = ", ".join(
+        f"{shown_user(u)} {'unlimited' if r is None else shown_rate(r) + ' tok/s'}"
+        for u, r in list(overrides.items())[:NAMES_SHOWN]
+    )
     more = len(overrides) - NAMES_SHOWN
     users = (
         f"{len(overrides)} override(s)" + (f": {named}" if named else "") + (f" and {more} more" if more > 0 else "")
@@ -128,7 +131,10 @@ class ThrottleLog:
     __slots__ = ("counts", "interval_ns", "lines", "next_ns", "rate_of", "since_ns", "what")
 
     def __init__(
-        self, rate_of: Callable[[str], Fraction], interval_ns: int = SUMMARY_INTERVAL_NS, shadow: bool = False
+        self,
+        rate_of: Callable[[str], Fraction | None],
+        interval_ns: int = SUMMARY_INTERVAL_NS,
+        shadow: bool = False,
     ) -> None:
         self.counts: Counter[str | None] = Counter()  # user -> throttled request-steps this interval
         self.next_ns = 0  # the first step only starts the interval
@@ -170,7 +176,8 @@ class ThrottleLog:
             parts = []
             for user, n in top:
                 try:
-                    limit = f"limit {shown_rate(self.rate_of(user))} tok/s" if user is not None else "limit ?"
+                    rate = self.rate_of(user) if user is not None else None
+                    limit = f"limit {shown_rate(rate)} tok/s" if rate is not None else "limit ?"
                 except (KeyError, TypeError, ValueError):
                     limit = "limit ?"
                 parts.append(f"{shown_user(user)} {n} ({limit})")

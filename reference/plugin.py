@@ -244,6 +244,7 @@ def identity_for_server(args: Any) -> tuple[Any, Any]:
                 'identity "api-key" authenticates with the keys file; remove --api-key (and VLLM_API_KEY), '
                 'or use identity "body" or "header:NAME" with vLLM\'s own keys'
             )
+        assert settings.keys_file is not None  # parse_output_rate: identity "api-key" requires keys_file
         keys = KeysFileWatcher(settings.keys_file, logger)
         loaded = keys.load_initial()
         logger.info(

@@ -150,7 +150,7 @@ class RateTable:
     """
 
     default_rate: Fraction | None
-    user_rates: Mapping[str, Fraction] = field(default_factory=dict)
+    user_rates: Mapping[str, Fraction | None] = field(default_factory=dict)  # None: unlimited (R28)
     plans: Mapping[str, Plan] = field(default_factory=dict)
     default_plan: str | None = None
     exact: Mapping[str, Entry] = field(default_factory=dict)
@@ -187,7 +187,7 @@ class RateTable:
         return prepared
 
     @classmethod
-    def flat(cls, default_rate: Fraction, user_rates: Mapping[str, Fraction]) -> RateTable:
+    def flat(cls, default_rate: Fraction, user_rates: Mapping[str, Fraction | None]) -> RateTable:
         """Today's table: a default and exact per-user rates (validated by the caller)."""
         users = dict(user_rates)
         detailed = len(users) <= MAX_DETAILED
@@ -380,7 +380,7 @@ def _parse_user(key: str, body: Any, plans: Mapping[str, Plan], where: str, inte
     else:
         assert plan is not None
         rate = plan.rate
-    label = key if detailed else (plan_name if plan is not None else OTHER)
+    label = key if detailed else (plan_name if plan is not None and plan_name is not None else OTHER)
     return intern(rate, label, plan is not None and plan.shadow, "users"), detailed
 
 
@@ -403,7 +403,7 @@ def _parse_default(data: Mapping[str, Any], plans: Mapping[str, Plan]) -> tuple[
         raise TableError("default_tokens_per_s and default_plan both give the default (a tie); keep one of them")
     if default_plan is not None and (not isinstance(default_plan, str) or default_plan not in plans):
         raise TableError(f"default_plan {_shown_key(default_plan)} is not in plans{_nearest(default_plan, plans)}")
-    default_rate = _rate(default, "default_tokens_per_s") if default is not None else plans[default_plan].rate
+    default_rate = _rate(default, "default_tokens_per_s") if default is not None else plans[str(default_plan)].rate
     return default_rate, default_plan
 
 

@@ -190,11 +190,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
     def emission_ns(self, user: str) -> int:
         """R23: the user's emission interval in whole ns, rounded up (never a higher rate)."""
         rate = self.rate_of(user)
+        assert rate is not None, f"R28: unlimited user {user!r} has no emission interval"
         return math.ceil(Fraction(NS_PER_S) / rate)
 
     def lease_grants(self, user: str) -> int:
         """R24: the user's lease size L."""
-        return lease_size(self.rate_of(user))
+        rate = self.rate_of(user)
+        assert rate is not None, f"R28: unlimited user {user!r} takes no lease"
+        return lease_size(rate)
 
     # -- the hot path (no network) -------------------------------------------------------
     def _leases(self, user: str, now_ns: int) -> _UserLeases:

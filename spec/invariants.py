@@ -147,7 +147,7 @@ class DispatchHistory:
         return replace(self, ledger_tat_ns=rest + ((user, new_tat),))
 
     def rerate(
-        self, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction], now_ns: int
+        self, old_rate_of: Callable[[str], Fraction | None], new_rate_of: Callable[[str], Fraction | None], now_ns: int
     ) -> DispatchHistory:
         """R21: the rate table changed at ``now_ns``. I13: each changed user's ledger TAT is
         rescaled as the limiter's is (``limiter.rescaled_tat_ns``). I7: a changed user's
@@ -158,9 +158,11 @@ class DispatchHistory:
         ledger = []
         for user, tat in self.ledger_tat_ns:
             old, new = old_rate_of(user), new_rate_of(user)
-            if user in changed and (old is None or new is None):
-                continue  # R28: to or from unlimited: no ledger TAT kept
-            kept = spec_limiter.rescaled_tat_ns(tat, old, new, now_ns) if user in changed else tat
+            kept: Fraction | None = tat
+            if user in changed:
+                if old is None or new is None:
+                    continue  # R28: to or from unlimited: no ledger TAT kept
+                kept = spec_limiter.rescaled_tat_ns(tat, old, new, now_ns)
             if kept is not None:
                 ledger.append((user, kept))
         times = tuple((u, t) for u, t in self.times_ns if u not in changed)

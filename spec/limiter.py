@@ -192,7 +192,10 @@ def rescaled_tat_ns(
 
 
 def change_rates(
-    state: LimiterState, old_rate_of: Callable[[str], Fraction], new_rate_of: Callable[[str], Fraction], now_ns: int
+    state: LimiterState,
+    old_rate_of: Callable[[str], Fraction | None],
+    new_rate_of: Callable[[str], Fraction | None],
+    now_ns: int,
 ) -> LimiterState:
     """R21: every known user's TAT after the rate table changes at ``now_ns``.
 

@@ -72,7 +72,7 @@ class EngineConfig:
     async_scheduling: bool = False
     max_model_len: int = 2048
     default_rate_tokens_per_s: Fraction | None = None
-    user_rates_tokens_per_s: tuple[tuple[str, Fraction], ...] = ()
+    user_rates_tokens_per_s: tuple[tuple[str, Fraction | None], ...] = ()  # None: UNLIMITED (R28)
     output_rate_max_num_active_seqs: int | None = None
     burst_ns: int = spec_limiter.BURST_NS
     # R20: resident (running) requests one user may hold; None: no cap (the article's behaviour).
