@@ -414,17 +414,44 @@ class _Replay:
 
     def step(self, rec: StepRecord) -> str | None:
         """Replay one step; the first recorded fact the hypothesis contradicts, or None."""
-        hyp, now = self.hyp, rec.now_ns
-        if hyp.abort_takes:
-            for rid in rec.aborted_in_flight:
-                self.take(hyp.key(self.ctx, rid), now)
-        if hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
-            self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
+        hyp = self.hyp
+        self._before_decisions(rec)
         at_start = dict(self.tat)
         kept = self.tat  # charge_at_output: this step's takes judge its later dispatches only
         if hyp.charge_at_output:
             self.tat = dict(kept)
         refunds: list[str] = []
+        failure = self._dispatches(rec, at_start, refunds) or self._chunks(rec)
+        if failure is not None:
+            return failure
+        self._passed_over(rec)
+        failure = self._paused(rec)
+        if failure is not None:
+            return failure
+        for bucket in refunds:
+            self.apply("refund", bucket, rec.now_ns)
+        self._after_decisions(rec, kept)
+        return None
+
+    def _cleanup(self, now: int) -> None:
+        """The 256th-step cleanup: every bucket the hypothesis' cleanup drops at ``now``."""
+        self.tat = {u: t for u, t in self.tat.items() if not self.hyp.cleanup(t, now, self.tau)}
+
+    def _before_decisions(self, rec: StepRecord) -> None:
+        """What the hypothesis does before ``schedule()`` decides: takes for aborted
+        in-flight requests, and the cleanup when it runs at the step's start."""
+        hyp, now = self.hyp, rec.now_ns
+        if hyp.abort_takes:
+            for rid in rec.aborted_in_flight:
+                self.take(hyp.key(self.ctx, rid), now)
+        if hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
+            self._cleanup(now)
+
+    def _dispatches(self, rec: StepRecord, at_start: dict[str, Fraction], refunds: list[str]) -> str | None:
+        """Judge and charge the step's sampling dispatches (``refunds`` collects the buckets
+        given back at the end of ``schedule()``); the first refusal the candidate did not
+        make, or None."""
+        hyp, now = self.hyp, rec.now_ns
         for i, d in enumerate(rec.dispatches):
             bucket = hyp.key(self.ctx, d.request_id)
             if (hyp.unasked_in_flight and d.in_flight) or not hyp.asks(d):
@@ -439,12 +466,22 @@ class _Replay:
                 self.take(bucket, now)
             if (hyp.free_first_per_step and i == 0) or (hyp.free_running and not d.admitted):
                 refunds.append(bucket)  # given back at the end of schedule(), after every decision
+        return None
+
+    def _chunks(self, rec: StepRecord) -> str | None:
+        """Charge the prefill chunks a hypothesis charges; the first one it refuses, or None."""
+        hyp, now = self.hyp, rec.now_ns
         if hyp.chunk_takes or hyp.first_chunk_charged:
             for rid in rec.chunks if hyp.chunk_takes else rec.first_chunks:
                 bucket = hyp.key(self.ctx, rid)
                 if not self.allowed(bucket, now):
                     return f"refuses the chunk of {rid} at t={now} ns"
                 self.take(bucket, now)
+        return None
+
+    def _passed_over(self, rec: StepRecord) -> None:
+        """What the hypothesis does to the TAT of requests held, skipped or finished in flight."""
+        hyp, now = self.hyp, rec.now_ns
         if hyp.skipped_refused is not None:
             for rid in rec.held:  # refused at the charge point; what a refusal does to the TAT
                 bucket = hyp.key(self.ctx, rid)
@@ -461,21 +498,27 @@ class _Replay:
         if hyp.refund_finished_in_flight:
             for rid in rec.finished_in_flight:
                 self.apply("refund", hyp.key(self.ctx, rid), now)
+
+    def _paused(self, rec: StepRecord) -> str | None:
+        """The first pause of the candidate that the hypothesis would have granted, or None."""
         for rid in rec.pauses:
-            if self.allowed(hyp.key(self.ctx, rid), now):
-                return f"grants {rid} at t={now} ns, which the candidate paused"
-        for bucket in refunds:
-            self.apply("refund", bucket, now)
+            if self.allowed(self.hyp.key(self.ctx, rid), rec.now_ns):
+                return f"grants {rid} at t={rec.now_ns} ns, which the candidate paused"
+        return None
+
+    def _after_decisions(self, rec: StepRecord, kept: dict[str, Fraction]) -> None:
+        """The end of the step: the decisions' copy dropped (``charge_at_output``), the
+        cleanup when it runs at the step's end, and the takes that come with the output."""
+        hyp, now = self.hyp, rec.now_ns
         if hyp.charge_at_output:
             self.tat = kept  # the decisions' copy dropped: the takes come with the output
         if not hyp.cleanup_at_start and rec.count % CLEANUP_INTERVAL_STEPS == 0:
-            self.tat = {u: t for u, t in self.tat.items() if not hyp.cleanup(t, now, self.tau)}
+            self._cleanup(now)
         if hyp.charge_at_output:  # the output delivered after this schedule(): this step's, or the last one's
             sampled = [hyp.key(self.ctx, d.request_id) for d in rec.dispatches]
             delivered, self.undelivered = (self.undelivered, sampled) if self.ctx.async_mode else (sampled, [])
             for bucket in delivered:
                 self.take(bucket, now)
-        return None
 
 
 def explains(hyp: Hypothesis, histories: list[tuple[Context, list[StepRecord]]]) -> bool:

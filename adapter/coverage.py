@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from vllm_output_rate.adapter import step_checks
 from vllm_output_rate.spec import limiter as spec_limiter
 
 K_PER_PROFILE = {"quick": 1, "ci": 3, "release": 10}  # scenario runs per obligation
@@ -328,9 +329,20 @@ def _observe_not_sampled(view: _Step) -> None:
     """R10, R11, R12, R16 from the requests that did not sample: throttled and kept
     resident, a refused waiting request ahead of another, a refused prompt waiting whole,
     the active cap binding, every user refused."""
+    _observe_waiting(view)
+    if view.judge.scenario.max_num_active_seqs is not None:
+        _observe_active_cap(view)
+    trace, refused = view.trace, view.refused
+    if not trace.sampled and len(view.waiting_users) >= 2 and view.waiting_users <= refused:
+        note(view.judge, "R16 every user refused while requests wait")
+        note(view.judge, "boundary: all-refused")
+
+
+def _observe_waiting(view: _Step) -> None:
+    """R11 and R10 over the unfinished requests in order: a throttled request kept
+    resident, a refused waiting request ahead of another, a refused prompt waiting whole."""
     judge, trace, refused, scheduled = view.judge, view.trace, view.refused, view.trace.scheduled
     scenario = judge.scenario
-    admitted = set(trace.admitted)
     blocked_first = False
     for rid in view.unfinished:
         user = judge.user_of(rid)
@@ -351,20 +363,22 @@ def _observe_not_sampled(view: _Step) -> None:
             blocked_first = True
             if not scenario.chunked_prefill:
                 note(judge, "R10 no chunked prefill: a refused prompt waits whole")
-    cap = scenario.max_num_active_seqs
-    if cap is not None:
-        running_scheduled = [rid for rid in scheduled if rid not in admitted]
-        if len(running_scheduled) >= cap and any(
-            rid in view.resident and rid not in scheduled and judge.user_of(rid) not in refused
-            for rid in view.unfinished
-        ):
-            note(judge, "R12 active cap binds")
-        throttled = [rid for rid in view.resident if rid not in scheduled and judge.user_of(rid) in refused]
-        if admitted and len(throttled) + len(running_scheduled) >= cap:
-            note(judge, "boundary: active-cap-binds")  # admitted past throttled requests
-    if not trace.sampled and len(view.waiting_users) >= 2 and view.waiting_users <= refused:
-        note(judge, "R16 every user refused while requests wait")
-        note(judge, "boundary: all-refused")
+
+
+def _observe_active_cap(view: _Step) -> None:
+    """R12 in a scenario with an active cap: the cap binds, and admissions past throttled
+    requests fill it."""
+    judge, trace, refused, scheduled = view.judge, view.trace, view.refused, view.trace.scheduled
+    cap = judge.scenario.max_num_active_seqs
+    admitted = set(trace.admitted)
+    running_scheduled = [rid for rid in scheduled if rid not in admitted]
+    if len(running_scheduled) >= cap and any(
+        rid in view.resident and rid not in scheduled and judge.user_of(rid) not in refused for rid in view.unfinished
+    ):
+        note(judge, "R12 active cap binds")
+    throttled = [rid for rid in view.resident if rid not in scheduled and judge.user_of(rid) in refused]
+    if admitted and len(throttled) + len(running_scheduled) >= cap:
+        note(judge, "boundary: active-cap-binds")  # admitted past throttled requests
 
 
 def _observe_preempted(view: _Step) -> None:
@@ -476,38 +490,54 @@ def _observe_blind_spots(view: _Step) -> None:
     places others take (R12); a running request's refused prefill advanced (R10); a user's
     streams taking turns beside another user's stream (R14); other users served in an FCFS
     step that preempted (P4); n > 1 children sampling (R17)."""
-    from vllm_output_rate.adapter import step_checks
+    judge, trace, refused = view.judge, view.trace, view.refused
+    _observe_refused_ahead(view)
+    throttled = [r for r in view.resident if r not in trace.scheduled and judge.user_of(r) in refused]
+    if len(throttled) >= 2 and len(set(trace.admitted)) >= 2:
+        note(judge, "boundary: active-cap-throttled-places")
+    if judge.start is not None:
+        _observe_running_chunks(view)
+        _observe_turns_beside(view)
+    if trace.preempted and judge.scenario.policy == "fcfs":
+        victims = {judge.user_of(r) for r in trace.preempted if r in judge.by_id}
+        if any(judge.user_of(r) not in victims for r in trace.scheduled if r in view.resident):
+            note(judge, "P4 other users served in an FCFS step that preempted")
+    _observe_parallel_children(view)
 
-    judge, trace, refused, start = view.judge, view.trace, view.refused, view.judge.start
-    scheduled, sampled, admitted = trace.scheduled, set(trace.sampled), set(trace.admitted)
+
+def _observe_refused_ahead(view: _Step) -> None:
+    """R10/P4: a refused waiting prompt that can advance, ahead of another user's request."""
+    judge = view.judge
     ahead = False
     for rid in view.unfinished:
         if rid in view.resident:
             continue
-        if judge.user_of(rid) in refused:
+        if judge.user_of(rid) in view.refused:
             ahead = ahead or step_checks.can_advance(judge, rid)
         elif ahead:
             note(judge, "boundary: refused-prefill-ahead")
-    throttled = [r for r in view.resident if r not in scheduled and judge.user_of(r) in refused]
-    if len(throttled) >= 2 and len(admitted) >= 2:
-        note(judge, "boundary: active-cap-throttled-places")
-    if start is not None:
-        for rid in scheduled:
-            if (
-                rid in view.resident
-                and rid not in sampled
-                and rid not in start.decoding
-                and judge.user_of(rid) in refused
-            ):
-                note(judge, "boundary: running-prefill-refused")
-            if rid in judge.last_sample_step and rid not in sampled and rid not in start.decoding:
-                note(judge, "boundary: recompute-after-preemption")  # a chunk of one that sampled before
-        _observe_turns_beside(view)
-    if trace.preempted and judge.scenario.policy == "fcfs":
-        victims = {judge.user_of(r) for r in trace.preempted if r in judge.by_id}
-        if any(judge.user_of(r) not in victims for r in scheduled if r in view.resident):
-            note(judge, "P4 other users served in an FCFS step that preempted")
-    for rid in trace.sampled:
+
+
+def _observe_running_chunks(view: _Step) -> None:
+    """R10 on running requests that were scheduled a prefill chunk (not decoding at the
+    step's start): a refused one advanced, and a recompute of one that sampled before."""
+    judge, start, sampled = view.judge, view.judge.start, set(view.trace.sampled)
+    for rid in view.trace.scheduled:
+        if (
+            rid in view.resident
+            and rid not in sampled
+            and rid not in start.decoding
+            and judge.user_of(rid) in view.refused
+        ):
+            note(judge, "boundary: running-prefill-refused")
+        if rid in judge.last_sample_step and rid not in sampled and rid not in start.decoding:
+            note(judge, "boundary: recompute-after-preemption")  # a chunk of one that sampled before
+
+
+def _observe_parallel_children(view: _Step) -> None:
+    """R17: a child of an n > 1 request sampled while a sibling is unfinished."""
+    judge = view.judge
+    for rid in view.trace.sampled:
         parent = judge.by_id[rid].parent if rid in judge.by_id else None
         if parent is not None and any(
             o != rid and judge.by_id[o].parent == parent for o in view.unfinished if o in judge.by_id
