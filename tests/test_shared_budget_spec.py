@@ -69,64 +69,92 @@ def test_r24_bound_formulas() -> None:
         sb.lease_size(Fraction(0))
 
 
+class _Run:
+    """The state of one random run of ``_simulate``: the store, each engine's holding and
+    local limiter state, and what was dispatched, spent and leased."""
+
+    def __init__(self, engines: int, rate: Fraction) -> None:
+        self.rate, self.L = rate, sb.lease_size(rate)
+        self.store = sb.StoreState()
+        self.holding = {e: sb.Holding() for e in range(engines)}
+        self.incarnation = dict.fromkeys(range(engines), 0)
+        self.local = dict.fromkeys(range(engines), limiter.EMPTY)
+        self.in_flight: dict[int, int] = {}  # engine -> time the request was sent
+        self.down = False
+        self.dispatches: list[int] = []
+        self.spent: dict[int, int] = {}
+        self.leased: dict[int, int] = {}
+
+    def crash(self, e: int) -> None:
+        """R26: a crash; the new incarnation holds nothing."""
+        self.holding[e], self.incarnation[e], self.local[e] = sb.crash(), self.incarnation[e] + 1, limiter.EMPTY
+        self.in_flight.pop(e, None)
+
+    def answer(self, e: int, name: str, now: int) -> None:
+        """The store answers engine ``e``'s lease request (or the request times out)."""
+        h, sent = self.holding[e], self.in_flight.pop(e)
+        granted = None
+        if not self.down:
+            self.store, granted = sb.lease(self.store, name, self.L, now, self.rate)
+        grants = dict(h.grants)
+        if granted is not None and now - sent <= sb.STORE_TIMEOUT_NS:
+            grants[granted.lease_id] = (granted.grants, sent + sb.LEASE_TTL_NS)
+            self.leased[granted.lease_id] = granted.grants
+        self.holding[e] = sb.Holding(grants, in_flight=False)
+
+    def give_back(self, e: int, name: str, now: int, lease_id: int) -> None:
+        """Engine ``e`` returns one lease's remainder."""
+        h = self.holding[e]
+        unused = h.grants[lease_id][0]
+        self.holding[e] = sb.Holding({i: g for i, g in h.grants.items() if i != lease_id}, h.in_flight)
+        if not self.down:
+            self.store, _ = sb.return_unused(self.store, lease_id, name, unused, now, self.rate)
+
+    def dispatch(self, e: int, now: int) -> None:
+        """A sampling dispatch on engine ``e``: the single-engine rules, then a grant."""
+        state, ok = limiter.try_take(self.local[e], "u", self.rate, now)
+        if ok:
+            after, lease_id = sb.spend(self.holding[e], now)
+            if lease_id is not None:
+                self.local[e], self.holding[e] = state, after
+                self.dispatches.append(now)
+                self.spent[lease_id] = self.spent.get(lease_id, 0) + 1
+
+    def check_holding_cap(self, now: int) -> None:
+        """R24: held + in flight never exceed H = 2L - 1, on every engine."""
+        for held in self.holding.values():
+            in_hand = held.spendable(now) + held.returning + (self.L if held.in_flight else 0)
+            assert in_hand <= sb.holding_cap(self.L), f"an engine holds {in_hand} > H = {sb.holding_cap(self.L)}"
+
+
 def _simulate(seed: int, engines: int = 2, steps: int = 600, rate: Fraction = Fraction(40)):
     """One random run: returns (dispatch times, spends per lease id, grants per lease id, L).
 
     While the store is down a request is answered by nothing (R25: no lease is taken)."""
     rng = random.Random(seed)
-    L = sb.lease_size(rate)
-    store = sb.StoreState()
-    holding = {e: sb.Holding() for e in range(engines)}
-    incarnation = dict.fromkeys(range(engines), 0)
-    local = dict.fromkeys(range(engines), limiter.EMPTY)
-    in_flight: dict[int, int] = {}  # engine -> time the request was sent
-    now, down = 0, False
-    dispatches: list[int] = []
-    spent: dict[int, int] = {}
-    leased: dict[int, int] = {}
+    run = _Run(engines, rate)
+    now = 0
     for _ in range(steps):
         now += rng.choice((0, 1 * MS, 5 * MS, 20 * MS))
         e = rng.randrange(engines)
-        name = f"e{e}.{incarnation[e]}"
-        h = holding[e]
+        name = f"e{e}.{run.incarnation[e]}"
+        h = run.holding[e]
         event = rng.random()
         if event < 0.05:
-            down = not down
-        elif event < 0.08:  # R26: crash, a new incarnation holds nothing
-            holding[e], incarnation[e], local[e] = sb.crash(), incarnation[e] + 1, limiter.EMPTY
-            in_flight.pop(e, None)
-        elif event < 0.3 and sb.wants_lease(h, now, L):
-            in_flight[e] = now
-            holding[e] = sb.Holding(h.grants, in_flight=True)
-        elif event < 0.5 and e in in_flight:  # the store answers (or the request times out)
-            sent = in_flight.pop(e)
-            granted = None
-            if not down:
-                store, granted = sb.lease(store, name, L, now, rate)
-            grants = dict(h.grants)
-            if granted is not None and now - sent <= sb.STORE_TIMEOUT_NS:
-                grants[granted.lease_id] = (granted.grants, sent + sb.LEASE_TTL_NS)
-                leased[granted.lease_id] = granted.grants
-            holding[e] = sb.Holding(grants, in_flight=False)
-        elif event < 0.6 and h.grants:  # return one lease's remainder
-            lease_id = rng.choice(sorted(h.grants))
-            unused = h.grants[lease_id][0]
-            grants = {i: g for i, g in h.grants.items() if i != lease_id}
-            holding[e] = sb.Holding(grants, h.in_flight)
-            if not down:
-                store, _ = sb.return_unused(store, lease_id, name, unused, now, rate)
-        else:  # a sampling dispatch: the single-engine rules, then a grant
-            state, ok = limiter.try_take(local[e], "u", rate, now)
-            if ok:
-                after, lease_id = sb.spend(h, now)
-                if lease_id is not None:
-                    local[e], holding[e] = state, after
-                    dispatches.append(now)
-                    spent[lease_id] = spent.get(lease_id, 0) + 1
-        for held in holding.values():  # R24: held + in flight never exceed H = 2L - 1
-            in_hand = held.spendable(now) + held.returning + (L if held.in_flight else 0)
-            assert in_hand <= sb.holding_cap(L), f"an engine holds {in_hand} > H = {sb.holding_cap(L)}"
-    return dispatches, spent, leased, L
+            run.down = not run.down
+        elif event < 0.08:
+            run.crash(e)
+        elif event < 0.3 and sb.wants_lease(h, now, run.L):
+            run.in_flight[e] = now
+            run.holding[e] = sb.Holding(h.grants, in_flight=True)
+        elif event < 0.5 and e in run.in_flight:
+            run.answer(e, name, now)
+        elif event < 0.6 and h.grants:
+            run.give_back(e, name, now, rng.choice(sorted(h.grants)))
+        else:
+            run.dispatch(e, now)
+        run.check_holding_cap(now)
+    return run.dispatches, run.spent, run.leased, run.L
 
 
 @pytest.mark.rules("R24", "R25", "R26")
