@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import z3
 
-from vllm_output_rate.proofs.z3_limiter import NS_PER_S, Checked, Obligation, z3_proof_record
+from vllm_output_rate.proofs.z3_obligations import Checked, Obligation, z3_proof_record
+from vllm_output_rate.proofs.z3_semantics import NS_PER_S
 
 
 def _zmax(a, b):

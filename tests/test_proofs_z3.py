@@ -15,6 +15,9 @@ import pytest
 import z3
 
 from vllm_output_rate.proofs import z3_limiter as zl
+from vllm_output_rate.proofs import z3_obligations as zo
+from vllm_output_rate.proofs import z3_semantics as zs
+from vllm_output_rate.proofs import z3_window as zw
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.spec import limiter as spec
 
@@ -67,7 +70,7 @@ def test_r21_z3_encoding_is_the_spec_rule(old, new, lead):
     from vllm_output_rate.spec import limiter as spec_limiter
 
     now = 1_000
-    known, tat, side = zl._spec_rerate(
+    known, tat, side = zs._spec_rerate(
         z3.BoolVal(True), z3.RealVal(now + lead), z3.RealVal(now), z3.RealVal(old), z3.RealVal(new)
     )
     want = spec_limiter.rescaled_tat_ns(Fraction(now + lead), Fraction(old), Fraction(new), now)
@@ -105,7 +108,7 @@ def test_properties_expose_name_rules_and_a_function():
 
 @pytest.mark.parametrize("prop", zl.PROPERTIES, ids=lambda p: p.name)
 def test_every_obligation_has_satisfiable_hypotheses(prop):
-    for ob in prop.obligations(zl.CORRECT):
+    for ob in prop.obligations(zs.CORRECT):
         solver = z3.Solver()
         solver.set(timeout=TIMEOUT_MS)
         solver.add(*ob.hypotheses)
@@ -114,8 +117,8 @@ def test_every_obligation_has_satisfiable_hypotheses(prop):
 
 def test_vacuity_check_flags_contradictory_hypotheses():
     x = z3.Int("x")
-    vacuous = zl.Obligation("vacuous", (x > 1, x < 0), x == 42)
-    status, vacuity_ok, _ = zl._check(vacuous, TIMEOUT_MS)
+    vacuous = zo.Obligation("vacuous", (x > 1, x < 0), x == 42)
+    status, vacuity_ok, _ = zo._check(vacuous, TIMEOUT_MS)
     assert status == "proved"  # anything follows from a contradiction...
     assert vacuity_ok is False  # ...which the vacuity check reports
 
@@ -124,7 +127,7 @@ def test_vacuity_check_flags_contradictory_hypotheses():
 
 
 def test_every_broken_variant_has_an_expected_refutation():
-    assert set(zl.EXPECTED_REFUTATIONS) == set(zl.BROKEN_VARIANTS)
+    assert set(zl.EXPECTED_REFUTATIONS) == set(zs.BROKEN_VARIANTS)
     for props in zl.EXPECTED_REFUTATIONS.values():
         assert props and set(props) <= set(zl.PROPERTIES_BY_NAME)
 
@@ -159,7 +162,7 @@ def _val(term):
 def test_z3_encoding_matches_spec_and_reference(rate):
     """Random scheduler-like operation sequences: the CORRECT Z3 terms, evaluated on
     concrete values, give the same decisions, TATs and ready_at as the Python code."""
-    sem, rng = zl.CORRECT, random.Random(f"z3-encoding-{rate}")
+    sem, rng = zs.CORRECT, random.Random(f"z3-encoding-{rate}")
     p, q, tau = rate.numerator, rate.denominator, spec.BURST_NS
     T = spec.emission_interval_ns(rate)
     inc, burst = sem.ref_scale(z3.IntVal(p), z3.IntVal(q), z3.IntVal(tau))
@@ -206,8 +209,8 @@ def test_z3_encoding_matches_spec_and_reference(rate):
 def test_r2_window_bound_plus_one_is_needed():
     """The closing step of the window proof fails for the bound without its ``+ 1``: Z3
     finds a state, so the proved bound is not weaker than what the invariant gives."""
-    close = next(ob for ob in zl._window_obligations(zl.CORRECT) if ob.name == "close")
+    close = next(ob for ob in zw.window_obligations(zs.CORRECT) if ob.name == "close")
     k, (W, tau, rate) = z3.Int("k"), z3.Reals("W tau rate")
-    tighter = zl.Obligation("close_without_plus_one", close.hypotheses, k <= (W + tau) * rate / zl.NS_PER_S)
-    status, vacuity_ok, cex = zl._check(tighter, TIMEOUT_MS)
+    tighter = zo.Obligation("close_without_plus_one", close.hypotheses, k <= (W + tau) * rate / zs.NS_PER_S)
+    status, vacuity_ok, cex = zo._check(tighter, TIMEOUT_MS)
     assert status == "refuted" and vacuity_ok and cex, (status, cex)

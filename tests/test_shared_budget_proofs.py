@@ -7,7 +7,7 @@ import pytest
 import z3
 
 from vllm_output_rate.proofs import modelcheck_shared, z3_shared_budget
-from vllm_output_rate.proofs.z3_limiter import Obligation, _check
+from vllm_output_rate.proofs.z3_obligations import Obligation, _check
 
 
 @pytest.fixture(scope="module")
