@@ -29,6 +29,8 @@ import time
 import pytest
 
 from vllm_output_rate.adapter import engine_wait as ew
+from vllm_output_rate.adapter import engine_wait_judge as ewj
+from vllm_output_rate.adapter import engine_wait_scenario as ews
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.reference.scheduler import RateLimitedScheduler
 
@@ -59,7 +61,7 @@ class RecheckEvery50msScheduler(RateLimitedScheduler):
 
     def next_ready_ns(self):
         hint = super().next_ready_ns()
-        return None if hint is None else min(hint, self.clock_ns() + ew.ARTICLE_RECHECK_NS)
+        return None if hint is None else min(hint, self.clock_ns() + ews.ARTICLE_RECHECK_NS)
 
 
 class SleepInScheduleScheduler(RateLimitedScheduler):
@@ -70,7 +72,7 @@ class SleepInScheduleScheduler(RateLimitedScheduler):
         output = super().schedule(*args, **kwargs)
         hint = self.next_ready_ns()
         if output.total_num_scheduled_tokens == 0 and hint is not None:
-            time.sleep(min(ew.ARTICLE_RECHECK_NS, max(0, hint - self.clock_ns())) / 1e9)
+            time.sleep(min(ews.ARTICLE_RECHECK_NS, max(0, hint - self.clock_ns())) / 1e9)
         return output
 
 
@@ -108,7 +110,7 @@ CANDIDATES = {
 
 
 @pytest.fixture(scope="module")
-def verdicts() -> dict[str, ew.EngineWaitVerdict]:
+def verdicts() -> dict[str, ews.EngineWaitVerdict]:
     results = ew.run_engine_waits(list(CANDIDATES.values()), seed=3)
     return dict(zip(CANDIDATES, results))
 
@@ -117,12 +119,12 @@ def test_reference_passes(verdicts):
     v = verdicts["reference"]
     assert v.failure is None, (v.failure, v.error)
     assert v.plugins == ["output_rate"] and v.engine_step == "step" and not v.async_mode
-    assert v.stopped_by == "fake time" and v.fake_ns == ew.RUN_NS
+    assert v.stopped_by == "fake time" and v.fake_ns == ews.RUN_NS
     assert 0 < v.idle_wakeups <= v.allowed_idle_wakeups
-    assert v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+    assert v.max_lateness_ns <= ews.LATENESS_TOLERANCE_NS
     # A at 3 tok/s (burst 100 ms, one token at a time) over 1.2 s: tokens at 0, 233.3,
     # 566.7, 900 ms; C at 5 tok/s: 0, 100, 300, ..., 1100 ms. Never woken early.
-    assert v.tokens[ew.USER_A] == 4 and v.tokens[ew.USER_C] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
+    assert v.tokens[ews.USER_A] == 4 and v.tokens[ews.USER_C] == 7 and v.tokens[ews.USER_B] == ews.B_MAX_TOKENS
     assert v.over_grants == 0 and v.max_early_ns == 0
 
 
@@ -140,7 +142,7 @@ def test_r16_reference_wakes_only_at_ready_times_and_inputs(verdicts):
 def test_r16_the_articles_50_ms_recheck_is_accepted(verdicts):
     v = verdicts["recheck-50ms"]
     assert v.failure is None, (v.failure, v.error)
-    assert v.max_wait_ns <= ew.ARTICLE_RECHECK_NS + ew.LATENESS_TOLERANCE_NS
+    assert v.max_wait_ns <= ews.ARTICLE_RECHECK_NS + ews.LATENESS_TOLERANCE_NS
     assert v.idle_wakeups * 20 * MS < v.throttled_ns
 
 
@@ -149,14 +151,14 @@ def test_async_reference_passes_through_the_batch_queue(verdicts):
     assert v.async_mode and v.engine_step == "step_with_batch_queue"
     assert v.failure is None, (v.failure, v.error)
     assert 0 < v.idle_wakeups <= v.allowed_idle_wakeups
-    assert v.tokens[ew.USER_A] == 4 and v.tokens[ew.USER_C] == 7 and v.tokens[ew.USER_B] == ew.B_MAX_TOKENS
+    assert v.tokens[ews.USER_A] == 4 and v.tokens[ews.USER_C] == 7 and v.tokens[ews.USER_B] == ews.B_MAX_TOKENS
     assert v.max_early_ns == 0
 
 
 def test_new_input_wakes_the_reference_at_once(verdicts):
     v = verdicts["reference"]
-    assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ew.WAKE_TOLERANCE_NS
-    assert v.abort_latency_ns is not None and v.abort_latency_ns <= ew.WAKE_TOLERANCE_NS
+    assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ews.WAKE_TOLERANCE_NS
+    assert v.abort_latency_ns is not None and v.abort_latency_ns <= ews.WAKE_TOLERANCE_NS
 
 
 def test_without_the_plugin_the_engine_spins(verdicts):
@@ -165,14 +167,14 @@ def test_without_the_plugin_the_engine_spins(verdicts):
     assert v.failure is not None and "spun" in v.failure and "1 ms idle loop" in v.failure, v.failure
     assert v.idle_wakeups > 10 * v.allowed_idle_wakeups
     # Stock pacing is still correct: about one wake-up per ms, nobody late by more than 1 ms.
-    assert v.median_idle_gap_ns == ew.STOCK_IDLE_SLEEP_NS
-    assert v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+    assert v.median_idle_gap_ns == ews.STOCK_IDLE_SLEEP_NS
+    assert v.max_lateness_ns <= ews.LATENESS_TOLERANCE_NS
 
 
 def test_a_late_wait_hint_oversleeps(verdicts):
     v = verdicts["late-hint"]
     assert v.failure is not None and "overslept" in v.failure, v.failure
-    assert LATE_NS - ew.LATENESS_TOLERANCE_NS <= v.max_lateness_ns <= LATE_NS + ew.LATENESS_TOLERANCE_NS
+    assert LATE_NS - ews.LATENESS_TOLERANCE_NS <= v.max_lateness_ns <= LATE_NS + ews.LATENESS_TOLERANCE_NS
 
 
 @pytest.mark.parametrize("name", ["early-hint", "rounded-down"])
@@ -181,19 +183,19 @@ def test_a_wait_hint_before_the_ready_time_wakes_early(verdicts, name):
     # early, within the lateness tolerance (one stock 1 ms sleep) but not at the ready time.
     v = verdicts[name]
     assert v.failure is not None and "woke early" in v.failure, v.failure
-    assert v.max_early_ns == 1 and v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+    assert v.max_early_ns == 1 and v.max_lateness_ns <= ews.LATENESS_TOLERANCE_NS
 
 
 def test_a_wait_hint_of_the_latest_refused_user_oversleeps_for_the_other(verdicts):
     v = verdicts["latest-hint"]
     assert v.failure is not None and "overslept" in v.failure, v.failure
-    assert v.max_lateness_ns > ew.LATENESS_TOLERANCE_NS
+    assert v.max_lateness_ns > ews.LATENESS_TOLERANCE_NS
 
 
 def test_sleeping_inside_schedule_misses_new_requests(verdicts):
     v = verdicts["sleep-in-schedule"]
     assert v.failure is not None and "new request did not wake" in v.failure, v.failure
-    assert v.new_request_latency_ns is not None and v.new_request_latency_ns > ew.WAKE_TOLERANCE_NS
+    assert v.new_request_latency_ns is not None and v.new_request_latency_ns > ews.WAKE_TOLERANCE_NS
 
 
 def test_a_scheduler_that_throttles_nobody_cannot_pass(verdicts):
@@ -227,8 +229,8 @@ def test_check_row_names_the_rule(verdicts, monkeypatch):
 def test_r16_reference_schedules_a_request_taken_during_an_empty_step(verdicts):
     v = verdicts["reference-polling"]
     assert v.polling and v.failure is None, (v.failure, v.error)
-    assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ew.WAKE_TOLERANCE_NS
-    assert v.tokens[ew.USER_B] == ew.B_MAX_TOKENS and v.max_lateness_ns <= ew.LATENESS_TOLERANCE_NS
+    assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ews.WAKE_TOLERANCE_NS
+    assert v.tokens[ews.USER_B] == ews.B_MAX_TOKENS and v.max_lateness_ns <= ews.LATENESS_TOLERANCE_NS
 
 
 @pytest.mark.rules("R16")
@@ -238,10 +240,10 @@ def test_r16_the_reference_before_the_fix_sleeps_through_a_request_taken_during_
     v = verdicts["pre-fix-polling"]
     if engine_core_handles_inputs_during_step():  # 0.34.0: the engine took B during the empty step
         assert v.failure is not None and "taken by the engine during an empty step" in v.failure, v.failure
-        assert v.new_request_latency_ns is not None and v.new_request_latency_ns > 10 * ew.WAKE_TOLERANCE_NS
+        assert v.new_request_latency_ns is not None and v.new_request_latency_ns > 10 * ews.WAKE_TOLERANCE_NS
     else:  # 0.32.0, 0.33.0: B stays in the input queue during the step and ends the wait
         assert v.failure is None, (v.failure, v.error)
-        assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ew.WAKE_TOLERANCE_NS
+        assert v.new_request_latency_ns is not None and v.new_request_latency_ns <= ews.WAKE_TOLERANCE_NS
 
 
 def test_a_wait_that_queue_get_resumes_for_a_rounding_residual_is_one_wait():
@@ -253,7 +255,7 @@ def test_a_wait_that_queue_get_resumes_for_a_rounding_residual_is_one_wait():
         [51_000_001, 52_000_001, True, "sleep"],
         [52_000_001, 100_000_001, True, "input-queue"],
     ]
-    assert ew._merged_waits(waits) == [
+    assert ewj._merged_waits(waits) == [
         [1_000_000, 51_000_001, True, "input-queue"],
         [51_000_001, 52_000_001, True, "sleep"],
         [52_000_001, 100_000_001, True, "input-queue"],
