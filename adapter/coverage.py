@@ -35,6 +35,7 @@ from fractions import Fraction
 from typing import Any
 
 from vllm_output_rate.adapter import step_checks
+from vllm_output_rate.adapter.boundary_catalog import BOUNDARIES, BOUNDARY_NAMES
 from vllm_output_rate.spec import limiter as spec_limiter
 
 K_PER_PROFILE = {"quick": 1, "ci": 3, "release": 10}  # scenario runs per obligation
@@ -70,15 +71,11 @@ _ODD_ID = re.compile(r"^[a-z0-9-]{1,64}$")
 
 
 def boundary_names() -> tuple[str, ...]:
-    from vllm_output_rate.adapter.boundaries import BOUNDARY_NAMES
-
     return BOUNDARY_NAMES
 
 
 def obligations() -> list[tuple[str, str, str]]:
     """Every obligation: the rule branches, then the boundaries (``boundary: <name>``)."""
-    from vllm_output_rate.adapter.boundaries import BOUNDARIES
-
     return list(RULE_OBLIGATIONS) + [(f"boundary: {b.name}", " ".join(b.rules), "any") for b in BOUNDARIES]
 
 

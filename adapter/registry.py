@@ -377,12 +377,12 @@ def _boundaries_check(async_mode: bool) -> CheckSpec:
     the candidate at every level, with its config style and integer rates."""
 
     def per_boundary(options: GateOptions) -> int:
-        from vllm_output_rate.adapter.boundaries import PER_BOUNDARY
+        from vllm_output_rate.adapter.boundary_catalog import PER_BOUNDARY
 
         return PER_BOUNDARY[options.profile]
 
     def total(options: GateOptions) -> int:
-        from vllm_output_rate.adapter.boundaries import BOUNDARIES
+        from vllm_output_rate.adapter.boundary_catalog import BOUNDARIES
 
         return len(BOUNDARIES) * per_boundary(options)
 
@@ -400,7 +400,7 @@ def _boundaries_check(async_mode: bool) -> CheckSpec:
             **_configured_as(options),
         )
 
-    from vllm_output_rate.adapter.boundaries import BOUNDARIES
+    from vllm_output_rate.adapter.boundary_catalog import BOUNDARIES
 
     rules = tuple(sorted({r for b in BOUNDARIES for r in b.rules}))
     return CheckSpec(

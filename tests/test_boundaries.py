@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_output_rate.adapter import boundaries, coverage
+from vllm_output_rate.adapter import boundaries, boundary_catalog, coverage
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 from vllm_output_rate.adapter.scenarios import run_scenario
 from vllm_output_rate.spec import limiter as spec_limiter
@@ -49,7 +49,7 @@ def _one_stream_target(scenario) -> tuple[Fraction, int]:
 
 @pytest.mark.parametrize("integer_rates", [False, True])
 def test_every_boundary_has_a_model_for_every_rate_of_its_pool(integer_rates):
-    for boundary in boundaries.BOUNDARIES:
+    for boundary in boundary_catalog.BOUNDARIES:
         for rate in boundary.rates(integer_rates):
             assert boundaries._solved(boundary.name, rate, False, 0) is not None, (boundary.name, rate)
             if integer_rates:
@@ -58,7 +58,7 @@ def test_every_boundary_has_a_model_for_every_rate_of_its_pool(integer_rates):
 
 def test_boundary_scenarios_per_run_cover_every_boundary_with_seeded_rates():
     named = boundaries.boundary_scenarios(False, integer_rates=True, seed=0, per_boundary=3)
-    assert [n.split("@")[0] for n, _ in named] == [b.name for b in boundaries.BOUNDARIES for _ in range(3)]
+    assert [n.split("@")[0] for n, _ in named] == [b.name for b in boundary_catalog.BOUNDARIES for _ in range(3)]
     assert all(
         Fraction(r).denominator == 1
         for _, s in named
@@ -96,10 +96,10 @@ def test_r5_take_at_ready_at_granted_and_1ns_before_refused(rate):
     assert now == spec_limiter.ready_at_ns(state, "u") - 1 and not spec_limiter.allows(state, "u", now)
 
 
-@pytest.mark.parametrize("name", boundaries.BOUNDARY_NAMES)
+@pytest.mark.parametrize("name", boundary_catalog.BOUNDARY_NAMES)
 @pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
 def test_boundary_reached_on_the_reference(name, async_mode):
-    boundary = next(b for b in boundaries.BOUNDARIES if b.name == name)
+    boundary = next(b for b in boundary_catalog.BOUNDARIES if b.name == name)
     for rate in boundary.rates(False)[:2]:
         scenario = _scenario(name, rate, async_mode)
         cls = REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER
@@ -130,7 +130,7 @@ KILLS = [
 @pytest.mark.parametrize("name, slip, modes, level, rule", KILLS, ids=[k[0] for k in KILLS])
 def test_boundary_scenario_kills_the_slip_it_targets(name, slip, modes, level, rule, monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
-    boundary = next(b for b in boundaries.BOUNDARIES if b.name == name)
+    boundary = next(b for b in boundary_catalog.BOUNDARIES if b.name == name)
     for mode in modes:
         async_mode = mode == "async"
         cls = f"gate_candidates.{slip}" + ("Async" if async_mode else "")
@@ -177,7 +177,7 @@ def test_r6_cleanup_at_tat_equal_now_is_not_distinguishable(monkeypatch):
 def test_check_boundaries_row_lists_scenarios_and_names_the_failing_boundary(monkeypatch, tmp_path):
     ok = boundaries.check_boundaries(REFERENCE_SCHEDULER, False, 0, _noop, level="should")
     assert ok.result == "pass" and ok.name == "boundaries/sync"
-    assert [n.split("@")[0] for n in ok.scenarios] == list(boundaries.BOUNDARY_NAMES)
+    assert [n.split("@")[0] for n in ok.scenarios] == list(boundary_catalog.BOUNDARY_NAMES)
     monkeypatch.syspath_prepend(str(FIXTURES))
     bad = boundaries.check_boundaries("gate_candidates.CleanupNowPlusOne", False, 0, _noop, tmp_path, level="must")
     assert bad.result == "fail" and bad.failed_level == "must"
@@ -221,7 +221,7 @@ def test_r9_kept_charge_is_an_under_grant_once_the_pressure_is_gone(name):
     # The scenario is not ample (3-4 KV blocks), but from ``ample_from_step`` on only B is
     # left: a charge kept although its request was not dispatched (no R9 refund) then
     # refuses B where the GCRA grants it.
-    boundary = next(b for b in boundaries.BOUNDARIES if b.name == name)
+    boundary = next(b for b in boundary_catalog.BOUNDARIES if b.name == name)
     for rate in boundary.rates(True)[:2]:
         scenario = _scenario(name, rate)
         assert not scenario.ample and scenario.ample_from_step is not None

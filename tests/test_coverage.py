@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_output_rate.adapter import boundaries, coverage, registry
+from vllm_output_rate.adapter import boundaries, boundary_catalog, coverage, registry
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 from vllm_output_rate.adapter.scenarios import run_scenario
 
@@ -42,7 +42,9 @@ def test_obligations_cover_every_rule_r6_to_r18_and_every_boundary():
     rules = {r for _, rules, _ in coverage.obligations() for r in rules.split()}
     assert {f"R{i}" for i in range(6, 19)} <= rules
     names = [name for name, _, _ in coverage.obligations()]
-    assert [n for n in names if n.startswith("boundary: ")] == [f"boundary: {b}" for b in boundaries.BOUNDARY_NAMES]
+    assert [n for n in names if n.startswith("boundary: ")] == [
+        f"boundary: {b}" for b in boundary_catalog.BOUNDARY_NAMES
+    ]
     assert coverage.K_PER_PROFILE == {"quick": 1, "ci": 3, "release": 10}
 
 
@@ -112,7 +114,7 @@ def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
     # No boundary scenario at all (budget 0 per boundary): the random scenarios of the
     # other checks never put a TAT at now + 1 ns on the 256th schedule() nor a refund after
     # a self-preemption, so the run must say those were not checked, and fail.
-    monkeypatch.setitem(boundaries.PER_BOUNDARY, "quick", 0)
+    monkeypatch.setitem(boundary_catalog.PER_BOUNDARY, "quick", 0)
     options = registry.GateOptions(
         REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick", spec_health=False
     )
@@ -163,7 +165,7 @@ def test_cli_conform_lists_boundary_scenarios_and_prints_the_coverage_table(tmp_
     assert "coverage obligations (k = 1 per run, profile quick)" in run.stdout
     data = json.loads(report.read_text())
     rows = {c["name"]: c for c in data["checks"]}
-    assert [s.split("@")[0] for s in rows["boundaries/async"]["scenarios"]] == list(boundaries.BOUNDARY_NAMES)
+    assert [s.split("@")[0] for s in rows["boundaries/async"]["scenarios"]] == list(boundary_catalog.BOUNDARY_NAMES)
     assert rows["coverage"]["coverage"]["k"] == 1
     assert {r["status"] for r in rows["coverage"]["coverage"]["rows"]} == {"ok"}
 
