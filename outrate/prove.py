@@ -3,7 +3,7 @@
 * Z3 (``proofs/z3_limiter.py``): inductive proofs over unbounded integers and reals,
   symbolic rates; each obligation gets ``--timeout-ms``.
 * CrossHair (``proofs/crosshair_limiter.py``): PEP 316 contracts on wrappers around the
-  spec and the reference limiter, checked in child processes; each condition gets
+  spec and the reference limiter, checked in child processes (``proofs/crosshair_runner.py``); each condition gets
   ``--crosshair-timeout`` CPU seconds, the whole CrossHair run ``--wall-timeout`` seconds.
   "proved" only when CrossHair confirmed the condition over all paths.
 
@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vllm_output_rate.clitools import bar_progress, flag_option, shown_default_option
-from vllm_output_rate.proofs import crosshair_limiter
+from vllm_output_rate.proofs import crosshair_check, crosshair_limiter, crosshair_runner
 from vllm_output_rate.proofs.records import RECORD_KEYS
 
 RESULT_STYLE = {"proved": "green", "unknown": "yellow", "refuted": "bold red"}
@@ -57,7 +57,7 @@ def _run_proofs(
 ) -> list[dict]:
     """The Z3 proofs, then the CrossHair properties (with the known-broken ones if
     ``broken``) in ``jobs`` processes, under one progress bar: their records, in order."""
-    from vllm_output_rate.proofs import z3_limiter
+    from vllm_output_rate.proofs import z3_limiter  # deferred: imports z3 (slow), needed only to prove
 
     crosshair_props = list(crosshair_limiter.PROPERTIES) + (list(crosshair_limiter.BROKEN) if broken else [])
     records: list[dict] = []
@@ -74,7 +74,7 @@ def _run_proofs(
         def tick(record: dict) -> None:
             progress.update(task, advance=1, description=f"crosshair: {record['name']} {record['result']}")
 
-        records += crosshair_limiter.run_all(
+        records += crosshair_runner.run_all(
             per_condition_timeout=crosshair_timeout,
             names=[p.name for p in crosshair_props],
             jobs=jobs,
@@ -109,13 +109,13 @@ def _write_document(text: str, json_path: str) -> None:
 @shown_default_option(
     "--crosshair-timeout",
     click.FloatRange(min=0.1),
-    crosshair_limiter.DEFAULT_PER_CONDITION_TIMEOUT_S,
+    crosshair_check.DEFAULT_PER_CONDITION_TIMEOUT_S,
     "CrossHair CPU seconds per condition (its --per_condition_timeout).",
 )
 @shown_default_option(
     "--wall-timeout",
     click.FloatRange(min=1),
-    crosshair_limiter.DEFAULT_WALL_TIMEOUT_S,
+    crosshair_runner.DEFAULT_WALL_TIMEOUT_S,
     "Wall-clock cap in seconds on the CrossHair run; unfinished checks are reported unknown.",
 )
 @shown_default_option("--jobs", click.IntRange(min=1), 2, "CrossHair child processes.")

@@ -76,7 +76,7 @@ refutes them.
 Running
 -------
 ``python -m vllm_output_rate.proofs.crosshair_limiter [--per-condition-timeout S]``
-prints one JSON record per property as it completes; ``run_all()`` runs that in child
+prints one JSON record per property as it completes; ``crosshair_runner.run_all()`` runs that in child
 processes (CrossHair's tracer stays out of the caller's process) under a wall-clock cap.
 A condition may use ``per_condition_timeout`` seconds of *CPU* time (CrossHair's
 ``--per_condition_timeout``; the per-path timeout is CrossHair's default, its square
@@ -90,99 +90,41 @@ imported by CrossHair)::
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
-import queue
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from fractions import Fraction
-from types import MappingProxyType
-from typing import Any, NamedTuple
 
-from vllm_output_rate.proofs.records import proof_record
+from vllm_output_rate.proofs.crosshair_check import (
+    DEFAULT_PER_CONDITION_TIMEOUT_S,
+    CrossHairProperty,
+    check_property,
+    install_ceil_model,
+)
+from vllm_output_rate.proofs.crosshair_rules import (  # the noqa ones: read by the pre:/post: conditions
+    N_RATES,  # noqa: F401
+    TAU,
+    V_RATE,
+    Cleaned,
+    Ready,
+    Take,
+    Twin,
+    Undo,
+    interval,
+    r2_take_holds,  # noqa: F401
+    r4_refund_holds,  # noqa: F401
+    r5_ready_holds,  # noqa: F401
+    r6_cleanup_holds,  # noqa: F401
+    rate,
+    ref_limiter,
+    spec_state,
+)
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.spec import limiter as spec
-
-TAU: int = spec.BURST_NS
-NS_PER_S: int = spec.NS_PER_S
-
-# Rates in tokens/s, picked per path by a symbolic index (see the module docstring).
-RATES: tuple[Fraction, ...] = (Fraction(2), Fraction(3), Fraction(1, 2), Fraction(3, 2))
-N_RATES: int = len(RATES)
-# Rate of the second user "v" in the cleanup properties (a per-user override in the reference).
-V_RATE: Fraction = Fraction(1, 2)
-# The math.ceil models this module registered with CrossHair (so that a second install is a no-op).
-_OUR_CEIL_MODELS: set[Callable[..., Any]] = set()
-
-# CPU seconds per condition. The costliest correct property (the differential) needs about
-# 14 s of CPU to exhaust its paths, the others 0.2-4 s (CPU time: a loaded machine makes
-# them slower in wall time but does not change the verdicts).
-DEFAULT_PER_CONDITION_TIMEOUT_S: float = 30.0
-# Wall-clock cap on a whole run_all() (seconds): unfinished properties become "unknown".
-DEFAULT_WALL_TIMEOUT_S: float = 75.0
-
-
-def rate(k: int) -> Fraction:
-    """``RATES[k]``, by explicit branching so that a symbolic ``k`` forks one path per rate."""
-    for i, r in enumerate(RATES):
-        if k == i:
-            return r
-    raise ValueError(f"rate index {k} not in 0..{N_RATES - 1}")
-
-
-def interval(r: Fraction) -> Fraction:
-    """R1: T = 1/rate seconds, in ns (written out here, not taken from the code under test)."""
-    return Fraction(NS_PER_S) / r
-
-
-# --------------------------------------------------------------------------------------
-# Building states: spec state {user: S/p} and a reference limiter holding scaled TAT S.
-# The wrappers below are the harness; the `*_holds` predicates state the rules directly
-# (from docs/SPEC.md "The limiter (R1-R6)"), not by calling the code under test.
-# --------------------------------------------------------------------------------------
-
-
-def spec_state(tats: dict[str, Fraction]) -> spec.LimiterState:
-    return spec.LimiterState(MappingProxyType(dict(tats)))
-
-
-def ref_limiter(
-    default: Fraction, overrides: dict[str, Fraction] | None = None, scaled_tats: dict[str, int] | None = None
-) -> OutputRateLimiter:
-    """An ``OutputRateLimiter`` whose scaled TATs are ``scaled_tats`` (white-box: ``_tat``
-    is the limiter's one piece of per-user state, R1/R3)."""
-    lim = OutputRateLimiter(default, overrides or {})
-    for user, s in (scaled_tats or {}).items():
-        lim._tat[user] = s
-    return lim
-
 
 # --------------------------------------------------------------------------------------
 # R2: try_take
 # --------------------------------------------------------------------------------------
-
-
-class Take(NamedTuple):
-    granted: bool
-    before: Fraction | None  # input TAT in ns (None: user unknown)
-    after: Fraction | None  # TAT in ns after the take, as the implementation holds it
-    unchanged: bool  # the implementation's whole state is exactly as before
-
-
-def r2_take_holds(k: int, known: bool, now: int, t: Take) -> bool:
-    """R2: granted iff ``TAT - now <= tau`` (an unknown user always); after a grant
-    ``TAT = max(TAT, now) + T``; a refusal changes nothing."""
-    before = t.before if known else None
-    if t.granted != (before is None or before - now <= TAU):
-        return False
-    if t.granted:
-        return t.after == max(before if before is not None else Fraction(now), Fraction(now)) + interval(rate(k))
-    return t.unchanged
 
 
 def spec_try_take(k: int, known: bool, s: int, now: int) -> Take:
@@ -219,25 +161,6 @@ def ref_try_take(k: int, known: bool, s: int, now: int) -> Take:
 # --------------------------------------------------------------------------------------
 
 
-class Undo(NamedTuple):
-    granted: bool  # the take was granted (only a granted take is refunded, R9)
-    before: Fraction | None  # input TAT in ns (None: user unknown)
-    refunded: Fraction | None  # TAT after take + refund, as the implementation holds it
-
-
-def r4_refund_holds(now: int, u: Undo) -> bool:
-    """R4: a grant at ``now`` followed by its refund leaves ``TAT = max(TAT, now)`` (``now``
-    for a user that was unknown): the TAT itself whenever it was not behind the clock.
-
-    That is an undo: for every later time ``t >= now``, ``max(max(TAT, now), t) =
-    max(TAT, t)`` and ``max(TAT, now) - t <= tau`` iff ``TAT - t <= tau`` (both hold when
-    ``TAT < now``), so by R2 every later take decides and ends as if nothing had happened;
-    a user left at ``TAT = now`` behaves as unknown (``ch_*_idle_equals_unknown``)."""
-    if not u.granted:
-        return True
-    return u.refunded == (Fraction(now) if u.before is None else max(u.before, Fraction(now)))
-
-
 def spec_refund_undoes_take(k: int, known: bool, s: int, now: int) -> Undo:
     """R2/R4 on the spec: ``try_take`` then ``refund`` at the same ``now``.
 
@@ -272,20 +195,6 @@ def ref_refund_undoes_take(k: int, known: bool, s: int, now: int) -> Undo:
 # --------------------------------------------------------------------------------------
 # R5: ready_at is the least integer instant at which a take succeeds
 # --------------------------------------------------------------------------------------
-
-
-class Ready(NamedTuple):
-    ready: int
-    allowed_at: bool  # allows(ready)
-    allowed_before: bool  # allows(ready - 1)
-    take_at: bool  # try_take at max(ready, 0) granted (the clock is never negative)
-    take_before: bool  # try_take at ready - 1 granted (False when ready - 1 < 0)
-
-
-def r5_ready_holds(r: Ready) -> bool:
-    """R5: a take is allowed and granted at ``ready_at``, and refused one ns earlier; as
-    ``TAT - now`` only falls when ``now`` grows, it is then refused at every earlier ns."""
-    return r.allowed_at and r.take_at and not r.allowed_before and not r.take_before
 
 
 def spec_ready_at_least(k: int, s: int) -> Ready:
@@ -337,22 +246,6 @@ def ref_ready_at_least(k: int, s: int) -> Ready:
 # --------------------------------------------------------------------------------------
 
 
-class Cleaned(NamedTuple):
-    kept: frozenset  # users left after cleanup
-    tats_kept: bool  # kept users hold exactly their TATs from before
-    deleted: int  # how many users the cleanup deleted (reference: its return value)
-
-
-def r6_cleanup_holds(k: int, su: int, sv: int, now: int, c: Cleaned) -> bool:
-    """R6: of the users "u" (TAT ``su/p`` at rate ``RATES[k] = p/q``) and "v" (TAT
-    ``sv/p_v`` at ``V_RATE``), the cleanup keeps exactly those with TAT > now, with their
-    TATs, and deletes the others. (``S/p > now`` iff ``S > now * p``, as ``p > 0``.)"""
-    expected = frozenset(
-        user for user, s, p in (("u", su, rate(k).numerator), ("v", sv, V_RATE.numerator)) if s > now * p
-    )
-    return c.kept == expected and c.tats_kept and c.deleted == 2 - len(expected)
-
-
 def spec_cleanup_exact(k: int, su: int, sv: int, now: int) -> Cleaned:
     """R6 on the spec ``cleanup_idle_users``; two users at different rates. (An unknown
     user is not in the map, so it can be neither kept nor deleted.)
@@ -381,11 +274,6 @@ def ref_cleanup_exact(k: int, su: int, sv: int, now: int) -> Cleaned:
     deleted = lim.cleanup_idle_users(now)
     kept = frozenset(lim.users())
     return Cleaned(kept, all(lim._tat[u] == scaled[u] for u in kept), deleted)
-
-
-class Twin(NamedTuple):
-    idle: tuple  # (granted, TAT after) for the user holding TAT s/p <= t
-    unknown: tuple  # (granted, TAT after) for the same user unknown to the limiter
 
 
 def spec_idle_equals_unknown(k: int, s: int, t: int) -> Twin:
@@ -496,21 +384,8 @@ def broken_ready_at_floor(k: int, s: int) -> Ready:
 
 
 # --------------------------------------------------------------------------------------
-# The catalogue and the runner
+# The catalogue (checked by crosshair_check.py, run by crosshair_runner.py)
 # --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CrossHairProperty:
-    """A named property: the wrapper function whose PEP 316 condition states it.
-
-    ``cost`` is the CPU seconds it took to confirm on an idle core (used only to share the
-    properties out between child processes)."""
-
-    name: str
-    rules: tuple[str, ...]
-    fn: Callable
-    cost: float = 1.0
 
 
 PROPERTIES: tuple[CrossHairProperty, ...] = (
@@ -535,208 +410,8 @@ BROKEN: tuple[CrossHairProperty, ...] = (
 BY_NAME: dict[str, CrossHairProperty] = {p.name: p for p in PROPERTIES + BROKEN}
 
 
-def install_ceil_model() -> bool:
-    """Let CrossHair run ``math.ceil`` on a ``Fraction`` symbolically.
-
-    CrossHair 0.0.113 models ``math.ceil`` by making its argument concrete, which forks one
-    path per value and so can never exhaust ``spec.ready_at_ns`` (``math.ceil(TAT - tau)``).
-    Python defines ``math.ceil(x)`` for a non-float ``x`` as ``x.__ceil__()``; for a
-    ``Fraction`` that is the pure-Python ``-(-numerator // denominator)``, which CrossHair
-    executes symbolically. This replaces CrossHair's patch for ``math.ceil`` by exactly
-    that delegation for ``Fraction`` arguments (anything else goes to CrossHair's own
-    patch). It edits a private CrossHair table; if that is missing nothing is changed, and
-    the properties that use ``spec.ready_at_ns`` then come out "unknown", never "proved".
-
-    Returns whether the model is installed.
-    """
-    import math
-
-    try:
-        importlib.import_module("crosshair.core_and_libs")  # makes CrossHair's own registrations
-        from crosshair.core import _PATCH_REGISTRATIONS
-    except ImportError:
-        return False
-    current = _PATCH_REGISTRATIONS.get(math.ceil)
-    if current is None:
-        return False
-    if current in _OUR_CEIL_MODELS:
-        return True
-
-    def ceil_model(x, *rest):
-        if type(x) is Fraction and not rest:
-            return x.__ceil__()
-        return current(x, *rest)
-
-    _OUR_CEIL_MODELS.add(ceil_model)
-    _PATCH_REGISTRATIONS[math.ceil] = ceil_model
-    return True
-
-
 if "crosshair.core" in sys.modules:  # imported by `crosshair check`: use the same model
     install_ceil_model()
-
-
-def check_property(prop: CrossHairProperty, per_condition_timeout: float = DEFAULT_PER_CONDITION_TIMEOUT_S) -> dict:
-    """Run CrossHair on one property *in this process*; return its record.
-
-    ``{"name", "rules", "tool": "crosshair", "result", "seconds", "conditions"}``, where
-    ``conditions`` lists ``{"line", "status": confirmed|refuted|unknown, "message"}``
-    (``message`` holds CrossHair's counterexample for a refuted condition).
-    """
-    from crosshair.core_and_libs import AnalysisKind, MessageType, analyze_function
-    from crosshair.options import AnalysisOptionSet
-
-    install_ceil_model()
-    options = AnalysisOptionSet(
-        analysis_kind=[AnalysisKind.PEP316],
-        per_condition_timeout=per_condition_timeout,
-        enabled=True,  # overrides the `# crosshair: off` of the broken functions
-    )
-    start = time.perf_counter()
-    conditions = []
-    try:
-        for checkable in analyze_function(prop.fn, options):
-            for msg in checkable.analyze():
-                if msg.state == MessageType.CONFIRMED:
-                    status = "confirmed"
-                elif msg.state in (MessageType.POST_FAIL, MessageType.EXEC_ERR, MessageType.POST_ERR):
-                    status = "refuted"
-                else:
-                    # CANNOT_CONFIRM: budget or path timeout; PRE_UNSAT: no input meets the
-                    # preconditions (vacuous); SYNTAX_ERR / IMPORT_ERR: nothing was checked.
-                    status = "unknown"
-                conditions.append({"line": msg.line, "status": status, "message": msg.message})
-    except Exception as exc:  # a CrossHair crash is "unknown", never a proof
-        conditions.append({"line": 0, "status": "unknown", "message": f"crosshair crashed: {exc!r}"})
-    statuses = [c["status"] for c in conditions]
-    if "refuted" in statuses:
-        result = "refuted"
-    elif statuses and all(s == "confirmed" for s in statuses):
-        result = "proved"
-    else:
-        result = "unknown"
-    return proof_record(
-        prop.name, prop.rules, "crosshair", result, round(time.perf_counter() - start, 3), conditions=conditions
-    )
-
-
-def _share_out(props: list[CrossHairProperty], jobs: int) -> list[list[CrossHairProperty]]:
-    """Longest first, each to the least loaded child."""
-    shares: list[list[CrossHairProperty]] = [[] for _ in range(jobs)]
-    loads = [0.0] * jobs
-    for prop in sorted(props, key=lambda p: -p.cost):
-        i = loads.index(min(loads))
-        shares[i].append(prop)
-        loads[i] += prop.cost
-    return [s for s in shares if s]
-
-
-def run_all(
-    per_condition_timeout: float = DEFAULT_PER_CONDITION_TIMEOUT_S,
-    names: list[str] | None = None,
-    include_broken: bool = False,
-    jobs: int = 2,
-    wall_timeout: float | None = DEFAULT_WALL_TIMEOUT_S,
-    on_record: Callable[[dict], None] | None = None,
-) -> list[dict]:
-    """Check properties in ``jobs`` child processes; one record per property, in catalogue
-    order (see ``check_property``).
-
-    ``names`` selects properties (default: all of ``PROPERTIES``, plus ``BROKEN`` if
-    ``include_broken``). ``wall_timeout`` (seconds, None for none) caps the whole run:
-    children still running then are killed and their unfinished properties reported
-    ``unknown``. ``on_record`` is called with each record as soon as it arrives.
-    """
-    if names is None:
-        props = list(PROPERTIES) + (list(BROKEN) if include_broken else [])
-    else:
-        props = [BY_NAME[n] for n in names]
-    lines: queue.Queue = queue.Queue()
-    start = time.monotonic()
-    children = [_start_child(share, per_condition_timeout, lines) for share in _share_out(props, max(1, jobs))]
-    deadline = None if wall_timeout is None else start + wall_timeout
-    records, timed_out = _collect_records(lines, len(children), deadline, on_record)
-    errors: list[str] = []
-    for child in children:
-        if child.poll() is None:
-            child.kill()  # only the children started above, through their own handles
-        _, err = child.communicate()
-        if child.returncode not in (0, -9) and err:
-            errors.append(err.strip().splitlines()[-1])
-    elapsed = time.monotonic() - start
-    why = (
-        f"not finished within the {wall_timeout:g} s wall-clock cap"
-        if timed_out
-        else "checker process failed: " + ("; ".join(errors) or "no record")
-    )
-    out = []
-    for prop in props:
-        record = records.get(prop.name)
-        if record is None:
-            record = proof_record(
-                prop.name,
-                prop.rules,
-                "crosshair",
-                "unknown",
-                round(elapsed, 3),
-                conditions=[{"line": 0, "status": "unknown", "message": why}],
-            )
-            if on_record is not None:
-                on_record(record)
-        out.append(record)
-    return out
-
-
-def _start_child(share: list, per_condition_timeout: float, lines: queue.Queue) -> subprocess.Popen:
-    """One checker process for the properties ``share``; a thread pumps its stdout lines
-    into ``lines`` (then None when the stream closes)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_output_rate.proofs.crosshair_limiter",
-        "--per-condition-timeout",
-        str(per_condition_timeout),
-        "--only",
-        *[p.name for p in share],
-    ]
-    child = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()
-    return child
-
-
-def _collect_records(
-    lines: queue.Queue, open_streams: int, deadline: float | None, on_record: Callable[[dict], None] | None
-) -> tuple[dict[str, dict], bool]:
-    """Read the JSON records of ``open_streams`` checker processes from ``lines`` until every
-    stream closed or ``deadline`` (``time.monotonic()`` seconds; None: no limit) passed:
-    ``(records by property name, True if the deadline cut it short)``."""
-    records: dict[str, dict] = {}
-    while open_streams:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            break
-        try:
-            line = lines.get(timeout=remaining)
-        except queue.Empty:
-            break
-        if line is None:
-            open_streams -= 1
-            continue
-        if not line.startswith("{"):
-            continue
-        record = json.loads(line)
-        records[record["name"]] = record
-        if on_record is not None:
-            on_record(record)
-    return records, open_streams > 0
-
-
-def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line.strip())
-    lines.put(None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from vllm_output_rate.cli import main
 from vllm_output_rate.proofs import crosshair_limiter as chl
+from vllm_output_rate.proofs import crosshair_runner as chr_
 from vllm_output_rate.proofs import z3_limiter as zl
 
 RESULTS = {"proved", "refuted", "unknown"}
@@ -90,7 +91,7 @@ def test_crosshair_unknowns_are_explained(run):
 
 def test_broken_crosshair_functions_refuted():
     names = [p.name for p in chl.BROKEN]
-    records = chl.run_all(names=names, jobs=1, wall_timeout=60)
+    records = chr_.run_all(names=names, jobs=1, wall_timeout=60)
     assert [r["name"] for r in records] == names
     for r in records:
         assert r["result"] == "refuted", r
@@ -102,10 +103,10 @@ def test_broken_crosshair_functions_refuted():
 def test_budget_exhaustion_is_unknown_never_proved():
     """Out of CPU budget (CrossHair's "Not confirmed.") or past the wall-clock cap: unknown."""
     name = "ch_spec_vs_reference_step"  # needs ~14 CPU s to exhaust its paths
-    (short_cpu,) = chl.run_all(per_condition_timeout=0.5, names=[name], jobs=1, wall_timeout=60)
+    (short_cpu,) = chr_.run_all(per_condition_timeout=0.5, names=[name], jobs=1, wall_timeout=60)
     assert short_cpu["result"] == "unknown", short_cpu
     assert short_cpu["conditions"][0]["message"] == "Not confirmed."
-    (short_wall,) = chl.run_all(names=[name], jobs=1, wall_timeout=1)
+    (short_wall,) = chr_.run_all(names=[name], jobs=1, wall_timeout=1)
     assert short_wall["result"] == "unknown", short_wall
     assert "wall-clock cap" in short_wall["conditions"][0]["message"]
 
@@ -153,7 +154,7 @@ def _canned(monkeypatch, crosshair_result: str) -> None:
         return [rec]
 
     monkeypatch.setattr(zl, "run_all", z3_run_all)
-    monkeypatch.setattr(chl, "run_all", ch_run_all)
+    monkeypatch.setattr(chr_, "run_all", ch_run_all)
 
 
 def test_exit_status_nonzero_on_refutation(monkeypatch, tmp_path):
