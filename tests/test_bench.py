@@ -47,6 +47,10 @@ def test_bench_quick_json_structure(tmp_path):
         # with the reference / article-style column (issue 27: <= 0.87 when throttled).
         for key in ("article_us", "article_ratio", "reference_article_ratio"):
             assert _positive_finite(r[key]), (key, r)
+        # Issue 27: the per-request cost over stock from this row's medians, beside the
+        # try_take floor from the limiter part of the same run.
+        assert r["per_request_over_stock_us"] == (r["reference_us"] - r["stock_us"]) / r["running"], r
+        assert r["try_take_floor_us"] == 1e6 / data["limiter"]["try_take_per_s"], r
 
     shared = data["shared"]  # R23-R26: a redis-server is started for the run (.ci/run installs it)
     assert shared["skipped"] is None, shared["skipped"]
@@ -104,3 +108,30 @@ def test_live_throughput_summary_takes_a_round_whose_engine_cpu_did_not_move():
     assert summary["engine_cpu_ratio"] == statistics.median([510 / 500, 530 / 520])
     none = _throughput_summary(rates, cpu_us | {"on_spin": [0.0, 0.0]}, 2, 4, 8)
     assert none["worker_fix_cpu_ratio"] is None
+
+
+def test_scheduler_row_per_request_cost_and_try_take_floor_come_from_the_run():
+    from dataclasses import replace
+
+    from vllm_output_rate.bench.render import _scheduler_table
+    from vllm_output_rate.bench.scheduler import measure_scheduler, set_try_take_floor
+
+    plan = replace(QUICK, rounds=2, steps_per_round=2)
+    rows = [measure_scheduler(8, 0.5, "sync", plan, lambda: None)]
+    row = rows[0]
+    assert row.per_request_over_stock_us == (row.reference_us - row.stock_us) / row.running
+    assert row.try_take_floor_us is None  # set once per run, after the scheduler part
+
+    # The limiter part ran: its try_take/s is the floor, for every row.
+    assert set_try_take_floor(rows, {"try_take_per_s": 2_500_000.0}) == 0.4
+    assert row.try_take_floor_us == 0.4
+    # It did not: a short try_take run of the reference limiter measures one.
+    floor = set_try_take_floor(rows, None)
+    assert _positive_finite(floor) and row.try_take_floor_us == floor
+
+    table = _scheduler_table(rows, "cpu")
+    headers = [column.header for column in table.columns]
+    assert headers[-2:] == ["per request over stock µs", "try_take floor µs"]
+    assert "reference / article-style" in headers
+    assert list(table.columns[-1].cells) == [f"{floor:.3f}"]
+    assert list(table.columns[-2].cells) == [f"{row.per_request_over_stock_us:+.2f}"]

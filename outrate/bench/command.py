@@ -37,7 +37,7 @@ from vllm_output_rate.bench.render import (
     profile_tables,
     write_plot,
 )
-from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler
+from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler, set_try_take_floor
 from vllm_output_rate.bench.shared import measure_all_shared, shared_configs
 from vllm_output_rate.bench.tables import measure_tables, tables_steps, tables_table
 from vllm_output_rate.clitools import bar_progress, flag_option, json_option, output_file_option
@@ -115,6 +115,8 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
         _profile(profile_n, 20 if quick else 100, json_path, command)
         return
     scheduler_rows, shared, limiter, gate, live_result = _measure(parts, plan, clock)
+    if scheduler_rows:  # the try_take floor: the limiter part's, else a short try_take run
+        set_try_take_floor(scheduler_rows, limiter)
     tables = _measure_tables(quick) if "tables" in parts else None
 
     env = machine()

@@ -50,6 +50,8 @@ def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
         "article-style µs",
         "article-style ratio",
         "reference / article-style",
+        "per request over stock µs",
+        "try_take floor µs",
     ):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in rows:
@@ -71,6 +73,8 @@ def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
             "-" if r.article_us is None else f"{r.article_us:,.0f}",
             "-" if r.article_ratio is None else f"{r.article_ratio:.3f}",
             versus,
+            f"{r.per_request_over_stock_us:+.2f}",
+            "-" if r.try_take_floor_us is None else f"{r.try_take_floor_us:.3f}",
         )
     return table
 

@@ -8,7 +8,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,14 @@ from vllm_output_rate.bench.common import (
     FREE_RATE,
     MAX_WARMUP_STEPS,
     MIN_STEADY_STEPS,
+    QUICK,
     STEP_NS,
     STREAMS_PER_USER,
     TINY_RATE,
     TINY_RATE_INTEGER,
     Plan,
 )
+from vllm_output_rate.bench.limiter import measure_limiter
 
 
 # -- scheduler step cost ----------------------------------------------------------------
@@ -176,6 +178,12 @@ class SchedulerRow:
     article_ratio: float | None = None
     # median over rounds of reference / article-style (issue 27 target: <= 0.87 when throttled)
     reference_article_ratio: float | None = None
+    # What the reference adds over stock per running request and step, in µs:
+    # (reference_us - stock_us) / running (negative: the reference's step was the cheaper).
+    per_request_over_stock_us: float = 0.0
+    # The floor of any per-request charge beside it: one granted try_take of the reference
+    # limiter, in µs, measured in the same run (set_try_take_floor); None until set.
+    try_take_floor_us: float | None = None
 
 
 ARTICLE_SCHEDULER = "article_style.scheduler.ArticleScheduler"
@@ -274,12 +282,13 @@ def measure_scheduler(
             f"planned {reference.expected_throttled}"
         )
     ratios = [r / s for r, s in zip(ref_means, stock_means)]
+    stock_us, reference_us = statistics.median(stock_means) * 1e6, statistics.median(ref_means) * 1e6
     return SchedulerRow(
         running=n,
         throttled_fraction=fraction,
         mode=mode,
-        stock_us=statistics.median(stock_means) * 1e6,
-        reference_us=statistics.median(ref_means) * 1e6,
+        stock_us=stock_us,
+        reference_us=reference_us,
         ratio=statistics.median(ratios),
         throttled_requests=reference.expected_throttled,
         rounds=plan.rounds,
@@ -293,4 +302,28 @@ def measure_scheduler(
         reference_article_ratio=(
             statistics.median([r / a for r, a in zip(ref_means, means[id(article)])]) if article is not None else None
         ),
+        per_request_over_stock_us=(reference_us - stock_us) / n,
     )
+
+
+FLOOR_LIMITER_BATCHES = 3  # the short try_take run when the limiter part is not selected
+
+
+def try_take_floor_us(limiter: dict[str, Any] | None) -> float:
+    """The ``try_take`` floor in µs: one granted ``try_take`` of the reference limiter.
+
+    ``limiter`` is the limiter part's result (``measure_limiter``) when it ran: its
+    ``try_take_per_s`` is reused. Otherwise ``measure_limiter`` is run for
+    ``FLOOR_LIMITER_BATCHES`` batches (about a second) and its ``try_take_per_s`` taken.
+    """
+    if limiter is None:
+        limiter = measure_limiter(replace(QUICK, limiter_batches=FLOOR_LIMITER_BATCHES), lambda: None)
+    return 1e6 / limiter["try_take_per_s"]
+
+
+def set_try_take_floor(rows: list[SchedulerRow], limiter: dict[str, Any] | None) -> float:
+    """Set ``try_take_floor_us`` of every row to ``try_take_floor_us(limiter)``; returns it."""
+    floor = try_take_floor_us(limiter)
+    for row in rows:
+        row.try_take_floor_us = floor
+    return floor
