@@ -1,7 +1,7 @@
 """Name the rule a black-box rate failure breaks (the candidate's sampling dispatches against
 the spec limiter replayed at ns resolution).
 
-``adapter/scenarios.py``'s judge replays every sampling dispatch of the candidate as a
+``adapter/judge.py``'s judge replays every sampling dispatch of the candidate as a
 ``try_take`` on the exact spec limiter and fails the run at the first dispatch the spec
 refuses (over-grant, named R2) or the first pause the spec does not explain (under-grant,
 named R11). Those names say which property failed, not which rule the candidate broke:

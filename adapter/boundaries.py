@@ -44,9 +44,12 @@ from dataclasses import replace
 
 from vllm_output_rate.adapter.boundary_catalog import BOUNDARIES
 from vllm_output_rate.adapter.boundary_shapes import BUILDERS
-from vllm_output_rate.adapter.conform import CheckResult, _guarded, _record_failure, _save_counterexample
+from vllm_output_rate.adapter.conform import _guarded, _record_failure, _save_counterexample
+from vllm_output_rate.adapter.gate_result import CheckResult
 from vllm_output_rate.adapter.modes import ModeRefused
-from vllm_output_rate.adapter.scenarios import Scenario, minimize, named_verdict, run_scenario
+from vllm_output_rate.adapter.rule_naming import named_verdict
+from vllm_output_rate.adapter.scenario_run import minimize, run_scenario
+from vllm_output_rate.adapter.scenarios import Scenario
 from vllm_output_rate.adapter.z3guard import z3_alone
 
 

@@ -9,7 +9,6 @@ as JSON for ``outrate replay``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,16 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-# R18's row is a ``feature_off.PairedCheck``, defined beside the side-by-side run it uses
-from vllm_output_rate.adapter.feature_off import check_feature_off as check_feature_off
-from vllm_output_rate.adapter.scenarios import Hunt
+from vllm_output_rate.adapter import scenario_strategies
+from vllm_output_rate.adapter.environment import stock_survives
+from vllm_output_rate.adapter.fidelity import StepVerdict, base_scenarios, describe_failure, run_base, with_loras
+from vllm_output_rate.adapter.gate_errors import exception_text, reraise_gate_error
+from vllm_output_rate.adapter.gate_result import CheckResult
+from vllm_output_rate.adapter.limiter_diff import operations, run_differential
+from vllm_output_rate.adapter.rule_naming import named_verdict
+from vllm_output_rate.adapter.scenario_run import minimize, run_scenario
+from vllm_output_rate.adapter.scenarios import Hunt, Verdict
+from vllm_output_rate.adapter.whitebox import run_white_box, white_box_scenarios
 
 PROFILES = {
     # examples per check: limiter differential, real scheduler sync / async (ample), each
@@ -39,70 +45,6 @@ STEP_SPEC_PROFILES = {
 STEP_SCENARIO_MAX_STEPS = 40
 
 
-@dataclass
-class CheckResult:
-    """One row of the gate's table (and of the JSON report).
-
-    ``result``: "pass", "fail", "warning" (a project rule failed at level should,
-    ``adapter/origins.py``: printed, never fatal), "not applicable" (the row needs an engine
-    mode the candidate refused at start-up, ``adapter/modes.py``), or "not tested" (the row
-    could not run; ``failure`` says why). ``part``: "candidate" (runs the class under test) or "spec health" (the spec
-    against itself or against stock vLLM; never the candidate's verdict). ``level``: the
-    lowest conformance level at which the row runs; ``failed_level``: the level of the
-    property that failed. ``scenarios``: the scenarios a row ran, by name (the boundaries
-    row); ``coverage``: the coverage table (the coverage row); both go to the JSON report
-    only when set.
-    """
-
-    name: str
-    rules: list[str]
-    examples: int = 0
-    steps: int = 0
-    result: str = "pass"
-    seconds: float = 0.0
-    counterexample: list[str] = field(default_factory=list)
-    failure: str | None = None
-    saved: str | None = None
-    part: str = "candidate"
-    level: str = "must"
-    failed_level: str | None = None
-    minimal: bool = True  # the counterexample is 1-minimal
-    scenarios: list[str] = field(default_factory=list)
-    coverage: dict[str, Any] | None = None
-    origin: str | None = None  # of the failure (adapter/origins.py); a project rule is a warning at should
-    modes: list[dict[str, Any]] | None = None  # the ``modes`` row: the candidate's mode matrix (adapter/modes.py)
-
-    def as_json(self) -> dict:
-        """The row as a JSON-ready dict, keys in ``CHECK_RESULT_JSON_KEYS`` order
-        (``scenarios`` and ``coverage`` are added by the report when set)."""
-        return fields_as_json(self, CHECK_RESULT_JSON_KEYS, rounded={"seconds": 3})
-
-
-CHECK_RESULT_JSON_KEYS = (
-    "name",
-    "part",
-    "level",
-    "failed_level",
-    "origin",
-    "minimal",
-    "rules",
-    "examples",
-    "steps",
-    "result",
-    "seconds",
-    "failure",
-    "counterexample",
-    "saved",
-)
-
-
-def fields_as_json(record: Any, keys: tuple[str, ...], rounded: dict[str, int] | None = None) -> dict[str, Any]:
-    """``{key: record.key}`` for ``keys``, in that order (a JSON report's key order); a
-    key in ``rounded`` has its value rounded to that many decimal digits (seconds)."""
-    rounded = rounded or {}
-    return {key: round(getattr(record, key), rounded[key]) if key in rounded else getattr(record, key) for key in keys}
-
-
 def hunt_settings(examples: int) -> settings:
     """The Hypothesis settings of every gate hunt: ``examples`` scenarios, no deadline, no
     example database (a run depends only on its seed), every health check off, generate
@@ -119,8 +61,6 @@ def hunt_settings(examples: int) -> settings:
 
 def check_limiter_differential(examples: int, seed: int, tick: Callable[[], None]) -> CheckResult:
     """R1-R6: spec limiter (exact rationals) vs reference limiter (scaled integers)."""
-    from vllm_output_rate.adapter.limiter_diff import operations, run_differential
-
     result = CheckResult("limiter-differential", ["R1", "R2", "R3", "R4", "R5", "R6"], part="spec health")
     last: dict = {}
 
@@ -149,51 +89,16 @@ def _guarded(run: Callable, cls: str) -> Callable:
     """``run(scenario)`` with any exception of the class under test turned into a failing
     verdict (rule "crash", level must) instead of ending the gate -- if stock vLLM survives
     the same scenario (else ``environment.EnvironmentFailure``: no verdict)."""
-    from vllm_output_rate.adapter.environment import stock_survives
-    from vllm_output_rate.adapter.scenarios import Verdict
 
     def guarded(scenario):
         try:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding, not a gate crash
-            _reraise_gate_error(exc)
+            reraise_gate_error(exc)
             stock_survives(scenario, exc)
             return Verdict(0, f"{cls.rpartition('.')[2]} raised {exception_text(exc)}", "crash", None, level="must")
 
     return guarded
-
-
-def exception_text(exc: BaseException) -> str:
-    """``Type: message`` of an exception of the class under test (or of vLLM inside it); a
-    bare ``assert`` (no message) is named by the line that raised it, e.g. ``AssertionError
-    at vllm/v1/core/sched/scheduler.py:897: assert len(scheduled_loras) <=
-    self.lora_config.max_loras``."""
-    import traceback
-
-    text = str(exc).strip()
-    if text:
-        return f"{type(exc).__name__}: {text}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return type(exc).__name__
-    last = frames[-1]
-    where = last.filename.rpartition("site-packages/")[2] if "site-packages/" in last.filename else last.filename
-    return f"{type(exc).__name__} at {where}:{last.lineno}: {last.line}"
-
-
-def _reraise_gate_error(exc: Exception) -> None:
-    """Re-raise ``exc`` if it was raised by the gate's own code (adapter/, spec/), not by the
-    class under test, vLLM, or the candidate's configuration: a gate bug must never be
-    reported as the candidate's failure."""
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = frames and any(
-        part in frames[-1].filename
-        for part in ("/adapter/", "/spec/", "vllm_output_rate/adapter", "vllm_output_rate/spec")
-    )
-    if ours and "configstyle" not in frames[-1].filename:  # a style that cannot express the scenario is a finding
-        raise exc
 
 
 def check_scheduler(
@@ -206,7 +111,7 @@ def check_scheduler(
     integer_rates: bool = False,
     burst_configurable: bool = False,
 ) -> CheckResult:
-    """The scheduler scenario checks of ``adapter/scenarios.py`` on a real scheduler class,
+    """The scheduler scenario checks of ``adapter/judge.py`` on a real scheduler class,
     hunted as ``hunt`` says (``adapter/scenarios.Hunt``).
 
     ``pressured`` False: ``rate-limit/*``, ample resources, black-box (R2, R7, R11, R12, R14).
@@ -216,8 +121,6 @@ def check_scheduler(
     how the candidate is configured. A failure is shrunk by Hypothesis, then made
     1-minimal, and saved for replay.
     """
-    from vllm_output_rate.adapter.scenarios import minimize, named_verdict, pressured_scenarios, run_scenario, scenarios
-
     tag = "async" if async_mode else "sync"
     kwargs: dict[str, Any] = {
         "async_scheduling": async_mode,
@@ -227,10 +130,10 @@ def check_scheduler(
     }
     if pressured:
         name, rules = f"invariants/{tag}", ["R1", "R2", "R6", "R7", "R9", "R11", "R12", "R16", "R17"]
-        strategy = pressured_scenarios(**kwargs)
+        strategy = scenario_strategies.pressured_scenarios(**kwargs)
     else:
         name, rules = f"rate-limit/{tag}", ["R2", "R7", "R10", "R11", "R12", "R14", "R17"]
-        strategy = scenarios(**kwargs)
+        strategy = scenario_strategies.scenarios(**kwargs)
     if async_mode:  # the under-grant and rotation checks need sync's immediate outputs
         rules = [r for r in rules if r not in ("R10", "R14")] + ["R8"]
     result = CheckResult(name, rules)
@@ -307,8 +210,6 @@ def _check_step_scenarios(
     """Run ``run(scenario)`` on ``examples`` generated step scenarios (``adapter/fidelity.py``);
     a failure keeps Hypothesis's shrunk scenario up to its first differing event (shrunk,
     not proven 1-minimal: the report says so). ``subject`` names the class in the message."""
-    from vllm_output_rate.adapter.fidelity import describe_failure
-
     result = CheckResult(name, rules, minimal=False)
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:
@@ -325,8 +226,6 @@ def check_base_fidelity(
 ) -> CheckResult:
     """V1-V12, R18: the step spec predicts stock vLLM exactly, step for step (a quarter of
     the scenarios with LoRA adapter slots, V8 ``max_loras``)."""
-    from vllm_output_rate.adapter.fidelity import base_scenarios, run_base, with_loras
-
     name = "base-fidelity/" + ("async" if async_mode else "sync")
     rules = [f"V{i}" for i in range(1, 12)] + (["V12"] if async_mode else []) + ["R18"]
     base = base_scenarios(async_mode, STEP_SCENARIO_MAX_STEPS)
@@ -357,9 +256,6 @@ def check_white_box(
     including every field of its ``last_step_observation`` (charged, refunded, throttled,
     wait hint, TATs), on ``hunt.examples`` step scenarios (``hunt.max_steps`` unused: the
     step scenarios' own bound). ``burst_configurable`` False: only the article's 100 ms burst."""
-    from vllm_output_rate.adapter.fidelity import with_loras
-    from vllm_output_rate.adapter.whitebox import run_white_box, white_box_scenarios
-
     name = "white-box/" + ("async" if async_mode else "sync")
     rules = ["R1", "R2", "R4", "R6", "R7", "R9", "R10", "R11", "R12", "R13", "R14", "R15", "R16"]
     rules += ["R8", "V12"] if async_mode else []
@@ -392,14 +288,12 @@ def check_white_box(
 def _guarded_step(run: Callable, cls: str) -> Callable:
     """``run(step_scenario)`` with an exception of the class under test as a failing verdict
     (if stock vLLM survives the same scenario, as in ``_guarded``)."""
-    from vllm_output_rate.adapter.environment import stock_survives
-    from vllm_output_rate.adapter.fidelity import StepVerdict
 
     def guarded(scenario):
         try:
             return run(scenario)
         except Exception as exc:  # the candidate's own error is a finding
-            _reraise_gate_error(exc)
+            reraise_gate_error(exc)
             stock_survives(scenario, exc)
             return StepVerdict(0, 0, f"{cls.rpartition('.')[2]} raised {exception_text(exc)}", None)
 

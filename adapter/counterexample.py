@@ -112,7 +112,7 @@ def _scheduler_judge(r: Replay) -> str | None:
     """rate-limit/*, invariants/*: the verdict named by the rule it breaks, as the gate
     names the row's failure (``conform.check_scheduler``)."""
     from vllm_output_rate.adapter.conform import _guarded
-    from vllm_output_rate.adapter.scenarios import named_verdict
+    from vllm_output_rate.adapter.rule_naming import named_verdict
 
     cls = r.scheduler_cls
     return _text(_guarded(lambda s: named_verdict(cls, s, r.judged_at, r.style), cls)(r.scenario))
@@ -122,7 +122,8 @@ def _boundaries_judge(r: Replay) -> str | None:
     """boundaries/*: ``run_scenario``, then the failure named by its rule where attribution
     names one (``boundaries.check_boundaries``), with the boundary scenario's name."""
     from vllm_output_rate.adapter.conform import _guarded
-    from vllm_output_rate.adapter.scenarios import named_verdict, run_scenario
+    from vllm_output_rate.adapter.rule_naming import named_verdict
+    from vllm_output_rate.adapter.scenario_run import run_scenario
 
     cls = r.scheduler_cls
     verdict = _guarded(lambda s: run_scenario(cls, s, r.judged_at, r.style), cls)(r.scenario)
@@ -398,7 +399,7 @@ def load(data: dict, name: str) -> Loaded:
 
     Raises:
         CounterexampleError: a newer format, a check this release does not know, or a
-            section missing; ``adapter.scenarios.ScenarioFileError``: a bad scenario value
+            section missing; ``adapter.scenario_file.ScenarioFileError``: a bad scenario value
             (the message names the field and the value).
     """
     from vllm_output_rate.adapter.fidelity import StepScenario

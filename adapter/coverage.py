@@ -1,6 +1,6 @@
 """Coverage obligations (issue 18 item 2): a rule or boundary a run never reached was not checked.
 
-The scenario judge (``adapter/scenarios._Judge.after_step``) calls ``observe`` once per
+The scenario judge (``adapter/judge._Judge.after_step``) calls ``observe`` once per
 step, before it replays the step's sampling dispatches on the spec limiter. ``observe``
 decides, black-box, from the spec-limiter replay state and what vLLM exposes
 (``StepTrace``: scheduled tokens, sampling dispatches, preemptions, admissions, finishes),
@@ -584,7 +584,7 @@ def check_coverage(options, counts: Counter | None = None):
     at least ``K_PER_PROFILE[options.profile]`` times by the run's candidate checks; not
     judged (``NOT_JUDGED``, "run stopped by <check>") when one of them failed. A failure
     carries no counterexample: the unreached obligations are in ``coverage["not_reached"]``."""
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
 
     counts = run_counts(options) if counts is None else counts
     k = K_PER_PROFILE[options.profile]

@@ -27,8 +27,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import seed as hseed
 
-from vllm_output_rate.adapter.conform import fields_as_json, hunt_settings
+from vllm_output_rate.adapter.conform import hunt_settings
 from vllm_output_rate.adapter.fidelity import StepScenario, StepVerdict, base_scenarios, describe_failure, run_base
+from vllm_output_rate.adapter.gate_result import fields_as_json
 from vllm_output_rate.spec.versions import VllmVersionProfile
 
 DRIFT_MAX_STEPS = 40  # scenario length, as the gate's base-fidelity check

@@ -81,7 +81,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points, packages_distributions
 from typing import Any
 
-from vllm_output_rate.adapter.conform import CheckResult
+from vllm_output_rate.adapter.gate_result import CheckResult
 from vllm_output_rate.adapter.engine_wait_judge import judge
 from vllm_output_rate.adapter.engine_wait_scenario import (
     CHILD_TIMEOUT_S,

@@ -19,8 +19,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, Scenario
+from vllm_output_rate.adapter.versions import installed_version
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Step
 from vllm_output_rate.spec.state import EngineConfig
+from vllm_output_rate.spec.versions import SUPPORTED_VERSIONS
 
 EXIT_NO_VERDICT = 3
 """``outrate conform``'s exit code when the environment, not the candidate, failed."""
@@ -58,6 +61,7 @@ def _preflight_events(async_mode: bool) -> tuple[Any, ...]:
 
 def preflight_scenarios() -> list[Any]:
     """The preflight's base-fidelity scenarios (feature off), sync then async."""
+    # deferred: the harness side (hypothesis, the vLLM seam) may not import; stock_preflight says so
     from vllm_output_rate.adapter.fidelity import StepScenario
 
     return [
@@ -67,16 +71,12 @@ def preflight_scenarios() -> list[Any]:
 
 
 def _supported() -> str:
-    from vllm_output_rate.spec.versions import SUPPORTED_VERSIONS
-
     return ", ".join(SUPPORTED_VERSIONS)
 
 
 def environment_paragraph(what: str) -> str:
     """The one paragraph ``outrate conform`` prints instead of a verdict: what failed, the
     installed vLLM, the supported releases and what to do."""
-    from vllm_output_rate.adapter.versions import installed_version
-
     try:
         version = installed_version()
     except Exception as exc:  # vLLM itself does not import: say so
@@ -99,6 +99,7 @@ def stock_preflight(run_base: Callable[..., Any] | None = None) -> str | None:
     pass their own). Never raises for a failure of vLLM or of the environment.
     """
     try:
+        # deferred: the harness side (hypothesis, the vLLM seam) may not import; reported below
         from vllm_output_rate.adapter.fidelity import run_step_scenario
     except Exception as exc:  # an import of the gate's vLLM side failed: a missing package, an API break
         return f"Importing the gate's harness failed: {type(exc).__name__}: {exc}."
@@ -126,8 +127,8 @@ def run_on_stock(scenario: Any) -> None:
     """Run ``scenario`` (a rate-limit ``Scenario`` or a ``StepScenario``) on the stock class of
     its mode (``STOCK_CLASS_PATHS``): the same arrivals, aborts and steps; the rate-limit
     section is ignored by stock vLLM. Raises whatever stock vLLM raises."""
+    # deferred: the harness side (hypothesis, the vLLM seam) may not import; stock_preflight says so
     from vllm_output_rate.adapter.fidelity import StepScenario, run_step_scenario
-    from vllm_output_rate.adapter.scenarios import Scenario
 
     if isinstance(scenario, StepScenario):
         run_step_scenario(STOCK_CLASS_PATHS[scenario.config.async_scheduling], scenario)
@@ -139,7 +140,8 @@ def _drive_stock(scenario: Any) -> None:
     """A rate-limit ``Scenario``'s arrivals, aborts and steps on the stock class, judging
     nothing (stock vLLM does not limit rates; only whether it raises matters), 1 ms between
     steps, until every request has finished (at most ``DRAIN_STEP_LIMIT`` steps more)."""
-    from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, add_spec, build_harness, parallel_children
+    # deferred: the harness side (hypothesis, the vLLM seam) may not import; stock_preflight says so
+    from vllm_output_rate.adapter.scenario_run import add_spec, build_harness, parallel_children
 
     harness = build_harness(STOCK_CLASS_PATHS[scenario.async_scheduling], scenario)
     pending = sorted(scenario.requests, key=lambda r: r.at_step)

@@ -22,22 +22,13 @@ from typing import Any, NamedTuple
 
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter import coverage
+from vllm_output_rate.adapter.conform import _guarded, _hunt, _record_failure, _save_counterexample
+from vllm_output_rate.adapter.gate_result import CheckResult
 from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
-from vllm_output_rate.adapter.scenarios import (
-    DRAIN_STEP_LIMIT,
-    STEP_INTERVALS_NS,
-    Hunt,
-    RequestSpec,
-    Scenario,
-    Verdict,
-    add_spec,
-    build_harness,
-    feature_off,
-    minimize,
-    parallel_children,
-    pressured_scenarios,
-    scenarios,
-)
+from vllm_output_rate.adapter.scenario_run import add_spec, build_harness, minimize, parallel_children
+from vllm_output_rate.adapter.scenario_strategies import STEP_INTERVALS_NS, pressured_scenarios, scenarios
+from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, Hunt, RequestSpec, Scenario, Verdict, feature_off
 
 
 def base_class(async_mode: bool) -> str:
@@ -48,8 +39,6 @@ def base_class(async_mode: bool) -> str:
 def run_feature_off(scheduler_cls: str, scenario: Scenario, style=None) -> Verdict:
     """Run ``scenario`` with the feature off on ``scheduler_cls`` and on its stock base;
     ``failure`` names the first step at which they differ (rule R18, level must)."""
-    from vllm_output_rate.adapter import coverage
-
     scenario = feature_off(scenario)
     coverage.note_feature_off(scenario)  # R18's order-sensitive shapes (issue 26)
     base_cls = base_class(scenario.async_scheduling)
@@ -261,7 +250,7 @@ class PairedCheck:
     ``hunt.examples`` seeded scenarios of at most ``hunt.max_steps`` steps
     (``adapter/scenarios.Hunt``), ``hunt.tick()`` after each; a failure is shrunk by
     Hypothesis, made 1-minimal and saved as ``as_run(scenario)`` in ``hunt.save_dir`` (None:
-    not saved). Returns the ``adapter.conform.CheckResult`` row.
+    not saved). Returns the ``adapter.gate_result.CheckResult`` row.
     """
 
     row: str
@@ -273,8 +262,6 @@ class PairedCheck:
     unsupported: Callable[[Any], str | None] = _every_style
 
     def __call__(self, scheduler_cls: str, async_mode: bool, hunt: Hunt, style: Any = None):
-        from vllm_output_rate.adapter.conform import CheckResult, _guarded, _hunt, _record_failure, _save_counterexample
-
         name = f"{self.row}/{'async' if async_mode else 'sync'}"
         why = self.unsupported(style)
         if why is not None:
@@ -292,8 +279,6 @@ class PairedCheck:
     def judge(self, scheduler_cls: str, scenario: Scenario, style: Any = None) -> Verdict:
         """The row's verdict on one saved scenario (``outrate replay``): ``run`` with an
         exception of the candidate as a ``crash`` verdict (level must), as in the hunt."""
-        from vllm_output_rate.adapter.conform import _guarded
-
         return _guarded(lambda s: self.run(scheduler_cls, s, style), scheduler_cls)(scenario)
 
 

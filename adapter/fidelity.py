@@ -27,7 +27,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
 from typing import Any, cast
 
@@ -41,6 +41,8 @@ from vllm_output_rate.adapter.harness import (
     Harness,
     StepTrace,
 )
+from vllm_output_rate.adapter.scenario_file import ScenarioFileError, checked_object
+from vllm_output_rate.adapter.step_file import config_from_json, event_from_json, frac_out
 from vllm_output_rate.adapter.versions import installed_profile
 from vllm_output_rate.adapter.vllm_compat import admitted_ids
 from vllm_output_rate.spec import invariants
@@ -104,8 +106,8 @@ class StepScenario:
 
     def to_json(self) -> str:
         config = asdict(self.config)
-        config["default_rate_tokens_per_s"] = _frac_out(config["default_rate_tokens_per_s"])
-        config["user_rates_tokens_per_s"] = [[u, _frac_out(r)] for u, r in self.config.user_rates_tokens_per_s]
+        config["default_rate_tokens_per_s"] = frac_out(config["default_rate_tokens_per_s"])
+        config["user_rates_tokens_per_s"] = [[u, frac_out(r)] for u, r in self.config.user_rates_tokens_per_s]
         events = [{"type": type(e).__name__, **asdict(e)} for e in self.events]
         return json.dumps({"config": config, "events": events}, indent=1)
 
@@ -116,125 +118,25 @@ class StepScenario:
         out takes ``EngineConfig``'s default.
 
         Raises:
-            ScenarioFileError (adapter/scenarios.py): not JSON, an unknown or missing key, an
+            ScenarioFileError (adapter/scenario_file.py): not JSON, an unknown or missing key, an
                 unknown event type, a value of the wrong type or out of range, a user id
                 that is not a non-empty string of at most 256 characters (R17), a rate that
                 is not a positive finite number of tokens/s; the message names the field
                 (e.g. ``events[3].user``) and the value.
         """
-        from vllm_output_rate.adapter.scenarios import ScenarioFileError, checked_object
-
         try:
             data = json.loads(text)
         except ValueError as exc:
             raise ScenarioFileError(f"not JSON: {exc}") from None
         data = checked_object(data, "the scenario", ("config", "events"), required=("config", "events"))
-        config = _config_from_json(data["config"])
+        config = config_from_json(data["config"])
         if not isinstance(data["events"], list):
             raise ScenarioFileError(f"events: must be a list of event objects, got {type(data['events']).__name__}")
-        events = tuple(_event_from_json(e, f"events[{i}]") for i, e in enumerate(data["events"]))
+        events = tuple(event_from_json(e, f"events[{i}]") for i, e in enumerate(data["events"]))
         try:
             return StepScenario(config, events)
         except AssertionError as exc:
             raise ScenarioFileError(f"events: {exc}") from None
-
-
-def _frac_out(value: Fraction | None) -> str | None:
-    return None if value is None else str(value)
-
-
-def _frac_in(value: str | None) -> Fraction | None:
-    return None if value is None else Fraction(value)
-
-
-EVENT_KINDS = {cls.__name__: cls for cls in (AddRequest, Abort, AdvanceClock, Step, Drain, ChangeRates)}
-# JSON type of a field by its annotation: (Python type, null allowed, what the message asks for).
-_JSON_TYPES: dict[str, tuple[type, bool, str]] = {
-    "int": (int, False, "an integer"),
-    "int | None": (int, True, "an integer or null"),
-    "bool": (bool, False, "true or false"),
-    "str": (str, False, "a string"),
-}
-
-
-def _typed(cls: type, data: dict[str, Any], where: str) -> None:
-    """Check the JSON type of each plain field of dataclass ``cls`` given in ``data``
-    (int, optional int, bool, str: by annotation); ``ScenarioFileError`` naming it."""
-    from vllm_output_rate.adapter.scenarios import bad_value
-
-    for f in fields(cls):
-        spec_type = _JSON_TYPES.get(str(f.type))
-        if spec_type is None or f.name not in data:
-            continue
-        want, optional, what = spec_type
-        value = data[f.name]
-        plain_int = want is not int or not isinstance(value, bool)
-        if not ((value is None and optional) or (isinstance(value, want) and plain_int)):
-            raise bad_value(f"{where}.{f.name}", value, f"must be {what}")
-
-
-def _rate_pairs(value: Any, where: str) -> tuple[tuple[str, str], ...]:
-    """A list of ``[user, rate]`` pairs, each user id (R17) and rate checked."""
-    from vllm_output_rate.adapter.scenarios import bad_value, checked_rate, checked_user_id
-
-    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-        raise bad_value(where, value, 'must be a list of [user, rate] pairs, e.g. [["a", "5"]]')
-    return tuple(
-        (checked_user_id(u, f"{where}[{i}][0]"), checked_rate(r, f"{where}[{i}][1]", ratio_ok=True))
-        for i, (u, r) in enumerate(value)
-    )
-
-
-def _config_from_json(value: Any) -> EngineConfig:
-    """The ``config`` object of a saved step scenario, validated (``StepScenario.from_json``)."""
-    from vllm_output_rate.adapter.scenarios import ScenarioFileError, checked_object, checked_rate
-
-    config = checked_object(value, "config", tuple(f.name for f in fields(EngineConfig)), required=())
-    _typed(EngineConfig, config, "config")
-    default = config.get("default_rate_tokens_per_s")
-    if default is not None:
-        config["default_rate_tokens_per_s"] = Fraction(checked_rate(default, "config.default_rate_tokens_per_s", True))
-    pairs = _rate_pairs(config.get("user_rates_tokens_per_s", []), "config.user_rates_tokens_per_s")
-    config["user_rates_tokens_per_s"] = tuple((u, Fraction(r)) for u, r in pairs)
-    try:
-        return EngineConfig(**config)
-    except AssertionError as exc:
-        raise ScenarioFileError(f"config: {str(exc) or 'a value out of range'}") from None
-
-
-def _event_from_json(value: Any, where: str) -> Event:
-    """One object of a saved step scenario's ``events``, validated: its ``type`` one of
-    ``EVENT_KINDS``, its fields known, typed and in range, user ids and rates checked."""
-    from vllm_output_rate.adapter.scenarios import (
-        ScenarioFileError,
-        bad_value,
-        checked_object,
-        checked_rate,
-        checked_user_id,
-    )
-
-    kind = value.get("type") if isinstance(value, dict) else None
-    if not isinstance(kind, str) or kind not in EVENT_KINDS:
-        raise bad_value(f"{where}.type", kind, f"must be one of {', '.join(EVENT_KINDS)}")
-    cls = EVENT_KINDS[kind]
-    names = tuple(f.name for f in fields(cls))
-    needed = tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
-    data = checked_object(value, where, ("type", *names), required=("type", *needed))
-    del data["type"]
-    _typed(cls, data, where)
-    if cls is AddRequest and "user" in data:
-        checked_user_id(data["user"], f"{where}.user")
-    if cls is ChangeRates:
-        data["default_rate_tokens_per_s"] = checked_rate(
-            data["default_rate_tokens_per_s"], f"{where}.default_rate_tokens_per_s", ratio_ok=True
-        )
-        data["user_rates_tokens_per_s"] = _rate_pairs(
-            data.get("user_rates_tokens_per_s", []), f"{where}.user_rates_tokens_per_s"
-        )
-    try:
-        return cls(**data)
-    except AssertionError as exc:
-        raise ScenarioFileError(f"{where} ({kind}): {str(exc) or 'a value out of range'}") from None
 
 
 def engine_shape(config: EngineConfig, rates_file: str | None = None) -> EngineShape:
@@ -616,30 +518,3 @@ def run_base(scenario: StepScenario, base: VllmVersionProfile | None = None) -> 
     if verdict.failure is not None and verdict.rule is not None:
         verdict.failure = f"{verdict.rule}: {verdict.failure}"
     return verdict
-
-
-def replay_file(path: str, scheduler_cls: str | None = None) -> StepVerdict:
-    """Replay a saved step-scenario counterexample: base fidelity with the feature off,
-    white box (default class: the reference) with it on. Prints the outcome."""
-    from vllm_output_rate.adapter.whitebox import run_white_box
-
-    with open(path) as handle:
-        scenario = StepScenario.from_json(handle.read())
-    if scenario.config.rate_limited:
-        verdict = run_white_box(scenario, scheduler_cls)
-    else:
-        verdict = run_step_scenario(scheduler_cls or base_scheduler_cls(scenario.config.async_scheduling), scenario)
-    print("\n".join(describe_failure(scenario, verdict)))
-    print(
-        f"FAIL at event {verdict.event_index}: {verdict.failure}"
-        if verdict.failure
-        else f"PASS: {verdict.events} events, {verdict.steps} steps agree"
-    )
-    return verdict
-
-
-if __name__ == "__main__":  # python -m vllm_output_rate.adapter.fidelity FILE [SCHEDULER_CLS]
-    import sys
-
-    assert len(sys.argv) in (2, 3), "usage: python -m vllm_output_rate.adapter.fidelity FILE [SCHEDULER_CLS]"
-    sys.exit(1 if replay_file(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else None).failure else 0)

@@ -298,7 +298,7 @@ class Harness:
         ``lora``: the LoRA adapter id (``LoRARequest.lora_int_id``; 0: the base model).
         ``sampling_params``: a ``SamplingParams`` used as given instead of one built from
         ``user`` and ``max_tokens`` (n > 1: vLLM's children share one,
-        ``adapter/scenarios.parallel_children``).
+        ``adapter/scenario_run.parallel_children``).
         """
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest

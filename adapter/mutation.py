@@ -184,8 +184,10 @@ def _boundary_check(async_mode: bool):
     rules = tuple(sorted({r for b in boundaries.BOUNDARIES for r in b.rules}, key=lambda r: int(r[1:])))
 
     def run(options, tick):
-        from vllm_output_rate.adapter.conform import CheckResult, _guarded, _record_failure, _save_counterexample
-        from vllm_output_rate.adapter.scenarios import named_verdict, run_scenario
+        from vllm_output_rate.adapter.conform import _guarded, _record_failure, _save_counterexample
+        from vllm_output_rate.adapter.gate_result import CheckResult
+        from vllm_output_rate.adapter.rule_naming import named_verdict
+        from vllm_output_rate.adapter.scenario_run import run_scenario
 
         cls = options.async_scheduler_cls if async_mode else options.scheduler_cls
         result = CheckResult(f"boundaries/{tag}", list(rules), level="must")
@@ -273,7 +275,8 @@ def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
     """Re-run the saved counterexample of ``result`` on the mutant's base class: True if
     the base passes it (the kill is the slip's), None if it cannot be re-run."""
     from vllm_output_rate.adapter.counterexample import scenario_text  # the gate wraps a saved scenario
-    from vllm_output_rate.adapter.scenarios import Scenario, run_scenario
+    from vllm_output_rate.adapter.scenario_run import run_scenario
+    from vllm_output_rate.adapter.scenarios import Scenario
 
     async_mode = result.name.endswith("/async")
     base = mutant.base_async_cls if async_mode else mutant.base_cls
@@ -402,7 +405,7 @@ def first_failure(mutant: Mutant, strategy, examples: int, seed: int, level: str
     from hypothesis import seed as hseed
 
     from vllm_output_rate.adapter.configstyle import parse_config_style
-    from vllm_output_rate.adapter.scenarios import run_scenario
+    from vllm_output_rate.adapter.scenario_run import run_scenario
 
     style = parse_config_style(mutant.style) if mutant.style else None
     cls = mutant.cls

@@ -23,15 +23,8 @@ from fractions import Fraction
 from hypothesis import strategies as st
 
 from vllm_output_rate.adapter.feature_off import PairedCheck, verdict_against_stock
-from vllm_output_rate.adapter.scenarios import (
-    STEP_INTERVALS_NS,
-    RequestSpec,
-    Scenario,
-    Verdict,
-    pressured_scenarios,
-    scenarios,
-    spec_limiter_user,
-)
+from vllm_output_rate.adapter.scenario_strategies import STEP_INTERVALS_NS, pressured_scenarios, scenarios
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, Verdict, spec_limiter_user
 from vllm_output_rate.spec import limiter as spec_limiter
 
 NEVER_BINDING_RATE = "1000000"  # tokens/s: 100 001 grants in one 100 ms burst (R2)

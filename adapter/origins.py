@@ -63,7 +63,7 @@ def failed_rule(failure: str | None) -> str | None:
 
 
 def judged(result, row: str, level: str, declared: bool = False) -> None:
-    """Set ``result.origin`` (a ``conform.CheckResult`` of a row of origin ``row``) from its
+    """Set ``result.origin`` (a ``gate_result.CheckResult`` of a row of origin ``row``) from its
     failure, and turn a failed project rule into a ``WARNING`` at ``level`` should (at exact
     it stays fatal). ``declared``: the candidate opted in to the rule (``--rate-change``):
     it stays fatal at every level."""

@@ -177,7 +177,7 @@ def _stock_comparison_check(
 
 def _feature_off_check(async_mode: bool) -> CheckSpec:
     def check():
-        from vllm_output_rate.adapter.conform import check_feature_off
+        from vllm_output_rate.adapter.feature_off import check_feature_off
 
         return check_feature_off
 
@@ -484,7 +484,7 @@ def modes_result(matrix: dict, options: GateOptions):
     refusal with the feature off (R18), a crash (stock vLLM ran the same probe) or a
     required mode not supported (``--require-mode``)."""
     from vllm_output_rate.adapter import modes
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
 
     result = CheckResult("modes", ["R18"], examples=len(matrix), part="candidate", level="must")
     result.modes = [row.as_json() for row in matrix.values()]
@@ -552,7 +552,7 @@ def run_planned(item: PlannedCheck, options: GateOptions, tick: Tick):
     ``part`` and ``level`` set from the registry."""
     import time
 
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
 
     spec = item.spec
     if item.skip is not None or item.not_applicable is not None:

@@ -36,6 +36,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.gate_errors import exception_text, reraise_gate_error
 from vllm_output_rate.adapter.scenarios import Hunt, Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
 from vllm_output_rate.spec.properties import first_cut
@@ -242,7 +243,7 @@ class HuntedCheck:
     ``hunt_row`` on ``hunt.examples`` seeded scenarios (``adapter/scenarios.Hunt``; its
     ``max_steps`` unused: the row's scenarios have their own bound), ``hunt.tick()`` after
     each, a failure saved in ``hunt.save_dir`` (None: not saved); ``level`` None judges at
-    the row's ``level``. Returns the ``adapter.conform.CheckResult`` row.
+    the row's ``level``. Returns the ``adapter.gate_result.CheckResult`` row.
     """
 
     row: str
@@ -255,7 +256,7 @@ class HuntedCheck:
     crash_note: str = ""
 
     def __call__(self, scheduler_cls: str, async_mode: bool, hunt: Hunt, style: Any = None, level: str | None = None):
-        from vllm_output_rate.adapter.conform import CheckResult
+        from vllm_output_rate.adapter.gate_result import CheckResult
 
         level = level or self.level
         result = CheckResult(f"{self.row}/{'async' if async_mode else 'sync'}", list(self.rules), level=level)
@@ -310,13 +311,12 @@ def judged(
     (None: the verdict's own) at its own level or else ``level``; an exception of the
     candidate (or of vLLM inside it) a ``crash`` at level must, ``crash_note`` appended to
     its message; a gate error re-raised."""
-    from vllm_output_rate.adapter.conform import _reraise_gate_error, exception_text
 
     def run(scenario):
         try:
             verdict = run_one(scenario)
         except Exception as exc:  # the candidate's own error is a finding
-            _reraise_gate_error(exc)
+            reraise_gate_error(exc)
             return Verdict(
                 0,
                 f"{scheduler_cls.rpartition('.')[2]} raised {exception_text(exc)}{crash_note}",
@@ -349,7 +349,7 @@ def hunt_row(
     level: str,
     crash_note: str = "",
 ):
-    """Fill the gate row ``result`` (``conform.CheckResult``) from ``examples`` seeded
+    """Fill the gate row ``result`` (``gate_result.CheckResult``) from ``examples`` seeded
     scenarios of ``strategy``, each judged by ``run_one(scenario)`` (a ``Verdict``; its
     failure is named ``rule``, or its own rule if ``rule`` is None, at its own level or
     else ``level``). An exception of

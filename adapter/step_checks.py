@@ -4,8 +4,8 @@ harness's ``StepTrace``, the ``Request`` fields the judge records before a step,
 of ``Scheduler.running``) against the spec limiter's replay, and states its failure in the
 article's terms.
 
-Called by ``adapter/scenarios._Judge.after_step`` (each function takes the judge ``j``: its
-scenario, ``start`` (``_StepStart``), ``state`` (the replay after the step's dispatches),
+Called by ``adapter/judge._Judge.after_step`` (each function takes the judge ``j``: its
+scenario, ``start`` (``judge_record.StepStart``), ``state`` (the replay after the step's dispatches),
 ``by_id``, ``user_of``, ``name``). A failure is ``(rule, level, message)``: an article rule
 at ``should``, an article promise at ``must`` (docs/SPEC.md, conformance levels).
 
@@ -19,7 +19,7 @@ at ``should``, an article promise at ``must`` (docs/SPEC.md, conformance levels)
   their own slots of ``running``.
 
 Head-of-line blocking caused by the limit (R10/P4) and under-grants in a step that preempted
-(P4) are judged in ``_Judge._under_grant_check`` / ``_pressured_under_grant_check`` with
+(P4) are judged in ``judge_grants.under_grant_check`` / ``pressured_under_grant_check`` with
 ``can_advance`` and ``fcfs_preempting_step_judged`` from here.
 """
 
@@ -252,7 +252,7 @@ def others_reordered(j: Any) -> Failure | None:
 
 
 def fcfs_preempting_step_judged(j: Any, trace: Any) -> bool:
-    """P4 under pressure in a step that preempted (``_Judge._pressured_under_grant_check``):
+    """P4 under pressure in a step that preempted (``judge_grants.pressured_under_grant_check``):
     judged under FCFS only. vLLM's FCFS victim is the last of ``running`` (the article's
     preferred victims: throttled requests the loop already passed), so its running loop
     stops early only on a request that preempted itself, after every later request was

@@ -29,7 +29,9 @@ from hypothesis import strategies as st
 from vllm_output_rate.adapter.fidelity import (
     StepScenario,
     StepVerdict,
+    base_scheduler_cls,
     build_events,
+    describe_failure,
     drawn_engine_fields,
     request_plans,
     run_step_scenario,
@@ -133,3 +135,28 @@ def run_white_box(scenario: StepScenario, scheduler_cls: str | None = None, styl
     assert scenario.config.rate_limited, "the white-box check runs with the feature on"
     cls = scheduler_cls or reference_cls(scenario.config.async_scheduling)
     return run_step_scenario(cls, scenario, extra=compare_white, style=style)
+
+
+def replay_file(path: str, scheduler_cls: str | None = None) -> StepVerdict:
+    """Replay a saved step-scenario counterexample: base fidelity with the feature off,
+    white box (default class: the reference) with it on. Prints the outcome."""
+    with open(path) as handle:
+        scenario = StepScenario.from_json(handle.read())
+    if scenario.config.rate_limited:
+        verdict = run_white_box(scenario, scheduler_cls)
+    else:
+        verdict = run_step_scenario(scheduler_cls or base_scheduler_cls(scenario.config.async_scheduling), scenario)
+    print("\n".join(describe_failure(scenario, verdict)))
+    print(
+        f"FAIL at event {verdict.event_index}: {verdict.failure}"
+        if verdict.failure
+        else f"PASS: {verdict.events} events, {verdict.steps} steps agree"
+    )
+    return verdict
+
+
+if __name__ == "__main__":  # python -m vllm_output_rate.adapter.whitebox FILE [SCHEDULER_CLS]
+    import sys
+
+    assert len(sys.argv) in (2, 3), "usage: python -m vllm_output_rate.adapter.whitebox FILE [SCHEDULER_CLS]"
+    sys.exit(1 if replay_file(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else None).failure else 0)

@@ -880,7 +880,7 @@ def replay(scenario_file, scheduler_cls, level, config_style, paths, base_versio
     saved scenario holds (the message names the field and the value; nothing runs).
     """
     from vllm_output_rate.adapter import counterexample
-    from vllm_output_rate.adapter.scenarios import ScenarioFileError
+    from vllm_output_rate.adapter.scenario_file import ScenarioFileError
 
     _quiet_vllm_logging()  # between the scenario and the verdict
     data = _read_json_file(scenario_file)
@@ -993,7 +993,8 @@ def _replay_header(scenario_file: Path, loaded: Any, cls: str, judged: str) -> N
 def _replay_bare(scenario_file, data, scheduler_cls, level, config_style, paths, base_version) -> None:
     """``outrate replay`` of a file that names no check (a bare scenario): judged by its keys."""
     from vllm_output_rate.adapter import fidelity
-    from vllm_output_rate.adapter.scenarios import Scenario, ScenarioFileError
+    from vllm_output_rate.adapter.scenario_file import ScenarioFileError
+    from vllm_output_rate.adapter.scenarios import Scenario
 
     keys = set(data) if isinstance(data, dict) else set()
     if not ({"config", "events"} <= keys or {"rates_tokens_per_s", "requests"} <= keys):
@@ -1043,7 +1044,7 @@ def _replay_rate_limit(scenario: Scenario, scheduler_cls: str | None, level: str
     from rich.markup import escape
 
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
-    from vllm_output_rate.adapter.scenarios import named_verdict
+    from vllm_output_rate.adapter.rule_naming import named_verdict
 
     cls = scheduler_cls or (REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER)
     console.print(f"rate-limit scenario on {cls}")

@@ -105,7 +105,8 @@ def fractional_rates_problem(options: GateOptions) -> str | None:
     the caller stops with a usage error naming ``--integer-rates``. The additional-config
     style (``options.style`` None) sends JSON numbers and is not probed.
     """
-    from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, build_harness
+    from vllm_output_rate.adapter.scenario_run import build_harness
+    from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 
     if options.integer_rates or options.style is None:
         return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_output_rate.adapter.conform import CheckResult
+from vllm_output_rate.adapter.gate_result import CheckResult
 from vllm_output_rate.adapter.registry import CheckSpec
 from vllm_output_rate.proofs.identity_check import IDENTITY_RULES, check_identity, identity_cases
 

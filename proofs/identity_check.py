@@ -136,7 +136,7 @@ def check_identity(tick: Callable[[], None]) -> Any:
     """R30-R32: every case of ``cases`` agrees with ``spec.identity.bound_outcome``."""
     import logging
 
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
 
     result = CheckResult("identity/bind", list(IDENTITY_RULES), part="spec health")
     quiet = logging.getLogger("vllm.output_rate.identity")

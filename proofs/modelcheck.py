@@ -7,7 +7,7 @@ state reachable by any interleaving of the scope's events, checks every invarian
 ``spec/invariants.py`` on every transition, and then checks two liveness properties on
 the explored graph. A violation comes out as the *shortest* event sequence (BFS parents)
 that exhibits it, written as a ``StepScenario`` JSON file (``adapter/fidelity.py``) that
-replays on real vLLM with ``python -m vllm_output_rate.adapter.fidelity FILE``.
+replays on real vLLM with ``python -m vllm_output_rate.adapter.whitebox FILE``.
 
 The checker's transition system
 -------------------------------

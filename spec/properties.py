@@ -1,7 +1,7 @@
 """Observable properties checked in more than one place, implemented once.
 
 The spec's invariants (``spec/invariants.py``), the gate's scenario judge
-(``adapter/scenarios.py``) and the trace checker (``adapter/trace_check.py``) all judge
+(``adapter/judge.py``) and the trace checker (``adapter/trace_check.py``) all judge
 the same two properties of what a scheduler did; each calls these functions and words
 its own message.
 

@@ -16,7 +16,9 @@ import pytest
 
 from vllm_output_rate.adapter import attribution, boundaries
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER
-from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, build_harness, named_verdict, run_scenario
+from vllm_output_rate.adapter.rule_naming import named_verdict
+from vllm_output_rate.adapter.scenario_run import build_harness, run_scenario
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 
 MUTANTS = "vllm_output_rate.adapter.mutants"
 MS = 1_000_000

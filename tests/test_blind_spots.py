@@ -15,7 +15,9 @@ import pytest
 
 from vllm_output_rate.adapter import step_checks
 from vllm_output_rate.adapter.harness import StepTrace
-from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, _StepStart, parallel_children
+from vllm_output_rate.adapter.judge_record import StepStart
+from vllm_output_rate.adapter.scenario_run import parallel_children
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 from vllm_output_rate.spec import limiter as spec_limiter
 
 
@@ -77,7 +79,7 @@ def test_r10_a_chunk_that_does_not_sample_without_chunked_prefill_is_a_split_pro
 
 
 def _prefill_start(running, decoding=()):
-    return _StepStart(list(running), set(decoding), set(running))
+    return StepStart(list(running), set(decoding), set(running))
 
 
 @pytest.mark.rules("R10")
@@ -97,7 +99,7 @@ def test_r10_a_running_refused_prefill_left_at_0_tokens_with_budget_left_fails_a
 @pytest.mark.rules("R10")
 def test_r10_can_advance_tells_the_limits_stop_from_vllms_own():
     reqs = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("u-r1", "u", 1, 2)]
-    start = _StepStart([], {"u-r1"}, {"u-r0", "u-r1"})
+    start = StepStart([], {"u-r1"}, {"u-r0", "u-r1"})
     assert step_checks.can_advance(_judge(reqs, start=start), "u-r0")
     assert not step_checks.can_advance(_judge(reqs, start=start), "u-r1")  # only its sampling position
     assert not step_checks.can_advance(_judge(reqs, start=start, chunked_prefill=False), "u-r0")
@@ -108,7 +110,7 @@ def test_r10_can_advance_tells_the_limits_stop_from_vllms_own():
 @pytest.mark.rules("R13")
 def test_r13_priority_victim_granted_while_a_throttled_request_of_its_level_kept_kv_fails():
     reqs = [RequestSpec("u-r0", "u", 4, 2), RequestSpec("v-r0", "v", 16, 3), RequestSpec("v-r1", "v", 4, 3)]
-    start = _StepStart(["u-r0", "v-r0", "v-r1"], {"u-r0", "v-r1"}, {"u-r0", "v-r0", "v-r1"})
+    start = StepStart(["u-r0", "v-r0", "v-r1"], {"u-r0", "v-r1"}, {"u-r0", "v-r0", "v-r1"})
     judge = _judge(reqs, ["u-r0", "v-r0"], start, policy="priority")
     judge._grants_at = lambda state, user, now, n: 0 if user == "u" else n
     trace = _trace({"v-r0": 1}, sampled=["v-r0"], preempted=["v-r1"])
@@ -141,7 +143,7 @@ def replace_priority(request: RequestSpec, priority: int) -> RequestSpec:
 )
 def test_r14_the_rotation_keeps_other_users_places(after, ok):
     reqs = [RequestSpec("u-r0", "u", 4, 6), RequestSpec("v-r0", "v", 4, 6), RequestSpec("u-r1", "u", 4, 6)]
-    start = _StepStart(["u-r0", "v-r0", "u-r1"], set(), set())
+    start = StepStart(["u-r0", "v-r0", "u-r1"], set(), set())
     failure = step_checks.others_reordered(_judge(reqs, after, start))
     assert (failure is None) == ok, failure
     if failure is not None:
@@ -163,7 +165,7 @@ def test_n_gt_1_children_share_one_sampling_params_as_vllms_front_end_builds_the
 
 
 def test_a_scenario_with_children_round_trips_and_a_bad_parent_is_named():
-    from vllm_output_rate.adapter.scenarios import ScenarioFileError
+    from vllm_output_rate.adapter.scenario_file import ScenarioFileError
 
     scenario = Scenario(
         rates_tokens_per_s={},
@@ -199,7 +201,7 @@ def test_blind_spot_boundary_passes_the_article_style_fixture_and_kills_its_muta
 ):
     from vllm_output_rate.adapter import boundaries
     from vllm_output_rate.adapter.configstyle import parse_config_style
-    from vllm_output_rate.adapter.scenarios import run_scenario
+    from vllm_output_rate.adapter.scenario_run import run_scenario
 
     importlib.import_module("article_mutants")
     style = parse_config_style("engine-args")

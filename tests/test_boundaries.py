@@ -18,7 +18,7 @@ import pytest
 
 from vllm_output_rate.adapter import boundaries, boundary_catalog, coverage
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
-from vllm_output_rate.adapter.scenarios import run_scenario
+from vllm_output_rate.adapter.scenario_run import run_scenario
 from vllm_output_rate.spec import limiter as spec_limiter
 
 FIXTURES = Path(__file__).parent / "fixtures"

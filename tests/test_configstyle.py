@@ -402,7 +402,8 @@ def test_hook_not_called_when_the_feature_is_off():
 def test_hook_placing_the_section_matches_additional_config():
     """A hook that writes additional_config["output_rate"] gives the reference exactly the
     run it has when configured directly (same limits, same steps)."""
-    from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario, build_harness
+    from vllm_output_rate.adapter.scenario_run import build_harness
+    from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 
     scenario = Scenario(
         rates_tokens_per_s={"u0": "20", "u1": "3.5"},

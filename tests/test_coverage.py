@@ -19,7 +19,7 @@ import pytest
 
 from vllm_output_rate.adapter import boundaries, boundary_catalog, coverage, registry
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
-from vllm_output_rate.adapter.scenarios import run_scenario
+from vllm_output_rate.adapter.scenario_run import run_scenario
 
 
 def _noop() -> None:
@@ -174,7 +174,7 @@ def test_coverage_is_not_judged_after_another_check_failed_and_never_prints_a_co
     # A failing check stops at its counterexample, so the run reaches fewer obligations:
     # coverage is then "not judged: run stopped by <check>", not a second failure. Judged,
     # its failure lists the unreached obligations, never a counterexample.
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
 
     options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
     coverage.record_check(

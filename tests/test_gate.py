@@ -17,7 +17,8 @@ from vllm_output_rate.adapter.harness import (
     STOCK_ASYNC_SCHEDULER,
     STOCK_SCHEDULER,
 )
-from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario, run_scenario
+from vllm_output_rate.adapter.scenario_run import run_scenario
+from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario
 
 OUTRATE = [sys.executable, "-m", "vllm_output_rate.cli"]
 

@@ -14,7 +14,7 @@ import pytest
 
 from vllm_output_rate import gate_plan
 from vllm_output_rate.adapter import registry
-from vllm_output_rate.adapter.conform import check_feature_off
+from vllm_output_rate.adapter.feature_off import check_feature_off
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.levels import LEVELS, includes
 from vllm_output_rate.adapter.scenarios import Hunt

@@ -19,7 +19,9 @@ import pytest
 from vllm_output_rate.adapter.conform import PROFILES
 from vllm_output_rate.adapter.mutants import MUTANTS
 from vllm_output_rate.adapter.mutation import catalogue, first_failure, hunt_plan, kill
-from vllm_output_rate.adapter.scenarios import Scenario, run_scenario, scenarios
+from vllm_output_rate.adapter.scenario_run import run_scenario
+from vllm_output_rate.adapter.scenario_strategies import scenarios
+from vllm_output_rate.adapter.scenarios import Scenario
 
 CI = PROFILES["ci"]
 QUICK = PROFILES["quick"]
@@ -144,7 +146,7 @@ def test_r9_r2_discovery_at_least_95_of_100_seeds_in_profile_quick(name):
     # 100 independent seeds with the quick profile's budget (pressured scenarios for R9,
     # where refunds happen; ample ones for R2), black-box (level should).
     mutant = BY_NAME[name]
-    from vllm_output_rate.adapter.scenarios import pressured_scenarios
+    from vllm_output_rate.adapter.scenario_strategies import pressured_scenarios
 
     strategy = (pressured_scenarios if name == "RefundDispatched" else scenarios)(
         async_scheduling=False, max_steps=QUICK["max_steps"]
@@ -172,10 +174,7 @@ def test_boundary_mutant_discovery_at_least_95_of_100_seeds_in_profile_quick(nam
     of 100 seeds, black-box. Discovery only: the rule a failure names (its probes) is left
     to the naming tests (tests/test_naming.py)."""
     boundaries = pytest.importorskip("vllm_output_rate.adapter.boundaries")
-    del boundaries
-    from vllm_output_rate.adapter import scenarios as scenarios_module
-
-    monkeypatch.setattr(scenarios_module, "named_verdict", scenarios_module.run_scenario)
+    monkeypatch.setattr(boundaries, "named_verdict", run_scenario)
     mutant = BY_NAME[name]
     found = 0
     for seed in range(100):
@@ -188,7 +187,7 @@ def test_boundary_mutant_discovery_at_least_95_of_100_seeds_in_profile_quick(nam
 
 def test_r9_counterexample_of_a_mutant_replays_from_json():
     mutant = BY_NAME["RefundDispatched"]
-    from vllm_output_rate.adapter.scenarios import pressured_scenarios
+    from vllm_output_rate.adapter.scenario_strategies import pressured_scenarios
 
     scenario = first_failure(mutant, pressured_scenarios(async_scheduling=False, max_steps=10), 50, 3)
     assert scenario is not None
@@ -294,7 +293,7 @@ def test_a_mutant_rejected_only_by_coverage_is_a_survivor_with_the_shortfall(mon
     # did wrong: a mutant that passes every other check survives (GATE TOO WEAK), and its
     # row says what coverage was short of.
     from vllm_output_rate.adapter import mutation, registry
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
     from vllm_output_rate.cli import _verdict_line
 
     passing = registry.CheckSpec(

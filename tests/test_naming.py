@@ -2,7 +2,7 @@
 
 Each test runs one short scenario on a mutant (``adapter/mutants.py``, or the article-style
 ones of ``tests/fixtures/article_mutants.py``) and on the unmutated implementations, and
-checks the rule the failure names (``adapter/scenarios.named_verdict``, which replays the
+checks the rule the failure names (``adapter/rule_naming.named_verdict``, which replays the
 candidate's dispatches on the spec limiter changed in one rule, ``adapter/attribution.py``).
 """
 
@@ -15,7 +15,9 @@ from vllm_output_rate.adapter import boundaries
 from vllm_output_rate.adapter.configstyle import parse_config_style
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 from vllm_output_rate.adapter.mutation import names_rule
-from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario, named_verdict, run_scenario
+from vllm_output_rate.adapter.rule_naming import named_verdict
+from vllm_output_rate.adapter.scenario_run import run_scenario
+from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario
 
 MUTANTS = "vllm_output_rate.adapter.mutants"
 ARTICLE = "article_style.scheduler.ArticleScheduler"
@@ -156,7 +158,7 @@ def test_r16_a_lora_slot_failure_the_article_base_shares_is_not_a_kill_of_its_mu
 def test_r3_naming_probes_keep_fractional_rates_as_decimal_strings():
     # The probe at 25 x the rates wrote 12.5 tok/s as "625/2", which the candidate's
     # configuration cannot take (a float is parsed): that probe crashed and gave no evidence.
-    from vllm_output_rate.adapter.scenarios import naming_probes
+    from vllm_output_rate.adapter.rule_naming import naming_probes
 
     probes = naming_probes(_boundary("prefill-reaches-n", "12.5"))
     rates = [r for p in probes for r in (*p.rates_tokens_per_s.values(), p.default_rate_tokens_per_s)]

@@ -1,6 +1,6 @@
 """Issue 18: kills that name the rule broken, for slips whose first failure looks like
 another rule's (a refund that forgets the TAT, a charge taken on model output) and for
-crashes (``adapter/scenarios._Judge.crash_verdict``)."""
+crashes (``adapter/judge._Judge.crash_verdict``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from vllm_output_rate.adapter import boundaries
 from vllm_output_rate.adapter.configstyle import parse_config_style
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
-from vllm_output_rate.adapter.scenarios import REFUND_PROBE, named_verdict, run_scenario
+from vllm_output_rate.adapter.rule_naming import REFUND_PROBE, named_verdict
+from vllm_output_rate.adapter.scenario_run import run_scenario
 from vllm_output_rate.reference.scheduler import RateLimitedScheduler
 
 MUTANTS = "vllm_output_rate.adapter.mutants"

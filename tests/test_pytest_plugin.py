@@ -125,7 +125,7 @@ def test_plugin_stops_before_any_check_when_engine_args_refuse_fractional_rates(
 
 
 def test_a_warning_passes_with_a_gate_warning_and_a_refused_mode_is_skipped():
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
     from vllm_output_rate.pytest_plugin import outcome
 
     assert outcome(CheckResult("not-binding/sync", ["R19"], result="warning")) == "warn"

@@ -221,7 +221,7 @@ def test_a_bare_scenario_file_of_outrate_conform_says_it_names_no_check(tmp_path
 
 def test_the_coverage_row_says_it_saves_no_scenario_and_gives_the_gate_command():
     from vllm_output_rate import cli
-    from vllm_output_rate.adapter.conform import CheckResult
+    from vllm_output_rate.adapter.gate_result import CheckResult
 
     row = CheckResult("coverage", ["R2"], result="fail", failure="[must] coverage: 1 obligation not reached")
     row.coverage = {"not_reached": ["boundary: burst-edge (0/1)"]}

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from vllm_output_rate.adapter import origins, registry
-from vllm_output_rate.adapter.conform import CheckResult, exception_text
+from vllm_output_rate.adapter.gate_errors import exception_text
+from vllm_output_rate.adapter.gate_result import CheckResult
 from vllm_output_rate.adapter.registry import GateOptions, PlannedCheck
 from vllm_output_rate.cli import _verdict_line
 

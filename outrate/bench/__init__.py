@@ -38,7 +38,7 @@ per second and per generated token, at a rate that never binds and at 200 tokens
 Limiter: ``OutputRateLimiter.try_take`` (granted and refused) and ``refund`` operations
 per second, in batches over 4096 users, median over repetitions.
 
-Gate: differential steps/s of ``adapter.scenarios.run_scenario`` on the reference (real
+Gate: differential steps/s of ``adapter.scenario_run.run_scenario`` on the reference (real
 vLLM scheduler + spec limiter after every step) on fixed-seed Hypothesis scenarios;
 spec-only scenarios/s when ``vllm_output_rate.spec`` has a step model (a module ``step``
 or ``scheduler`` with ``run_scenario(scenario)``), and model-checker states/s when

@@ -136,7 +136,8 @@ def _differential_row(plan: Plan, mode: str, cls: str, tick: Callable[[], None])
     """The ``differential/<mode>`` row: ``plan.gate_scenarios`` seeded rate-limit scenarios
     run on the reference class ``cls`` (dotted path) after one untimed warm-up; ``tick``
     after each."""
-    from vllm_output_rate.adapter.scenarios import run_scenario, scenarios
+    from vllm_output_rate.adapter.scenario_run import run_scenario
+    from vllm_output_rate.adapter.scenario_strategies import scenarios
 
     drawn = seeded_draws(
         scenarios(async_scheduling=mode == "async", max_steps=plan.gate_max_steps), plan.gate_scenarios
@@ -149,7 +150,7 @@ def _differential_row(plan: Plan, mode: str, cls: str, tick: Callable[[], None])
         tick()
     return _rate_row(
         f"differential/{mode}",
-        f"adapter.scenarios.run_scenario on {cls.rsplit('.', 1)[1]}",
+        f"adapter.scenario_run.run_scenario on {cls.rsplit('.', 1)[1]}",
         len(drawn),
         steps,
         time.perf_counter() - started,
