@@ -1,9 +1,12 @@
 """Mutation testing of the gate: every mutant of the catalogue must be rejected.
 
-The catalogue (``catalogue()``) is the reference's mutants (``adapter/mutants.py``) plus
-the mutants of the independent article-style implementation
-(``tests/fixtures/article_mutants.py``, which has no observation interface; it is loaded,
-with ``tests/fixtures`` put on ``sys.path``, only when the catalogue is asked for).
+The catalogue (``catalogue(modules)``) is the reference's mutants (``adapter/mutants.py``)
+plus the mutants of every catalogue module the caller names: a module on the import path
+that registers its mutants as ``MUTANTS``, a tuple of ``adapter.mutants.Mutant``
+(``load_mutants``). ``outrate conform --mutants --mutants-from MODULE`` names them (with
+``--path`` for the directory that holds the module); this repository's article-style
+mutants are ``article_mutants`` in the source checkout's test fixtures (``--path
+tests/fixtures --mutants-from article_mutants``). The adapter itself imports no test code.
 
 ``kill(mutant, ...)`` hunts one mutant with the gate's own candidate checks: the
 registry's plan (``adapter/registry.py``) for a gate run on the mutant at the chosen level,
@@ -23,20 +26,32 @@ shortfall (``coverage_shortfall``).
 
 from __future__ import annotations
 
+import importlib
 import re
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hseed
+
+from vllm_output_rate.adapter import registry
+from vllm_output_rate.adapter.configstyle import parse_config_style
+from vllm_output_rate.adapter.counterexample import scenario_text
+from vllm_output_rate.adapter.engine_wait import run_engine_wait
+from vllm_output_rate.adapter.feature_off import run_feature_off
+from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.levels import includes
+from vllm_output_rate.adapter.lora_slots import LoraScenario, run_lora
 from vllm_output_rate.adapter.mutants import MUTANTS, Mutant
+from vllm_output_rate.adapter.not_binding import run_not_binding
+from vllm_output_rate.adapter.scenario_run import run_scenario
+from vllm_output_rate.adapter.scenarios import Scenario
 
-FIXTURES_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-"""Where the article-style implementation and its mutants live (a source checkout)."""
-
-ARTICLE_MUTANTS_MODULE = "article_mutants"
+MUTANTS_ATTRIBUTE = "MUTANTS"
+"""The name under which a catalogue module registers its mutants (``load_mutants``)."""
 
 # Cheapest first (seconds measured on the article-style classes in profile ci); a check
 # not listed here (a row added later) runs after the listed scenario checks and before
@@ -134,28 +149,33 @@ def names_rule(killed_by: str | None, rule: str) -> bool:
     return killed_by is not None and rule in killed_by.split("/")
 
 
-def article_catalogue() -> tuple[Mutant, ...]:
-    """The article-style mutants, with ``tests/fixtures`` put on ``sys.path`` (and on the
-    child processes' ``PYTHONPATH``, which engine-wait derives from ``sys.path``).
+def load_mutants(module: str) -> tuple[Mutant, ...]:
+    """The mutants the catalogue module ``module`` (a dotted module name on the import path)
+    registers as ``MUTANTS``: a tuple of ``adapter.mutants.Mutant``.
 
     Raises:
-        ImportError: no ``tests/fixtures/article_mutants.py`` (not a source checkout).
+        ImportError: ``module`` does not import (naming it; give ``--path`` for its directory).
+        ValueError: ``module`` has no ``MUTANTS`` tuple of ``Mutant``.
     """
-    import importlib
-
-    if not (FIXTURES_DIR / f"{ARTICLE_MUTANTS_MODULE}.py").exists():
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as exc:
         raise ImportError(
-            f"{FIXTURES_DIR / ARTICLE_MUTANTS_MODULE}.py not found: the article-style mutants "
-            "are in the source checkout's tests/fixtures"
+            f"mutant catalogue module {module!r} does not import ({exc}): give --path DIR, the directory that holds it"
+        ) from exc
+    found = getattr(loaded, MUTANTS_ATTRIBUTE, None)
+    if not isinstance(found, tuple) or not all(isinstance(m, Mutant) for m in found):
+        raise ValueError(
+            f"mutant catalogue module {module!r} has no {MUTANTS_ATTRIBUTE} tuple of "
+            f"vllm_output_rate.adapter.mutants.Mutant (got {type(found).__name__}): register its mutants there"
         )
-    if str(FIXTURES_DIR) not in sys.path:
-        sys.path.insert(0, str(FIXTURES_DIR))
-    return importlib.import_module(ARTICLE_MUTANTS_MODULE).ARTICLE_MUTANTS
+    return found
 
 
-def catalogue(article: bool = True) -> tuple[Mutant, ...]:
-    """Every mutant: the reference's, then (``article``) the article-style ones."""
-    return MUTANTS + (article_catalogue() if article else ())
+def catalogue(modules: Sequence[str] = ()) -> tuple[Mutant, ...]:
+    """Every mutant: the reference's (``adapter/mutants.py``), then those of each catalogue
+    module of ``modules`` in order (``load_mutants``; e.g. ``("article_mutants",)``)."""
+    return MUTANTS + tuple(m for module in modules for m in load_mutants(module))
 
 
 def _order(name: str) -> tuple[int, int]:
@@ -164,52 +184,6 @@ def _order(name: str) -> tuple[int, int]:
     if name in LATE_CHECKS:
         return (2, LATE_CHECKS.index(name))
     return (1, 0)
-
-
-BOUNDARY_RATES_PER_PROFILE = {"quick": 1, "ci": 2, "release": 4}
-"""Rates per boundary of ``adapter/boundaries.py`` in the stand-in ``boundaries/*`` check."""
-
-
-def _boundary_check(async_mode: bool):
-    """A ``boundaries/{sync,async}`` check (level must) over ``adapter/boundaries.py``'s
-    Z3-solved scenarios, judged by ``run_scenario``: the stand-in used while the registry
-    has no such row (a registry row of that name replaces it). None if the module is absent."""
-    try:
-        from vllm_output_rate.adapter import boundaries
-    except ImportError:
-        return None
-    from vllm_output_rate.adapter import registry
-
-    tag = "async" if async_mode else "sync"
-    rules = tuple(sorted({r for b in boundaries.BOUNDARIES for r in b.rules}, key=lambda r: int(r[1:])))
-
-    def run(options, tick):
-        from vllm_output_rate.adapter.conform import _guarded, _record_failure, _save_counterexample
-        from vllm_output_rate.adapter.gate_result import CheckResult
-        from vllm_output_rate.adapter.rule_naming import named_verdict
-        from vllm_output_rate.adapter.scenario_run import run_scenario
-
-        cls = options.async_scheduler_cls if async_mode else options.scheduler_cls
-        result = CheckResult(f"boundaries/{tag}", list(rules), level="must")
-        judge = _guarded(lambda scenario: run_scenario(cls, scenario, options.level, options.style), cls)
-        per = getattr(boundaries, "PER_BOUNDARY", BOUNDARY_RATES_PER_PROFILE).get(options.profile, 1)
-        for name, scenario in boundaries.boundary_scenarios(async_mode, options.integer_rates, options.seed, per):
-            tick()
-            result.examples += 1
-            verdict = judge(scenario)
-            result.steps += verdict.steps
-            if verdict.failure is not None:
-                named = _guarded(lambda s: named_verdict(cls, s, options.level, options.style), cls)
-                verdict = named(scenario)
-                _record_failure(result, verdict, scenario)
-                result.failure = f"{result.failure} (boundary {name})"
-                _save_counterexample(result, scenario, options.save_dir)
-                break
-        return result
-
-    return registry.PlannedCheck(
-        registry.CheckSpec(f"boundaries/{tag}", "candidate", "must", rules, async_mode, lambda o: 1, run)
-    )
 
 
 def hunt_plan(
@@ -223,9 +197,6 @@ def hunt_plan(
     """(options, planned checks in hunting order) for ``mutant``: the registry's plan of a
     gate run on it, candidate checks only, in the mutant's modes (``async_only``: async
     checks; no ``async_cls``: sync checks), exact-level ones only with ``white_box``."""
-    from vllm_output_rate.adapter import registry
-    from vllm_output_rate.adapter.configstyle import parse_config_style
-
     style = parse_config_style(mutant.style) if mutant.style else None
     async_cls = mutant.cls if mutant.async_only else mutant.async_cls
     options = registry.GateOptions(
@@ -250,14 +221,6 @@ def hunt_plan(
         if mutant.async_only and spec.async_mode is False:
             continue
         planned.append(item)
-    names = {item.spec.name for item in planned}
-    for async_mode in (False, True):
-        if (async_mode and async_cls is None) or (not async_mode and mutant.async_only):
-            continue
-        if f"boundaries/{'async' if async_mode else 'sync'}" not in names:
-            stand_in = _boundary_check(async_mode)
-            if stand_in is not None:
-                planned.append(stand_in)
     planned.sort(key=lambda item: _order(item.spec.name))
     return options, planned
 
@@ -274,25 +237,17 @@ def _named_rule(failure: str | None) -> str | None:
 def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
     """Re-run the saved counterexample of ``result`` on the mutant's base class: True if
     the base passes it (the kill is the slip's), None if it cannot be re-run."""
-    from vllm_output_rate.adapter.counterexample import scenario_text  # the gate wraps a saved scenario
-    from vllm_output_rate.adapter.scenario_run import run_scenario
-    from vllm_output_rate.adapter.scenarios import Scenario
 
     async_mode = result.name.endswith("/async")
     base = mutant.base_async_cls if async_mode else mutant.base_cls
     if base is None:
         return None
     if result.name.startswith("engine-wait/"):
-        from vllm_output_rate.adapter.engine_wait import run_engine_wait
-
         return run_engine_wait(base, style=options.style, seed=options.seed).failure is None
     if result.saved is None:
         return None
     family = result.name.split("/")[0]
     if family == "lora-slots":  # a StepScenario of the LoRA-slot check (adapter/lora_slots.py)
-        from vllm_output_rate.adapter.fidelity import StepScenario
-        from vllm_output_rate.adapter.lora_slots import LoraScenario, run_lora
-
         step = StepScenario.from_json(scenario_text(result.saved))
         return run_lora(base, LoraScenario(step.config, step.events), options.style).failure is None
     try:
@@ -300,12 +255,8 @@ def _base_passes(mutant: Mutant, result, level: str, options) -> bool | None:
     except (TypeError, KeyError, ValueError):
         return None  # not a rate-limit scenario (a step scenario of another check)
     if family == "feature-off":
-        from vllm_output_rate.adapter.feature_off import run_feature_off
-
         return run_feature_off(base, scenario, options.style).failure is None
     if family == "not-binding":
-        from vllm_output_rate.adapter.not_binding import run_not_binding
-
         return run_not_binding(base, scenario, options.style).failure is None
     if family in ("rate-limit", "invariants", "boundaries"):
         return run_scenario(base, scenario, level, options.style).failure is None
@@ -324,8 +275,6 @@ def kill(
 
     A mutant whose slip is a defect only from a higher level (``Mutant.level``) is not
     hunted: its row says ``not_judged`` ("not a defect below exact")."""
-    from vllm_output_rate.adapter import registry
-    from vllm_output_rate.adapter.levels import includes
 
     started = time.monotonic()
     based_on = "article_style" if mutant.style else "reference"
@@ -401,11 +350,6 @@ def kill_all(
 def first_failure(mutant: Mutant, strategy, examples: int, seed: int, level: str = "should"):
     """The first scenario of ``strategy`` (``examples`` seeded Hypothesis examples, no
     shrinking) on which ``mutant`` fails, or None: the discovery tests' probe."""
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as hseed
-
-    from vllm_output_rate.adapter.configstyle import parse_config_style
-    from vllm_output_rate.adapter.scenario_run import run_scenario
 
     style = parse_config_style(mutant.style) if mutant.style else None
     cls = mutant.cls

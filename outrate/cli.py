@@ -142,8 +142,17 @@ def _read_manifest(ctx: click.Context) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed replays the same run.")
 @flag_option(
     "--mutants",
-    "Also run the mutant catalogue (reference and article-style "
-    "mutants, adapter/mutation.py) at --level; every mutant must be killed.",
+    "Also run the mutant catalogue (the reference's mutants, adapter/mutants.py, and those of "
+    "each --mutants-from module) at --level; every mutant must be killed.",
+)
+@click.option(
+    "--mutants-from",
+    "mutants_from",
+    multiple=True,
+    metavar="MODULE",
+    help="A mutant catalogue module on the import path (see --path) whose MUTANTS tuple of "
+    "adapter.mutants.Mutant joins the hunt of --mutants; repeatable, e.g. "
+    "--mutants --path tests/fixtures --mutants-from article_mutants.",
 )
 @flag_option(
     "--no-white-box",
@@ -173,6 +182,7 @@ def conform(
     no_white_box=False,
     rate_change=False,
     require_modes=(),
+    mutants_from=(),
 ) -> None:
     """Run the conformance gate on a scheduler class at a level.
 
@@ -186,6 +196,8 @@ def conform(
     sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
     style, vllm_version = _import_gate(sync_cls, async_scheduler_cls, config_style, paths)
+    if mutants:
+        _check_mutant_modules(tuple(mutants_from))
     options = registry.GateOptions(
         scheduler_cls=sync_cls,
         async_scheduler_cls=async_scheduler_cls,
@@ -217,7 +229,7 @@ def conform(
         config_style,
         paths,
         not no_white_box,
-        mutants,
+        tuple(mutants_from) if mutants else None,
         (json_path, junit_path, markdown_path),
         started,
         release_clause=release_clause,
@@ -290,14 +302,15 @@ def _report_conform(
     config_style: str,
     paths: tuple[str, ...],
     white_box: bool,
-    mutants: bool,
+    mutants: tuple[str, ...] | None,
     report_paths: tuple[Path | None, Path | None, Path | None],
     started: float,
     release_clause: str | None = None,
 ) -> int:
     """Everything ``outrate conform`` prints and writes after its checks ran: the tables,
-    the failures with their replay commands, the mutant hunt (``mutants``; with the
-    white-box checks if ``white_box``), the JSON, JUnit and Markdown reports
+    the failures with their replay commands, the mutant hunt (``mutants``: the catalogue
+    modules joining the reference's mutants, None: no hunt; with the white-box checks if
+    ``white_box``), the JSON, JUnit and Markdown reports
     (``report_paths``, None: not written) and the verdict line (led by ``release_clause`` on
     an unsupported vLLM release). Returns the exit code."""
     from vllm_output_rate.adapter import registry
@@ -308,7 +321,7 @@ def _report_conform(
     _print_results(results, header)
     _print_failures(results, _gate_command(options, config_style))
 
-    mutant_rows = _run_mutants(profile, options.seed, level, white_box) if mutants else []
+    mutant_rows = _run_mutants(profile, options.seed, level, white_box, mutants) if mutants is not None else []
     survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
     checks_json = _checks_json(results)
     code = registry.exit_code(results)
@@ -733,18 +746,25 @@ def _verdict_line(results: list, level: str, mutant_rows: list, seconds: float) 
     return line
 
 
-def _run_mutants(profile: str, seed: int, level: str, white_box: bool) -> list[dict]:
-    """Hunt every mutant of the catalogue (``adapter/mutation.py``: the reference's and the
-    article-style ones) with the gate's candidate checks at ``level`` (without the
-    exact-level white-box checks unless ``white_box``); print the kill table and the median
-    and maximum seconds to kill."""
-    from vllm_output_rate.adapter.mutation import catalogue, kill
+def _check_mutant_modules(modules: tuple[str, ...]) -> None:
+    """Load the ``--mutants-from`` catalogue modules before any check runs: a module that
+    does not load is a usage error naming it (``adapter/mutation.load_mutants``)."""
+    from vllm_output_rate.adapter.mutation import catalogue
 
     try:
-        mutants = catalogue()
-    except ImportError as exc:  # not a source checkout: the reference's mutants only
-        console.print(f"[yellow]article-style mutants not available ({exc}); reference mutants only[/]")
-        mutants = catalogue(article=False)
+        catalogue(modules)
+    except (ImportError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--mutants-from") from None
+
+
+def _run_mutants(profile: str, seed: int, level: str, white_box: bool, modules: tuple[str, ...]) -> list[dict]:
+    """Hunt every mutant of the catalogue (``adapter/mutation.catalogue``: the reference's and
+    those of the catalogue ``modules``, ``--mutants-from``) with the gate's candidate checks
+    at ``level`` (without the exact-level white-box checks unless ``white_box``); print the
+    kill table and the median and maximum seconds to kill."""
+    from vllm_output_rate.adapter.mutation import catalogue, kill
+
+    mutants = catalogue(modules)  # loaded once already (_check_mutant_modules)
     rows = []
     with bar_progress(console, 44) as progress:
         task = progress.add_task("mutants", total=len(mutants))

@@ -13,12 +13,14 @@ whose keys may stand at the top level or in ``[tool.outrate]``; it wins over
     rate-change = false
     path = ["src"]
     require-modes = ["lora"]
+    mutants-from = ["my_fork_mutants"]  # outrate conform --mutants: its MUTANTS join the hunt
     level = "should"
     profile = "ci"
 
 ``outrate conform`` with no options reads it; an option given on the command line
 overrides the manifest's value (click's ``default_map``). Keys are the long options'
-names (``-`` or ``_``); ``path`` and ``require-modes`` take a string or a list of strings.
+names (``-`` or ``_``); ``path``, ``require-modes`` and ``mutants-from`` take a string or a
+list of strings.
 A relative ``path`` is relative to the manifest's directory.
 """
 
@@ -39,11 +41,12 @@ KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
     "sync-only": ("sync_only", (bool,)),
     "path": ("paths", (str, list)),
     "require-modes": ("require_modes", (str, list)),
+    "mutants-from": ("mutants_from", (str, list)),
     "level": ("level", (str,)),
     "profile": ("profile", (str,)),
     "seed": ("seed", (int,)),
 }
-LISTS = ("path", "require-modes")
+LISTS = ("path", "require-modes", "mutants-from")
 FILES = ("outrate.toml", "pyproject.toml")
 
 

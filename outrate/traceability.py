@@ -7,7 +7,8 @@ Sources (each declares the rule ids it covers; nothing here parses names):
 * tests: ``@pytest.mark.rules("R7", ...)`` on test functions in ``tests/`` and
   ``gpu_tests/`` (read from the AST, so collecting needs no vLLM and no GPU);
 * gate checks: ``CheckSpec.rules`` of ``vllm_output_rate.gate_plan.registry()``;
-* mutants: ``Mutant.rule`` of ``adapter.mutation.catalogue()`` and of
+* mutants: ``Mutant.rule`` of ``adapter.mutation.catalogue(CHECKOUT_MUTANTS)`` (the
+  reference's mutants and the checkout's catalogue modules in ``tests/fixtures``) and of
   ``proofs.modelcheck_shared.MUTANTS`` (R23-R26, named ``shared/...``);
 * proofs: ``rules`` of ``proofs.z3_limiter.PROPERTIES``,
   ``proofs.crosshair_limiter.PROPERTIES`` and ``proofs.z3_shared_budget.PROPERTIES``.
@@ -37,6 +38,7 @@ from pathlib import Path
 from vllm_output_rate.spec.rules import RULES, Rule, expand
 
 ROOT = Path(__file__).resolve().parents[1]
+CHECKOUT_MUTANTS = ("article_mutants",)  # the mutant catalogue modules of tests/fixtures
 SPEC_MD = ROOT / "docs" / "SPEC.md"
 TRACE_MD = ROOT / "docs" / "TRACEABILITY.md"
 EXTENSIONS_MD = ROOT / "docs" / "EXTENSIONS.md"
@@ -91,10 +93,21 @@ def declared_tests(root: Path = ROOT) -> list[TestRef]:
     return sorted(refs, key=lambda r: (r.path, r.line))
 
 
+def checkout_mutants(root: Path = ROOT) -> tuple:
+    """The mutant catalogue of a source checkout at ``root``: the reference's mutants and
+    those of ``CHECKOUT_MUTANTS``, with ``root/tests/fixtures`` put on the import path (as
+    ``outrate conform --mutants --path tests/fixtures --mutants-from article_mutants`` does)."""
+    from vllm_output_rate.adapter.mutation import catalogue  # deferred: it imports vLLM (~7 s)
+
+    fixtures = str(root / "tests" / "fixtures")
+    if fixtures not in sys.path:
+        sys.path.insert(0, fixtures)
+    return catalogue(CHECKOUT_MUTANTS)
+
+
 def gather(root: Path = ROOT) -> dict[str, Coverage]:
     """Rule id -> what declares it (unknown ids are kept under their own key)."""
     from vllm_output_rate import gate_plan
-    from vllm_output_rate.adapter.mutation import catalogue
     from vllm_output_rate.proofs import crosshair_limiter, modelcheck_shared, z3_limiter, z3_shared_budget
 
     cover: dict[str, Coverage] = {rule.rule_id: Coverage() for rule in RULES}
@@ -105,7 +118,7 @@ def gather(root: Path = ROOT) -> dict[str, Coverage]:
         for rid in expand(list(spec.rules)):
             if rid.startswith("R") and spec.name not in cover.setdefault(rid, Coverage()).checks:
                 cover[rid].checks.append(spec.name)
-    for mutant in catalogue():
+    for mutant in checkout_mutants(root):
         cover.setdefault(mutant.rule, Coverage()).mutants.append(mutant.name)
     for shared in modelcheck_shared.MUTANTS:  # R23-R26: protocol mutants of the model checker
         cover.setdefault(shared.rule, Coverage()).mutants.append(f"shared/{shared.name}")

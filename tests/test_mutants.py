@@ -1,10 +1,12 @@
 """The gate rejects the mutants of its catalogue, black-box, naming a rule.
 
-The catalogue (``adapter/mutation.py`` ``catalogue()``) is the reference's mutants
-(``adapter/mutants.py``) plus the mutants of the independent article-style implementation
-(``tests/fixtures/article_mutants.py``, no observation interface). The whole catalogue is
-hunted by ``outrate conform --mutants --no-white-box`` (minutes); here: its shape, a
-representative subset of kills (marker ``ci``), and Hypothesis-style discovery rates.
+The catalogue (``adapter/mutation.py`` ``catalogue(modules)``) is the reference's mutants
+(``adapter/mutants.py``) plus those of the catalogue modules the caller names; here, as in
+``outrate conform --mutants --path tests/fixtures --mutants-from article_mutants``, the
+mutants of the independent article-style implementation (``tests/fixtures/article_mutants.py``,
+no observation interface, registered as its ``MUTANTS``). The whole catalogue is hunted by
+``outrate conform --mutants --no-white-box`` (minutes); here: its shape, a representative
+subset of kills (marker ``ci``), and Hypothesis-style discovery rates.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ CI = PROFILES["ci"]
 QUICK = PROFILES["quick"]
 RULES = tuple(f"R{i}" for i in range(1, 19))
 
-CATALOGUE = catalogue()  # imports article_style, which installs the article's engine flags
+FIXTURES = str(Path(__file__).resolve().parent / "fixtures")
+if FIXTURES not in sys.path:  # the article-style mutants' catalogue module (and engine-wait's children)
+    sys.path.insert(0, FIXTURES)
+ARTICLE_MUTANTS_MODULE = "article_mutants"
+CATALOGUE = catalogue((ARTICLE_MUTANTS_MODULE,))  # imports article_style, which installs the article's engine flags
 _article_engine = importlib.import_module("article_style.engine")  # importable now
 _article_flags = importlib.import_module("article_style.flags")
 
@@ -78,25 +84,61 @@ def test_every_mutant_docstring_names_its_rule_and_slip(mutant):
     assert slip and len(slip.group(1).split()) >= 5, f"{mutant.name}: no 'Slip:' line saying which slip it models"
 
 
-def test_catalogue_loader_puts_tests_fixtures_on_the_path_only_when_asked():
+def test_the_adapter_loads_a_mutant_catalogue_module_only_when_the_caller_names_it():
+    import os
     import subprocess
 
-    code = (
-        "import sys; from vllm_output_rate.adapter import mutation; "
-        "assert not any(p.endswith('tests/fixtures') for p in sys.path), 'early'; "
-        "assert 'article_style' not in sys.modules; "
-        "n = len(mutation.catalogue(article=False)); assert 'article_style' not in sys.modules; "
-        "print(n, len(mutation.catalogue()))"
+    code = "\n".join(
+        [
+            "import sys",
+            "from vllm_output_rate.adapter import mutation",
+            "n = len(mutation.catalogue())",
+            "assert 'article_style' not in sys.modules",
+            "try:",
+            "    mutation.load_mutants('article_mutants')",
+            "except ImportError as exc:",
+            "    assert 'article_mutants' in str(exc) and '--path' in str(exc), exc",
+            "else:",
+            "    raise AssertionError('loaded without its directory on the path')",
+            f"sys.path.insert(0, {FIXTURES!r})",
+            "print(n, len(mutation.catalogue(('article_mutants',))))",
+        ]
     )
-    fixtures = str(Path(__file__).resolve().parent / "fixtures")
-    env_path = [p for p in sys.path if p and p != fixtures and not p.endswith("tests/fixtures")]
-    import os
-
+    env_path = [p for p in sys.path if p and p != FIXTURES and not p.endswith("tests/fixtures")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(env_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240, cwd="/")
     assert out.returncode == 0, out.stderr[-2000:]
     ref, total = map(int, out.stdout.split()[-2:])
     assert ref == len(MUTANTS) and total == len(CATALOGUE)
+
+
+def test_a_catalogue_module_without_a_mutants_tuple_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"'json' has no MUTANTS tuple"):
+        catalogue(("json",))
+
+
+def test_no_adapter_module_names_the_tests_folder():
+    # The catalogue is handed in by the caller (--mutants-from, the tests): no adapter code
+    # path (docstrings aside) points into tests/.
+    import ast
+
+    adapter = Path(__file__).resolve().parent.parent / "adapter"
+    named = []
+    for path in sorted(adapter.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            literal = isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            if literal and re.search(r"(^|/)tests(/|$)", node.value):
+                named.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    assert named == []
 
 
 def test_hunt_plan_uses_the_registry_without_white_box_cheapest_first():

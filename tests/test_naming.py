@@ -147,7 +147,7 @@ def test_r16_a_lora_slot_failure_the_article_base_shares_is_not_a_kill_of_its_mu
     from vllm_output_rate.adapter import mutation
     from vllm_output_rate.adapter.lora_slots import check_lora
 
-    mutant = next(m for m in mutation.article_catalogue() if m.name == "ArticleNoEngineWait")
+    mutant = next(m for m in mutation.load_mutants("article_mutants") if m.name == "ArticleNoEngineWait")
     options, _ = mutation.hunt_plan(mutant, "should", "quick", 0, False, tmp_path)
     result = check_lora(mutant.cls, False, Hunt(8, save_dir=tmp_path), options.style)
     assert result.result == "fail" and result.saved is not None, result.failure
