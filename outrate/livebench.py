@@ -39,21 +39,27 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
+import random
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from typing import Any
+
+from vllm_output_rate.adapter.tinymodel import default_model_dir
+from vllm_output_rate.loadtest import engine_processes
 
 REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 FREE_RATE = 10**9
 
 
 def _engine(output_rate: dict[str, Any] | None, max_num_seqs: int):
-    from vllm import LLM
-
-    from vllm_output_rate.adapter.tinymodel import default_model_dir
+    from vllm import LLM  # deferred: vLLM costs ~7 s to import; only the live bench child needs it
 
     kwargs: dict[str, Any] = {}
     if output_rate is not None:
@@ -76,7 +82,7 @@ def _engine(output_rate: dict[str, Any] | None, max_num_seqs: int):
 
 
 def _batch(streams: int, tokens: int, users: list[str]):
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # deferred: vLLM costs ~7 s to import; only the live bench child needs it
 
     prompts = [{"prompt_token_ids": [11 + (i % 200), 12, 13, 14 + (i % 7)]} for i in range(streams)]
     params = [
@@ -101,8 +107,6 @@ def _generate(llm, prompts, params, expected_tokens: int) -> float:
 
 def _engine_processes() -> dict[str, Any]:
     """This process's engine-core and worker processes (psutil), by role."""
-    from vllm_output_rate.loadtest import engine_processes
-
     found = engine_processes(os.getpid())
     if "engine_core" not in found:
         raise RuntimeError("no engine-core process found (is VLLM_ENABLE_V1_MULTIPROCESSING off?)")
@@ -134,8 +138,9 @@ def _resume(procs: list[Any]) -> None:
 
 def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     streams, tokens, rounds = cfg["streams"], cfg["tokens"], cfg["rounds"]
-    import psutil
+    import psutil  # deferred: psutil adds ~50 ms, kept off `outrate --help`
 
+    # deferred: reference.plugin imports vLLM at its top (~7 s)
     from vllm_output_rate.reference.plugin import WORKER_PARK_ENV
 
     def started(build):
@@ -225,8 +230,9 @@ def _throughput_summary(
 
 
 def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
-    import psutil
+    import psutil  # deferred: psutil adds ~50 ms, kept off `outrate --help`
 
+    # deferred: reference.plugin imports vLLM at its top (~7 s)
     from vllm_output_rate.reference.plugin import WORKER_PARK_ENV
 
     users = [f"slow{i}" for i in range(cfg["users"])]
@@ -276,9 +282,10 @@ def _ping_reader(handle, answers, messages: int, timeout_s: float, park: bool) -
     every read it parks (``plugin.park_reader``, as the worker after an empty step) or keeps
     vLLM's spin window; answers each message with whether its read waited ``timeout_s`` s
     (vLLM's reader polls at most that long before re-checking the buffer)."""
+    # deferred: vLLM costs ~7 s to import; only the live bench needs it
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    from vllm_output_rate.reference import plugin
+    from vllm_output_rate.reference import plugin  # deferred: reference.plugin imports vLLM at its top (~7 s)
 
     reader = MessageQueue.create_from_handle(handle, 0)
     response = MessageQueue(1, 1)
@@ -313,12 +320,10 @@ def ping_round_trips(
     that waited ``timeout_s`` s: their wake-up ping was dropped), ``messages`` and the
     median / 99th percentile round trip (send to answer) in microseconds.
     """
-    import multiprocessing
-    import random
-
+    # deferred: vLLM costs ~7 s to import; only the live bench needs it
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    from vllm_output_rate.reference import plugin
+    from vllm_output_rate.reference import plugin  # deferred: reference.plugin imports vLLM at its top (~7 s)
 
     context = multiprocessing.get_context("fork")
     writer = MessageQueue(1, 1)
@@ -377,7 +382,7 @@ def main(argv: list[str]) -> None:
 
 def _stop_engines() -> None:
     """End the engine-core and worker processes this process started (by pid)."""
-    import psutil
+    import psutil  # deferred: psutil adds ~50 ms, kept off `outrate --help`
 
     children = psutil.Process().children(recursive=True)
     for proc in children:
@@ -397,10 +402,6 @@ def run_child(
     The child runs in its own session; whatever of it is left after the result or after
     ``timeout_s`` (its engine processes included) is ended through that process group.
     """
-    import signal
-    import tempfile
-    import threading
-
     env = dict(os.environ)
     env.update(env_overrides or {})
     found: list[dict[str, Any]] = []
