@@ -6,7 +6,7 @@ optionally ``max_num_active_seqs``, ``burst_ms``). A style turns it into the ``V
 the class is constructed with, the way that class's users configure it:
 
 - ``AdditionalConfigStyle`` (``additional-config``): the rates in
-  ``additional_config["output_rate"]``, as the reference reads them (``harness.build_vllm_config``).
+  ``additional_config["output_rate"]``, as the reference reads them (``engine_shape.build_vllm_config``).
 - ``EngineArgsStyle`` (``engine-args``): vLLM's own engine-argument path, ``EngineArgs``'
   parser and ``create_engine_config()``, with the article's flags
   ``--default-user-output-tokens-per-second R``, ``--user-output-tokens-per-second JSON`` and
@@ -20,6 +20,7 @@ the class is constructed with, the way that class's users configure it:
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib
 import json
@@ -30,8 +31,8 @@ from fractions import Fraction
 from typing import Any
 from unittest import mock
 
-from vllm_output_rate.adapter import harness as _harness
-from vllm_output_rate.adapter.harness import EngineShape
+from vllm_output_rate.adapter import engine_shape, tinymodel
+from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.vllm_compat import scheduler_only_config
 
 DEFAULT_RATE_FLAG = "--default-user-output-tokens-per-second"
@@ -110,13 +111,13 @@ class ConfigStyle:
 class AdditionalConfigStyle(ConfigStyle):
     """Rates in ``additional_config["output_rate"]`` (the reference; the gate's default).
 
-    Delegates to ``harness.build_vllm_config`` (looked up at call time, so patches of it apply).
+    Delegates to ``engine_shape.build_vllm_config`` (looked up at call time, so patches of it apply).
     """
 
     name = "additional-config"
 
     def build_vllm_config(self, shape: EngineShape):
-        return _harness.build_vllm_config(shape)
+        return engine_shape.build_vllm_config(shape)
 
 
 def _engine_rate_flags(shape: EngineShape) -> tuple[int | None, list[str]]:
@@ -175,7 +176,7 @@ def engine_argv(shape: EngineShape) -> list[str]:
     active, rate_flags = _engine_rate_flags(shape)
     argv = [
         "--model",
-        str(_harness.default_model_dir()),
+        str(tinymodel.default_model_dir()),
         "--skip-tokenizer-init",
         "--dtype",
         "float32",
@@ -213,8 +214,8 @@ def _identity(value: Any) -> Any:
 def _engine_fingerprint() -> tuple:
     """What the engine-argument path currently is: ``EngineArgs`` and ``VllmConfig`` and
     their attributes. A fork or a test shim that patches either changes it."""
-    from vllm.config import VllmConfig
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.config import VllmConfig  # deferred: vLLM costs ~7 s to import
+    from vllm.engine.arg_utils import EngineArgs  # deferred: vLLM costs ~7 s to import
 
     return tuple(
         (cls, tuple((name, _identity(value)) for name, value in vars(cls).items())) for cls in (EngineArgs, VllmConfig)
@@ -260,10 +261,8 @@ class EngineArgsStyle(ConfigStyle):
 
     @staticmethod
     def _create(argv: list[str]):
-        import argparse
-
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.engine.arg_utils import EngineArgs  # deferred: vLLM costs ~7 s to import
+        from vllm.utils.argparse_utils import FlexibleArgumentParser  # deferred: vLLM costs ~7 s to import
 
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         known = parser._option_string_actions  # exact option strings (no abbreviation)
@@ -332,7 +331,7 @@ class HookStyle(ConfigStyle):
 
     def build_vllm_config(self, shape: EngineShape):
         """Raises ValueError if the hook returns something other than None."""
-        config = _harness.build_vllm_config(replace(shape, output_rate=None))
+        config = engine_shape.build_vllm_config(replace(shape, output_rate=None))
         rates = rates_of(shape)
         if rates is not None:
             result = self.function(config, rates)

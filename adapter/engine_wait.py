@@ -81,7 +81,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points, packages_distributions
 from typing import Any
 
-from vllm_output_rate.adapter.gate_result import CheckResult
+from vllm_output_rate.adapter.engine_shape import EngineShape, build_vllm_config
 from vllm_output_rate.adapter.engine_wait_judge import judge
 from vllm_output_rate.adapter.engine_wait_scenario import (
     CHILD_TIMEOUT_S,
@@ -91,7 +91,8 @@ from vllm_output_rate.adapter.engine_wait_scenario import (
     ScriptedInput,
     engine_wait_scenario,
 )
-from vllm_output_rate.adapter.harness import EngineShape, build_vllm_config, load_class
+from vllm_output_rate.adapter.gate_result import CheckResult
+from vllm_output_rate.adapter.harness import load_class
 
 CHECK_NAME = "engine-wait/sync"
 CHECK_NAME_ASYNC = "engine-wait/async"  # an AsyncScheduler class, through step_with_batch_queue
@@ -142,7 +143,7 @@ def run_engine_wait(
         scheduler_cls: dotted path ``pkg.module.ClassName`` of a ``Scheduler`` or
             ``AsyncScheduler`` subclass (async runs vLLM's ``step_with_batch_queue``).
         style: an ``adapter.configstyle`` style (``build_vllm_config(shape)``); None:
-            ``harness.build_vllm_config``.
+            ``engine_shape.build_vllm_config``.
         seed: picks the arrival instants of the new request and of the abort.
         plugins: names of the ``vllm.general_plugins`` to load (``VLLM_PLUGINS``); None:
             those shipped with the candidate's packages (``candidate_plugins``); ``[]``: none.

@@ -20,9 +20,10 @@ import traceback
 from concurrent.futures import Future
 from typing import Any
 
+from vllm_output_rate.adapter.engine_shape import build_kv_cache_config
 from vllm_output_rate.adapter.engine_wait_scenario import MODEL_STEP_NS, POLLING_EMPTY_STEP_NS
 from vllm_output_rate.adapter.engine_wait_world import _polling_future_class, _RunOver, _World
-from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID, build_kv_cache_config
+from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
 from vllm_output_rate.adapter.vllm_compat import model_runner_output, prepare_engine_core
 
 _RESULT_SCHEMA = 1

@@ -34,13 +34,8 @@ from typing import Any, cast
 from hypothesis import strategies as st
 
 from vllm_output_rate.adapter import divergence
-from vllm_output_rate.adapter.harness import (
-    STOCK_ASYNC_SCHEDULER,
-    STOCK_SCHEDULER,
-    EngineShape,
-    Harness,
-    StepTrace,
-)
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER, Harness, StepTrace
 from vllm_output_rate.adapter.scenario_file import ScenarioFileError, checked_object
 from vllm_output_rate.adapter.step_file import config_from_json, event_from_json, frac_out
 from vllm_output_rate.adapter.versions import installed_profile

@@ -2,15 +2,16 @@
 
 The article refuses many engine modes when the engine is built (speculative decoding, DP,
 PP, multimodal, connectors, ...); a patch may refuse more. Before a gate run's rows run,
-``probe`` builds the candidate once per engine mode the rows use (``MODES``), with the
-feature on, and runs ``PROBE_STEPS`` steps of two users' requests in that mode:
+``probe`` (``adapter/mode_probe.py``) builds the candidate once per engine mode the rows use
+(``MODES``), with the feature on, and runs ``PROBE_STEPS`` steps of two users' requests in
+that mode:
 
 - ``supported``: it was built and ran;
 - ``refused``: a clean exception while it was built (its configuration, through the
   gate's ``--config-style``, or its ``__init__``): a statement of scope, not a failure at
   any level, unless the team requires the mode (``--require-mode NAME``). The rows that
-  need the mode (``CheckSpec.modes``) are *not applicable*; in rows that only draw it
-  (``CheckSpec.draws``) its scenarios are left out (``refusing``: the harness rejects them
+  need the mode (``GateRow.needs``) are *not applicable*; in rows that only draw it
+  (``GateRow.draws``) its scenarios are left out (``refusing``: the harness rejects them
   as Hypothesis invalid examples, ``ModeRefused``). A refused mode is probed again with the
   feature OFF: a refusal there breaks R18 (the feature off is the base scheduler);
 - ``crashed``: the class raised a programming error (``PROGRAMMING_ERRORS``) while it was
@@ -27,7 +28,6 @@ entrypoint the same way).
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,19 +38,6 @@ SUPPORTED = "supported"
 REFUSED = "refused"
 CRASHED = "crashed"
 UNAVAILABLE = "unavailable"
-PROBE_STEPS = 4
-PROBE_RATES = {"default_tokens_per_s": 10, "user_tokens_per_s": {"probe-b": 20}}  # integer rates: every style
-# A candidate's bug, not a statement of scope, when raised while it is built.
-PROGRAMMING_ERRORS = (
-    AssertionError,
-    AttributeError,
-    TypeError,
-    NameError,
-    KeyError,
-    IndexError,
-    ZeroDivisionError,
-    RecursionError,
-)
 
 
 @dataclass(frozen=True)
@@ -136,123 +123,6 @@ class ModeStatus:
             "refused_with_feature_off": self.feature_off,
             "required": self.required,
         }
-
-
-def _text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _clean(exc: BaseException) -> bool:
-    """A refusal: an ``Exception`` that is no programming error and says something."""
-    return isinstance(exc, Exception) and not isinstance(exc, PROGRAMMING_ERRORS) and bool(str(exc).strip())
-
-
-def _base_shape(feature_on: bool = True):
-    from vllm_output_rate.adapter.harness import EngineShape
-
-    return EngineShape(max_num_seqs=4, num_blocks=256, output_rate=dict(PROBE_RATES) if feature_on else None)
-
-
-def _smoke(harness: Any, mode: str) -> None:
-    """Two users' requests (one more on adapter 1 in ``lora``, priorities 0 and 1 in
-    ``priority``), then ``PROBE_STEPS`` steps."""
-    harness.add_request("probe-a0", "probe-a", prompt_len=20, max_tokens=3, priority=0)
-    harness.add_request("probe-b0", "probe-b", prompt_len=20, max_tokens=3, priority=int(mode == "priority"))
-    if mode == "lora":
-        harness.add_request("probe-l0", "probe-a", prompt_len=20, max_tokens=3, lora=1)
-    _steps(harness)
-
-
-def _steps(harness: Any) -> None:
-    """``PROBE_STEPS`` steps, then the in-flight output delivered (async)."""
-    for _ in range(PROBE_STEPS):
-        harness.step()
-    harness.drain()
-
-
-def _add_children(harness: Any, parent_id: str, user: str, n: int) -> None:
-    """Add ``n`` children of one parallel-sampling request the way vLLM's front end does
-    (``vllm.v1.engine.parallel_sampling.ParentRequest``: one ``SamplingParams`` copied once
-    with ``n=1``, shared by every child), with ``Harness.add_request``'s prompt and EOS."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
-    from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID
-
-    parent = SamplingParams(n=n, max_tokens=3, extra_args={"output_rate_user": user})
-    parent.update_from_generation_config({}, eos_token_id=EOS_TOKEN_ID)
-    shared = copy.copy(parent)
-    shared.n = 1
-    for index in range(n):
-        rid = f"{index}_{parent_id}"
-        request = Request(
-            request_id=rid,
-            prompt_token_ids=[NON_EOS_TOKEN_ID + 1 + i for i in range(8)],
-            sampling_params=shared,
-            pooling_params=None,
-            arrival_time=float(index),
-            block_hasher=harness._hasher,
-        )
-        harness.users[rid] = user
-        harness.num_outputs[rid] = 0
-        harness._eos_index[rid] = None
-        harness.scheduler.add_request(request)
-
-
-def _attempt(cls: str, shape: Any, style: Any, mode: str) -> tuple[str, str]:
-    """Build ``cls`` on ``shape`` and run the smoke steps: ``(status, message)``."""
-    from vllm_output_rate.adapter.harness import Harness
-
-    try:
-        harness = Harness(cls, shape, style=style)
-    except Exception as exc:  # construction: the candidate's statement of scope, or its bug
-        return (REFUSED if _clean(exc) else CRASHED), _text(exc)
-    try:
-        if mode == "n>1":
-            try:
-                _add_children(harness, "probe-n", "probe-b", 2)
-            except Exception as exc:  # the children refused as they are added: the front end's refusal
-                return (REFUSED if _clean(exc) else CRASHED), _text(exc)
-            harness.add_request("probe-a0", "probe-a", prompt_len=20, max_tokens=3)
-            _steps(harness)
-        else:
-            _smoke(harness, mode)
-    except Exception as exc:  # after construction: a crash
-        return CRASHED, _text(exc)
-    return SUPPORTED, ""
-
-
-def probe_mode(options: Any, mode: str) -> ModeStatus:
-    """The mode matrix row of ``mode`` for the run ``options`` (``registry.GateOptions``):
-    the candidate (the async class for ``async``, else the sync class) built with the
-    feature on in that mode, its smoke steps run (module docstring)."""
-    from vllm_output_rate.adapter.harness import STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER
-
-    is_async = mode == "async"
-    cls = options.async_scheduler_cls if is_async else options.scheduler_cls
-    required = mode in options.require_modes
-    if cls is None:
-        return ModeStatus(mode, UNAVAILABLE, "no --async-scheduler-cls given", required=required)
-    shape = MODES[mode].shape(_base_shape())
-    status, message = _attempt(cls, shape, options.style, mode)
-    row = ModeStatus(mode, status, message, required=required)
-    if status == REFUSED:
-        off_status, off_message = _attempt(cls, replace(shape, output_rate=None), options.style, mode)
-        row.feature_off = off_message if off_status != SUPPORTED else None
-    if status == CRASHED:  # counted only if stock vLLM runs the same probe
-        stock = STOCK_ASYNC_SCHEDULER if is_async else STOCK_SCHEDULER
-        stock_status, stock_message = _attempt(stock, replace(shape, output_rate=None), None, mode)
-        if stock_status != SUPPORTED:
-            row.status, row.message = UNAVAILABLE, f"stock vLLM fails the same probe too ({stock_message})"
-    return row
-
-
-def probe(options: Any, modes: Iterable[str]) -> dict[str, ModeStatus]:
-    """The candidate's mode matrix: ``probe_mode`` for every mode in ``modes`` and every
-    mode the run requires (``options.require_modes``), in ``MODES`` order."""
-    wanted = set(modes) | set(options.require_modes)
-    return {name: probe_mode(options, name) for name in MODES if name in wanted}
 
 
 def refused(matrix: dict[str, ModeStatus]) -> dict[str, str]:

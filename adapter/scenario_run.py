@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm_output_rate.adapter.harness import EngineShape, Harness
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import Harness
 from vllm_output_rate.adapter.judge import _Judge
 from vllm_output_rate.adapter.levels import includes
 from vllm_output_rate.adapter.scenarios import (

@@ -486,7 +486,7 @@ def _preflight_style(style: Any) -> None:
     (exit 2), not a rejected candidate."""
     if style is None:
         return
-    from vllm_output_rate.adapter.harness import EngineShape
+    from vllm_output_rate.adapter.engine_shape import EngineShape
 
     probe = EngineShape(output_rate={"default_tokens_per_s": 10, "user_tokens_per_s": {"u0": 5}})
     try:

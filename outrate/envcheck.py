@@ -22,7 +22,7 @@ from pathlib import Path
 def _harness_config_problems() -> list[str]:
     """The problem building one harness ``VllmConfig`` (the gate's first step), if any."""
     try:
-        from vllm_output_rate.adapter.harness import EngineShape, build_vllm_config
+        from vllm_output_rate.adapter.engine_shape import EngineShape, build_vllm_config
 
         build_vllm_config(EngineShape())
     except Exception as exc:  # report the cause: the gate would stop at the same place

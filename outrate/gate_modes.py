@@ -20,9 +20,9 @@ def probe(options: Any, planned: list[Any]) -> tuple[list[Any], Any, dict[str, s
     """Probe the modes of ``planned`` (``registry.PlannedCheck``s) for ``options``:
     ``(planned with refused modes' rows not applicable, the modes row, refused modes:
     name -> message)``, the last for ``adapter.modes.refusing`` around the run."""
-    from vllm_output_rate.adapter import modes, registry
+    from vllm_output_rate.adapter import mode_probe, modes, registry
 
-    matrix = modes.probe(options, registry.modes_used(planned))
+    matrix = mode_probe.probe(options, registry.modes_used(planned))
     refused = modes.refused(matrix)
     return registry.apply_modes(planned, refused), registry.modes_result(matrix, options), refused
 

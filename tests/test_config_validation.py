@@ -34,7 +34,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_output_rate.adapter.harness import EngineShape, build_kv_cache_config, load_class
+from vllm_output_rate.adapter.engine_shape import EngineShape, build_kv_cache_config
+from vllm_output_rate.adapter.harness import load_class
 from vllm_output_rate.adapter.tinymodel import CONFIG, default_model_dir
 from vllm_output_rate.reference.config import (
     OutputRateConfigError,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_output_rate.adapter import configstyle
-from vllm_output_rate.adapter import harness as harness_module
+from vllm_output_rate.adapter import configstyle, tinymodel
+from vllm_output_rate.adapter import engine_shape as engine_shape_module
 from vllm_output_rate.adapter.configstyle import (
     AdditionalConfigStyle,
     EngineArgsStyle,
@@ -25,13 +25,8 @@ from vllm_output_rate.adapter.configstyle import (
     parse_config_style,
     rates_of,
 )
-from vllm_output_rate.adapter.harness import (
-    REFERENCE_SCHEDULER,
-    STOCK_ASYNC_SCHEDULER,
-    STOCK_SCHEDULER,
-    EngineShape,
-    Harness,
-)
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_ASYNC_SCHEDULER, STOCK_SCHEDULER, Harness
 
 MS = 1_000_000
 RATES = {"default_tokens_per_s": "10", "user_tokens_per_s": {"u0": "3.5", "u1": "20"}}  # as scenarios write them
@@ -201,7 +196,7 @@ def test_engine_argv_from_shape():
     shape = SHAPES[1]
     argv = engine_argv(shape)
     pairs = dict(itertools.pairwise(argv))
-    assert pairs["--model"] == str(harness_module.default_model_dir())
+    assert pairs["--model"] == str(tinymodel.default_model_dir())
     assert pairs["--max-num-seqs"] == "3" and pairs["--max-num-active-seqs"] == "2"
     assert pairs["--max-num-batched-tokens"] == "32" and pairs["--block-size"] == "8"
     assert pairs["--scheduling-policy"] == "priority" and pairs["--dtype"] == "float32"
@@ -474,15 +469,15 @@ def test_parse_config_style_rejects(bad):
 
 
 def test_harness_default_style_is_additional_config(monkeypatch):
-    """Callers that patch harness.build_vllm_config keep working (the default delegates)."""
+    """Callers that patch engine_shape.build_vllm_config keep working (the default delegates)."""
     calls = []
-    build = harness_module.build_vllm_config
+    build = engine_shape_module.build_vllm_config
 
     def spy(shape):
         calls.append(shape)
         return build(shape)
 
-    monkeypatch.setattr(harness_module, "build_vllm_config", spy)
+    monkeypatch.setattr(engine_shape_module, "build_vllm_config", spy)
     shape = EngineShape(output_rate={"default_tokens_per_s": 10}, enable_prefix_caching=True)
     h = Harness(REFERENCE_SCHEDULER, shape)
     assert isinstance(h.style, AdditionalConfigStyle) and calls == [shape]

@@ -14,7 +14,8 @@ import os
 
 import pytest
 
-from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, Harness
 from vllm_output_rate.reference import metrics
 from vllm_output_rate.reference.config import parse_output_rate
 

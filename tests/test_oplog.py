@@ -11,7 +11,8 @@ import logging
 
 import pytest
 
-from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, Harness
 from vllm_output_rate.reference.config import parse_output_rate
 from vllm_output_rate.reference.oplog import SUMMARY_INTERVAL_NS, limits_message
 

@@ -18,7 +18,8 @@ import pytest
 from test_scheduler_rules import make
 
 from vllm_output_rate.adapter.conform import check_scheduler
-from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness, StepTrace
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, Harness, StepTrace
 from vllm_output_rate.adapter.not_binding import check_not_binding, never_binding, run_not_binding
 from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario
 from vllm_output_rate.proofs import modelcheck as mc

@@ -18,8 +18,9 @@ from fractions import Fraction
 import pytest
 from test_scheduler_rules import make
 
+from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.fidelity import StepScenario
-from vllm_output_rate.adapter.harness import EngineShape, Harness
+from vllm_output_rate.adapter.harness import Harness
 from vllm_output_rate.adapter.residency import check_residency
 from vllm_output_rate.adapter.scenarios import Hunt
 from vllm_output_rate.adapter.whitebox import run_white_box

@@ -296,7 +296,8 @@ def test_r21_reference_matches_the_spec_step_for_step_across_changes(async_sched
 
 
 def _harness(tmp_path, rates_file: bool = True, **output_rate):
-    from vllm_output_rate.adapter.harness import EngineShape, Harness
+    from vllm_output_rate.adapter.engine_shape import EngineShape
+    from vllm_output_rate.adapter.harness import Harness
 
     section = {"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 5}, **output_rate}
     if rates_file:
@@ -410,7 +411,8 @@ def test_r21_start_up_reads_the_rates_file_and_refuses_a_bad_one(tmp_path) -> No
 
 @pytest.mark.rules("R21", "R18")
 def test_r21_a_change_cannot_turn_the_reference_on(tmp_path) -> None:
-    from vllm_output_rate.adapter.harness import EngineShape, Harness
+    from vllm_output_rate.adapter.engine_shape import EngineShape
+    from vllm_output_rate.adapter.harness import Harness
     from vllm_output_rate.reference.config import OutputRateConfigError
 
     harness = Harness(REFERENCE, EngineShape())

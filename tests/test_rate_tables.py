@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.feature_off import first_difference
-from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, EngineShape, Harness
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, Harness
 from vllm_output_rate.adapter.not_binding import not_binding_scenarios
 from vllm_output_rate.adapter.scenarios import feature_off
 from vllm_output_rate.reference import metrics, ratesfile

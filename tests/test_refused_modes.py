@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_output_rate.adapter import modes, registry
+from vllm_output_rate.adapter import mode_probe, modes, registry
 from vllm_output_rate.adapter.conform import check_white_box
-from vllm_output_rate.adapter.harness import EngineShape, Harness
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import Harness
 from vllm_output_rate.adapter.scenarios import Hunt
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -31,7 +32,7 @@ def options(cls: str = REFUSES, async_cls: str | None = REFUSES_ASYNC, **kwargs)
 
 
 def test_the_matrix_shows_lora_refused_with_its_message_and_the_other_modes_supported():
-    matrix = modes.probe(options(), ["lora", "priority", "async"])
+    matrix = mode_probe.probe(options(), ["lora", "priority", "async"])
     assert list(matrix) == ["async", "lora", "priority"]  # in MODES order
     assert matrix["lora"].status == modes.REFUSED
     assert matrix["lora"].message.startswith("ValueError: the output-rate limit does not support LoRA")
@@ -57,7 +58,7 @@ def test_rows_that_need_a_refused_mode_are_not_applicable_and_do_not_change_the_
 
 def test_require_mode_makes_the_refusal_fatal():
     opts = options(require_modes=("lora",))
-    row = registry.modes_result(modes.probe(opts, ["priority"]), opts)  # a required mode is probed anyway
+    row = registry.modes_result(mode_probe.probe(opts, ["priority"]), opts)  # a required mode is probed anyway
     assert row.result == "fail" and registry.exit_code([row]) == 1
     assert row.failure.startswith("[must] modes: mode lora is required (--require-mode lora) but refused")
     with pytest.raises(ValueError, match="unknown engine mode 'beam'"):
@@ -67,7 +68,7 @@ def test_require_mode_makes_the_refusal_fatal():
 @pytest.mark.rules("R18")
 def test_r18_a_refusal_with_the_feature_off_fails():
     opts = options("mode_candidates.RefusesLoraAlways", None, sync_only=True)
-    matrix = modes.probe(opts, ["lora"])
+    matrix = mode_probe.probe(opts, ["lora"])
     assert matrix["lora"].status == modes.REFUSED and "does not support LoRA" in matrix["lora"].feature_off
     row = registry.modes_result(matrix, opts)
     assert row.result == "fail" and row.failed_level == "must"
@@ -77,7 +78,7 @@ def test_r18_a_refusal_with_the_feature_off_fails():
 
 def test_a_bare_assertion_while_built_is_a_crash_not_a_refusal():
     opts = options("mode_candidates.AssertsOnLora", None, sync_only=True)
-    matrix = modes.probe(opts, ["lora"])
+    matrix = mode_probe.probe(opts, ["lora"])
     assert matrix["lora"].status == modes.CRASHED and matrix["lora"].message == "AssertionError: "
     row = registry.modes_result(matrix, opts)
     assert row.result == "fail" and row.failure.startswith("[must] crash: mode lora")

@@ -22,14 +22,9 @@ from fractions import Fraction
 import pytest
 from vllm.v1.request import RequestStatus
 
-from vllm_output_rate.adapter import harness as harness_module
-from vllm_output_rate.adapter.harness import (
-    REFERENCE_ASYNC_SCHEDULER,
-    REFERENCE_SCHEDULER,
-    EngineShape,
-    Harness,
-    StepTrace,
-)
+from vllm_output_rate.adapter import engine_shape as engine_shape_module
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, Harness, StepTrace
 from vllm_output_rate.reference.config import OutputRateConfigError
 from vllm_output_rate.reference.identity import validate_extra_args
 from vllm_output_rate.spec.properties import accounting_error
@@ -267,14 +262,14 @@ def test_r10_refused_waiting_request_does_not_block_others(async_scheduling, pro
     #   t=100 P2 granted.
     if prompt_len == 17:
         # The gate turns prefix caching off; vLLM's default (and a real deployment) has it on.
-        build = harness_module.build_vllm_config
+        build = engine_shape_module.build_vllm_config
 
         def with_prefix_caching(shape):
             config = build(shape)
             config.cache_config.enable_prefix_caching = True
             return config
 
-        monkeypatch.setattr(harness_module, "build_vllm_config", with_prefix_caching)
+        monkeypatch.setattr(engine_shape_module, "build_vllm_config", with_prefix_caching)
     h = make(async_scheduling, output_rate={"default_tokens_per_s": 10})
     assert h.scheduler.kv_cache_manager.enable_caching == (prompt_len == 17)
     h.add_request("P0", "u", prompt_len=4, max_tokens=1)

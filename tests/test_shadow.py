@@ -20,14 +20,9 @@ from fractions import Fraction
 
 import pytest
 
+from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.feature_off import SHADOW, check_shadow, run_shadow
-from vllm_output_rate.adapter.harness import (
-    REFERENCE_ASYNC_SCHEDULER,
-    REFERENCE_SCHEDULER,
-    STOCK_SCHEDULER,
-    EngineShape,
-    Harness,
-)
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER, Harness
 from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario
 from vllm_output_rate.adapter.trace_check import check_trace
 from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate

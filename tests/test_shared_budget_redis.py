@@ -20,7 +20,8 @@ RATE = 20  # tokens/s for the user "big": T = 50 ms, L = 1, H = 1
 
 
 def _harness(url: str, streams: int, max_tokens: int, prefix: str):
-    from vllm_output_rate.adapter.harness import EngineShape, Harness
+    from vllm_output_rate.adapter.engine_shape import EngineShape
+    from vllm_output_rate.adapter.harness import Harness
 
     shape = EngineShape(max_num_seqs=8, output_rate={"default_tokens_per_s": RATE, "shared_budget_url": url})
     h = Harness(SCHEDULER, shape)
@@ -175,7 +176,7 @@ def test_r24_outrate_serve_flag_puts_the_url_in_the_section() -> None:
 @pytest.mark.rules("R24")
 def test_r24_engine_args_style_carries_the_store_url() -> None:
     from vllm_output_rate.adapter.configstyle import SHARED_BUDGET_FLAG, EngineArgsStyle, engine_argv
-    from vllm_output_rate.adapter.harness import EngineShape
+    from vllm_output_rate.adapter.engine_shape import EngineShape
 
     url = "redis://127.0.0.1:6379/0"
     argv = engine_argv(EngineShape(output_rate={"default_tokens_per_s": 5, "shared_budget_url": url}))

@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, EngineShape, Harness
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, Harness
 from vllm_output_rate.adapter.scenario_run import _arrivals_and_aborts, build_harness
 from vllm_output_rate.adapter.scenario_strategies import pressured_scenarios, scenarios
 from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, RequestSpec, Scenario

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import vllm
 
-from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, EngineShape, Harness
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, Harness
 from vllm_output_rate.adapter.versions import installed_profile, profile_named
 from vllm_output_rate.reference import scheduler as reference
 from vllm_output_rate.spec import invariants

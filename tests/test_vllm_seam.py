@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 from vllm_output_rate.adapter import vllm_compat
-from vllm_output_rate.adapter.harness import EngineShape, build_vllm_config
+from vllm_output_rate.adapter.engine_shape import EngineShape, build_vllm_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("adapter", "outrate", "reference", "proofs", "spec", "tests", "gpu_tests")

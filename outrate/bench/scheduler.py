@@ -49,7 +49,8 @@ class _Driver:
         style: Any = None,
         tiny_rate: float = TINY_RATE,
     ) -> None:
-        from vllm_output_rate.adapter.harness import EngineShape, Harness
+        from vllm_output_rate.adapter.engine_shape import EngineShape
+        from vllm_output_rate.adapter.harness import Harness
 
         self.max_tokens = total_steps + 64
         prompt_max = 4 + 15

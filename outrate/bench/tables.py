@@ -102,7 +102,8 @@ def _tables_harness(users: int, directory: str, path: str) -> Any:
     rates file ``path`` and the /metrics recorder on (writing under ``directory``, as an
     engine core's recorder), holding ``RUNNING`` decoding requests of table users (one in
     four a ``team-NNNN/svc`` pattern user). The metrics environment is restored after."""
-    from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, EngineShape, Harness
+    from vllm_output_rate.adapter.engine_shape import EngineShape
+    from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, Harness
     from vllm_output_rate.reference import metrics
 
     saved = {k: os.environ.get(k) for k in (metrics.ENV_DIR, metrics.ENV_OWNER)}
