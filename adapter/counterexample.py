@@ -26,14 +26,28 @@ before, with a note; files of a newer format are refused with the release that w
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from vllm_output_rate.adapter import fidelity
+from vllm_output_rate.adapter.conform import _guarded, _guarded_step, open_choice_hint
+from vllm_output_rate.adapter.engine_wait import check_engine_wait
+from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.harness import load_class
+from vllm_output_rate.adapter.origins import failed_rule
+from vllm_output_rate.adapter.rule_naming import named_verdict
+from vllm_output_rate.adapter.scenario_run import run_scenario
+from vllm_output_rate.adapter.scenarios import Scenario
+from vllm_output_rate.adapter.whitebox import run_white_box
 
 FORMAT = "outrate-counterexample"
 FORMAT_VERSION = 1
@@ -50,8 +64,6 @@ class CounterexampleError(ValueError):
 def outrate_version() -> str:
     """The installed outrate release (the distribution ``vllm-output-rate``), "unknown" if
     not installed as a distribution."""
-    from importlib import metadata
-
     try:
         return metadata.version("vllm-output-rate")
     except metadata.PackageNotFoundError:
@@ -111,9 +123,6 @@ def _text(verdict: Any) -> str | None:
 def _scheduler_judge(r: Replay) -> str | None:
     """rate-limit/*, invariants/*: the verdict named by the rule it breaks, as the gate
     names the row's failure (``conform.check_scheduler``)."""
-    from vllm_output_rate.adapter.conform import _guarded
-    from vllm_output_rate.adapter.rule_naming import named_verdict
-
     cls = r.scheduler_cls
     return _text(_guarded(lambda s: named_verdict(cls, s, r.judged_at, r.style), cls)(r.scenario))
 
@@ -121,10 +130,6 @@ def _scheduler_judge(r: Replay) -> str | None:
 def _boundaries_judge(r: Replay) -> str | None:
     """boundaries/*: ``run_scenario``, then the failure named by its rule where attribution
     names one (``boundaries.check_boundaries``), with the boundary scenario's name."""
-    from vllm_output_rate.adapter.conform import _guarded
-    from vllm_output_rate.adapter.rule_naming import named_verdict
-    from vllm_output_rate.adapter.scenario_run import run_scenario
-
     cls = r.scheduler_cls
     verdict = _guarded(lambda s: run_scenario(cls, s, r.judged_at, r.style), cls)(r.scenario)
     if verdict.failure is None:
@@ -156,8 +161,6 @@ def _hunted_judge(load: Callable[[], Any]) -> Callable[[Replay], str | None]:
 def _engine_wait_judge(r: Replay) -> str | None:
     """engine-wait/*: the row's own check (``engine_wait.check_engine_wait``: the seeded
     scenario through vLLM's engine-core loop, in every world the row runs), level should."""
-    from vllm_output_rate.adapter.engine_wait import check_engine_wait
-
     result = check_engine_wait(r.scheduler_cls, r.seed, lambda: None, style=r.style)
     return None if result.result != "fail" else f"[should] {result.failure}"
 
@@ -165,9 +168,6 @@ def _engine_wait_judge(r: Replay) -> str | None:
 def _white_box_judge(r: Replay) -> str | None:
     """white-box/*: the step spec against the class under test after every event (level
     exact), its message naming the class (``conform.check_white_box``)."""
-    from vllm_output_rate.adapter.conform import _guarded_step, open_choice_hint
-    from vllm_output_rate.adapter.whitebox import run_white_box
-
     cls = r.scheduler_cls
     verdict = _guarded_step(lambda s: run_white_box(s, cls, style=r.style), cls)(r.scenario)
     if verdict.failure is None:
@@ -178,8 +178,6 @@ def _white_box_judge(r: Replay) -> str | None:
 
 def _base_fidelity_judge(r: Replay) -> str | None:
     """base-fidelity/* (spec health): the step spec against stock vLLM (or the class given)."""
-    from vllm_output_rate.adapter import fidelity
-
     verdict = fidelity.run_step_scenario(r.scheduler_cls, r.scenario, base=r.base)
     if verdict.failure is None:
         return None
@@ -191,8 +189,6 @@ def _base_fidelity_judge(r: Replay) -> str | None:
 
 def _check(module: str, name: str) -> Callable[[], Any]:
     def load() -> Any:
-        import importlib
-
         return getattr(importlib.import_module(f"vllm_output_rate.adapter.{module}"), name)
 
     return load
@@ -232,8 +228,6 @@ def kind_of(check: str) -> Kind | None:
 def _failed_rule(failure: str | None) -> tuple[str | None, str | None]:
     """(level, rule) of a row's failure text ``[level] RULE ...: ...`` (None, None otherwise;
     ``adapter/origins.failed_rule`` reads the rule)."""
-    from vllm_output_rate.adapter.origins import failed_rule
-
     rule = failed_rule(failure)
     if rule is None or failure is None or not RULE_TOKEN.match(rule):  # white box: "[exact] event 2: ..."
         return None, None
@@ -257,10 +251,6 @@ def shown_path(path: str | os.PathLike, cwd: Path | None = None) -> str:
 
 
 def _source_file(scheduler_cls: str) -> str | None:
-    import inspect
-
-    from vllm_output_rate.adapter.harness import load_class
-
     try:
         return shown_path(inspect.getfile(load_class(scheduler_cls)))
     except (TypeError, OSError, ValueError, ImportError):
@@ -298,7 +288,7 @@ def record(result: Any, options: Any) -> None:
 
 def document(result: Any, options: Any, kind: Kind, scenario: dict) -> dict:
     """The JSON document of one counterexample file (module docstring)."""
-    import vllm
+    import vllm  # deferred: vLLM costs ~7 s to import
 
     failed_level, rule = _failed_rule(result.failure)
     cls = options.async_scheduler_cls if result.name.endswith("/async") else options.scheduler_cls
@@ -402,9 +392,6 @@ def load(data: dict, name: str) -> Loaded:
             section missing; ``adapter.scenario_file.ScenarioFileError``: a bad scenario value
             (the message names the field and the value).
     """
-    from vllm_output_rate.adapter.fidelity import StepScenario
-    from vllm_output_rate.adapter.scenarios import Scenario
-
     check_version(data, name)
     for section in ("check", "gate", "candidate", "scenario"):
         if not isinstance(data.get(section), dict):
@@ -441,8 +428,6 @@ def replay(loaded: Loaded, scheduler_cls: str, judged: str, style: Any, base: An
 
 def default_class(loaded: Loaded) -> str:
     """The class a file's check ran (stock vLLM for a spec-health row)."""
-    from vllm_output_rate.adapter import fidelity
-
     if loaded.candidate.get("class"):
         return loaded.candidate["class"]
     return fidelity.base_scheduler_cls(loaded.check["name"].endswith("/async"))

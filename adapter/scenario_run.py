@@ -126,10 +126,9 @@ def parallel_children(requests: tuple[RequestSpec, ...] | list[RequestSpec]) -> 
     ``ParentRequest``, whose children share one copy of it (and so one ``extra_args`` dict).
     Children of one parent have the same user and ``max_tokens``. Requests without a
     ``parent`` are not in the map. Call once per harness: the copies are live objects."""
-    # deferred: vLLM costs seconds to import; the scenarios' data and judge need none of it
-    from vllm import SamplingParams  # deferred: vLLM (above)
-    from vllm.v1.engine import EngineCoreRequest  # deferred: vLLM (above)
-    from vllm.v1.engine.parallel_sampling import ParentRequest  # deferred: vLLM (above)
+    from vllm import SamplingParams  # deferred: vLLM costs ~7 s to import
+    from vllm.v1.engine import EngineCoreRequest  # deferred: vLLM costs ~7 s to import
+    from vllm.v1.engine.parallel_sampling import ParentRequest  # deferred: vLLM costs ~7 s to import
 
     families: dict[str, list[RequestSpec]] = {}
     for r in requests:

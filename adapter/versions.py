@@ -16,7 +16,7 @@ from vllm_output_rate.spec.versions import PROFILES, VllmVersionProfile, select_
 
 def installed_version() -> str:
     """``vllm.__version__`` of the installed vLLM."""
-    import vllm
+    import vllm  # deferred: vLLM costs ~7 s to import
 
     return vllm.__version__
 

@@ -64,8 +64,8 @@ def scheduler_only_config() -> Iterator[None]:
     outputs. A no-op where Triton is importable or the platform is not the CPU one.
     Re-entrant; restores everything on exit.
     """
-    import vllm.triton_utils as triton_utils
-    from vllm.platforms import current_platform
+    import vllm.triton_utils as triton_utils  # deferred: vLLM costs ~7 s to import
+    from vllm.platforms import current_platform  # deferred: vLLM costs ~7 s to import
 
     if triton_utils.HAS_TRITON or not current_platform.is_cpu():
         yield
@@ -96,7 +96,7 @@ def scheduler_only_config() -> Iterator[None]:
 # -- ModelRunnerOutput (0.32.0, 0.33.0: req_id_to_index; 0.34.0: none) -------------------------
 @functools.cache
 def _runner_output_fields() -> frozenset[str]:
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput  # deferred: vLLM costs ~7 s to import
 
     return frozenset(f.name for f in dataclasses.fields(ModelRunnerOutput))
 
@@ -105,7 +105,7 @@ def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]]) 
     """A fabricated ``ModelRunnerOutput``: ``sampled_token_ids[i]`` is what request
     ``req_ids[i]`` sampled (empty for a partial prefill chunk). 0.32.0/0.33.0 also take the
     index map ``req_id_to_index``; 0.34.0 indexes by position in ``req_ids``."""
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput  # deferred: vLLM costs ~7 s to import
 
     extra: dict[str, Any] = {}
     if "req_id_to_index" in _runner_output_fields():
@@ -149,6 +149,6 @@ def deferred_inputs(engine: Any) -> int:
 def engine_core_handles_inputs_during_step() -> bool:
     """True if this release's ``EngineCore`` handles ADD/ABORT while a step runs, given a
     future that can poll (0.34.0: ``EngineCore._wait_for_output``)."""
-    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core import EngineCore  # deferred: vLLM costs ~7 s to import
 
     return hasattr(EngineCore, "_wait_for_output")
