@@ -19,7 +19,7 @@ import pytest
 from live_server import server_env, tiny_engine_flags
 
 from vllm_output_rate.adapter.tinymodel import write_config
-from vllm_output_rate.reference.config import KNOWN_KEYS
+from vllm_output_rate.reference.section import KNOWN_KEYS
 
 pytestmark = pytest.mark.live
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import click
 
-from vllm_output_rate.reference.config import OutputRateConfigError
 from vllm_output_rate.reference.keysfile import add_key
+from vllm_output_rate.reference.section import OutputRateConfigError
 
 
 @click.group("keys")

@@ -67,14 +67,10 @@ from typing import Any, NoReturn
 import click
 
 from vllm_output_rate.clitools import flag_option
-from vllm_output_rate.reference.config import (
-    OutputRateConfigError,
-    check_override_user,
-    loads_no_duplicates,
-    parse_output_rate,
-)
+from vllm_output_rate.reference.config import parse_output_rate
 from vllm_output_rate.reference.identity import ON_CLAIM, ON_MISSING
-from vllm_output_rate.reference.limiter import MAX_RATE_TOKENS_PER_S, parse_rate
+from vllm_output_rate.reference.scales import MAX_RATE_TOKENS_PER_S, parse_rate
+from vllm_output_rate.reference.section import OutputRateConfigError, check_override_user, loads_no_duplicates
 
 SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_output_rate.reference.scheduler.RateLimitedAsyncScheduler"
@@ -125,7 +121,7 @@ def _rate_as_typed(text: str, name: str, example: str) -> int | float:
 
     Raises:
         click.UsageError: not a positive finite number of tokens/s within
-            ``reference.limiter.parse_rate``'s bounds; the message names ``name``, quotes
+            ``reference.scales.parse_rate``'s bounds; the message names ``name``, quotes
             ``text`` as typed (``1e400`` stays ``1e400``, not ``inf``), says why, and ends
             with ``example``.
     """

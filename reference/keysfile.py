@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.reference.config import OutputRateConfigError, loads_no_duplicates
 from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS, is_user_id
+from vllm_output_rate.reference.section import OutputRateConfigError, loads_no_duplicates
 
 HASH_PREFIX = "sha256:"
 _HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")

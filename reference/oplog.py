@@ -45,7 +45,7 @@ from fractions import Fraction
 
 from vllm.logger import init_logger
 
-from vllm_output_rate.reference.config import OutputRateConfig
+from vllm_output_rate.reference.section import OutputRateConfig
 
 logger = init_logger("vllm.output_rate")
 

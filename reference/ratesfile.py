@@ -38,12 +38,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_output_rate.reference.config import (
-    KNOWN_KEYS,
-    OutputRateConfigError,
-    _suggest_keys,
-    loads_no_duplicates,
-)
 from vllm_output_rate.reference.ratetable import (
     CHUNK,
     TABLE_KEYS,
@@ -52,6 +46,12 @@ from vllm_output_rate.reference.ratetable import (
     parse_table,
     table_from_lines,
     table_lines,
+)
+from vllm_output_rate.reference.section import (
+    KNOWN_KEYS,
+    OutputRateConfigError,
+    _suggest_keys,
+    loads_no_duplicates,
 )
 
 RATE_KEYS = TABLE_KEYS
@@ -146,6 +146,7 @@ class RatesFileWatcher:
     @property
     def logger(self) -> Any:
         if self._logger is None:
+            # deferred: oplog imports vLLM's logger (seconds); rates files are also read without vLLM
             from vllm_output_rate.reference.oplog import logger
 
             self._logger = logger

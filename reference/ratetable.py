@@ -49,6 +49,7 @@ lengths) the first time and from a per-user-id cache after that.
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -57,8 +58,9 @@ from fractions import Fraction
 from itertools import islice
 from typing import Any
 
-from vllm_output_rate.reference.config import OutputRateConfigError, check_override_user
 from vllm_output_rate.reference.identity import MAX_USER_ID_CHARS
+from vllm_output_rate.reference.scales import PreparedTable, parse_rate
+from vllm_output_rate.reference.section import OutputRateConfigError, check_override_user
 
 OTHER = "other"  # the /metrics label of users on no plan (metrics.OTHER)
 MAX_PLANS = 1024  # a plan is a tier, not a customer: each one is a /metrics label
@@ -126,7 +128,7 @@ class Plan:
 @dataclass(frozen=True)
 class Prepared:
     """``RateTable.prepare``'s result (for one burst tolerance): ``enforced`` and
-    ``shadow`` (``limiter.PreparedTable``; ``shadow`` None without shadow plans),
+    ``shadow`` (``scales.PreparedTable``; ``shadow`` None without shadow plans),
     ``label_rates`` (``/metrics`` label -> limit gauge) and ``description`` (log line)."""
 
     burst_ns: int
@@ -177,8 +179,6 @@ class RateTable:
         ``pause`` is called every ``CHUNK`` entries (the thread lets the step run)."""
         prepared = self._prepared
         if prepared is None or prepared.burst_ns != burst_ns:
-            from vllm_output_rate.reference.limiter import PreparedTable
-
             enforced = PreparedTable(self, burst_ns, shadow_view=False, pause=pause)
             shadow = PreparedTable(self, burst_ns, shadow_view=True, pause=pause) if self.has_shadow else None
             prepared = Prepared(burst_ns, enforced, shadow, self.label_rates(), self.describe())
@@ -268,8 +268,6 @@ def _shown_key(key: object) -> str:
 
 
 def _nearest(key: object, known: Any) -> str:
-    import difflib
-
     matches = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
     return f" (did you mean {matches[0]!r}?)" if matches else ""
 
@@ -282,8 +280,6 @@ def _unknown_keys(where: str, obj: Mapping[str, Any], known: tuple[str, ...]) ->
 
 
 def _rate(value: Any, where: str) -> Fraction:
-    from vllm_output_rate.reference.limiter import parse_rate
-
     try:
         return parse_rate(value, where)
     except ValueError as exc:

@@ -47,12 +47,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_output_rate.reference.config import (
-    OutputRateConfig,
-    OutputRateConfigError,
-    check_engine_supported,
-    parse_output_rate,
-)
+from vllm_output_rate.reference.config import check_engine_supported, parse_output_rate
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, validate_extra_args
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.reference.metrics import MetricsRecorder
@@ -60,6 +55,7 @@ from vllm_output_rate.reference.oplog import ThrottleLog, log_feature_off, log_l
 from vllm_output_rate.reference.oplog import logger as oplog_logger
 from vllm_output_rate.reference.ratesfile import RatesFileWatcher, RateTable
 from vllm_output_rate.reference.ratesfile import describe as describe_rates
+from vllm_output_rate.reference.section import OutputRateConfig, OutputRateConfigError
 from vllm_output_rate.reference.shadow import ShadowAccounting
 from vllm_output_rate.reference.trace import TraceWriter, rank_trace_path
 from vllm_output_rate.reference.vllm_compat import INSTALLED_PROFILE

@@ -40,8 +40,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_output_rate.reference.config import OutputRateConfig
 from vllm_output_rate.reference.limiter import OutputRateLimiter
+from vllm_output_rate.reference.section import OutputRateConfig
 
 PRUNE_INTERVAL_STEPS = 256  # R6's cadence: cleanup of idle users and of forgotten request ids
 logger = logging.getLogger(__name__)

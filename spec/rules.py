@@ -72,7 +72,7 @@ RULES: tuple[Rule, ...] = (
         )
         + _mixin("_survey_users", "_commit_grants"),
     ),
-    Rule("R3", "exact arithmetic", ("limiter.emission_interval_ns",), ("limiter.parse_rate", "limiter._Scale")),
+    Rule("R3", "exact arithmetic", ("limiter.emission_interval_ns",), ("scales.parse_rate", "scales._Scale")),
     Rule("R4", "refund", ("limiter.refund",), ("limiter.OutputRateLimiter.refund",)),
     Rule("R5", "ready_at", ("limiter.ready_at_ns",), ("limiter.OutputRateLimiter.ready_at_ns",)),
     Rule(
@@ -325,7 +325,7 @@ RATE_TABLE_RULES: tuple[Rule, ...] = (
             "ratetable.RateTable.prepare",
             "ratesfile.RatesFileWatcher.poll",
             "limiter.OutputRateLimiter.install",
-            "limiter.PreparedTable",
+            "scales.PreparedTable",
             "metrics.MetricsRecorder.label",
         ),
     ),
@@ -334,7 +334,7 @@ RATE_TABLE_RULES: tuple[Rule, ...] = (
         "unlimited",
         ("tables.UNLIMITED", "limiter.try_take", "limiter.refund", "limiter.change_rates"),
         (
-            "limiter.UNLIMITED",
+            "scales.UNLIMITED",
             "limiter.OutputRateLimiter.grants_at",
             "limiter.OutputRateLimiter.take_counts",
             "limiter.OutputRateLimiter.refund",

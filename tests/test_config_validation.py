@@ -37,11 +37,8 @@ import pytest
 from vllm_output_rate.adapter.engine_shape import EngineShape, build_kv_cache_config
 from vllm_output_rate.adapter.harness import load_class
 from vllm_output_rate.adapter.tinymodel import CONFIG, default_model_dir
-from vllm_output_rate.reference.config import (
-    OutputRateConfigError,
-    check_engine_supported,
-    unsupported_modes,
-)
+from vllm_output_rate.reference.config import check_engine_supported, unsupported_modes
+from vllm_output_rate.reference.section import OutputRateConfigError
 
 pytestmark = pytest.mark.check
 
@@ -535,7 +532,8 @@ def test_configuration_duplicate_json_keys_refused_by_vllm_parser(text, says, ca
 
 
 def test_unknown_key_suggestion_and_duplicates_helpers():
-    from vllm_output_rate.reference.config import loads_no_duplicates, nearest_key, parse_output_rate
+    from vllm_output_rate.reference.config import parse_output_rate
+    from vllm_output_rate.reference.section import loads_no_duplicates, nearest_key
 
     assert nearest_key("max_active_seqs", ("max_num_active_seqs", "burst_ms")) == "max_num_active_seqs"
     assert nearest_key("zzz", ("max_num_active_seqs",)) is None

@@ -15,11 +15,12 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+from vllm_output_rate.reference.config import parse_output_rate
 from vllm_output_rate.reference.identity import ANONYMOUS_USER, USER_KEY, IdentitySettings, parse_identity
 from vllm_output_rate.reference.identity_middleware import METRIC, IdentityMiddleware
 from vllm_output_rate.reference.keysfile import KeysFileWatcher, add_key, key_hash, parse_keys_file
 from vllm_output_rate.reference.limiter import OutputRateLimiter
+from vllm_output_rate.reference.section import OutputRateConfigError
 
 LOG = logging.getLogger("test.identity")
 

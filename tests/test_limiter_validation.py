@@ -14,12 +14,10 @@ from typing import Any
 
 import pytest
 
-from vllm_output_rate.reference.config import (
-    OutputRateConfig,
-    OutputRateConfigError,
-    parse_output_rate,
-)
-from vllm_output_rate.reference.limiter import OutputRateLimiter, parse_rate
+from vllm_output_rate.reference.config import parse_output_rate
+from vllm_output_rate.reference.limiter import OutputRateLimiter
+from vllm_output_rate.reference.scales import parse_rate
+from vllm_output_rate.reference.section import OutputRateConfig, OutputRateConfigError
 
 pytestmark = pytest.mark.check
 

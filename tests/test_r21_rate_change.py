@@ -384,8 +384,8 @@ def test_r21_rates_file_reload_and_a_bad_file_keeps_the_limits(tmp_path) -> None
     ],
 )
 def test_r21_rates_file_is_validated_like_start_up(text, message) -> None:
-    from vllm_output_rate.reference.config import OutputRateConfigError
     from vllm_output_rate.reference.ratesfile import parse_rates_file
+    from vllm_output_rate.reference.section import OutputRateConfigError
 
     with pytest.raises(OutputRateConfigError, match=r"rates file r\.json: ") as caught:
         parse_rates_file(text, "r.json")
@@ -394,7 +394,8 @@ def test_r21_rates_file_is_validated_like_start_up(text, message) -> None:
 
 @pytest.mark.rules("R21")
 def test_r21_start_up_reads_the_rates_file_and_refuses_a_bad_one(tmp_path) -> None:
-    from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+    from vllm_output_rate.reference.config import parse_output_rate
+    from vllm_output_rate.reference.section import OutputRateConfigError
 
     path = tmp_path / "rates.json"
     section = {"default_tokens_per_s": 10, "rates_file": str(path)}
@@ -413,7 +414,7 @@ def test_r21_start_up_reads_the_rates_file_and_refuses_a_bad_one(tmp_path) -> No
 def test_r21_a_change_cannot_turn_the_reference_on(tmp_path) -> None:
     from vllm_output_rate.adapter.engine_shape import EngineShape
     from vllm_output_rate.adapter.harness import Harness
-    from vllm_output_rate.reference.config import OutputRateConfigError
+    from vllm_output_rate.reference.section import OutputRateConfigError
 
     harness = Harness(REFERENCE, EngineShape())
     with pytest.raises(OutputRateConfigError, match="cannot turn it on"):

@@ -17,10 +17,11 @@ from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENC
 from vllm_output_rate.adapter.not_binding import not_binding_scenarios
 from vllm_output_rate.adapter.scenarios import feature_off
 from vllm_output_rate.reference import metrics, ratesfile
-from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+from vllm_output_rate.reference.config import parse_output_rate
 from vllm_output_rate.reference.limiter import UNLIMITED_GRANTS, OutputRateLimiter
 from vllm_output_rate.reference.ratesfile import MAX_RATES_FILE_BYTES, RatesFileWatcher, parse_rates_file
 from vllm_output_rate.reference.ratetable import MAX_DETAILED, OTHER
+from vllm_output_rate.reference.section import OutputRateConfigError
 
 MS = 1_000_000
 PLANS = {

@@ -25,8 +25,8 @@ from vllm.v1.request import RequestStatus
 from vllm_output_rate.adapter import engine_shape as engine_shape_module
 from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, Harness, StepTrace
-from vllm_output_rate.reference.config import OutputRateConfigError
 from vllm_output_rate.reference.identity import validate_extra_args
+from vllm_output_rate.reference.section import OutputRateConfigError
 from vllm_output_rate.spec.properties import accounting_error
 
 MS = 1_000_000  # ns per ms

@@ -25,8 +25,9 @@ from vllm_output_rate.adapter.feature_off import SHADOW, check_shadow, run_shado
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, STOCK_SCHEDULER, Harness
 from vllm_output_rate.adapter.scenarios import Hunt, RequestSpec, Scenario
 from vllm_output_rate.adapter.trace_check import check_trace
-from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+from vllm_output_rate.reference.config import parse_output_rate
 from vllm_output_rate.reference.scheduler import RateLimitedScheduler
+from vllm_output_rate.reference.section import OutputRateConfigError
 from vllm_output_rate.spec import limiter as spec_limiter
 
 MS = 1_000_000

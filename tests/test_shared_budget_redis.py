@@ -11,7 +11,8 @@ from fractions import Fraction
 
 import pytest
 
-from vllm_output_rate.reference.config import OutputRateConfigError, parse_output_rate
+from vllm_output_rate.reference.config import parse_output_rate
+from vllm_output_rate.reference.section import OutputRateConfigError
 from vllm_output_rate.spec import limiter as spec_limiter
 from vllm_output_rate.spec import shared_budget as sb
 
