@@ -19,6 +19,7 @@ from vllm_output_rate.proofs.modelcheck_results import Violation
 from vllm_output_rate.proofs.modelcheck_scopes import Scope, profile_scopes
 from vllm_output_rate.proofs.modelcheck_transitions import CHECK_IDS
 from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec import queues as spec_queues
 from vllm_output_rate.spec import rate as spec_rate
 from vllm_output_rate.spec import scheduler as spec
 from vllm_output_rate.spec.state import EngineConfig
@@ -158,7 +159,7 @@ def _m_drop_throttled(config):
         was = cycle.throttled
         cycle, n = decide(cycle, request, n)
         if request.request_id in cycle.throttled - was:  # throttled now: preempt it (KV freed, recompute)
-            cycle = spec.preempt(cycle, request.request_id)
+            cycle = spec_queues.preempt(cycle, request.request_id)
         return cycle, n
 
     return [(spec_rate, "decide_running", decide_running)]

@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_output_rate.spec import limiter as spec_limiter
+from vllm_output_rate.spec.queues import preempt  # the V6 preemption, shared with spec/scheduler.py
 from vllm_output_rate.spec.state import (
     CLEANUP_INTERVAL_STEPS,
     FCFS,
@@ -357,8 +358,6 @@ def free_lora_slot(cycle: Cycle) -> Cycle:
     ]
     if not holders:
         return cycle
-    from vllm_output_rate.spec.scheduler import preempt  # the V6 preemption, shared
-
     victim_lora = get(state, holders[-1]).lora
     for rid in reversed(in_use[victim_lora]):
         cycle = preempt(cycle, rid)

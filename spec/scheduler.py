@@ -30,7 +30,8 @@ Where vLLM releases differ, the rule reads the release's value from ``state.base
 about a request is also recorded with its V-rule (``Cycle.decide``), so that a divergence
 from vLLM can be named by rule.
 
-Every function below cites the rules it implements. ``spec/rate.py`` holds R7-R16.
+Every function below cites the rules it implements. ``spec/rate.py`` holds R7-R16;
+``spec/queues.py`` holds V6's preemption and ``waiting``'s order (V6, V8).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 from vllm_output_rate.spec import rate
 from vllm_output_rate.spec.events import Abort, AddRequest, AdvanceClock, ChangeRates, Drain, Event, Step
+from vllm_output_rate.spec.queues import enqueue, preempt
 from vllm_output_rate.spec.state import (
     ABORT,
     FCFS,
@@ -259,38 +261,6 @@ def choose_victim(cycle: Cycle, request_id: str) -> str:
     return max(running, key=lambda r: r.queue_key).request_id
 
 
-def preempt(cycle: Cycle, victim_id: str) -> Cycle:
-    """V6: preempt ``victim_id``: free its blocks, reset it, put it back in ``waiting``.
-
-    Tokens it was scheduled in this cycle return to the budget (PRIORITY only: an FCFS
-    victim is never one already served).
-    """
-    victim = get(cycle.state, victim_id)
-    assert victim.status == RUNNING, f"V6: only running requests are preempted, {victim_id} is {victim.status}"
-    state = replace(cycle.state, running=tuple(rid for rid in cycle.state.running if rid != victim_id))
-    state = with_blocks(
-        state,
-        victim_id,
-        0,
-        status=PREEMPTED,
-        num_computed_tokens=0,
-        num_output_placeholders=0,
-        num_stale_output_tokens=victim.num_in_flight_tokens,
-        num_preemptions=victim.num_preemptions + 1,
-    )
-    state = replace(state, waiting=enqueue(state, victim_id, front=True))
-    returned = cycle.scheduled_tokens(victim_id)
-    return replace(
-        cycle,
-        state=state,
-        token_budget=cycle.token_budget + returned,
-        scheduled=tuple((rid, n) for rid, n in cycle.scheduled if rid != victim_id),
-        preempted=cycle.preempted + (victim_id,),
-        throttled=cycle.throttled - {victim_id},  # R11/R12: no longer resident
-        decided=cycle.decided + ((victim_id, "V6"),),
-    )
-
-
 def add_scheduled(cycle: Cycle, request_id: str, num_new_tokens: int) -> Cycle:
     """V1: the chunk joins the batch and spends its tokens."""
     assert 0 < num_new_tokens <= cycle.token_budget, f"V1: {num_new_tokens} tokens, budget {cycle.token_budget}"
@@ -379,36 +349,65 @@ def admission_cap(cycle: Cycle) -> int:
 
 
 def visit_waiting(cycle: Cycle, request_id: str) -> tuple[Cycle, bool]:
-    """V8 (+ R7, R10): admit one waiting request, skip it, or stop the loop.
+    """V8 (+ R7, R10, R13, R20): admit one waiting request, skip it, or stop the loop.
 
-    Returns (cycle, go_on): go_on is False when the loop stops here.
+    Returns (cycle, go_on): go_on is False when the loop stops here. In order: the loop's
+    limits (V1 budget, V8 admission cap), the feature's gates (``rate_gates``), the skips
+    before a chunk is sized (``slot_skip``), then the first chunk (``admit_first_chunk``).
     """
-    config = cycle.state.config
     if cycle.token_budget == 0:
         return cycle.decide(request_id, "V1"), False
     if len(cycle.state.running) >= admission_cap(cycle):
         return cycle.decide(request_id, "V8"), False
     request = get(cycle.state, request_id)
-    if config.rate_limited:
-        cycle, proceed = rate.residency_gate(cycle, request)  # R20: a user at its cap is skipped
-        if not proceed:
-            return cycle.decide(request_id, "R20"), True
-    if config.rate_limited:
-        cycle, proceed = rate.waiting_gate(cycle, request)  # R10: refused users skipped
-        if not proceed:
-            return cycle.decide(request_id, "R10"), True
+    cycle, held = rate_gates(cycle, request)
+    if held is not None:
+        return cycle.decide(request_id, held), True
+    skipped = slot_skip(cycle, request)
+    if skipped is not None:
+        return cycle.decide(request_id, skipped), True
+    return admit_first_chunk(cycle, request)
+
+
+def rate_gates(cycle: Cycle, request: RequestState) -> tuple[Cycle, str | None]:
+    """R20, R10: with the feature on, the rule that skips a waiting request (a user at its
+    residency cap, R20; a refused user, R10), or None to go on."""
+    if not cycle.state.config.rate_limited:
+        return cycle, None
+    cycle, proceed = rate.residency_gate(cycle, request)  # R20: a user at its cap is skipped
+    if not proceed:
+        return cycle, "R20"
+    cycle, proceed = rate.waiting_gate(cycle, request)  # R10: refused users skipped
+    if not proceed:
+        return cycle, "R10"
+    return cycle, None
+
+
+def slot_skip(cycle: Cycle, request: RequestState) -> str | None:
+    """V8 (+ R13): the rule that skips a waiting request before its chunk is sized: its
+    stale output still in flight (V8), no adapter slot (V8), or a new adapter slot for a
+    refused user (R13); None to go on."""
     # V8: vLLM skips a waiting request whose stale output (V6) is still in flight. Only a
     # preemption makes output stale and the stale output is delivered right after that
     # cycle (V12); a cycle whose running loop preempts admits nothing (V7), so only R13's
     # LoRA victims (preempted at the cycle start, async) are ever skipped here.
     if request.num_stale_output_tokens > 0:
-        assert request_id in cycle.lora_victims, f"V8: stale output in flight at admission: {request}"
-        return cycle.decide(request_id, "V8"), True
+        assert request.request_id in cycle.lora_victims, f"V8: stale output in flight at admission: {request}"
+        return "V8"
     assert request.num_computed_tokens == 0 and request.num_blocks == 0, f"V6/V8: {request}"
     if not lora_slot_free(cycle, request):
-        return cycle.decide(request_id, "V8"), True  # V8: max_loras adapters counted, skipped
-    if config.rate_limited and not rate.lora_gate(cycle, request, counted_loras(cycle)):
-        return cycle.decide(request_id, "R13"), True  # R13: a refused user takes no new adapter slot
+        return "V8"  # V8: max_loras adapters counted, skipped
+    if cycle.state.config.rate_limited and not rate.lora_gate(cycle, request, counted_loras(cycle)):
+        return "R13"  # R13: a refused user takes no new adapter slot
+    return None
+
+
+def admit_first_chunk(cycle: Cycle, request: RequestState) -> tuple[Cycle, bool]:
+    """V8 (+ R7, R10): size a waiting request's first chunk and admit it, or stop the loop
+    (a prompt longer than the budget without chunked prefill; its whole sequence's blocks
+    not free, V5). Returns (cycle, go_on)."""
+    config = cycle.state.config
+    request_id = request.request_id
     if not config.chunked_prefill and request.num_tokens > cycle.token_budget:
         return cycle.decide(request_id, "V8"), False
     num_new_tokens = min(request.num_tokens, cycle.token_budget)
@@ -435,15 +434,6 @@ def admit(cycle: Cycle, request_id: str, num_new_tokens: int) -> Cycle:
     )
     cycle = replace(cycle, state=state, admitted=cycle.admitted + (request_id,))
     return add_scheduled(cycle, request_id, num_new_tokens)
-
-
-def enqueue(state: SchedulerState, request_id: str, front: bool) -> tuple[str, ...]:
-    """V6, V8: ``waiting`` with ``request_id`` added (FCFS: front or back; PRIORITY: by key)."""
-    assert request_id not in state.waiting, f"{request_id} queued twice"
-    if state.config.policy == FCFS:
-        return (request_id,) + state.waiting if front else state.waiting + (request_id,)
-    ids = state.waiting + (request_id,)
-    return tuple(sorted(ids, key=lambda rid: get(state, rid).queue_key))
 
 
 def sampling_dispatches(cycle: Cycle) -> frozenset[str]:
