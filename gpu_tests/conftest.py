@@ -116,7 +116,7 @@ def request_steps(trace: str | Path, client_id: str) -> dict[str, int]:
     to ``sampled`` when it was dispatched in every step between them; 0 if never). Reads
     whole lines only.
     """
-    from vllm_output_rate.adapter.trace_check import engine_id_matches
+    from vllm_output_rate.adapter.trace_checker import engine_id_matches
 
     counts = {"chunks": 0, "sampled": 0, "throttled": 0, "sampled_span": 0}
     sampled_steps: list[int] = []
@@ -144,7 +144,8 @@ def wait_for_finish(trace: str | Path, client_ids: Iterable[str], timeout_s: flo
     timeout: the caller asserts the statuses. The scheduler flushes its trace when it goes
     idle and at least every 0.5 s of steps.
     """
-    from vllm_output_rate.adapter.trace_check import check_trace, engine_id_matches
+    from vllm_output_rate.adapter.trace_check import check_trace
+    from vllm_output_rate.adapter.trace_checker import engine_id_matches
 
     client_ids = list(client_ids)
     deadline = time.monotonic() + timeout_s

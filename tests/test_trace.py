@@ -15,7 +15,8 @@ import pytest
 
 from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER, Harness
-from vllm_output_rate.adapter.trace_check import check_records, check_trace, engine_id_matches
+from vllm_output_rate.adapter.trace_check import check_records, check_trace
+from vllm_output_rate.adapter.trace_checker import engine_id_matches
 from vllm_output_rate.reference.config import parse_output_rate
 from vllm_output_rate.reference.section import OutputRateConfigError
 from vllm_output_rate.spec.limiter import window_bound_tokens

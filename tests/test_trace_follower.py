@@ -20,13 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_trace import HEADER, MS, _lines, _rules, _step
 
-from vllm_output_rate.adapter.trace_check import (
-    ABORTED,
-    TraceFollower,
-    TraceReport,
-    check_records,
-    check_trace,
-)
+from vllm_output_rate.adapter.trace_check import TraceFollower, check_records, check_trace
+from vllm_output_rate.adapter.trace_checker import ABORTED
+from vllm_output_rate.adapter.trace_report import TraceReport
 from vllm_output_rate.spec.limiter import EMPTY, try_take, window_bound_tokens
 
 SETTINGS = settings(derandomize=True, max_examples=150, deadline=None, database=None)
