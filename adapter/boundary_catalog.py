@@ -221,4 +221,3 @@ BOUNDARIES += (
     ),
 )
 BOUNDARY_NAMES: tuple[str, ...] = tuple(b.name for b in BOUNDARIES)
-PER_BOUNDARY = {"quick": 1, "ci": 3, "release": 10}  # scenarios per boundary and mode

@@ -17,6 +17,7 @@ from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
 from vllm_output_rate.adapter import scenario_strategies
+from vllm_output_rate.adapter.budgets import STEP_SCENARIO_MAX_STEPS
 from vllm_output_rate.adapter.environment import stock_survives
 from vllm_output_rate.adapter.fidelity import StepVerdict, base_scenarios, describe_failure, run_base, with_loras
 from vllm_output_rate.adapter.gate_errors import exception_text, reraise_gate_error
@@ -26,23 +27,6 @@ from vllm_output_rate.adapter.rule_naming import named_verdict
 from vllm_output_rate.adapter.scenario_run import minimize, run_scenario
 from vllm_output_rate.adapter.scenarios import Hunt, Verdict
 from vllm_output_rate.adapter.whitebox import run_white_box, white_box_scenarios
-
-PROFILES = {
-    # examples per check: limiter differential, real scheduler sync / async (ample), each
-    # invariants check (pressure), and per check when hunting one mutant
-    "quick": {"limiter": 200, "sync": 25, "async": 15, "pressured": 20, "mutant": 25, "max_steps": 30},
-    "ci": {"limiter": 1500, "sync": 120, "async": 60, "pressured": 120, "mutant": 60, "max_steps": 40},
-    "release": {"limiter": 20000, "sync": 1500, "async": 800, "pressured": 1500, "mutant": 400, "max_steps": 80},
-}
-
-# Step-spec checks, examples per check: base fidelity (spec vs stock vLLM) and white box
-# (spec vs the class under test), sync and async; every scenario has up to 40 steps.
-STEP_SPEC_PROFILES = {
-    "quick": {"base_sync": 30, "base_async": 20, "white_sync": 30, "white_async": 20},
-    "ci": {"base_sync": 300, "base_async": 200, "white_sync": 300, "white_async": 200},
-    "release": {"base_sync": 3000, "base_async": 2000, "white_sync": 3000, "white_async": 2000},
-}
-STEP_SCENARIO_MAX_STEPS = 40
 
 
 def hunt_settings(examples: int) -> settings:

@@ -264,7 +264,7 @@ def judged_at(check: str, options: Any, row_level: str) -> str:
 
 
 def record(result: Any, options: Any) -> None:
-    """Save a failing row of a gate run (``options``: ``registry.GateOptions``) as a
+    """Save a failing row of a gate run (``options``: ``gate_row.GateOptions``) as a
     counterexample file: the scenario its check saved (``result.saved``), or for engine-wait
     the seed, wrapped with the check and the run's settings (module docstring). Sets
     ``result.saved``. A warning row (a project rule failed at should, ``adapter/origins.py``)

@@ -9,10 +9,10 @@ every boundary of ``adapter/boundaries.py``. Each obligation counts at most once
 scenario run.
 
 Counts go to every active collector (``collecting()``). A gate run
-(``adapter/registry.run_planned``) collects over all of its candidate checks
+(``adapter/gate_row.run_planned``) collects over all of its candidate checks
 (``run_counts(options)``); its final ``coverage`` row fails with
 ``not reached: <name>, ...`` when an obligation that applies to the run was reached fewer
-than ``K_PER_PROFILE[profile]`` times, and carries the table (``table``). A failure has no
+than ``coverage_k`` times (``adapter/budgets.py``, per profile), and carries the table (``table``). A failure has no
 counterexample (it names obligations, not a scenario). When another candidate check of the
 run failed, coverage is not judged (result ``not judged``: "run stopped by <check>"): a
 failing check stops at its counterexample, so its scenarios reach fewer obligations.
@@ -36,9 +36,9 @@ from typing import Any
 
 from vllm_output_rate.adapter import step_checks
 from vllm_output_rate.adapter.boundary_catalog import BOUNDARIES, BOUNDARY_NAMES
+from vllm_output_rate.adapter.budgets import gate_budget
 from vllm_output_rate.spec import limiter as spec_limiter
 
-K_PER_PROFILE = {"quick": 1, "ci": 3, "release": 10}  # scenario runs per obligation
 MAX_RUNS_KEPT = 16  # gate runs whose counts are kept (``run_counts``)
 NOT_JUDGED = "not judged"  # the coverage row's result when another candidate check failed
 
@@ -581,13 +581,13 @@ def table(counts: Counter, k: int, async_tested: bool) -> list[dict]:
 
 def check_coverage(options, counts: Counter | None = None):
     """The ``coverage`` row of a gate run: pass iff every applicable obligation was reached
-    at least ``K_PER_PROFILE[options.profile]`` times by the run's candidate checks; not
+    at least ``gate_budget(options.profile).coverage_k`` times by the run's candidate checks; not
     judged (``NOT_JUDGED``, "run stopped by <check>") when one of them failed. A failure
     carries no counterexample: the unreached obligations are in ``coverage["not_reached"]``."""
     from vllm_output_rate.adapter.gate_result import CheckResult
 
     counts = run_counts(options) if counts is None else counts
-    k = K_PER_PROFILE[options.profile]
+    k = gate_budget(options.profile).coverage_k
     rows = table(counts, k, options.async_scheduler_cls is not None)
     result = CheckResult(
         "coverage", sorted({r for _, rules, _ in obligations() for r in rules.split()}), examples=len(rows)

@@ -44,7 +44,6 @@ SLOW_RATES = ("1", "2", "5")  # x at most 50 ms per step: <= 0.25 grants per ste
 BOUND_STEPS = 8  # a fast request samples within this many steps of its arrival (module docstring)
 DRAIN_STEPS = 3000
 DRAIN_INTERVAL_NS = 50_000_000
-EXAMPLES = {"quick": 8, "ci": 30, "release": 200}
 
 
 class LoraScenario(StepScenario):

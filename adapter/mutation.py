@@ -37,7 +37,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
-from vllm_output_rate.adapter import registry
+from vllm_output_rate.adapter import gate_row, registry
 from vllm_output_rate.adapter.configstyle import parse_config_style
 from vllm_output_rate.adapter.counterexample import scenario_text
 from vllm_output_rate.adapter.engine_wait import run_engine_wait
@@ -199,7 +199,7 @@ def hunt_plan(
     checks; no ``async_cls``: sync checks), exact-level ones only with ``white_box``."""
     style = parse_config_style(mutant.style) if mutant.style else None
     async_cls = mutant.cls if mutant.async_only else mutant.async_cls
-    options = registry.GateOptions(
+    options = gate_row.GateOptions(
         scheduler_cls=mutant.cls,
         async_scheduler_cls=async_cls,
         level=level,
@@ -213,15 +213,15 @@ def hunt_plan(
     )
     planned = []
     for item in registry.plan(options):
-        spec = item.spec
-        if item.skip is not None or spec.part != "candidate":
+        row = item.row
+        if item.skip is not None or row.part != "candidate":
             continue
-        if not white_box and spec.level == "exact":
+        if not white_box and row.level == "exact":
             continue
-        if mutant.async_only and spec.async_mode is False:
+        if mutant.async_only and row.mode == "sync":
             continue
         planned.append(item)
-    planned.sort(key=lambda item: _order(item.spec.name))
+    planned.sort(key=lambda item: _order(item.row.name))
     return options, planned
 
 
@@ -287,7 +287,7 @@ def kill(
     with tempfile.TemporaryDirectory(prefix=f"outrate-mutant-{mutant.name}-") as tmp:
         options, planned = hunt_plan(mutant, level, profile, seed, white_box, Path(tmp))
         for n, item in enumerate(planned, 1):
-            result = registry.run_planned(item, options, lambda: None)
+            result = gate_row.run_planned(item, options, lambda: None)
             if result.result != "fail":
                 continue
             if result.coverage is not None:  # obligations not reached: nothing the mutant did wrong

@@ -48,7 +48,6 @@ from vllm_output_rate.spec.state import EngineConfig
 
 RATES = ("0.5", "2", "5", "10", "20", "50", "200")
 USERS = ("a", "b", "c")  # a, b: overrides at the start; c: the default
-EXAMPLES = {"quick": 8, "ci": 30, "release": 200}  # scenarios per row and profile
 DRAIN_STEPS = 3000  # bound on the steps after a scenario for every request to finish (600 s of clock)
 DRAIN_INTERVAL_NS = 200_000_000  # 90 tokens at 0.5 tok/s take 180 s
 

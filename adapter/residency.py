@@ -47,7 +47,6 @@ OTHER_USER = "other"
 OTHER_RATE = "1000"  # tokens/s: floor(0.1 x 1000) + 1 = 101 grants from idle, above any demand drawn here
 DRAIN_STEPS = 4000  # bound on the steps after a scenario for every request to finish
 DRAIN_INTERVAL_NS = 50_000_000
-EXAMPLES = {"quick": 10, "ci": 40, "release": 300}  # flood scenarios per row and profile
 
 
 class ResidencyScenario(StepScenario):

@@ -191,14 +191,14 @@ def conform(
     trusted on this vLLM).
     """
     from vllm_output_rate import gate_plan
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter import gate_row
 
     sync_cls, async_scheduler_cls = _candidate_classes(scheduler_cls, async_scheduler_cls, sync_only, paths)
     started = time.monotonic()
     style, vllm_version = _import_gate(sync_cls, async_scheduler_cls, config_style, paths)
     if mutants:
         _check_mutant_modules(tuple(mutants_from))
-    options = registry.GateOptions(
+    options = gate_row.GateOptions(
         scheduler_cls=sync_cls,
         async_scheduler_cls=async_scheduler_cls,
         level=level,
@@ -313,7 +313,7 @@ def _report_conform(
     ``white_box``), the JSON, JUnit and Markdown reports
     (``report_paths``, None: not written) and the verdict line (led by ``release_clause`` on
     an unsupported vLLM release). Returns the exit code."""
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter import gate_row
 
     json_path, junit_path, markdown_path = report_paths
     level, profile = options.level, options.profile
@@ -324,7 +324,7 @@ def _report_conform(
     mutant_rows = _run_mutants(profile, options.seed, level, white_box, mutants) if mutants is not None else []
     survivors = [m for m in mutant_rows if not m["killed"] and not m.get("not_judged")]
     checks_json = _checks_json(results)
-    code = registry.exit_code(results)
+    code = gate_row.exit_code(results)
     if survivors and code == 0:
         code = 1
     if json_path is not None:
@@ -346,7 +346,7 @@ def _report_conform(
 
 def _conform_header(options: Any, vllm_version: str, config_style: str) -> str:
     """The first line of ``outrate conform``'s tables: vLLM's version, the classes and the
-    run's settings (``options``: ``registry.GateOptions``), then any version warning."""
+    run's settings (``options``: ``gate_row.GateOptions``), then any version warning."""
     o = options
     return (
         f"outrate conform -- vLLM {vllm_version} -- {o.scheduler_cls} / {o.async_scheduler_cls or '-'}"
@@ -357,7 +357,7 @@ def _conform_header(options: Any, vllm_version: str, config_style: str) -> str:
 
 
 def _conform_settings(options: Any, vllm_version: str, config_style: str) -> dict[str, Any]:
-    """The settings part of ``outrate conform --json`` (``options``: ``registry.GateOptions``)."""
+    """The settings part of ``outrate conform --json`` (``options``: ``gate_row.GateOptions``)."""
     o = options
     return {
         "vllm_version": vllm_version,
@@ -540,22 +540,22 @@ def _run_plan(plan: list[Any], options: Any) -> list[Any]:
     The proofs/ spec-health rows run from the start in a worker (``_Aside``) and are
     reported in their place in the plan, as if run there; a row the worker did not deliver
     is run here."""
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter import gate_row
     from vllm_output_rate.proofs import gate_checks
 
     rows = {spec.name for spec in gate_checks.spec_health_checks()}
-    names = [item.spec.name for item in plan if item.skip is None and item.spec.name in rows]
+    names = [item.row.name for item in plan if item.skip is None and item.row.name in rows]
     aside = _Aside(names) if names else None
     results = []
     progress = bar_progress(console, 28)
     try:
         with progress:
             for item in plan:
-                total = item.spec.total(options) if item.skip is None else 1
-                task = progress.add_task(item.spec.name, total=total)
-                result = aside.result(item.spec.name) if aside is not None else None
+                total = item.row.examples(options) if item.skip is None else 1
+                task = progress.add_task(item.row.name, total=total)
+                result = aside.result(item.row.name) if aside is not None else None
                 if result is None:
-                    result = registry.run_planned(item, options, functools.partial(progress.advance, task))
+                    result = gate_row.run_planned(item, options, functools.partial(progress.advance, task))
                 progress.update(task, completed=total)
                 results.append(result)
     finally:
@@ -587,7 +587,7 @@ def _print_results(results: list[Any], header: str) -> None:
 
 
 def _gate_command(options: Any, config_style: str) -> list[str]:
-    """The ``outrate conform`` command (argv) of this run (``options``: ``registry.GateOptions``),
+    """The ``outrate conform`` command (argv) of this run (``options``: ``gate_row.GateOptions``),
     paths relative to the working directory: what reproduces a row that saves no scenario."""
     from vllm_output_rate.adapter.counterexample import shown_path
 
@@ -651,9 +651,10 @@ def _print_failures(results: list[Any], gate_command: list[str] | None = None) -
 
 
 def _budget(profile: str) -> dict:
-    from vllm_output_rate.adapter.conform import PROFILES
+    """The budget table of ``profile`` (``adapter/budgets.py``), for the gate manifest."""
+    from vllm_output_rate.adapter.budgets import gate_budget
 
-    return PROFILES[profile]
+    return gate_budget(profile).as_json()
 
 
 def escape_markup(text: str | None) -> str:

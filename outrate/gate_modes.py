@@ -17,14 +17,14 @@ STATUS_STYLES = {"supported": "green", "refused": "yellow", "crashed": "bold red
 
 
 def probe(options: Any, planned: list[Any]) -> tuple[list[Any], Any, dict[str, str]]:
-    """Probe the modes of ``planned`` (``registry.PlannedCheck``s) for ``options``:
+    """Probe the modes of ``planned`` (``gate_row.PlannedRow``s) for ``options``:
     ``(planned with refused modes' rows not applicable, the modes row, refused modes:
     name -> message)``, the last for ``adapter.modes.refusing`` around the run."""
-    from vllm_output_rate.adapter import mode_probe, modes, registry
+    from vllm_output_rate.adapter import gate_row, mode_probe, modes
 
-    matrix = mode_probe.probe(options, registry.modes_used(planned))
+    matrix = mode_probe.probe(options, gate_row.modes_used(planned))
     refused = modes.refused(matrix)
-    return registry.apply_modes(planned, refused), registry.modes_result(matrix, options), refused
+    return gate_row.apply_modes(planned, refused), gate_row.modes_result(matrix, options), refused
 
 
 def mode_table(rows: list[dict[str, Any]]) -> Table:

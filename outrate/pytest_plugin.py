@@ -136,7 +136,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not sync_cls:
         return
     from vllm_output_rate import gate_plan
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter import gate_row
 
     sync_only = config.getoption("--outrate-sync-only")
     async_cls = None if sync_only else config.getoption("--outrate-async-scheduler")
@@ -150,7 +150,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         from vllm_output_rate.adapter.configstyle import parse_config_style
 
         style = parse_config_style(style_text)
-    options = registry.GateOptions(
+    options = gate_row.GateOptions(
         scheduler_cls=sync_cls,
         async_scheduler_cls=async_cls,
         level=config.getoption("--outrate-level"),
@@ -177,6 +177,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
         def check(planned=planned):
             with modes.refusing(refused):  # a refused mode's scenarios are left out (adapter/modes.py)
-                return registry.run_planned(planned, options, lambda: None)
+                return gate_row.run_planned(planned, options, lambda: None)
 
-        items.append(GateCheckItem.from_parent(session, name=f"outrate::{planned.spec.name}", check=check))
+        items.append(GateCheckItem.from_parent(session, name=f"outrate::{planned.row.name}", check=check))

@@ -6,7 +6,7 @@ Sources (each declares the rule ids it covers; nothing here parses names):
 * rules, their spec and reference code: ``spec/rules.py`` (``RULES``);
 * tests: ``@pytest.mark.rules("R7", ...)`` on test functions in ``tests/`` and
   ``gpu_tests/`` (read from the AST, so collecting needs no vLLM and no GPU);
-* gate checks: ``CheckSpec.rules`` of ``vllm_output_rate.gate_plan.registry()``;
+* gate checks: ``GateRow.rules`` of ``vllm_output_rate.gate_plan.registry()``;
 * mutants: ``Mutant.rule`` of ``adapter.mutation.catalogue(CHECKOUT_MUTANTS)`` (the
   reference's mutants and the checkout's catalogue modules in ``tests/fixtures``) and of
   ``proofs.modelcheck_shared.MUTANTS`` (R23-R26, named ``shared/...``);
@@ -213,7 +213,7 @@ def problems(text: str, cover: dict[str, Coverage], spec_text: str | None = None
         if not cov.tests:
             found.append(f"{rule.rule_id}: no test declares it (@pytest.mark.rules)")
         if not cov.checks:
-            found.append(f"{rule.rule_id}: no gate check declares it (CheckSpec.rules)")
+            found.append(f"{rule.rule_id}: no gate check declares it (GateRow.rules)")
         for dotted, package in [(n, "vllm_output_rate.spec") for n in rule.spec] + [
             (n, "vllm_output_rate.reference") for n in rule.reference
         ]:

@@ -3,7 +3,7 @@
 
 They live here, not in ``adapter/``, because the layers go one way (spec <- reference <-
 adapter <- proofs <- outrate; ``tests/test_layers.py``): the proofs use the adapter's
-``CheckSpec``/``CheckResult``, and the top layer (``vllm_output_rate.gate_plan``, used by
+``GateRow``/``CheckResult``, and the top layer (``vllm_output_rate.gate_plan``, used by
 ``outrate conform`` and by the pytest plugin) adds these rows to the adapter's plan.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_output_rate.adapter.gate_result import CheckResult
-from vllm_output_rate.adapter.registry import CheckSpec
+from vllm_output_rate.adapter.gate_row import GateOptions, GateRow, PlannedRow, run_planned
 from vllm_output_rate.proofs.identity_check import IDENTITY_RULES, check_identity, identity_cases
 
 Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R21")
@@ -93,14 +93,14 @@ def check_shared_budget(tick: Callable[[], None]) -> CheckResult:
 
 
 def _z3_proofs() -> int:
-    """The ``proofs/z3`` row's progress budget: one tick per Z3 property."""
+    """The ``proofs/z3`` row's examples (its progress bar): one tick per Z3 property."""
     from vllm_output_rate.proofs.z3_limiter import PROPERTIES
 
     return len(PROPERTIES)
 
 
 def _shared_budget_items() -> int:
-    """The ``proofs/shared-budget`` row's progress budget: its Z3 properties, scopes, mutants."""
+    """The ``proofs/shared-budget`` row's examples (its progress bar): its Z3 properties, scopes, mutants."""
     from vllm_output_rate.proofs import modelcheck_shared, z3_shared_budget
 
     return len(z3_shared_budget.PROPERTIES) + len(modelcheck_shared.SCOPES) + len(modelcheck_shared.MUTANTS)
@@ -112,51 +112,26 @@ def _quick_scopes() -> int:
     return len(profile_scopes("quick"))
 
 
-def spec_health_checks() -> list[CheckSpec]:
-    """The spec-health rows of proofs/, in the gate's running order (last)."""
-    return [
-        CheckSpec(
-            "proofs/z3",
-            "spec health",
-            "must",
-            Z3_RULES,
-            None,
-            lambda o: _z3_proofs(),
-            lambda o, tick: check_proofs(tick),
-        ),
-        CheckSpec(
-            "model-check/quick",
-            "spec health",
-            "must",
-            MODEL_RULES,
-            None,
-            lambda o: _quick_scopes(),
-            lambda o, tick: check_model(tick),
-        ),
-        CheckSpec(
+def spec_health_checks() -> list[GateRow]:
+    """The spec-health rows of proofs/, in the gate's running order (last). Their budget is
+    what they prove, whatever the profile: one progress tick per property, scope or mutant."""
+    rows = [
+        ("proofs/z3", Z3_RULES, lambda b: _z3_proofs(), lambda call: check_proofs(call.tick)),
+        ("model-check/quick", MODEL_RULES, lambda b: _quick_scopes(), lambda call: check_model(call.tick)),
+        (
             "proofs/shared-budget",
-            "spec health",
-            "must",
             SHARED_RULES,
-            None,
-            lambda o: _shared_budget_items(),
-            lambda o, tick: check_shared_budget(tick),
+            lambda b: _shared_budget_items(),
+            lambda call: check_shared_budget(call.tick),
         ),
-        CheckSpec(
-            "identity/bind",
-            "spec health",
-            "must",
-            IDENTITY_RULES,
-            None,
-            lambda o: identity_cases(),
-            lambda o, tick: check_identity(tick),
-        ),
+        ("identity/bind", IDENTITY_RULES, lambda b: identity_cases(), lambda call: check_identity(call.tick)),
     ]
+    return [GateRow(name, "must", rules, None, budget, run, part="spec health") for name, rules, budget, run in rows]
 
 
 def run_aside(name: str) -> CheckResult:
     """Run the spec-health row ``name`` (one of ``spec_health_checks``) on its own, with no
-    progress ticks, through ``registry.run_planned`` (which sets ``seconds``, ``part`` and
+    progress ticks, through ``gate_row.run_planned`` (which sets ``seconds``, ``part`` and
     ``level``), and return its ``CheckResult``.
 
     For a worker process: these rows judge the spec and its proofs alone (pure Python and
@@ -167,12 +142,10 @@ def run_aside(name: str) -> CheckResult:
     Raises:
         KeyError: ``name`` is not a row of ``spec_health_checks``.
     """
-    from vllm_output_rate.adapter.registry import GateOptions, PlannedCheck, run_planned
-
     specs = {spec.name: spec for spec in spec_health_checks()}
     if name not in specs:
         raise KeyError(f"not a proofs/ spec-health row: {name!r} (known: {sorted(specs)})")
-    return run_planned(PlannedCheck(specs[name]), GateOptions(scheduler_cls=""), lambda: None)  # rows read no option
+    return run_planned(PlannedRow(specs[name]), GateOptions(scheduler_cls=""), lambda: None)  # rows read no option
 
 
 def serve_aside(names: list[str], conn: Any) -> None:

@@ -2,7 +2,7 @@
 
 One entry per rule of docs/SPEC.md ("The limiter", "The scheduler rules"). What covers a
 rule is declared where it lives, by rule id: a test by ``@pytest.mark.rules("R7", ...)``,
-a gate check by its ``CheckSpec.rules`` (``adapter/registry.py``, ``proofs/gate_checks.py``),
+a gate check by its ``GateRow.rules`` (``adapter/registry.py``, ``proofs/gate_checks.py``),
 a mutant by its ``Mutant.rule`` (``adapter/mutation.catalogue``), a proof by its
 ``rules`` (``proofs/z3_limiter.PROPERTIES``, ``proofs/crosshair_limiter.PROPERTIES``).
 ``vllm_output_rate.traceability`` gathers them into docs/TRACEABILITY.md's table

@@ -185,7 +185,7 @@ def _registered_at_level(check: str, level: str, below: str) -> tuple[str, ...]:
     """Assert the gate registers ``check``/sync and ``check``/async as candidate checks at
     conformance ``level`` (one rule tuple for both), planned for the reference at ``level``
     and not at ``below``, the level under it. Returns that rule tuple."""
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter import gate_row, registry
     from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER
 
     specs = {s.name: s for s in registry.registry()}
@@ -193,7 +193,7 @@ def _registered_at_level(check: str, level: str, below: str) -> tuple[str, ...]:
     assert [(c.part, c.level) for c in (sync, async_)] == [("candidate", level)] * 2
     assert sync.rules == async_.rules, (sync.rules, async_.rules)
     names = {
-        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
+        lvl: [p.row.name for p in registry.plan(gate_row.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
         for lvl in (below, level)
     }
     assert f"{check}/sync" in names[level] and f"{check}/sync" not in names[below]

@@ -14,10 +14,12 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
-from vllm_output_rate.adapter import boundaries, boundary_catalog, coverage, registry
+from vllm_output_rate.adapter import boundaries, boundary_catalog, coverage, gate_row, registry
+from vllm_output_rate.adapter.budgets import GATE_BUDGETS, PROFILES, gate_budget
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 from vllm_output_rate.adapter.scenario_run import run_scenario
 
@@ -31,9 +33,9 @@ def _run_gate(options, names=None):
     as ``outrate conform`` runs them; returns the results."""
     results = []
     for item in registry.plan(options):
-        if item.spec.part != "candidate" or (names is not None and item.spec.name not in names):
+        if item.row.part != "candidate" or (names is not None and item.row.name not in names):
             continue
-        results.append(registry.run_planned(item, options, _noop))
+        results.append(gate_row.run_planned(item, options, _noop))
     return results
 
 
@@ -45,7 +47,7 @@ def test_obligations_cover_every_rule_r6_to_r18_and_every_boundary():
     assert [n for n in names if n.startswith("boundary: ")] == [
         f"boundary: {b}" for b in boundary_catalog.BOUNDARY_NAMES
     ]
-    assert coverage.K_PER_PROFILE == {"quick": 1, "ci": 3, "release": 10}
+    assert {p: gate_budget(p).coverage_k for p in PROFILES} == {"quick": 1, "ci": 3, "release": 10}
 
 
 def test_obligation_counts_once_per_scenario_and_only_inside_a_collector():
@@ -67,7 +69,7 @@ def test_async_obligations_not_applicable_without_an_async_class():
 
 
 def test_reference_reaches_every_obligation_at_the_quick_budget():
-    options = registry.GateOptions(
+    options = gate_row.GateOptions(
         REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick", spec_health=False
     )
     results = _run_gate(options)
@@ -114,8 +116,8 @@ def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
     # No boundary scenario at all (budget 0 per boundary): the random scenarios of the
     # other checks never put a TAT at now + 1 ns on the 256th schedule() nor a refund after
     # a self-preemption, so the run must say those were not checked, and fail.
-    monkeypatch.setitem(boundary_catalog.PER_BOUNDARY, "quick", 0)
-    options = registry.GateOptions(
+    monkeypatch.setitem(GATE_BUDGETS, "quick", replace(GATE_BUDGETS["quick"], per_boundary=0))
+    options = gate_row.GateOptions(
         REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, level="must", profile="quick", spec_health=False
     )
     results = _run_gate(options, names={"rate-limit/sync", "boundaries/sync", "boundaries/async", "coverage"})
@@ -126,14 +128,14 @@ def test_boundary_budget_too_small_fails_the_run_with_not_reached(monkeypatch):
         assert name in row.failure
     assert "boundary: cleanup-tat-now+1ns (0/1)" in row.coverage["not_reached"]
     assert row.counterexample == []  # obligations, not a scenario: no counterexample
-    assert registry.exit_code(results) == 1
+    assert gate_row.exit_code(results) == 1
 
 
 def test_k_per_profile_applies(monkeypatch):
     # The same single boundary run counts 1: enough for quick (k 1), not for ci (k 3).
     counts = Counter({name: 1 for name, _, _ in coverage.obligations()})
-    quick = coverage.check_coverage(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", profile="quick"), counts)
-    ci = coverage.check_coverage(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", profile="ci"), counts)
+    quick = coverage.check_coverage(gate_row.GateOptions(REFERENCE_SCHEDULER, "x.Y", profile="quick"), counts)
+    ci = coverage.check_coverage(gate_row.GateOptions(REFERENCE_SCHEDULER, "x.Y", profile="ci"), counts)
     assert quick.result == "pass" and ci.result == "fail" and "(each needs >= 3" in ci.failure
 
 
@@ -176,7 +178,7 @@ def test_coverage_is_not_judged_after_another_check_failed_and_never_prints_a_co
     # its failure lists the unreached obligations, never a counterexample.
     from vllm_output_rate.adapter.gate_result import CheckResult
 
-    options = registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
+    options = gate_row.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
     coverage.record_check(
         options,
         "rate-limit/sync",
@@ -186,9 +188,9 @@ def test_coverage_is_not_judged_after_another_check_failed_and_never_prints_a_co
     row = coverage.check_coverage(options)
     assert row.result == "not judged" and row.failure.startswith("not judged: run stopped by rate-limit/sync")
     assert {r["status"] for r in row.coverage["rows"]} == {"not judged"}  # nothing reached, nothing judged
-    assert registry.exit_code([row]) == 0 and row.counterexample == []
+    assert gate_row.exit_code([row]) == 0 and row.counterexample == []
     judged = coverage.check_coverage(
-        registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
+        gate_row.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick")
     )
     assert judged.result == "fail" and judged.counterexample == []
     failed = CheckResult(
@@ -203,8 +205,8 @@ def test_coverage_is_not_judged_after_another_check_failed_and_never_prints_a_co
 
 
 def _printed(results) -> str:
-    from vllm_output_rate import cli
+    from vllm_output_rate import cli_common, cli_conform_report
 
-    with cli.console.capture() as captured:
-        cli._print_failures(results)
+    with cli_common.console.capture() as captured:
+        cli_conform_report._print_failures(results)
     return captured.get()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_output_rate import gate_plan
-from vllm_output_rate.adapter import registry
+from vllm_output_rate.adapter import gate_row, registry
 from vllm_output_rate.adapter.feature_off import check_feature_off
 from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, STOCK_SCHEDULER
 from vllm_output_rate.adapter.levels import LEVELS, includes
@@ -37,28 +37,28 @@ def test_levels_are_ordered_and_bad_level_is_named():
 
 def test_plan_levels_and_parts():
     names = {
-        lvl: [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
+        lvl: [p.row.name for p in registry.plan(gate_row.GateOptions(REFERENCE_SCHEDULER, "x.Y", level=lvl))]
         for lvl in LEVELS
     }
     assert "white-box/sync" in names["exact"] and "white-box/sync" not in names["should"]
     assert "feature-off/sync" in names["must"] and "rate-limit/async" in names["must"]
-    parts = {p.spec.name: p.spec.part for p in gate_plan.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))}
+    parts = {p.row.name: p.row.part for p in gate_plan.plan(gate_row.GateOptions(REFERENCE_SCHEDULER, "x.Y"))}
     for name in ("limiter-differential", "base-fidelity/sync", "base-fidelity/async", "proofs/z3", "model-check/quick"):
         assert parts[name] == "spec health"
     assert parts["rate-limit/sync"] == "candidate"
     # The adapter alone plans no row of proofs/ (the layers go one way); the top layer adds them last.
-    adapter_only = [p.spec.name for p in registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
+    adapter_only = [p.row.name for p in registry.plan(gate_row.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
     assert "proofs/z3" not in adapter_only and "model-check/quick" not in adapter_only
-    full = [p.spec.name for p in gate_plan.plan(registry.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
+    full = [p.row.name for p in gate_plan.plan(gate_row.GateOptions(REFERENCE_SCHEDULER, "x.Y"))]
     assert full == adapter_only + ["proofs/z3", "model-check/quick", "proofs/shared-budget", "identity/bind"]
 
 
 def test_plan_without_async_class_is_not_tested_unless_sync_only():
-    planned = registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, None, spec_health=False))
-    skipped = [p.spec.name for p in planned if p.skip]
+    planned = registry.plan(gate_row.GateOptions(REFERENCE_SCHEDULER, None, spec_health=False))
+    skipped = [p.row.name for p in planned if p.skip]
     assert skipped and all(name.endswith("/async") for name in skipped)
-    only = registry.plan(registry.GateOptions(REFERENCE_SCHEDULER, None, spec_health=False, sync_only=True))
-    assert not any(p.spec.name.endswith("/async") for p in only)
+    only = registry.plan(gate_row.GateOptions(REFERENCE_SCHEDULER, None, spec_health=False, sync_only=True))
+    assert not any(p.row.name.endswith("/async") for p in only)
 
 
 @pytest.mark.rules("R18")

@@ -105,7 +105,7 @@ _SMALL_GATE = """
 import sys
 from vllm_output_rate import gate_plan
 full = gate_plan.plan
-gate_plan.plan = lambda o: [p for p in full(o) if p.spec.name == "lora-slots/sync"]
+gate_plan.plan = lambda o: [p for p in full(o) if p.row.name == "lora-slots/sync"]
 from vllm_output_rate.cli import main
 sys.argv = ["outrate", "conform", *sys.argv[1:]]
 main()

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_output_rate.adapter.conform import PROFILES
+from vllm_output_rate.adapter.budgets import gate_budget
 from vllm_output_rate.adapter.mutants import MUTANTS
 from vllm_output_rate.adapter.mutation import catalogue, first_failure, hunt_plan, kill
 from vllm_output_rate.adapter.scenario_run import run_scenario
 from vllm_output_rate.adapter.scenario_strategies import scenarios
 from vllm_output_rate.adapter.scenarios import Scenario
 
-CI = PROFILES["ci"]
-QUICK = PROFILES["quick"]
+QUICK = gate_budget("quick")
 RULES = tuple(f"R{i}" for i in range(1, 19))
 
 FIXTURES = str(Path(__file__).resolve().parent / "fixtures")
@@ -143,15 +142,15 @@ def test_no_adapter_module_names_the_tests_folder():
 
 def test_hunt_plan_uses_the_registry_without_white_box_cheapest_first():
     options, planned = hunt_plan(BY_NAME["ArticleNoRotation"], "exact", "ci", 0, white_box=False)
-    names = [p.spec.name for p in planned]
+    names = [p.row.name for p in planned]
     assert not any(n.startswith("white-box/") for n in names)
     assert names.index("rate-limit/sync") < names.index("engine-wait/sync")
     assert names[-2:] == ["engine-wait/sync", "engine-wait/async"]
     assert options.integer_rates and options.style is not None and options.style.name == "engine-args"
     _, with_white = hunt_plan(BY_NAME["NoRotation"], "exact", "ci", 0, white_box=True)
-    assert [p.spec.name for p in with_white][-1] == "white-box/sync"
+    assert [p.row.name for p in with_white][-1] == "white-box/sync"
     _, async_only = hunt_plan(BY_NAME["ArticleAsyncInFlightFree"], "should", "ci", 0)
-    assert all(p.spec.async_mode is not False for p in async_only)
+    assert all(p.row.mode != "sync" for p in async_only)
 
 
 # -- kills (a representative subset; the whole catalogue: outrate conform --mutants) ------------
@@ -191,9 +190,9 @@ def test_r9_r2_discovery_at_least_95_of_100_seeds_in_profile_quick(name):
     from vllm_output_rate.adapter.scenario_strategies import pressured_scenarios
 
     strategy = (pressured_scenarios if name == "RefundDispatched" else scenarios)(
-        async_scheduling=False, max_steps=QUICK["max_steps"]
+        async_scheduling=False, max_steps=QUICK.max_steps
     )
-    found = sum(first_failure(mutant, strategy, QUICK["pressured"], seed) is not None for seed in range(100))
+    found = sum(first_failure(mutant, strategy, QUICK.pressured, seed) is not None for seed in range(100))
     assert found >= 95, f"{name} found in only {found}/100 seeds"
 
 
@@ -221,8 +220,8 @@ def test_boundary_mutant_discovery_at_least_95_of_100_seeds_in_profile_quick(nam
     found = 0
     for seed in range(100):
         options, planned = hunt_plan(mutant, "should", "quick", seed)
-        check = next(p for p in planned if p.spec.name == "boundaries/sync")
-        result = check.spec.run(options, lambda: None)
+        check = next(p for p in planned if p.row.name == "boundaries/sync")
+        result = check.row.run(options, lambda: None)
         found += result.result == "fail"
     assert found >= 95, f"{name} found in only {found}/100 seeds"
 
@@ -316,7 +315,7 @@ def test_verdict_line_says_gate_too_weak_when_a_judged_mutant_survives():
     # never "ACCEPTED" (a mutant not judged at the level is neither killed nor a survivor).
     from types import SimpleNamespace
 
-    from vllm_output_rate.cli import _verdict_line
+    from vllm_output_rate.cli_conform_report import _verdict_line
 
     results = [SimpleNamespace(part="candidate", result="pass", name="rate-limit/sync")]
     rows = [
@@ -334,21 +333,15 @@ def test_a_mutant_rejected_only_by_coverage_is_a_survivor_with_the_shortfall(mon
     # `coverage` names obligations the hunt's checks did not reach, not something the mutant
     # did wrong: a mutant that passes every other check survives (GATE TOO WEAK), and its
     # row says what coverage was short of.
-    from vllm_output_rate.adapter import mutation, registry
+    from vllm_output_rate.adapter import gate_row, mutation, registry
     from vllm_output_rate.adapter.gate_result import CheckResult
-    from vllm_output_rate.cli import _verdict_line
+    from vllm_output_rate.cli_conform_report import _verdict_line
 
-    passing = registry.CheckSpec(
-        "rate-limit/sync",
-        "candidate",
-        "must",
-        ("R2",),
-        False,
-        lambda o: 1,
-        lambda o, tick: CheckResult("rate-limit/sync", ["R2"]),
+    passing = gate_row.GateRow(
+        "rate-limit/sync", "must", ("R2",), "sync", lambda b: 1, lambda call: CheckResult("rate-limit/sync", ["R2"])
     )
-    planned = [registry.PlannedCheck(passing), registry.PlannedCheck(registry._coverage_check())]
-    options = registry.GateOptions("pkg.Mutant", sync_only=True, profile="quick", spec_health=False)
+    planned = [gate_row.PlannedRow(passing), gate_row.PlannedRow(registry._coverage_row())]
+    options = gate_row.GateOptions("pkg.Mutant", sync_only=True, profile="quick", spec_health=False)
     monkeypatch.setattr(mutation, "hunt_plan", lambda *args, **kwargs: (options, planned))
     row = kill(BY_NAME["NoRefund"], "should", "quick", seed=0)
     assert not row.killed and row.survived and row.checks_run == 2

@@ -50,13 +50,13 @@ def test_r2_plugin_passes_the_reference(tmp_path):
         PLUGIN_SUBSET,
     )
     assert run.returncode == 0, run.stdout[-3000:]
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter import gate_row, registry
 
     planned = registry.plan(
-        registry.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick", spec_health=False)
+        gate_row.GateOptions(REFERENCE_SCHEDULER, REFERENCE_ASYNC_SCHEDULER, profile="quick", spec_health=False)
     )
-    selected = [p for p in planned if p.spec.name.split("/")[0] in ("rate-limit", "feature-off")]
-    assert len(selected) == 4, [p.spec.name for p in planned]  # sync and async of each
+    selected = [p for p in planned if p.row.name.split("/")[0] in ("rate-limit", "feature-off")]
+    assert len(selected) == 4, [p.row.name for p in planned]  # sync and async of each
     assert f"{len(selected) + 2} passed" in run.stdout  # the patch's own test, the mode matrix, the selected checks
 
 

@@ -503,18 +503,18 @@ def test_r21_white_box_rejects_a_reset_on_change(monkeypatch) -> None:
 
 @pytest.mark.rules("R21")
 def test_r21_gate_rows_at_exact_unless_the_candidate_opts_in() -> None:
-    from vllm_output_rate.adapter import registry
+    from vllm_output_rate.adapter import gate_row, registry
     from vllm_output_rate.adapter.rate_change import check_rate_change
 
     specs = {s.name: s for s in registry.registry()}
     for name in ("rate-change/sync", "rate-change/async"):
         assert specs[name].level == "exact" and specs[name].rules == ("R21",) and specs[name].part == "candidate"
-    plain = registry.GateOptions(scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False)
-    opted = registry.GateOptions(
+    plain = gate_row.GateOptions(scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False)
+    opted = gate_row.GateOptions(
         scheduler_cls=REFERENCE, level="must", sync_only=True, spec_health=False, rate_change=True
     )
-    assert "rate-change/sync" not in [p.spec.name for p in registry.plan(plain)]
-    assert "rate-change/sync" in [p.spec.name for p in registry.plan(opted)]
+    assert "rate-change/sync" not in [p.row.name for p in registry.plan(plain)]
+    assert "rate-change/sync" in [p.row.name for p in registry.plan(opted)]
     assert specs["rate-change/sync"].level_for(opted) == "must"
     from vllm_output_rate.adapter.configstyle import parse_config_style
 

@@ -3,7 +3,7 @@
 For each check kind (the candidate rows of ``adapter/registry.py``, sync and async, and
 the crash rows) a known-wrong candidate of the project's own catalogue (adapter/mutants.py,
 tests/fixtures/*candidates*.py, tests/fixtures/article_mutants.py) is judged by the gate's
-own row (``registry.run_planned``, profile quick, seed 0); the ``re-run:`` line the gate
+own row (``gate_row.run_planned``, profile quick, seed 0); the ``re-run:`` line the gate
 prints for the failure is run as printed, in a shell from the directory the gate ran in:
 it must end ``FAIL`` with exactly the row's failure (level, rule and message), so a replay
 that judged another check than the one that saved the file fails this test. The same line
@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from vllm_output_rate import gate_plan
-from vllm_output_rate.adapter import counterexample, registry
+from vllm_output_rate.adapter import counterexample, gate_row
 from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 from vllm_output_rate.cli import main
 
@@ -71,7 +71,7 @@ def _gate_row(row: str, cls: str, level: str, article: bool, seed: int, save_dir
     from vllm_output_rate.adapter.configstyle import parse_config_style
 
     is_async = row.endswith("/async")
-    options = registry.GateOptions(
+    options = gate_row.GateOptions(
         scheduler_cls=REFERENCE_SCHEDULER if is_async else cls,
         async_scheduler_cls=cls if is_async else None,
         level=level,
@@ -83,7 +83,7 @@ def _gate_row(row: str, cls: str, level: str, article: bool, seed: int, save_dir
         paths=(FIXTURES,),
     )
     spec = next(s for s in gate_plan.registry() if s.name == row)
-    return registry.run_planned(registry.PlannedCheck(spec), options, lambda: None), options
+    return gate_row.run_planned(gate_row.PlannedRow(spec), options, lambda: None), options
 
 
 def _printed_rerun(result, options) -> str:
@@ -225,7 +225,7 @@ def test_the_coverage_row_says_it_saves_no_scenario_and_gives_the_gate_command()
 
     row = CheckResult("coverage", ["R2"], result="fail", failure="[must] coverage: 1 obligation not reached")
     row.coverage = {"not_reached": ["boundary: burst-edge (0/1)"]}
-    options = registry.GateOptions(scheduler_cls="pkg.Sched", profile="quick", seed=7, paths=("tests/fixtures",))
+    options = gate_row.GateOptions(scheduler_cls="pkg.Sched", profile="quick", seed=7, paths=("tests/fixtures",))
     with cli.console.capture() as captured:
         cli._print_failures([row], cli._gate_command(options, "engine-args"))
     out = " ".join(captured.get().split())
@@ -238,7 +238,7 @@ def test_the_coverage_row_says_it_saves_no_scenario_and_gives_the_gate_command()
 
 def test_the_scenario_of_a_counterexample_file_reads_as_the_bare_scenario(tmp_path):
     # adapter/mutation.py re-runs a kill's saved scenario on the mutant's base: a file the
-    # gate wrapped (registry.run_planned) must give the same scenario as a bare one.
+    # gate wrapped (gate_row.run_planned) must give the same scenario as a bare one.
     import json
 
     from vllm_output_rate.adapter.scenarios import Scenario

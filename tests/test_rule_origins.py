@@ -3,15 +3,17 @@ should and fatal at exact (``adapter/origins.py``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from vllm_output_rate.adapter import origins, registry
+from vllm_output_rate.adapter import gate_row, origins, registry
+from vllm_output_rate.adapter.budgets import GATE_BUDGETS
 from vllm_output_rate.adapter.gate_errors import exception_text
 from vllm_output_rate.adapter.gate_result import CheckResult
-from vllm_output_rate.adapter.registry import GateOptions, PlannedCheck
-from vllm_output_rate.cli import _verdict_line
+from vllm_output_rate.adapter.gate_row import GateOptions, PlannedRow
+from vllm_output_rate.cli_conform_report import _verdict_line
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -108,7 +110,7 @@ def test_the_verdict_line_names_the_warnings_and_the_exit_code_stays_0():
     line = _verdict_line([ok, warned], "should", [], 3.0)
     assert line.endswith("-- ACCEPTED with 1 warning(s): not-binding/sync (R19)"), line
     assert "2/2 candidate checks passed" in line
-    assert registry.exit_code([ok, warned]) == 0
+    assert gate_row.exit_code([ok, warned]) == 0
     crash = failed("lora-slots/sync", "[must] crash: ArticleScheduler raised AssertionError", "must")
     line = _verdict_line([ok, warned, crash], "should", [], 3.0)
     assert line.endswith("-- REJECTED: lora-slots/sync failed; 1 warning(s): not-binding/sync (R19)"), line
@@ -122,9 +124,10 @@ def test_r19_the_articles_rotation_is_a_warning_at_should_through_the_gate_row(m
     monkeypatch.syspath_prepend(str(FIXTURES))
     spec = next(s for s in registry.registry() if s.name == "not-binding/sync")
     small = GateOptions(scheduler_cls="gate_candidates.SwapRotation", profile="quick", spec_health=False)
-    monkeypatch.setitem(registry._budget(small), "sync", 24)  # a quarter: 6 scenarios, the stall shape among them
-    result = registry.run_planned(PlannedCheck(spec), small, lambda: None)
+    quick = replace(GATE_BUDGETS["quick"], rate_limit_sync=24)  # a quarter: 6 scenarios, the stall shape among them
+    monkeypatch.setitem(GATE_BUDGETS, "quick", quick)
+    result = gate_row.run_planned(PlannedRow(spec), small, lambda: None)
     assert result.result == origins.WARNING, result.failure
     assert result.failure.startswith("[should] R19:") and result.counterexample
     assert result.origin == origins.PROJECT_RULE
-    assert registry.exit_code([result]) == 0
+    assert gate_row.exit_code([result]) == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_output_rate.adapter.budgets import gate_budget
+from vllm_output_rate.adapter.gate_row import GateOptions, RowCall
 from vllm_output_rate.proofs import gate_checks
 
 
@@ -13,8 +15,9 @@ def test_spec_health_row_progress_budget_is_the_ticks_it_takes(name):
     """The progress bar of ``outrate conform`` counts a row's planned budget; the row ticks
     once per property, scope or mutant it runs, so the two agree (a stale budget showed
     ``proofs/z3 6/6`` beside 8 proofs in the table)."""
-    spec = next(s for s in gate_checks.spec_health_checks() if s.name == name)
+    row = next(s for s in gate_checks.spec_health_checks() if s.name == name)
     ticks = []
-    result = spec.run(None, lambda: ticks.append(1))
+    options = GateOptions(scheduler_cls="")
+    result = row.run(RowCall(options, gate_budget("ci"), row.examples(options), lambda: ticks.append(1), row.level))
     assert result.result == "pass", result.failure
-    assert spec.total(None) == len(ticks) == result.examples
+    assert row.examples(options) == len(ticks) == result.examples

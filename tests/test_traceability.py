@@ -45,7 +45,7 @@ def test_a_rule_without_test_or_gate_check_fails(cover, trace_text) -> None:
     bare = dict(cover, R4=traceability.Coverage())
     found = traceability.problems(trace_text, bare)
     assert "R4: no test declares it (@pytest.mark.rules)" in found
-    assert "R4: no gate check declares it (CheckSpec.rules)" in found
+    assert "R4: no gate check declares it (GateRow.rules)" in found
 
 
 def test_an_entry_naming_missing_code_fails(cover, trace_text, monkeypatch) -> None:
