@@ -88,10 +88,10 @@ def _gate_row(row: str, cls: str, level: str, article: bool, seed: int, save_dir
 
 def _printed_rerun(result, options) -> str:
     """The ``re-run:`` line ``outrate conform`` prints under the failed row."""
-    from vllm_output_rate import cli
+    from vllm_output_rate import cli_common, cli_conform_report
 
-    with cli.console.capture() as captured:
-        cli._print_failures([result], cli._gate_command(options, "additional-config"))
+    with cli_common.console.capture() as captured:
+        cli_conform_report._print_failures([result], cli_conform_report._gate_command(options, "additional-config"))
     lines = [line.strip() for line in captured.get().splitlines() if line.strip().startswith("re-run: ")]
     assert len(lines) == 1, captured.get()
     return lines[0].removeprefix("re-run: ")
@@ -220,14 +220,14 @@ def test_a_bare_scenario_file_of_outrate_conform_says_it_names_no_check(tmp_path
 
 
 def test_the_coverage_row_says_it_saves_no_scenario_and_gives_the_gate_command():
-    from vllm_output_rate import cli
+    from vllm_output_rate import cli_common, cli_conform_report
     from vllm_output_rate.adapter.gate_result import CheckResult
 
     row = CheckResult("coverage", ["R2"], result="fail", failure="[must] coverage: 1 obligation not reached")
     row.coverage = {"not_reached": ["boundary: burst-edge (0/1)"]}
     options = gate_row.GateOptions(scheduler_cls="pkg.Sched", profile="quick", seed=7, paths=("tests/fixtures",))
-    with cli.console.capture() as captured:
-        cli._print_failures([row], cli._gate_command(options, "engine-args"))
+    with cli_common.console.capture() as captured:
+        cli_conform_report._print_failures([row], cli_conform_report._gate_command(options, "engine-args"))
     out = " ".join(captured.get().split())
     assert "no scenario to save: coverage counts the obligations the whole run's checks reached" in out
     assert (

@@ -26,7 +26,8 @@ SEAMS = {"adapter/vllm_compat.py", "reference/vllm_compat.py"}
 VERSION_READERS = {
     "adapter/versions.py": "the gate's base-model profile of the installed release (spec/versions.py data)",
     "outrate/envcheck.py": "checks the installed release is the one make asked for",
-    "outrate/cli.py": "prints and records the release in report headers and replay notes",
+    "outrate/cli_conform.py": "prints and records the release in report headers",
+    "outrate/cli_replay.py": "prints the release in replay notes",
     "outrate/bench/command.py": "records the release in the benchmark report",
     "adapter/counterexample.py": "records the release in a saved counterexample",
     "tests/test_versions.py": "tests the version profiles themselves",
