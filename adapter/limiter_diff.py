@@ -309,6 +309,38 @@ def _cleanup(model: SpecLimiter, impl: LimiterLike, now: int, where: str, counts
     return None
 
 
+def _advance(model: SpecLimiter, op: Op, now: int, counts: Counter[str]) -> int:
+    """``advance`` (the clock moves ``op.arg`` ns) or ``advance_to_ready`` (to ``op.user``'s
+    ready time plus ``op.arg`` ns, never back): the new clock reading (ns)."""
+    if op.kind == "advance":
+        counts["jump"] += op.arg > MAX_ADVANCE_NS
+        return now + op.arg
+    assert op.user is not None
+    ready = model.ready_at_ns(op.user)
+    if ready is not None and ready + op.arg > now:
+        return ready + op.arg
+    return now
+
+
+def _refund(
+    model: SpecLimiter, impl: LimiterLike, op: Op, i: int, now: int, counts: Counter[str], pending: list[str]
+) -> tuple[str | None, str | None]:
+    """One ``refund`` on both (R4, R9) of a user of this step's grants, picked from ``pending``
+    by ``op.arg`` (none pending: nothing happens). Returns ``(where, crash)``: where the refund
+    happened (None: no refund) and the implementation's crash (None: it did not raise)."""
+    if not pending:
+        return None, None
+    user = pending.pop(op.arg % len(pending))
+    where = f"at op {i} ({op} of {user}), now={now} ns"
+    model.refund(user)
+    try:
+        impl.refund(user)
+    except Exception as exc:
+        return where, f"{_RULE_OF_OP[op.kind]}: implementation raised {type(exc).__name__}: {exc} {where}"
+    counts["refund"] += 1
+    return where, None
+
+
 def run_differential(
     ops: OpSequence,
     make_impl: Callable[..., LimiterLike] | None = None,
@@ -337,36 +369,21 @@ def run_differential(
     for i, op in enumerate(ops.ops):
         where = f"at op {i} ({op}), now={now} ns"
         rule = _RULE_OF_OP[op.kind]
-        if op.kind == "advance":
-            now += op.arg
-            pending = []
-            counts["jump"] += op.arg > MAX_ADVANCE_NS
-        elif op.kind == "advance_to_ready":
-            assert op.user is not None
-            ready = model.ready_at_ns(op.user)
-            if ready is not None and ready + op.arg > now:
-                now = ready + op.arg
+        found = None
+        if op.kind in ("advance", "advance_to_ready"):
+            now = _advance(model, op, now, counts)
             pending = []
         elif op.kind == "take":
             assert op.user is not None
             found = _take(model, impl, op.user, now, where, counts, pending)
-            if found is not None:
-                return found
         elif op.kind == "refund":
-            if pending:
-                user = pending.pop(op.arg % len(pending))
-                where = f"at op {i} ({op} of {user}), now={now} ns"
-                model.refund(user)
-                try:
-                    impl.refund(user)
-                except Exception as exc:
-                    return f"{rule}: implementation raised {type(exc).__name__}: {exc} {where}"
-                counts["refund"] += 1
+            refund_where, found = _refund(model, impl, op, i, now, counts, pending)
+            where = refund_where or where
         else:  # cleanup
             found = _cleanup(model, impl, now, where, counts)
             pending = []
-            if found is not None:
-                return found
+        if found is not None:
+            return found
         if op.kind != "refund":
             where = f"at op {i} ({op}), now={now} ns"
         try:
