@@ -54,7 +54,7 @@ from fractions import Fraction
 
 from vllm_output_rate.adapter import (
     attribution,
-    coverage,
+    coverage_observe,
     judge_admission,
     judge_grants,
     judge_observation,
@@ -217,7 +217,8 @@ class _Judge:
         None; with the feature off it only records coverage."""
         self.steps += 1
         scenario, now = self.scenario, trace.now_ns
-        coverage.observe(self, step, trace, unfinished, resident)  # obligations reached (adapter/coverage.py)
+        # obligations reached (adapter/coverage_observe.py)
+        coverage_observe.observe(self, step, trace, unfinished, resident)
         if not scenario.feature_on:
             return None
         state_before = self.state  # the replay at the step's start (before its dispatches)

@@ -14,6 +14,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from vllm_output_rate.adapter.harness import load_class
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.reference.scheduler import RateLimitedAsyncScheduler, RateLimitedScheduler
 
@@ -498,8 +499,6 @@ class Mutant:
 
     def load(self) -> type:
         """The mutant class (imports its module)."""
-        from vllm_output_rate.adapter.harness import load_class
-
         return load_class(self.cls)
 
 

@@ -7,8 +7,14 @@ one way (``tests/test_layers.py``), and proofs/ sits above the adapter.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from vllm_output_rate.adapter import registry as adapter_registry
 from vllm_output_rate.adapter.gate_row import GateOptions, GateRow, PlannedRow
+from vllm_output_rate.adapter.harness import load_class
+from vllm_output_rate.adapter.scenario_run import build_harness
+from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 from vllm_output_rate.proofs.gate_checks import spec_health_checks
 
 
@@ -29,9 +35,7 @@ def candidate_class_problem(path: str, path_hint: str) -> str | None:
     check runs, as the operator's mistake it is, never as a candidate failure. ``path_hint``
     is added when the class's module is not found (how that front extends the path).
     """
-    from vllm.v1.core.sched.interface import SchedulerInterface
-
-    from vllm_output_rate.adapter.harness import load_class
+    from vllm.v1.core.sched.interface import SchedulerInterface  # deferred: vLLM costs ~7 s to import
 
     try:
         cls = load_class(path)
@@ -54,8 +58,6 @@ def import_dirs(paths: tuple[str, ...], classes: tuple[str | None, ...]) -> tupl
     a class (it holds ``__init__.py`` and is named as the class's first component, e.g.
     ``tests/fixtures/article_style`` for ``article_style.scheduler.X``) stands for the
     directory above it; any other directory is kept."""
-    from pathlib import Path
-
     tops = {c.partition(".")[0] for c in classes if c}
     out = []
     for directory in paths:
@@ -70,9 +72,6 @@ def package_hint(dotted: str, paths: tuple[str, ...] = (), limit: int = 4000) ->
     at most ``limit`` directories, hidden ones and ``SKIPPED_DIRS`` left out), e.g.
     ``article_style is a package in tests/fixtures: give --path tests/fixtures``; when it is
     not found, which directory ``--path`` takes."""
-    import os
-    from pathlib import Path
-
     top = dotted.partition(".")[0]
     queue = [Path(p) for p in paths] + [Path(".")]
     seen = 0
@@ -105,9 +104,6 @@ def fractional_rates_problem(options: GateOptions) -> str | None:
     the caller stops with a usage error naming ``--integer-rates``. The additional-config
     style (``options.style`` None) sends JSON numbers and is not probed.
     """
-    from vllm_output_rate.adapter.scenario_run import build_harness
-    from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
-
     if options.integer_rates or options.style is None:
         return None
     probe = Scenario(
