@@ -53,6 +53,8 @@ from typing import Any
 
 from vllm_output_rate.adapter.tinymodel import default_model_dir
 from vllm_output_rate.loadtest import engine_processes
+from vllm_output_rate.reference import worker_park
+from vllm_output_rate.reference.worker_park import WORKER_PARK_ENV
 
 REFERENCE_SCHEDULER = "vllm_output_rate.reference.scheduler.RateLimitedScheduler"
 FREE_RATE = 10**9
@@ -139,9 +141,6 @@ def _resume(procs: list[Any]) -> None:
 def run_throughput(cfg: dict[str, Any]) -> dict[str, Any]:
     streams, tokens, rounds = cfg["streams"], cfg["tokens"], cfg["rounds"]
     import psutil  # deferred: psutil adds ~50 ms, kept off `outrate --help`
-
-    # deferred: reference.plugin imports vLLM at its top (~7 s)
-    from vllm_output_rate.reference.plugin import WORKER_PARK_ENV
 
     def started(build):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -232,9 +231,6 @@ def _throughput_summary(
 def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
     import psutil  # deferred: psutil adds ~50 ms, kept off `outrate --help`
 
-    # deferred: reference.plugin imports vLLM at its top (~7 s)
-    from vllm_output_rate.reference.plugin import WORKER_PARK_ENV
-
     users = [f"slow{i}" for i in range(cfg["users"])]
     rate = cfg["rate"]
     llm = _engine({"default_tokens_per_s": rate}, max_num_seqs=cfg["users"] * cfg["streams_per_user"])
@@ -279,13 +275,11 @@ def run_throttled(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _ping_reader(handle, answers, messages: int, timeout_s: float, park: bool) -> None:
     """Child process of ``ping_round_trips``: vLLM's reader of the queue ``handle``; after
-    every read it parks (``plugin.park_reader``, as the worker after an empty step) or keeps
+    every read it parks (``worker_park.park_reader``, as the worker after an empty step) or keeps
     vLLM's spin window; answers each message with whether its read waited ``timeout_s`` s
     (vLLM's reader polls at most that long before re-checking the buffer)."""
     # deferred: vLLM costs ~7 s to import; only the live bench needs it
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-    from vllm_output_rate.reference import plugin  # deferred: reference.plugin imports vLLM at its top (~7 s)
 
     reader = MessageQueue.create_from_handle(handle, 0)
     response = MessageQueue(1, 1)
@@ -304,7 +298,7 @@ def _ping_reader(handle, answers, messages: int, timeout_s: float, park: bool) -
                 continue
         lost = time.monotonic() - started >= timeout_s
         if park:
-            plugin.park_reader(reader)
+            worker_park.park_reader(reader)
         response.enqueue(lost)
 
 
@@ -316,14 +310,12 @@ def ping_round_trips(
     The engine core's pattern: per step an ``execute_model`` then a ``sample_tokens``
     message, each sent after the reader's answer to the previous one, then a gap of 0-2 ms
     (seeded). The reader parks after every read (``park``) or keeps vLLM's 1 s spin window;
-    ``lossless`` applies ``plugin.make_pings_lossless`` to the writer. Returns ``lost`` (reads
+    ``lossless`` applies ``worker_park.make_pings_lossless`` to the writer. Returns ``lost`` (reads
     that waited ``timeout_s`` s: their wake-up ping was dropped), ``messages`` and the
     median / 99th percentile round trip (send to answer) in microseconds.
     """
     # deferred: vLLM costs ~7 s to import; only the live bench needs it
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-    from vllm_output_rate.reference import plugin  # deferred: reference.plugin imports vLLM at its top (~7 s)
 
     context = multiprocessing.get_context("fork")
     writer = MessageQueue(1, 1)
@@ -336,7 +328,7 @@ def ping_round_trips(
         response = MessageQueue.create_from_handle(answers.get(timeout=60), 0)
         writer.wait_until_ready()
         response.wait_until_ready()
-        if lossless and not plugin.make_pings_lossless(writer):
+        if lossless and not worker_park.make_pings_lossless(writer):
             raise RuntimeError("the writer has no notify socket to make lossless")
         rnd = random.Random(seed)
         lost = 0

@@ -55,6 +55,7 @@ Source: docs/SPEC.md "Configuration" (the flags and their ``additional_config`` 
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import json
 import os
@@ -514,8 +515,6 @@ def misspelt_flag(arg: str) -> str | None:
     """The flag of ``outrate serve`` that ``arg`` (a passed-through argument) looks like a typo
     of, or None. Only near misses (difflib ratio >= 0.9) of our own flags count, so no vLLM
     flag is caught (tests/test_serve_cli.py checks every one of vLLM's)."""
-    import difflib
-
     if not arg.startswith("--"):
         return None
     flag = arg.split("=", 1)[0]

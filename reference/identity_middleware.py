@@ -40,6 +40,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import REGISTRY, Counter
+
 from vllm_output_rate.reference.identity import (
     ANONYMOUS_USER,
     IDENTITY_API_KEY,
@@ -82,8 +84,6 @@ class _Refusals:
 
     def counter(self) -> Any:
         if self._counter is None:
-            from prometheus_client import REGISTRY, Counter
-
             existing = getattr(REGISTRY, "_names_to_collectors", {}).get(METRIC + "_total")
             self._counter = existing or Counter(
                 METRIC, "Requests refused by the output-rate identity check", ["reason"]

@@ -84,6 +84,13 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from fractions import Fraction
 from typing import Any
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from vllm_output_rate.reference.hooks import feature_on
+from vllm_output_rate.reference.ratesfile import _lower_priority
+from vllm_output_rate.reference.ratetable import Pacer, RateTable
+
 ENV_DIR = "VLLM_OUTPUT_RATE_METRICS_DIR"
 ENV_OWNER = "VLLM_OUTPUT_RATE_METRICS_OWNER"
 SNAPSHOT_INTERVAL_NS = 1_000_000_000  # at most one snapshot per second of scheduler time
@@ -135,8 +142,6 @@ class MetricsRecorder:
         shadow: bool = False,
         table: Any = None,
     ) -> None:
-        from vllm_output_rate.reference.ratetable import RateTable
-
         self.path = os.path.join(directory, f"engine-{os.getpid()}.json")
         self.table = table if table is not None else RateTable.flat(default_rate, user_rates)
         # Users with a label of their own (a detailed or user_tokens_per_s user, ever): kept when they leave.
@@ -195,8 +200,6 @@ class MetricsRecorder:
 
         ``table``: a ``ratetable.RateTable``; or, as before, ``user_rates`` with
         ``default_rate`` (today's two keys)."""
-        from vllm_output_rate.reference.ratetable import RateTable
-
         if not isinstance(table, RateTable):
             table = RateTable.flat(default_rate, table)
         prepared = table._prepared
@@ -346,9 +349,6 @@ class MetricsRecorder:
             self._writer.start()
 
     def _run_writer(self) -> None:
-        from vllm_output_rate.reference.ratesfile import _lower_priority
-        from vllm_output_rate.reference.ratetable import Pacer
-
         _lower_priority()  # below the engine's step on a busy machine
         pacer = self.pacer = Pacer()
         handoff = self._handoff
@@ -450,8 +450,6 @@ class OutputRateCollector:
         return []  # no description at registration: collect() reads files only on a scrape
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         snapshots = read_snapshots(self.directory)
         now = self.clock_ns()
         merged: dict[str, dict[str, float]] = {}
@@ -503,20 +501,14 @@ def register_collector(directory: str, registry: Any = None) -> OutputRateCollec
     global _COLLECTOR
     if _COLLECTOR is None:
         if registry is None:
-            from prometheus_client import REGISTRY as registry
+            registry = REGISTRY
         _COLLECTOR = OutputRateCollector(directory)
         registry.register(_COLLECTOR)
     return _COLLECTOR
 
 
-def _feature_on(vllm_config: Any) -> bool:
-    additional = getattr(vllm_config, "additional_config", None)
-    section = additional.get("output_rate") if isinstance(additional, dict) else None
-    return isinstance(section, dict) and section.get("default_tokens_per_s") is not None
-
-
 def _stat_logger_class():
-    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics.loggers import StatLoggerBase  # deferred: vLLM's metrics loggers (seconds)
 
     class OutputRateStatLogger(StatLoggerBase):
         """Entry point ``vllm.stat_logger_plugins``: loaded by vLLM in the API server
@@ -525,7 +517,7 @@ def _stat_logger_class():
 
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             directory = os.environ.get(ENV_DIR)
-            if _feature_on(vllm_config) and directory:
+            if feature_on(vllm_config) and directory:
                 register_collector(directory)
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:

@@ -156,7 +156,7 @@ class SharedBudgetLimiter(OutputRateLimiter):
         start_thread: bool = True,
     ) -> None:
         super().__init__(default_rate_tokens_per_s, user_rates_tokens_per_s, burst_ns)
-        import redis  # the store client; only needed with the feature configured
+        import redis  # deferred: the store client (redis), only needed with the feature configured
 
         url = "redis://" + url[len("valkey://") :] if url.startswith("valkey://") else url
         timeout_s = STORE_TIMEOUT_NS / NS_PER_S

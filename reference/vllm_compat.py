@@ -19,7 +19,10 @@ the engine core's internals only through here; the gate has its own seam,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import vllm
 
 from vllm_output_rate.spec.versions import VllmVersionProfile, select_profile
 
@@ -30,8 +33,6 @@ INPUTS_HANDLED = "_output_rate_inputs_handled"
 
 
 def _installed_profile() -> VllmVersionProfile:
-    import vllm
-
     return select_profile(vllm.__version__)[0]
 
 
@@ -56,7 +57,6 @@ def inputs_handled(core: Any) -> int:
 
 def count_inputs(handler: Any) -> Any:
     """Wrap ``EngineCoreProc._handle_client_request`` so each call counts one input on the core."""
-    import functools
 
     @functools.wraps(handler)
     def counting(self, *args: Any, **kwargs: Any) -> Any:

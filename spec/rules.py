@@ -148,10 +148,10 @@ RULES: tuple[Rule, ...] = (
         "waiting for budget never blocks the engine",
         ("rate.begin_cycle", "rate.end_cycle"),
         (
-            "plugin.engine_wait_timeout_ns",
-            "plugin.wait_for_input",
-            "plugin.BACKGROUND_RECHECK_NS",
-            "plugin.background_blocked",
+            "core_wait.engine_wait_timeout_ns",
+            "core_wait.wait_for_input",
+            "core_wait.BACKGROUND_RECHECK_NS",
+            "core_wait.background_blocked",
         )
         + _mixin("schedule", "_observe", "next_ready_ns"),
     ),
@@ -166,7 +166,7 @@ RULES: tuple[Rule, ...] = (
         "R18",
         "feature off",
         ("state.EngineConfig.rate_limited", "scheduler.schedule"),
-        ("config.parse_output_rate", "plugin._feature_on") + _mixin("schedule", "max_num_active_reqs", "__init__"),
+        ("config.parse_output_rate", "hooks.feature_on") + _mixin("schedule", "max_num_active_reqs", "__init__"),
     ),
     Rule(
         "R19",

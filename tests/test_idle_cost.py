@@ -24,7 +24,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
 
 from vllm_output_rate.livebench import ping_round_trips
-from vllm_output_rate.reference import plugin
+from vllm_output_rate.reference import worker_park
+from vllm_output_rate.reference.hooks import OUR_WRAPPERS
 
 ON = SimpleNamespace(additional_config={"output_rate": {"default_tokens_per_s": 5.0}})
 OFF = SimpleNamespace(additional_config={})
@@ -35,7 +36,7 @@ def originals(monkeypatch):
     """vLLM's executor functions, restored after the test (the install replaces them). If an
     earlier test of the session installed the plugin already, its wrappers are taken off
     first, so every test starts from vLLM's own functions."""
-    installed = WorkerProc._execute_worker_rpc in plugin._OUR_WRAPPERS
+    installed = WorkerProc._execute_worker_rpc in OUR_WRAPPERS
 
     def vllms(function):
         return function.__wrapped__ if installed else function  # one layer: the four are ours together
@@ -67,10 +68,10 @@ def originals(monkeypatch):
 )
 def test_r16_worker_parks_only_with_the_feature_on_unless_turned_off(monkeypatch, config, env, parks):
     if env is None:
-        monkeypatch.delenv(plugin.WORKER_PARK_ENV, raising=False)
+        monkeypatch.delenv(worker_park.WORKER_PARK_ENV, raising=False)
     else:
-        monkeypatch.setenv(plugin.WORKER_PARK_ENV, env)
-    assert plugin.worker_park_enabled(config) is parks
+        monkeypatch.setenv(worker_park.WORKER_PARK_ENV, env)
+    assert worker_park.worker_park_enabled(config) is parks
 
 
 def _step(tokens: int) -> SchedulerOutput:
@@ -80,12 +81,12 @@ def _step(tokens: int) -> SchedulerOutput:
 
 
 def test_r16_only_an_execute_model_that_schedules_nothing_is_an_empty_step():
-    assert plugin.is_empty_step_rpc(("execute_model", (_step(0),), {}, 0))
-    assert not plugin.is_empty_step_rpc(("execute_model", (_step(3),), {}, 0))
-    assert not plugin.is_empty_step_rpc(("sample_tokens", (None,), {}, 0))
-    assert not plugin.is_empty_step_rpc((b"\x80pickled", (), {}, None))
-    assert not plugin.is_empty_step_rpc(("execute_model", (), {}, 0))
-    assert not plugin.is_empty_step_rpc("garbage")
+    assert worker_park.is_empty_step_rpc(("execute_model", (_step(0),), {}, 0))
+    assert not worker_park.is_empty_step_rpc(("execute_model", (_step(3),), {}, 0))
+    assert not worker_park.is_empty_step_rpc(("sample_tokens", (None,), {}, 0))
+    assert not worker_park.is_empty_step_rpc((b"\x80pickled", (), {}, None))
+    assert not worker_park.is_empty_step_rpc(("execute_model", (), {}, 0))
+    assert not worker_park.is_empty_step_rpc("garbage")
 
 
 def _worker_proc(park: bool, reader) -> tuple[WorkerProc, list]:
@@ -106,9 +107,9 @@ def _spinning(condition) -> bool:
 
 
 def test_r16_worker_rpc_runs_as_vllm_then_parks_after_an_empty_step_only(originals):
-    plugin._install_worker_park()
+    worker_park.install_worker_park()
     assert WorkerProc._execute_worker_rpc is not originals["execute_rpc"]
-    plugin._install_worker_park()  # idempotent: not wrapped twice
+    worker_park.install_worker_park()  # idempotent: not wrapped twice
     assert WorkerProc._execute_worker_rpc.__wrapped__ is originals["execute_rpc"]
     condition = SimpleNamespace(is_reader=True, last_read=time.monotonic(), busy_loop_s=1.0)
     reader = SimpleNamespace(_spin_condition=condition)
@@ -128,9 +129,9 @@ def test_r16_worker_rpc_runs_as_vllm_then_parks_after_an_empty_step_only(origina
 
 @pytest.mark.parametrize("config, expected", [(ON, True), (OFF, False)])
 def test_r16_worker_records_at_queue_setup_whether_to_park(originals, monkeypatch, config, expected):
-    monkeypatch.delenv(plugin.WORKER_PARK_ENV, raising=False)
+    monkeypatch.delenv(worker_park.WORKER_PARK_ENV, raising=False)
     monkeypatch.setattr(WorkerProc, "_init_message_queues", lambda self, handle, vllm_config: None)
-    plugin._install_worker_park()
+    worker_park.install_worker_park()
     proc = WorkerProc.__new__(WorkerProc)
     proc._init_message_queues(None, config)
     assert proc._output_rate_park is expected
@@ -149,7 +150,7 @@ class _Socket:
 def test_r16_engine_core_pings_lossless_only_while_the_worker_may_be_parked(originals, monkeypatch):
     import zmq
 
-    monkeypatch.delenv(plugin.WORKER_PARK_ENV, raising=False)
+    monkeypatch.delenv(worker_park.WORKER_PARK_ENV, raising=False)
     sent: list[tuple[str, bool]] = []
 
     def init_executor(self) -> None:  # vLLM's, reduced to the RPC queue it builds
@@ -163,7 +164,7 @@ def test_r16_engine_core_pings_lossless_only_while_the_worker_may_be_parked(orig
 
     monkeypatch.setattr(MultiprocExecutor, "_init_executor", init_executor)
     monkeypatch.setattr(MultiprocExecutor, "collective_rpc", collective_rpc)
-    plugin._install_worker_park()
+    worker_park.install_worker_park()
     executor = MultiprocExecutor.__new__(MultiprocExecutor)
     executor.vllm_config = ON
     executor._init_executor()
@@ -200,9 +201,9 @@ def test_r16_park_reader_marks_only_a_reader():
     reader = SimpleNamespace(
         _spin_condition=SimpleNamespace(is_reader=True, last_read=time.monotonic(), busy_loop_s=1.0)
     )
-    assert plugin.park_reader(reader) and not _spinning(reader._spin_condition)
-    assert not plugin.park_reader(writer)
-    assert not plugin.park_reader(SimpleNamespace(_spin_condition=None))
+    assert worker_park.park_reader(reader) and not _spinning(reader._spin_condition)
+    assert not worker_park.park_reader(writer)
+    assert not worker_park.park_reader(SimpleNamespace(_spin_condition=None))
 
 
 def test_r16_lossless_pings_wake_a_parked_reader_every_time():

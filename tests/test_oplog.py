@@ -144,7 +144,7 @@ def _engine_core(h: Harness, section: dict, model_executed: bool):
 @pytest.fixture()
 def fake_waits(monkeypatch):
     """The plugin's waits on the input queue advance the harness's fake clock (no sleeping)."""
-    from vllm_output_rate.reference import plugin
+    from vllm_output_rate.reference import core_wait, plugin
 
     plugin.register()
     waits: list[int] = []
@@ -155,7 +155,7 @@ def fake_waits(monkeypatch):
             h.advance(round(timeout_s * 1e9))
             return False
 
-        monkeypatch.setattr(plugin, "wait_for_input", wait_for_input)
+        monkeypatch.setattr(core_wait, "wait_for_input", wait_for_input)
         return waits
 
     return install

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_output_rate.reference import plugin
+from vllm_output_rate.reference import core_wait, plugin
 
 MS = 1_000_000
 ON = {"output_rate": {"default_tokens_per_s": 10}}
@@ -125,7 +125,7 @@ def _timed_step(core) -> float:
 @pytest.mark.rules("R16")
 def test_r16_waits_until_next_ready_time():
     core = _core(ready_in_ns=30 * MS)
-    assert plugin.engine_wait_timeout_ns(core) > 25 * MS
+    assert core_wait.engine_wait_timeout_ns(core) > 25 * MS
     elapsed = _timed_step(core)
     assert 0.025 <= elapsed < 0.5, elapsed
     assert core.steps == 1
@@ -135,7 +135,7 @@ def test_r16_waits_until_next_ready_time():
 def test_r16_wait_lasts_until_a_far_ready_time_in_one_wake_up():
     # No re-check cap: a user at 0.1 tok/s ready in 10 s is waited for in one wait.
     core = _core(ready_in_ns=10_000 * MS)
-    assert plugin.engine_wait_timeout_ns(core) > 9_900 * MS
+    assert core_wait.engine_wait_timeout_ns(core) > 9_900 * MS
     core = _core(ready_in_ns=120 * MS)
     elapsed = _timed_step(core)
     assert 0.115 <= elapsed < 0.6, elapsed
@@ -152,9 +152,9 @@ def test_r16_wait_rechecks_every_50_ms_while_background_work_can_unblock_a_reque
         "r1": SimpleNamespace(status=RequestStatus.RUNNING),
         "g1": SimpleNamespace(status=getattr(RequestStatus, status)),
     }
-    assert plugin.engine_wait_timeout_ns(core) == plugin.BACKGROUND_RECHECK_NS
+    assert core_wait.engine_wait_timeout_ns(core) == core_wait.BACKGROUND_RECHECK_NS
     core.scheduler.requests["g1"].status = RequestStatus.WAITING  # its grammar is ready
-    assert plugin.engine_wait_timeout_ns(core) > 9_900 * MS
+    assert core_wait.engine_wait_timeout_ns(core) > 9_900 * MS
 
 
 @pytest.mark.rules("R16")
@@ -192,7 +192,7 @@ def test_r16_queued_input_means_no_wait():
 def test_r16_no_wait(core_kw):
     core = _core(**core_kw)
     if not core_kw.get("model_executed"):
-        assert plugin.engine_wait_timeout_ns(core) == 0
+        assert core_wait.engine_wait_timeout_ns(core) == 0
     # vLLM's own 1 ms idle sleep is all that remains.
     assert _timed_step(core) < 0.020
 
@@ -201,13 +201,13 @@ def test_r16_no_wait(core_kw):
 def test_r16_empty_batches_in_flight_still_wait():
     empty = (None, SimpleNamespace(total_num_scheduled_tokens=0), None)
     core = _core(ready_in_ns=30 * MS, batch_queue=[empty])
-    assert plugin.engine_wait_timeout_ns(core) > 25 * MS
+    assert core_wait.engine_wait_timeout_ns(core) > 25 * MS
 
 
 @pytest.mark.rules("R16")
 def test_r16_unknown_batch_layout_never_waits():
     core = _core(ready_in_ns=30 * MS, batch_queue=["something new"])
-    assert plugin.engine_wait_timeout_ns(core) == 0
+    assert core_wait.engine_wait_timeout_ns(core) == 0
 
 
 @pytest.mark.rules("R16")
@@ -215,16 +215,16 @@ def test_r16_scheduler_without_hint_never_waits():
     # A scheduler class that is not the reference (no next_ready_ns): stock behaviour.
     core = _core(ready_in_ns=30 * MS)
     core.scheduler = SimpleNamespace(has_requests=lambda: True)
-    assert plugin.engine_wait_timeout_ns(core) == 0
+    assert core_wait.engine_wait_timeout_ns(core) == 0
 
 
 def test_wait_for_input_times_out_and_consumes_nothing():
     q = queue.Queue()
     started = time.monotonic()
-    assert plugin.wait_for_input(q, 0.02) is False
+    assert core_wait.wait_for_input(q, 0.02) is False
     assert time.monotonic() - started >= 0.019
     q.put("x")
-    assert plugin.wait_for_input(q, 5.0) is True
+    assert core_wait.wait_for_input(q, 5.0) is True
     assert q.get_nowait() == "x"
 
 
