@@ -327,6 +327,20 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
         found.append(("speculative decoding", "remove --speculative-config"))
     parallel = getattr(vllm_config, "parallel_config", None)
     dp = getattr(parallel, "data_parallel_size", 1)
+    found += _parallel_modes(vllm_config, parallel, dp)
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None:
+        found += _model_modes(vllm_config, model)
+    found += _connector_modes(vllm_config)
+    if getattr(model, "enable_sleep_mode", False):
+        found.append(("sleep mode", "remove --enable-sleep-mode"))
+    found += _scheduler_orders(getattr(vllm_config, "scheduler_config", None), dp)
+    return found
+
+
+def _parallel_modes(vllm_config: Any, parallel: Any, dp: int) -> list[tuple[str, str]]:
+    """Data parallel > 1 without a shared budget (R23-R26), pipeline parallel > 1."""
+    found: list[tuple[str, str]] = []
     additional = getattr(vllm_config, "additional_config", None)
     section = additional.get(SECTION) if isinstance(additional, Mapping) else None
     shared = isinstance(section, Mapping) and section.get("shared_budget_url") is not None
@@ -343,21 +357,32 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
         found.append(
             ("pipeline parallel > 1", f"set --pipeline-parallel-size 1 (got {pp}); tensor parallel is supported")
         )
-    model = getattr(vllm_config, "model_config", None)
-    if model is not None:
-        flags = (
-            ("is_multimodal_model", "multimodal model"),
-            ("is_encoder_decoder", "encoder-decoder model"),
-            ("is_hybrid", "hybrid (mamba) model"),
-            ("is_attention_free", "attention-free model"),
-        )
-        for attr, mode in flags:
-            if getattr(model, attr, False):
-                found.append((mode, "serve a text-only decoder-only attention model (--model)"))
-        if getattr(model, "is_diffusion", False) or getattr(vllm_config, "diffusion_config", None) is not None:
-            found.append(("diffusion model", "serve an autoregressive text model (--model)"))
-        if getattr(model, "runner_type", "generate") == "pooling":
-            found.append(("pooling model", "use --runner generate with a generative model"))
+    return found
+
+
+def _model_modes(vllm_config: Any, model: Any) -> list[tuple[str, str]]:
+    """The model kinds of ``model`` (vLLM's ``model_config``) the accounting does not cover:
+    multimodal, encoder-decoder, hybrid, attention-free, diffusion, pooling."""
+    found: list[tuple[str, str]] = []
+    flags = (
+        ("is_multimodal_model", "multimodal model"),
+        ("is_encoder_decoder", "encoder-decoder model"),
+        ("is_hybrid", "hybrid (mamba) model"),
+        ("is_attention_free", "attention-free model"),
+    )
+    for attr, mode in flags:
+        if getattr(model, attr, False):
+            found.append((mode, "serve a text-only decoder-only attention model (--model)"))
+    if getattr(model, "is_diffusion", False) or getattr(vllm_config, "diffusion_config", None) is not None:
+        found.append(("diffusion model", "serve an autoregressive text model (--model)"))
+    if getattr(model, "runner_type", "generate") == "pooling":
+        found.append(("pooling model", "use --runner generate with a generative model"))
+    return found
+
+
+def _connector_modes(vllm_config: Any) -> list[tuple[str, str]]:
+    """KV offload or a KV connector, an EC connector, the aux output connector."""
+    found: list[tuple[str, str]] = []
     offload_gib = getattr(getattr(vllm_config, "cache_config", None), "kv_offloading_size", None)
     if offload_gib is not None:
         # vLLM turns --kv-offloading-size into a kv_transfer_config: report it once, as offload.
@@ -370,9 +395,6 @@ def unsupported_modes(vllm_config: Any) -> list[tuple[str, str]]:
         found.append(("EC connector", f"remove --ec-transfer-config (connector {connector!r})"))
     if getattr(getattr(vllm_config, "aux_output_config", None), "enabled", False):
         found.append(("aux output connector", "remove --enable-return-routed-experts"))
-    if getattr(model, "enable_sleep_mode", False):
-        found.append(("sleep mode", "remove --enable-sleep-mode"))
-    found += _scheduler_orders(getattr(vllm_config, "scheduler_config", None), dp)
     return found
 
 
