@@ -189,6 +189,26 @@ class _Graph(NamedTuple):
     coverage: dict[str, int]
 
 
+def _record_violations(result: ScopeResult, violations: list[tuple[str, str]], d: int, sid: int, event: Event) -> None:
+    """Keep the first violation of each check in ``result``: found by ``event`` from state
+    ``sid`` at BFS depth ``d`` (so at depth ``d + 1``)."""
+    for check, message in violations:
+        if check not in result.violations:
+            result.violations[check] = Violation(check, message, d + 1, sid, event)
+
+
+def _progress_edge(
+    event: Event, obs: Observation | None, sid: int, tid: int, edges: tuple[array, array, bytearray]
+) -> None:
+    """Record the Step/AdvanceClock edge ``sid -> tid`` in ``edges`` (sources, targets, the
+    per-state productive flags), and mark ``sid`` productive if a Step scheduled a token."""
+    edge_src, edge_dst, productive = edges
+    edge_src.append(sid)
+    edge_dst.append(tid)
+    if isinstance(event, Step) and obs is not None and obs.scheduled:
+        productive[sid] = 1
+
+
 def _breadth_first(
     cs: Compiled, result: ScopeResult, limit: int, stop_at_first: bool, on_progress: Callable[[int, int], None] | None
 ) -> _Graph:
@@ -216,9 +236,7 @@ def _breadth_first(
             transitions += 1
             checks += _invariants_per_transition(event, cs)
             outcome = transition(world, event, cs)
-            for check, message in outcome.violations:
-                if check not in result.violations:
-                    result.violations[check] = Violation(check, message, d + 1, sid, event)
+            _record_violations(result, outcome.violations, d, sid, event)
             if outcome.world is None:
                 if _is_progress_event(event):
                     crashed[sid] = 1
@@ -248,8 +266,5 @@ def _breadth_first(
             if isinstance(event, Step) and outcome.obs is not None:
                 _cover(coverage, outcome.obs, world.state)
             if _is_progress_event(event):
-                edge_src.append(sid)
-                edge_dst.append(tid)
-                if isinstance(event, Step) and outcome.obs is not None and outcome.obs.scheduled:
-                    productive[sid] = 1
+                _progress_edge(event, outcome.obs, sid, tid, (edge_src, edge_dst, productive))
     return _Graph(keys, parent, depth, no_work, crashed, productive, edge_src, edge_dst, transitions, checks, coverage)

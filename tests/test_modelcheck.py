@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vllm_output_rate.adapter.fidelity import StepScenario, replay_file
+from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.whitebox import replay_file
 from vllm_output_rate.cli import main
 from vllm_output_rate.proofs import modelcheck as mc
 from vllm_output_rate.spec import invariants
