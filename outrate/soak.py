@@ -26,13 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.table import Table
+
+from vllm_output_rate.adapter.tinymodel import default_model_dir
+from vllm_output_rate.adapter.trace_check import TraceFollower
 
 RATES = (10, 20, 50, 100)
 CHECK_EVERY_S = 15.0
 
 
 def _rss_mb() -> dict[str, float]:
-    import psutil
+    import psutil  # deferred: psutil adds ~50 ms, kept off `outrate --help`
 
     me = psutil.Process()
     rss = {"driver": me.memory_info().rss / 2**20}
@@ -43,10 +48,10 @@ def _rss_mb() -> dict[str, float]:
 
 
 def _plot(report, path: Path, burst_ns: int) -> None:
-    import matplotlib
+    import matplotlib  # deferred: matplotlib takes 1-2 s to import; only the plot needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib takes 1-2 s to import; only the plot needs it
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     run = report.runs[-1]
@@ -94,10 +99,6 @@ def _plot(report, path: Path, burst_ns: int) -> None:
 )
 def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir) -> None:
     """Randomized live load with cancels and arriving users, checked online from the engine trace."""
-    from rich.console import Console
-
-    from vllm_output_rate.adapter.trace_check import TraceFollower
-
     console = Console()
     rnd = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,9 +207,7 @@ def _soak_document(
 def _soak_llm(model: str | None, seats: int, async_mode: bool, limits: dict[str, int], trace: Path) -> Any:
     """The in-process ``vllm.LLM`` of the soak: the reference scheduler, the tiny model (dummy
     weights) unless ``model``, up to ``seats`` (users x streams, 8..64) resident requests."""
-    from vllm import LLM
-
-    from vllm_output_rate.adapter.tinymodel import default_model_dir
+    from vllm import LLM  # deferred: vLLM costs ~7 s to import; only a soak run needs it
 
     cls = "RateLimitedAsyncScheduler" if async_mode else "RateLimitedScheduler"
     return LLM(
@@ -253,7 +252,7 @@ class _Load:
     def start_and_cancel(self, engine: Any, now: float, deadline: float) -> None:
         """Start a request in every free slot whose start time has come (before ``deadline``),
         with random prompt and output lengths; abort the requests whose cancel time has come."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # deferred: vLLM costs ~7 s to import; only a soak run needs it
 
         rnd = self.rnd
         for u in self.names:
@@ -332,8 +331,6 @@ def _drive(
 
 def _soak_table(title: str, run: Any, names: list[str], limits: dict[str, int], load: _Load) -> Any:
     """Per user: limit, streams done and cancelled, dispatches, engine rate and its share of the limit."""
-    from rich.table import Table
-
     table = Table(title=title)
     for col in ("user", "limit tok/s", "streams done", "cancelled", "dispatches", "engine tok/s", "busy share"):
         table.add_column(col, justify="right")
