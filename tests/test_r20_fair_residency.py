@@ -226,7 +226,7 @@ def test_r20_cap_above_max_num_seqs_refused_at_start_up():
 def test_r20_outrate_serve_flag():
     import click
 
-    from vllm_output_rate.serve import build_output_rate_section
+    from vllm_output_rate.serve_section import build_output_rate_section
 
     section = build_output_rate_section("10", None, 16, None, max_num_seqs_per_user=4)
     assert section == {"default_tokens_per_s": 10, "max_num_seqs_per_user": 4}

@@ -526,7 +526,8 @@ def test_r21_gate_rows_at_exact_unless_the_candidate_opts_in() -> None:
 def test_r21_outrate_serve_rates_file_flag(tmp_path) -> None:
     import click
 
-    from vllm_output_rate.serve import build_command, build_output_rate_section
+    from vllm_output_rate.serve import build_command
+    from vllm_output_rate.serve_section import build_output_rate_section
 
     section = build_output_rate_section("10", None, None, None, rates_file="rates.json")
     assert section is not None and section["rates_file"] == str(Path.cwd() / "rates.json")  # absolute
