@@ -26,12 +26,14 @@ victim and vLLM 0.32's own count: crashes on 0.32).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.fidelity import StepScenario, engine_shape
+from vllm_output_rate.adapter.harness import Harness
 from vllm_output_rate.adapter.residency import HuntedCheck, p3_verdict
 from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
@@ -95,6 +97,54 @@ def lora_scenarios(draw, async_scheduling: bool) -> LoraScenario:
     return LoraScenario(config, tuple(events))
 
 
+class _SlotBound:
+    """R13 (LoRA)'s bound during one run: each request of ``FAST_USER`` samples within
+    ``BOUND_STEPS`` steps of its arrival (``arrived``: request id -> step before which it
+    was added, until it samples)."""
+
+    def __init__(self, max_loras: int | None) -> None:
+        self.max_loras = max_loras
+        self.arrived: dict[str, int] = {}  # fast request -> step before which it was added
+
+    def judge(self, trace, steps: int) -> str | None:
+        """After step ``steps``: None, or the failure naming the first fast request past the bound."""
+        arrived = self.arrived
+        for rid in trace.sampled:
+            arrived.pop(rid, None)
+        late = sorted(rid for rid, at in arrived.items() if steps - at >= BOUND_STEPS)
+        if late:
+            return (
+                f"R13 (LoRA): {late[0]} of user {FAST_USER!r} has not sampled {BOUND_STEPS} steps after it "
+                f"arrived (step {arrived[late[0]]}): the throttled user {SLOW_USER!r} holds the adapter slots "
+                f"(max_loras={self.max_loras}) it needs; a throttled holder must give way "
+                '(docs/SPEC.md, Decision "LoRA slots")'
+            )
+        return None
+
+
+def _apply(harness: Harness, bound: _SlotBound, max_tokens: dict[str, int], steps: int, event: Event) -> None:
+    """A scenario event other than ``Step`` (a request added, the clock advanced, a drain) on
+    the candidate after ``steps`` steps; an added request noted in ``max_tokens`` (request id
+    -> output tokens) and, for ``FAST_USER``, in ``bound``."""
+    if isinstance(event, AddRequest):
+        harness.add_request(
+            event.request_id,
+            event.user,
+            event.prompt_len,
+            event.max_tokens,
+            event.eos_index,
+            event.priority,
+            lora=event.lora,
+        )
+        max_tokens[event.request_id] = event.max_tokens
+        if event.user == FAST_USER:
+            bound.arrived[event.request_id] = steps
+    elif isinstance(event, AdvanceClock):
+        harness.advance(event.delta_ns)
+    elif isinstance(event, Drain):
+        harness.drain()
+
+
 def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None, late: list | None = None) -> Verdict:
     """The LoRA-slot properties (module docstring) on one scenario. A crash of the
     candidate (or of vLLM inside its ``schedule()``) propagates to the caller.
@@ -103,50 +153,18 @@ def run_lora(scheduler_cls: str, scenario: LoraScenario, style: Any = None, late
     bound failure of the whole hunt is appended to it as ``(scenario, failure, step)`` and
     the run goes on, so that a crash or a cut request (level must) later in it is still
     found (``LoraCheck``)."""
-    from vllm_output_rate.adapter.fidelity import engine_shape
-    from vllm_output_rate.adapter.harness import Harness
-
     harness = Harness(scheduler_cls, engine_shape(scenario.config), style=style)
-    arrived: dict[str, int] = {}  # fast request -> step before which it was added
+    bound = _SlotBound(scenario.config.max_loras)
     max_tokens: dict[str, int] = {}
     steps = 0
     judging = True
-
-    def judge(trace) -> str | None:
-        for rid in trace.sampled:
-            arrived.pop(rid, None)
-        late = sorted(rid for rid, at in arrived.items() if steps - at >= BOUND_STEPS)
-        if late:
-            return (
-                f"R13 (LoRA): {late[0]} of user {FAST_USER!r} has not sampled {BOUND_STEPS} steps after it "
-                f"arrived (step {arrived[late[0]]}): the throttled user {SLOW_USER!r} holds the adapter slots "
-                f"(max_loras={scenario.config.max_loras}) it needs; a throttled holder must give way "
-                '(docs/SPEC.md, Decision "LoRA slots")'
-            )
-        return None
-
     for event in scenario.events:
-        if isinstance(event, AddRequest):
-            harness.add_request(
-                event.request_id,
-                event.user,
-                event.prompt_len,
-                event.max_tokens,
-                event.eos_index,
-                event.priority,
-                lora=event.lora,
-            )
-            max_tokens[event.request_id] = event.max_tokens
-            if event.user == FAST_USER:
-                arrived[event.request_id] = steps
-        elif isinstance(event, AdvanceClock):
-            harness.advance(event.delta_ns)
-        elif isinstance(event, Drain):
-            harness.drain()
-        elif isinstance(event, Step):
+        if not isinstance(event, Step):
+            _apply(harness, bound, max_tokens, steps, event)
+        else:
             trace = harness.step()
             steps += 1
-            failure = judge(trace) if judging else None
+            failure = bound.judge(trace, steps) if judging else None
             if failure is not None and late is None:
                 return Verdict(steps, failure, step=steps - 1, level="should")
             if failure is not None and late is not None:  # kept aside; the rest is judged for level must only
@@ -187,8 +205,6 @@ class LoraCheck:
     so that Hypothesis shrinks it. Called as ``HuntedCheck`` is; ``judge`` is its replay."""
 
     def __call__(self, scheduler_cls: str, async_mode: bool, hunt: Any, style: Any = None, level: str | None = None):
-        from dataclasses import replace
-
         if (level or _HUNTED.level) == "exact":
             return _HUNTED(scheduler_cls, async_mode, hunt, style, level)
         late: list = []

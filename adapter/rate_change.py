@@ -39,7 +39,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.fidelity import StepScenario, engine_shape
+from vllm_output_rate.adapter.harness import Harness
 from vllm_output_rate.adapter.residency import HuntedCheck, p3_verdict
 from vllm_output_rate.adapter.scenarios import Verdict
 from vllm_output_rate.spec import limiter as spec_limiter
@@ -186,13 +187,27 @@ class _Judge:
 
 def run_rate_change(scheduler_cls: str, scenario: RateChangeScenario, style: Any = None) -> Verdict:
     """R21 on one scenario (module docstring)."""
-    from vllm_output_rate.adapter.fidelity import engine_shape
-    from vllm_output_rate.adapter.harness import Harness
-
     with tempfile.TemporaryDirectory(prefix="outrate-rates-") as directory:
         shape = engine_shape(scenario.config, rates_file=os.path.join(directory, "rates.json"))
         harness = Harness(scheduler_cls, shape, style=style)
         return _run(harness, scenario)
+
+
+def _apply(harness: Harness, judge: _Judge, max_tokens: dict[str, int], event: Event) -> None:
+    """A scenario event other than ``Step`` (a request added, the clock advanced, a rate
+    change, a drain) on the candidate, noted for ``judge`` (users, rate segments) and in
+    ``max_tokens`` (request id -> output tokens)."""
+    if isinstance(event, AddRequest):
+        harness.add_request(event.request_id, event.user, event.prompt_len, event.max_tokens, None)
+        judge.user[event.request_id] = event.user
+        max_tokens[event.request_id] = event.max_tokens
+    elif isinstance(event, AdvanceClock):
+        harness.advance(event.delta_ns)
+    elif isinstance(event, ChangeRates):
+        harness.change_rates(*event.rates())
+        judge.change(event)
+    elif isinstance(event, Drain):
+        harness.drain()
 
 
 def _run(harness, scenario: RateChangeScenario) -> Verdict:
@@ -209,18 +224,9 @@ def _run(harness, scenario: RateChangeScenario) -> Verdict:
         return judge.step(trace, unfinished, not config.async_scheduling)
 
     for event in scenario.events:
-        if isinstance(event, AddRequest):
-            harness.add_request(event.request_id, event.user, event.prompt_len, event.max_tokens, None)
-            judge.user[event.request_id] = event.user
-            max_tokens[event.request_id] = event.max_tokens
-        elif isinstance(event, AdvanceClock):
-            harness.advance(event.delta_ns)
-        elif isinstance(event, ChangeRates):
-            harness.change_rates(*event.rates())
-            judge.change(event)
-        elif isinstance(event, Drain):
-            harness.drain()
-        elif isinstance(event, Step):
+        if not isinstance(event, Step):
+            _apply(harness, judge, max_tokens, event)
+        else:
             broken = one_step()
             if broken is not None:
                 return Verdict(steps, broken[1], broken[0], steps - 1)

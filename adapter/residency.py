@@ -35,8 +35,12 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from vllm_output_rate.adapter.fidelity import StepScenario
+from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
+from vllm_output_rate.adapter.conform import _hunt, _save_counterexample
+from vllm_output_rate.adapter.fidelity import StepScenario, engine_shape
 from vllm_output_rate.adapter.gate_errors import exception_text, reraise_gate_error
+from vllm_output_rate.adapter.gate_result import CheckResult
+from vllm_output_rate.adapter.harness import Harness
 from vllm_output_rate.adapter.scenarios import Hunt, Verdict
 from vllm_output_rate.spec.events import AddRequest, AdvanceClock, Drain, Event, Step
 from vllm_output_rate.spec.properties import first_cut
@@ -112,11 +116,26 @@ class _Books:
             self.waiting.discard(rid)
 
 
+def _apply(harness: Harness, books: _Books, event: Event) -> None:
+    """A scenario event other than ``Step`` (a request added, the clock advanced, a drain)
+    on the candidate, noted in ``books``."""
+    if isinstance(event, AddRequest):
+        harness.add_request(
+            event.request_id, event.user, event.prompt_len, event.max_tokens, event.eos_index, event.priority
+        )
+        books.user[event.request_id] = event.user
+        books.max_tokens[event.request_id] = event.max_tokens
+        books.waiting.add(event.request_id)
+    elif isinstance(event, AdvanceClock):
+        harness.advance(event.delta_ns)
+    elif isinstance(event, Drain):
+        trace = harness.drain()
+        if trace is not None:
+            books.finish(trace)
+
+
 def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = None) -> Verdict:
     """R20 (level exact) on one flood scenario (module docstring)."""
-    from vllm_output_rate.adapter.fidelity import engine_shape
-    from vllm_output_rate.adapter.harness import Harness
-
     config = scenario.config
     cap, seats = config.max_num_seqs_per_user, config.max_num_seqs
     assert cap is not None and 2 * cap <= seats, "R20 gate: the flood shape needs C <= M // 2"
@@ -124,20 +143,9 @@ def run_residency(scheduler_cls: str, scenario: ResidencyScenario, style: Any = 
     books = _Books()
     steps = 0
     for event in scenario.events:
-        if isinstance(event, AddRequest):
-            harness.add_request(
-                event.request_id, event.user, event.prompt_len, event.max_tokens, event.eos_index, event.priority
-            )
-            books.user[event.request_id] = event.user
-            books.max_tokens[event.request_id] = event.max_tokens
-            books.waiting.add(event.request_id)
-        elif isinstance(event, AdvanceClock):
-            harness.advance(event.delta_ns)
-        elif isinstance(event, Drain):
-            trace = harness.drain()
-            if trace is not None:
-                books.finish(trace)
-        elif isinstance(event, Step):
+        if not isinstance(event, Step):
+            _apply(harness, books, event)
+        else:
             failure = _judge_step(harness, books, cap, seats, config.max_num_batched_tokens)
             steps += 1
             if failure is not None:
@@ -221,8 +229,6 @@ def style_has_output_rate(style: Any) -> bool:
     """The candidate is configured through ``additional_config["output_rate"]`` (where
     ``max_num_seqs_per_user`` and ``rates_file`` live); other styles (the article's flags)
     have no such keys."""
-    from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
-
     return style is None or isinstance(style, AdditionalConfigStyle)
 
 
@@ -255,8 +261,6 @@ class HuntedCheck:
     crash_note: str = ""
 
     def __call__(self, scheduler_cls: str, async_mode: bool, hunt: Hunt, style: Any = None, level: str | None = None):
-        from vllm_output_rate.adapter.gate_result import CheckResult
-
         level = level or self.level
         result = CheckResult(f"{self.row}/{'async' if async_mode else 'sync'}", list(self.rules), level=level)
         if self.needs_output_rate is not None and not style_has_output_rate(style):
@@ -355,8 +359,6 @@ def hunt_row(
     the candidate (or of vLLM inside it) is a ``crash`` at level must (``crash_note`` is
     appended to its message); a gate error is re-raised. A failure is shrunk by
     Hypothesis, printed as ``[level] rule: step N: ...`` and saved. Returns ``result``."""
-    from vllm_output_rate.adapter.conform import _hunt, _save_counterexample
-
     run = judged(run_one, scheduler_cls, rule, level, crash_note)
     failed = _hunt(result, strategy, run, examples, seed, tick)
     if failed is not None:

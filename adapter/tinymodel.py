@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 VOCAB_SIZE = 512
 EOS_TOKEN_ID = 2
 BOS_TOKEN_ID = 1
@@ -107,8 +109,6 @@ def write_config(directory: Path, tokenizer: bool = True) -> Path:
 
 def build_tokenizer():
     """The byte-level BPE of the tiny model (a ``tokenizers.Tokenizer``), 512 ids exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -182,8 +182,8 @@ def write_lora(directory: Path, seed: int) -> Path:
     Raises:
         ValueError: ``seed`` is negative (``torch.Generator.manual_seed`` takes 0 <= seed < 2**64).
     """
-    import torch
-    from safetensors.torch import save_file
+    import torch  # deferred: torch costs seconds to import; only LoRA tests write adapters
+    from safetensors.torch import save_file  # deferred: imports torch
 
     if seed < 0:
         raise ValueError(f"LoRA seed {seed} must be >= 0")
