@@ -18,12 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm_output_rate.adapter.engine_shape import EngineShape, build_vllm_config
+from vllm_output_rate.serve import cpu_platform
+
 
 def _harness_config_problems() -> list[str]:
     """The problem building one harness ``VllmConfig`` (the gate's first step), if any."""
     try:
-        from vllm_output_rate.adapter.engine_shape import EngineShape, build_vllm_config
-
         build_vllm_config(EngineShape())
     except Exception as exc:  # report the cause: the gate would stop at the same place
         return [f"building the gate's harness VllmConfig failed: {type(exc).__name__}: {exc}"]
@@ -49,7 +50,7 @@ def main() -> int:
         problems.append("no 'vllm' distribution: run python -m vllm_output_rate.vllm_alias")
         version = "?"
     try:
-        import vllm
+        import vllm  # deferred: vLLM costs ~7 s to import; checked here only once the rest is in place
 
         importlib.import_module("vllm.v1.core.sched.scheduler")  # the scheduler the reference subclasses
 
@@ -77,8 +78,6 @@ def main() -> int:
 
 def dtype_note() -> str:
     """One line saying which platform ``outrate serve`` found and the dtype it picks there."""
-    from vllm_output_rate.serve import cpu_platform
-
     cpu = cpu_platform()
     if cpu is None:
         return "platform: not the CPU build (vLLM picks the device); outrate serve leaves --dtype to vLLM"

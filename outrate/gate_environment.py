@@ -19,7 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.adapter.environment import EXIT_NO_VERDICT, environment_paragraph
+from rich.markup import escape
+
+from vllm_output_rate.adapter.environment import EXIT_NO_VERDICT, environment_paragraph, stock_preflight
+from vllm_output_rate.adapter.versions import profile_and_warning
 
 DRIFT_EXAMPLES = 150
 """Scenarios per drift hunt on an unsupported release (per mode, sync and async)."""
@@ -29,16 +32,12 @@ DRIFT_BUDGET_S = 60.0
 
 def version_notice(version: str) -> str | None:
     """The one warning line for an unsupported ``version`` (None if supported)."""
-    from vllm_output_rate.adapter.versions import profile_and_warning
-
     return profile_and_warning(version)[1]
 
 
 def stop_without_verdict(console: Any, paragraph: str, json_path: Path | None, settings: dict[str, Any]) -> int:
     """Print ``paragraph`` (the whole message, nothing else), write the JSON report if asked
     (``settings``, ``exit_code`` 3, no checks, ``no_verdict`` the paragraph), return 3."""
-    from rich.markup import escape
-
     console.print(escape(paragraph), soft_wrap=True)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,8 +48,6 @@ def stop_without_verdict(console: Any, paragraph: str, json_path: Path | None, s
 
 def preflight(console: Any, run_base: Callable[..., Any] | None = None) -> str | None:
     """The stock preflight under a status line: None, or the no-verdict paragraph."""
-    from vllm_output_rate.adapter.environment import stock_preflight
-
     with console.status("building stock vLLM's scheduler in the gate's harness (a few base-fidelity steps)"):
         what = stock_preflight(run_base)
     return None if what is None else environment_paragraph(what)
@@ -58,6 +55,7 @@ def preflight(console: Any, run_base: Callable[..., Any] | None = None) -> str |
 
 def _drift(*args: Any, **kwargs: Any) -> Any:
     """``adapter.drift.drift`` (imported when an unsupported release needs it)."""
+    # deferred: adapter.drift imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.drift import drift
 
     return drift(*args, **kwargs)
@@ -73,8 +71,6 @@ def unsupported_release_drift(
     none gives the clause ``on vLLM X.Y.Z, not a supported release; base model held in N
     scenarios``. A supported version gives ``(None, None)`` without hunting.
     """
-    from vllm_output_rate.adapter.versions import profile_and_warning
-
     profile, warning = profile_and_warning(version)
     if warning is None:
         return None, None

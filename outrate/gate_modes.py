@@ -13,6 +13,8 @@ from typing import Any
 
 from rich.table import Table
 
+from vllm_output_rate.adapter.origins import WARNING, failed_rule
+
 STATUS_STYLES = {"supported": "green", "refused": "yellow", "crashed": "bold red", "unavailable": "yellow"}
 
 
@@ -20,6 +22,7 @@ def probe(options: Any, planned: list[Any]) -> tuple[list[Any], Any, dict[str, s
     """Probe the modes of ``planned`` (``gate_row.PlannedRow``s) for ``options``:
     ``(planned with refused modes' rows not applicable, the modes row, refused modes:
     name -> message)``, the last for ``adapter.modes.refusing`` around the run."""
+    # deferred: these import Hypothesis at their top; kept off `outrate --help`
     from vllm_output_rate.adapter import gate_row, mode_probe, modes
 
     matrix = mode_probe.probe(options, gate_row.modes_used(planned))
@@ -51,8 +54,6 @@ def mode_table(rows: list[dict[str, Any]]) -> Table:
 def warning_clause(results: list[Any]) -> str:
     """``N warning(s): row (rule), ...`` for the rows whose project rule failed at should,
     or "" when there are none."""
-    from vllm_output_rate.adapter.origins import WARNING, failed_rule
-
     warned = [r for r in results if r.result == WARNING]
     if not warned:
         return ""

@@ -18,7 +18,12 @@ with a usage error naming the option (nothing is judged). Registered through the
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+
+from vllm_output_rate import gate_modes
+from vllm_output_rate.adapter.configstyle import parse_config_style
 
 # How a pytest run puts a candidate's package on the path (``gate_plan.candidate_class_problem``).
 PATH_HINT = " (is its directory on the path? set PYTHONPATH, or pytest's `pythonpath` ini option)"
@@ -93,8 +98,6 @@ class GateCheckItem(pytest.Item):
         self.check = check
 
     def runtest(self) -> None:
-        import warnings
-
         result = self.check()
         self.user_properties.append(("outrate_result", result.result))
         verdict = outcome(result)
@@ -135,7 +138,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     sync_cls = config.getoption("--outrate-scheduler")
     if not sync_cls:
         return
+    # deferred: gate_plan imports the gate's rows (Hypothesis) at its top; only a gate run needs it
     from vllm_output_rate import gate_plan
+
+    # deferred: gate_row imports Hypothesis at its top; only a gate run needs it
     from vllm_output_rate.adapter import gate_row
 
     sync_only = config.getoption("--outrate-sync-only")
@@ -147,8 +153,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     style_text = config.getoption("--outrate-config-style")
     style = None
     if style_text != "additional-config":
-        from vllm_output_rate.adapter.configstyle import parse_config_style
-
         style = parse_config_style(style_text)
     options = gate_row.GateOptions(
         scheduler_cls=sync_cls,
@@ -168,7 +172,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     problem = gate_plan.fractional_rates_problem(options)
     if problem is not None:
         raise pytest.UsageError(f"--outrate-integer-rates: {problem}")
-    from vllm_output_rate import gate_modes
+    # deferred: adapter.modes imports Hypothesis at its top; only a gate run needs it
     from vllm_output_rate.adapter import modes
 
     plan, modes_row, refused = gate_modes.probe(options, gate_plan.plan(options))  # the mode matrix first

@@ -43,7 +43,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        import redis
+        import redis  # deferred: redis is imported only when a server is started
 
         client = redis.Redis.from_url(self.url, socket_timeout=0.2)
         for _ in range(200):
