@@ -71,9 +71,9 @@ class ChargeOnModelOutput(RateLimitedAsyncScheduler):
         # reference keeps them (the slip is the charge point alone).
         scheduled = scheduler_output.num_scheduled_tokens
         self._record_last_served(
-            [r.request_id for r in self._charged if r.request_id in scheduled and not r.is_prefill_chunk]
+            [r.request_id for r in self._step.charged if r.request_id in scheduled and not r.is_prefill_chunk]
         )
-        self._charged = []
+        self._step.charged = []
         return []
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -94,9 +94,9 @@ def _take_regardless(scheduler: RateLimitedScheduler, user: str) -> None:
     or not (a refused take still advances the TAT by one emission interval)."""
     limiter = scheduler.rate_limiter
     assert limiter is not None, "a mutant of the feature on"
-    if not limiter.try_take(user, scheduler._now_ns):
+    if not limiter.try_take(user, scheduler._step.now_ns):
         limiter._tat[user] += (limiter._scales.get(user) or limiter._default).inc
-    scheduler._spare, scheduler._spare_taken = {}, {}  # the last step's spare grants no longer hold
+    scheduler._charging.forget_spare()  # the last step's spare grants no longer hold
 
 
 class TwoChargesInAsync(RateLimitedAsyncScheduler):
@@ -106,15 +106,15 @@ class TwoChargesInAsync(RateLimitedAsyncScheduler):
     """
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
-        before = len(self._charged) if self.rate_limiter is not None else 0
+        before = len(self._step.charged) if self.rate_limiter is not None else 0
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         if (
             self.rate_limiter is not None
-            and len(self._charged) > before
+            and len(self._step.charged) > before
             and request.num_output_placeholders
-            and self.rate_limiter.try_take(self._user(request), self._now_ns)
+            and self.rate_limiter.try_take(self._user(request), self._step.now_ns)
         ):
-            self._charged.append(request)
+            self._step.charged.append(request)
         return n
 
 
@@ -163,7 +163,7 @@ class DoubleRefund(RateLimitedScheduler):
     def _settle(self, scheduler_output):
         refunded = super()._settle(scheduler_output)
         for req_id in refunded:
-            self.rate_limiter.refund(self._user_cache.get(req_id, "__anonymous__"))
+            self.rate_limiter.refund(self._limits.users.get(req_id, "__anonymous__"))
         return refunded + refunded
 
 
@@ -175,7 +175,7 @@ class RefundDispatched(RateLimitedScheduler):
 
     def _settle(self, scheduler_output):
         refunded = super()._settle(scheduler_output)
-        dispatched = [r for r in self._charged if r.request_id not in refunded]
+        dispatched = [r for r in self._step.charged if r.request_id not in refunded]
         if dispatched:
             self.rate_limiter.refund(self._user(dispatched[0]))
             refunded.append(dispatched[0].request_id)
@@ -216,12 +216,12 @@ class HeadOfLineBlocking(RateLimitedScheduler):
     def _handle_blocked_waiting_request(self, request):
         if not Scheduler._handle_blocked_waiting_request(self, request):
             return False
-        if self.rate_limiter is None or self._unconstrained:
+        if self.rate_limiter is None or self._step.unconstrained:
             return True
         user = self._user(request)
         if self._grants_left(user):
             return True
-        self._refused_users.add(user)
+        self._step.refused_users.add(user)
         chunked = self.scheduler_config.enable_chunked_prefill
         if chunked and request.num_computed_tokens < request.num_tokens - 1:
             return True  # it can still advance short of sampling (R10)
@@ -239,9 +239,9 @@ class NoPrefillAdvance(RateLimitedScheduler):
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         sample_pos = request.num_tokens + request.num_output_placeholders
         if self.rate_limiter is not None and 0 < n < num_new_tokens and num_computed_tokens + n == sample_pos - 1:
-            self._scheduled_running.discard(request.request_id)
+            self._step.scheduled_running.discard(request.request_id)
             if request.status == RequestStatus.RUNNING:
-                self._throttled.add(request.request_id)
+                self._step.throttled.add(request.request_id)
             return 0
         return n
 
@@ -257,7 +257,7 @@ class DropThrottled(RateLimitedScheduler):
         output = super().schedule(*args, **kwargs)
         if self.rate_limiter is not None:
             for request in list(self.running):
-                if request.request_id in self._throttled and request.request_id not in output.num_scheduled_tokens:
+                if request.request_id in self._step.throttled and request.request_id not in output.num_scheduled_tokens:
                     self.running.remove(request)
                     self._preempt_request(request, 0.0)
         return output
@@ -274,7 +274,7 @@ class ThrottledCountTowardCap(RateLimitedScheduler):
     def max_num_active_reqs(self) -> int:
         if getattr(self, "rate_limiter", None) is None:
             return self._base_max_num_active_reqs
-        return min(self.max_num_running_reqs, self._active_cap)
+        return min(self.max_num_running_reqs, self._residency.active_cap)
 
     @max_num_active_reqs.setter
     def max_num_active_reqs(self, value: int) -> None:
@@ -289,7 +289,7 @@ class NoActiveCapInRunningLoop(RateLimitedScheduler):
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         if self.rate_limiter is not None:
-            self._scheduled_running.clear()
+            self._step.scheduled_running.clear()
         return super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
 
 
@@ -463,9 +463,9 @@ class WaitHintFromLatestUser(RateLimitedScheduler):
 
     def _observe(self, scheduler_output, refunded):
         super()._observe(scheduler_output, refunded)
-        ready = [self.rate_limiter.ready_at_ns(u) for u in self._refused_users]
+        ready = [self.rate_limiter.ready_at_ns(u) for u in self._step.refused_users]
         ready = [t for t in ready if t is not None]
-        self._wait_hint_ns = max(ready) if ready else None  # what next_ready_ns() gives the engine
+        self._step.wait_hint_ns = max(ready) if ready else None  # what next_ready_ns() gives the engine
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,8 @@ RULES: tuple[Rule, ...] = (
             "limiter.OutputRateLimiter.take_many",
             "limiter.OutputRateLimiter.take_counts",
         )
-        + _mixin("_survey_users", "_commit_grants"),
+        + _mixin("_survey_users", "_commit_grants")
+        + ("charging.Charging.survey", "charging.Charging.grants_left", "charging.Charging.commit"),
     ),
     Rule("R3", "exact arithmetic", ("limiter.emission_interval_ns",), ("scales.parse_rate", "scales._Scale")),
     Rule("R4", "refund", ("limiter.refund",), ("limiter.OutputRateLimiter.refund",)),
@@ -94,24 +95,30 @@ RULES: tuple[Rule, ...] = (
         ),
         _mixin("_reserve_prefill_lookahead", "_samples"),
     ),
-    Rule("R8", "over-charge, never under-charge", ("scheduler.deliver", "rate.end_cycle"), _mixin("_settle")),
+    Rule(
+        "R8",
+        "over-charge, never under-charge",
+        ("scheduler.deliver", "rate.end_cycle"),
+        _mixin("_settle") + ("charging.Charging.settle",),
+    ),
     Rule(
         "R9",
         "single refund point",
         ("rate.end_cycle", "scheduler.sampling_dispatches", "properties.accounting_error"),
-        _mixin("_settle"),
+        _mixin("_settle") + ("charging.Charging.settle", "step_record.StepRecord"),
     ),
     Rule(
         "R10",
         "throttled prefill",
         ("rate.prefill_room", "rate.decide_running", "rate.waiting_gate", "rate.decide_waiting"),
-        _mixin("_reserve_prefill_lookahead", "_handle_blocked_waiting_request"),
+        _mixin("_reserve_prefill_lookahead", "_handle_blocked_waiting_request")
+        + ("charging.Charging.refuse", "residency.Residency.refused_may_proceed"),
     ),
     Rule(
         "R11",
         "skip, keep resident",
         ("rate.begin_cycle", "rate.start_turns", "rate.decide_running", "properties.first_cut"),
-        _mixin("_reserve_prefill_lookahead", "_move_throttled_last"),
+        _mixin("_reserve_prefill_lookahead", "_move_throttled_last") + ("victims.Victims.move_throttled_last",),
     ),
     Rule(
         "R12",
@@ -123,25 +130,28 @@ RULES: tuple[Rule, ...] = (
         "R13",
         "preferred victims",
         ("rate.preferred_victim", "scheduler.choose_victim", "rate.free_lora_slot", "rate.lora_gate"),
-        _mixin(
-            "_move_throttled_last",
-            "_restore_order",
-            "_allocate_slots_throttled_victims_first",
-            "_free_lora_slot",
-            "_takes_new_lora_slot",
+        _mixin("_move_throttled_last", "_free_lora_slot")
+        + (
+            "victims.Victims.move_throttled_last",
+            "victims.Victims.restore_order",
+            "victims.Victims.allocate_slots",
+            "victims.Victims.free_lora_slot",
+            "residency.Residency.takes_new_lora_slot",
         ),
     ),
     Rule(
         "R14",
         "rotation",
         ("rate.turn_order", "rate.start_turns", "rate.begin_cycle"),
-        _mixin("_take_turns", "_turn_order", "_move_throttled_last", "_reserve_prefill_lookahead"),
+        ("turns.Turns.take", "turns.Turns.turn_order", "victims.Victims.move_throttled_last")
+        + _mixin("_turn_order", "_move_throttled_last", "_reserve_prefill_lookahead"),
     ),
     Rule(
         "R15",
         "last served",
         ("rate.last_served", "rate.next_last_served", "rate.end_cycle"),
-        _mixin("_settle", "_record_last_served", "schedule"),
+        _mixin("_settle", "_record_last_served", "schedule")
+        + ("charging.Charging.settle", "turns.Turns.record_last_served"),
     ),
     Rule(
         "R16",
@@ -153,13 +163,15 @@ RULES: tuple[Rule, ...] = (
             "core_wait.BACKGROUND_RECHECK_NS",
             "core_wait.background_blocked",
         )
-        + _mixin("schedule", "_observe", "next_ready_ns"),
+        + _mixin("schedule", "_observe", "next_ready_ns")
+        + ("engine_wait.EngineWait.step_done", "engine_wait.wait_hint_ns"),
     ),
     Rule(
         "R17",
         "identity",
         ("events.AddRequest", "events.ANONYMOUS_USER"),
-        ("identity.validate_extra_args", "scheduler.user_of", "plugin._install_identity_check")
+        ("identity.validate_extra_args", "limits.user_of", "limits.resolve_user", "limits.UserLimits.remember")
+        + ("plugin._install_identity_check",)
         + _mixin("_resolve_user", "add_request"),
     ),
     Rule(
@@ -172,14 +184,15 @@ RULES: tuple[Rule, ...] = (
         "R19",
         "not binding = stock",
         ("rate.limit_binds", "state.EngineConfig.base_config"),
-        _mixin("_take_turns", "_move_throttled_last"),
+        ("turns.Turns.take", "turns.Turns.hold") + _mixin("_move_throttled_last"),
     ),
     Rule(
         "R20",
         "fair residency",
         ("rate.residency_gate", "rate.resident_count", "rate.limit_binds", "invariants.i19_residency_cap"),
         _mixin("_handle_blocked_waiting_request", "_below_residency_cap")
-        + ("config.check_residency_cap", "config.parse_output_rate"),
+        + ("residency.Residency.below_cap",)
+        + ("engine_checks.check_residency_cap", "config.parse_output_rate"),
     ),
     Rule(
         "R21",
@@ -198,7 +211,8 @@ RULES: tuple[Rule, ...] = (
             "ratesfile.parse_rates_file",
             "config.parse_output_rate",
         )
-        + _mixin("update_output_rates", "_apply_pending_rates"),
+        + _mixin("update_output_rates", "_apply_pending_rates")
+        + ("limits.UserLimits.apply_pending_rates",),
     ),
 )
 
@@ -346,7 +360,8 @@ RATE_TABLE_RULES: tuple[Rule, ...] = (
         "per-plan shadow",
         ("tables.enforced_rate", "tables.shadow_rate"),
         ("ratetable.Entry.enforced_rate", "shadow.ShadowAccounting.step")
-        + _mixin("_plan_shadow_for", "_apply_pending_rates"),
+        + ("limits.UserLimits.plan_shadow_for",)
+        + _mixin("_apply_pending_rates"),
     ),
 )
 RULES = RULES + RATE_TABLE_RULES

@@ -70,7 +70,7 @@ def test_snapshot_counts_granted_throttled_and_leads_per_label(metrics_dir):
 
 def test_throttled_seconds_and_lead_while_throttled(metrics_dir):
     h = _run({"default_tokens_per_s": 1000, "user_tokens_per_s": {"slow": 10}}, ["slow", "slow"], tokens=50, steps=150)
-    recorder = h.scheduler._metrics
+    recorder = h.scheduler._observation.metrics
     recorder.write(h.scheduler.clock_ns(), h.scheduler.rate_limiter)
     snap = _snapshot(metrics_dir)
     slow = snap["labels"]["slow"]
@@ -84,7 +84,7 @@ def test_throttled_seconds_and_lead_while_throttled(metrics_dir):
 def test_labels_stay_bounded_with_many_users(metrics_dir):
     users = [f"anon-{i}" for i in range(40)] + ["vip"]
     h = _run({"default_tokens_per_s": 5, "user_tokens_per_s": {"vip": 1000}}, users, tokens=3, steps=30)
-    recorder = h.scheduler._metrics
+    recorder = h.scheduler._observation.metrics
     for counter in (recorder.granted, recorder.throttled_steps, recorder.refunds, recorder.throttled_ns):
         assert set(counter) <= {"vip", "other"}
     recorder.write(h.scheduler.clock_ns(), h.scheduler.rate_limiter)
@@ -161,7 +161,7 @@ def test_shadow_mode_counts_would_be_throttles_as_throttled(metrics_dir):
     would = 0
     for _ in range(30):
         h.step()
-        would += len(h.scheduler._shadow.last_would)
+        would += len(h.scheduler._observation.shadow.last_would)
         h.advance(10 * MS)
     _finish(h)
     snap = _snapshot(metrics_dir)
@@ -244,7 +244,7 @@ def test_r21_a_named_user_moved_to_the_default_keeps_its_series_at_the_default_r
     for _ in range(3):
         h.step()
         h.advance(10 * MS)
-    h.scheduler._metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
+    h.scheduler._observation.metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
     snap = _snapshot(metrics_dir)
     assert {k: v["limit_tokens_per_second"] for k, v in snap["labels"].items()} == {"slow": 50.0, "other": 50.0}
     assert snap["labels"]["slow"]["granted"] >= 2
@@ -272,7 +272,7 @@ def _rates_file_run(metrics_dir, tmp_path, new_users: list[str]) -> dict:
     for _ in range(100):
         h.step()
         h.advance(10 * MS)
-    h.scheduler._metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
+    h.scheduler._observation.metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
     return _snapshot(metrics_dir)
 
 

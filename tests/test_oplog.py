@@ -106,7 +106,7 @@ def test_throttled_users_summary_at_most_once_per_interval_top_users_first(lines
             "output-rate: 2 user(s) throttled in the last 10.0 s, by throttled request-steps: "
             f"'slow' {counted['slow']} (limit 2 tok/s), 'mid' {counted['mid']} (limit 5 tok/s)"
         )
-    assert h.scheduler._throttle_log.lines == 2
+    assert h.scheduler._engine_wait.throttle_log.lines == 2
 
 
 def test_no_summary_while_nobody_is_throttled(lines):
@@ -177,7 +177,7 @@ def _throttled_then_engine_step(section: dict, fake_waits, model_executed: bool,
     h = Harness(REFERENCE_SCHEDULER, EngineShape(max_num_seqs=8, output_rate=section))
     waits = fake_waits(h)
     _run_throttled(h, "slow", streams=2, max_tokens=4, **run)
-    assert h.clock.now_ns() < SUMMARY_INTERVAL_NS and h.scheduler._throttle_log.lines == 0
+    assert h.clock.now_ns() < SUMMARY_INTERVAL_NS and h.scheduler._engine_wait.throttle_log.lines == 0
     EngineCoreProc._process_engine_step(_engine_core(h, section, model_executed))
     return h, waits
 

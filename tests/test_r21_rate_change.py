@@ -338,7 +338,7 @@ def test_r21_rates_file_reload_and_a_bad_file_keeps_the_limits(tmp_path) -> None
     harness = _harness(tmp_path)
     scheduler, path = harness.scheduler, tmp_path / "rates.json"
     log = _Log()
-    scheduler._rates_watcher._logger = log
+    scheduler._limits.rates_watcher._logger = log
     harness.add_request("r0", "a", max_tokens=50)
     harness.step()
     assert log.lines and log.lines[0][0] == "warning" and "does not exist" in log.lines[0][1]
@@ -356,7 +356,7 @@ def test_r21_rates_file_reload_and_a_bad_file_keeps_the_limits(tmp_path) -> None
     temporary.replace(path)
     harness.advance(10 * MS)
     harness.step()
-    assert scheduler.rate_limiter.rate_of("a") == 40 and scheduler._rates_watcher.reloads == 1
+    assert scheduler.rate_limiter.rate_of("a") == 40 and scheduler._limits.rates_watcher.reloads == 1
     temporary.write_text("{not json")
     temporary.replace(path)
     harness.advance(10 * MS)
@@ -544,11 +544,11 @@ def test_r21_outrate_serve_rates_file_flag(tmp_path) -> None:
 def test_r21_shadow_mode_follows_the_rates_file(tmp_path) -> None:
     harness = _harness(tmp_path, shadow=True)
     scheduler = harness.scheduler
-    assert scheduler.rate_limiter is None and scheduler._shadow.limiter.rate_of("a") == 5
+    assert scheduler.rate_limiter is None and scheduler._observation.shadow.limiter.rate_of("a") == 5
     (tmp_path / "rates.json").write_text('{"default_tokens_per_s": 10, "user_tokens_per_s": {"a": 25}}')
     harness.add_request("r0", "a", max_tokens=4)
     harness.step()
-    assert scheduler._shadow.limiter.rate_of("a") == 25
+    assert scheduler._observation.shadow.limiter.rate_of("a") == 25
 
 
 # -- the model checker ------------------------------------------------------------------------

@@ -238,7 +238,7 @@ def test_r28_unlimited_users_are_never_throttled_and_their_tokens_counted(tmp_pa
         slow_tokens += sum(1 for rid in trace.sampled if rid.startswith("w"))
     assert svc_tokens == 40 and slow_tokens <= 4  # 2 streams x 20 steps; 10 tok/s over 200 ms + burst
     assert "svc" not in h.scheduler.rate_limiter.users()
-    h.scheduler._metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
+    h.scheduler._observation.metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
     snap = json.loads(next(tmp_path.glob("engine-*.json")).read_text())
     assert snap["labels"]["svc"]["granted"] == 40 and snap["labels"]["svc"]["limit_tokens_per_second"] == float("inf")
 
@@ -285,9 +285,9 @@ def test_r29_enforced_users_schedule_does_not_depend_on_the_shadow_plan(tmp_path
     shadow, h = _two_plan_run(tmp, {"tokens_per_s": rate, "shadow": True}, events)
     unlimited, _ = _two_plan_run(tmp, {"unlimited": True}, events)
     assert shadow == unlimited
-    plan_shadow = h.scheduler._plan_shadow
+    plan_shadow = h.scheduler._limits.plan_shadow
     assert plan_shadow is not None and all(u.startswith("t") for u in plan_shadow.step_dispatches)
-    assert all(h.scheduler._user_cache.get(rid, "t").startswith("t") for rid in plan_shadow.last_would)
+    assert all(h.scheduler._limits.users.get(rid, "t").startswith("t") for rid in plan_shadow.last_would)
 
 
 @pytest.mark.rules("R29")
@@ -296,7 +296,7 @@ def test_r29_shadow_plan_counts_would_be_throttles_in_metrics(tmp_path, monkeypa
     monkeypatch.setenv(metrics.ENV_OWNER, "1")
     events = [[("r1", "t1", 4, 60), ("r2", "t1", 4, 60), ("r3", "b1", 4, 60)]] + [[]] * 30
     _, h = _two_plan_run(tmp_path, {"tokens_per_s": 5, "shadow": True}, events)
-    h.scheduler._metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
+    h.scheduler._observation.metrics.write(h.clock.now_ns(), h.scheduler.rate_limiter)
     snap = json.loads(next(tmp_path.glob("engine-*.json")).read_text())["labels"]
     assert snap["trial"]["throttled_request_steps"] > 20  # would-be throttles, counted
     assert snap["trial"]["granted"] == h.num_outputs["r1"] + h.num_outputs["r2"] > 50  # nothing throttled

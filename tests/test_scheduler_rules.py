@@ -541,7 +541,7 @@ def test_r15_last_served_forgets_finished_streams(async_scheduling):
     run_until_done(h, 1)
     for _ in range(260 - h.step_index):
         step(h, 1)
-    assert h.scheduler._last_served == {}
+    assert h.scheduler._turns.last_served == {}
     assert len(h.scheduler.rate_limiter) == 0  # R6
 
 
@@ -724,11 +724,11 @@ def test_r2_unconstrained_step_needs_a_grant_for_every_request_of_every_user(asy
         h.add_request(f"f{k}", "fast", max_tokens=8)
         h.add_request(f"s{k}", "slow", max_tokens=8)
     step(h, 1)
-    assert h.scheduler._unconstrained
+    assert h.scheduler._step.unconstrained
     assert sorted(h.scheduler.last_step_observation["charged"]) == ["f0", "f1", "s0", "s1"]
     # slow spent its burst at t=0: TAT = 200 ms, 0 spare grants -> the next step asks the limiter.
     h.add_request("s2", "slow", max_tokens=8)
     step(h, 1)
-    assert not h.scheduler._unconstrained
+    assert not h.scheduler._step.unconstrained
     assert "s2" not in h.scheduler.last_step_observation["charged"]
-    assert "slow" in h.scheduler._refused_users
+    assert "slow" in h.scheduler._step.refused_users

@@ -119,7 +119,8 @@ def _run_over_limit(cls: str, output_rate, trace=None, steps: int = 40, async_sc
     for _ in range(steps):
         out = h.step()
         batches.append(dict(out.scheduled))
-        shadow = getattr(h.scheduler, "_shadow", None)
+        observation = getattr(h.scheduler, "_observation", None)  # None: the stock scheduler
+        shadow = observation.shadow if observation is not None else None
         would.append(list(shadow.last_would) if shadow is not None else None)
         h.advance(10 * MS)
     h.drain()

@@ -2,7 +2,7 @@
 
 ``_RateLimitMixin.shortcuts`` (default True) turns on: the unconstrained step (no user can
 be refused: the hook only records charges, counted per user once), the turn order kept
-between steps (``_turns_hold``), the all-served R15 store (``_group_last``), the in-place
+between steps (``Turns.hold``), the all-served R15 store (``Turns.group_last``), the in-place
 restore of ``running`` after a step without preemption, and the hook's immediate skip of
 a request throttled at the step start. With ``shortcuts = False`` every step takes the
 general path.
@@ -38,8 +38,8 @@ def _state(harness: Harness) -> tuple:
     s = harness.scheduler
     return (
         [r.request_id for r in s.running],
-        list(s._turns),
-        dict(s._last_served),
+        list(s._turns.order),
+        dict(s._turns.last_served),
         s.next_ready_ns(),
     )
 
@@ -109,20 +109,20 @@ def test_not_binding_steady_state_keeps_the_turn_order_and_skips_nothing(async_s
         h.advance(10 * MS)
     kept = 0
     for _ in range(10):
-        before = h.scheduler._turns
+        before = h.scheduler._turns.order
         trace = h.step()
         h.advance(10 * MS)
         assert trace.white["throttled"] == [] and len(trace.scheduled) == 12
-        assert h.scheduler._unconstrained is shortcuts
-        kept += h.scheduler._turns is before
+        assert h.scheduler._step.unconstrained is shortcuts
+        kept += h.scheduler._turns.order is before
     assert kept == (10 if shortcuts else 0)
-    assert h.scheduler._last_served == h.scheduler._group_last
+    assert h.scheduler._turns.last_served == h.scheduler._turns.group_last
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_throttled_at_start_are_refused_by_the_hook_at_once(async_scheduling):
     # User t at 0.001 tok/s spends its burst, then its 4 streams are throttled at every
-    # step start: the hook refuses them without asking for grants (_skipped_at_start),
+    # step start: the hook refuses them without asking for grants (StepRecord.skipped_at_start),
     # and the turn order is kept (t's group does not rotate while it is never served).
     h = _bench_like(async_scheduling, 0.001)
     for _ in range(8):
@@ -132,12 +132,12 @@ def test_throttled_at_start_are_refused_by_the_hook_at_once(async_scheduling):
     scheduler = h.scheduler
     real = scheduler._refuse
     scheduler._refuse = lambda request, *a: asked.append(request.request_id) or real(request, *a)
-    before = scheduler._turns
+    before = scheduler._turns.order
     trace = h.step()
     assert sorted(trace.white["throttled"]) == ["r11", "r2", "r5", "r8"]
-    assert set(scheduler._skipped_at_start) == {"r2", "r5", "r8", "r11"}
+    assert set(scheduler._step.skipped_at_start) == {"r2", "r5", "r8", "r11"}
     assert asked == []
-    assert scheduler._turns is before
+    assert scheduler._turns.order is before
     assert [r.request_id for r in scheduler.running] == [f"r{i}" for i in range(12)]  # R13 move undone
 
 
@@ -149,10 +149,10 @@ def test_a_finished_stream_rebuilds_the_turn_order():
         h.step()
         h.advance(10 * MS)
     h.abort("r5")
-    assert h.scheduler._turns_shrunk
+    assert h.scheduler._turns.shrunk
     h.step()
-    assert not h.scheduler._turns_shrunk
-    assert "r5" not in h.scheduler._turns and "r5" not in h.scheduler._group_last.values()
+    assert not h.scheduler._turns.shrunk
+    assert "r5" not in h.scheduler._turns.order and "r5" not in h.scheduler._turns.group_last.values()
 
 
 def test_the_side_by_side_run_sees_a_difference(monkeypatch) -> None:

@@ -100,7 +100,7 @@ def test_trace_with_abort_and_second_run_appends(tmp_path):
 
 def test_trace_off_costs_nothing(tmp_path):
     h = Harness(REFERENCE_SCHEDULER, EngineShape(output_rate={"default_tokens_per_s": 100}))
-    assert h.scheduler._trace is None
+    assert h.scheduler._observation.trace is None
     h.add_request("a", "u", max_tokens=2)
     h.step()
     assert list(tmp_path.iterdir()) == []

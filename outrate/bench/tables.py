@@ -42,6 +42,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rich.table import Table
+
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.reference import metrics
+
 # The harness replaces time.perf_counter (and monotonic) by its fake clock during a step:
 # the real clocks, taken before any step.
 _WALL = time.perf_counter
@@ -102,9 +107,8 @@ def _tables_harness(users: int, directory: str, path: str) -> Any:
     rates file ``path`` and the /metrics recorder on (writing under ``directory``, as an
     engine core's recorder), holding ``RUNNING`` decoding requests of table users (one in
     four a ``team-NNNN/svc`` pattern user). The metrics environment is restored after."""
-    from vllm_output_rate.adapter.engine_shape import EngineShape
+    # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, Harness
-    from vllm_output_rate.reference import metrics
 
     saved = {k: os.environ.get(k) for k in (metrics.ENV_DIR, metrics.ENV_OWNER)}
     os.environ[metrics.ENV_DIR], os.environ[metrics.ENV_OWNER] = directory, "1"  # an engine core's recorder
@@ -186,7 +190,7 @@ def measure_size(users: int, reloads: int, tick: Callable[[], None]) -> dict[str
     _write_atomically(path, text)
     h = _tables_harness(users, directory, path)
     scheduler = h.scheduler
-    recorder = scheduler._metrics
+    recorder = scheduler._observation.metrics
     assert recorder is not None, "the bench needs the /metrics recorder"
     apply_timer = scheduler._apply_pending_rates = _Timed(scheduler._apply_pending_rates)
     metrics_timer = recorder.step = _Timed(recorder.step)
@@ -206,7 +210,7 @@ def measure_size(users: int, reloads: int, tick: Callable[[], None]) -> dict[str
         scheduler, step, path, users, reloads, base, tick
     )
     recorder.flush()
-    watcher = scheduler._rates_watcher
+    watcher = scheduler._limits.rates_watcher
     reload_in_step, watcher_chunk = max(reload_apply), watcher.pacer.longest
     snapshot_in_step = max(snapshot_in)
     writer_chunk = recorder.pacer.longest if recorder.pacer is not None else 0.0
@@ -249,8 +253,6 @@ def tables_steps(quick: bool) -> int:
 def tables_table(result: dict[str, Any]) -> Any:
     """The printed table: one row per size, the stalls beside the target and the numbers
     issue 32 measured before (at 100,000 users)."""
-    from rich.table import Table
-
     before = result["before_at_100000_users"]
     table = Table(
         title=(
