@@ -1,6 +1,6 @@
 """The Z3 encoding behind the boundary scenarios (``adapter/boundaries.py``): a bounded
-prefix of scheduling steps (``_Model``: clock advances ``a[i]``, clock readings ``t[i]``)
-and one user's limiter trajectory in it (``_User``: scaled TAT, grants available, grants).
+prefix of scheduling steps (``PrefixModel``: clock advances ``a[i]``, clock readings ``t[i]``)
+and one user's limiter trajectory in it (``UserTrajectory``: scaled TAT, grants available, grants).
 
 The limiter (R1-R5, ``spec/limiter.py``) in the reference's exact scaling (R3): for a rate
 ``p/q`` tokens/s the scaled TAT is ``S = TAT_ns * p``, the emission interval is the integer
@@ -25,20 +25,22 @@ MAX_ADVANCE_NS = 2 * NS_PER_S  # bound on one solved clock advance
 SOLVER_TIMEOUT_MS = 5_000
 
 
-def _zmax(a, b):
+def zmax(a, b):
+    """``max(a, b)`` of two Z3 integer terms, as a Z3 term."""
     return z3.If(a >= b, a, b)
 
 
-def _zmin(a, b):
+def zmin(a, b):
+    """``min(a, b)`` of two Z3 integer terms, as a Z3 term."""
     return z3.If(a <= b, a, b)
 
 
-class _User:
-    """One user's limiter trajectory in a ``_Model``: scaled TAT ``S[i]`` before step i,
+class UserTrajectory:
+    """One user's limiter trajectory in a ``PrefixModel``: scaled TAT ``S[i]`` before step i,
     grants available ``ga[i]``, grants ``g[i] = min(demand[i], ga[i])`` (R2)."""
 
     def __init__(
-        self, model: _Model, name: str, rate: Fraction, demand: list, refunds: list[int] | None = None
+        self, model: PrefixModel, name: str, rate: Fraction, demand: list, refunds: list[int] | None = None
     ) -> None:
         assert len(demand) == model.steps
         refunds = refunds or [0] * model.steps
@@ -50,13 +52,13 @@ class _User:
         for i, d in enumerate(demand):
             nowp = model.t[i] * self.p
             s = self.S[i]
-            lead = _zmax(s - nowp, 0)
+            lead = zmax(s - nowp, 0)
             ga = z3.If(lead > self.burst, 0, (self.burst - lead) / self.inc + 1)
-            g = _zmin(d, ga) if not isinstance(d, int) or d > 0 else z3.IntVal(0)
+            g = zmin(d, ga) if not isinstance(d, int) or d > 0 else z3.IntVal(0)
             nxt = z3.Int(f"S_{name}_{i + 1}")
             # R2 grants, then R9 refunds of this step's charges (R4: TAT - T each): a take
             # and its refund leave max(TAT, now).
-            model.solver.add(nxt == z3.If(g > 0, _zmax(s, nowp) + (g - refunds[i]) * self.inc, s))
+            model.solver.add(nxt == z3.If(g > 0, zmax(s, nowp) + (g - refunds[i]) * self.inc, s))
             if refunds[i]:
                 model.solver.add(g == d)
             self.lead.append(lead)
@@ -83,7 +85,7 @@ class _User:
         return self.S[i] - self.model.t[i] * self.p >= by_scaled
 
 
-class _Model:
+class PrefixModel:
     """A bounded prefix of ``steps`` scheduling steps: clock ``t[i]`` of step i from
     advances ``a[i]`` (after step i), each in [0, MAX_ADVANCE_NS] unless fixed."""
 
@@ -103,10 +105,10 @@ class _Model:
                 self.solver.add(a >= 0, a <= MAX_ADVANCE_NS)
             self.a.append(a)
             self.t.append(self.t[-1] + a)
-        self.users: dict[str, _User] = {}
+        self.users: dict[str, UserTrajectory] = {}
 
-    def user(self, name: str, rate: Fraction, demand: list, refunds: list[int] | None = None) -> _User:
-        user = self.users[name] = _User(self, name, rate, demand, refunds)
+    def user(self, name: str, rate: Fraction, demand: list, refunds: list[int] | None = None) -> UserTrajectory:
+        user = self.users[name] = UserTrajectory(self, name, rate, demand, refunds)
         return user
 
     def add(self, *constraints) -> None:

@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import z3
 
-from vllm_output_rate.adapter.boundary_model import CLEANUP_STEP, _Model, _User, _zmin
+from vllm_output_rate.adapter.boundary_model import CLEANUP_STEP, PrefixModel, UserTrajectory, zmin
 from vllm_output_rate.adapter.scenarios import RequestSpec, Scenario
 
 AFTER_INTERVAL_NS = 1_000_000  # clock step after the solved prefix (then the judge's drain)
@@ -37,7 +37,7 @@ def _scenario(rates: dict[str, str], requests: list[RequestSpec], advances: tupl
 def _one_stream(
     rate: str,
     seed: int,
-    target: Callable[[_User, int], list],
+    target: Callable[[UserTrajectory, int], list],
     min_grants: int = 1,
     no_reset: bool = False,
     max_prefix: int = 8,
@@ -47,7 +47,7 @@ def _one_stream(
     ahead of the clock from step 1 on (errors of a rounded T accumulate)."""
     r = Fraction(rate)
     for k in range(min_grants, max_prefix + 1):
-        m = _Model(k + 1, seed=seed)
+        m = PrefixModel(k + 1, seed=seed)
         u = m.user("u", r, [1] * (k + 1))
         m.add(*[u.granted(i) for i in range(k)])
         if no_reset:
@@ -105,7 +105,7 @@ def _cleanup(rate: str, seed: int, plus_ns: int) -> Scenario | None:
     steps = CLEANUP_STEP + 3
     free = {0, 1, CLEANUP_STEP - 1, CLEANUP_STEP + 1}
     fixed = {i: 0 for i in range(steps - 1) if i not in free}
-    m = _Model(steps, fixed=fixed, seed=seed)
+    m = PrefixModel(steps, fixed=fixed, seed=seed)
     demand = [0] * steps
     demand[0] = demand[1] = demand[CLEANUP_STEP + 1] = demand[CLEANUP_STEP + 2] = 1
     u = m.user("u", Fraction(rate), demand)
@@ -137,13 +137,13 @@ def _prefill_reaches_n(rate, async_mode, seed):
     for decodes in range(1, 7):
         for chunks in (2, 3):
             steps = chunks + decodes + 1
-            m = _Model(steps, seed=seed)
+            m = PrefixModel(steps, seed=seed)
             budget, n = z3.Int("budget"), z3.Int("n")
             m.add(budget >= 8, budget <= 16, n == chunks * budget)
             computed, demand = z3.IntVal(0), []
             for i in range(steps):
                 if i < chunks:  # R7 charge condition on the chunk of this step
-                    chunk = _zmin(budget, n - computed)
+                    chunk = zmin(budget, n - computed)
                     demand.append(z3.If(computed + chunk >= n, 1, 0))
                     computed = computed + chunk
                 else:
@@ -180,7 +180,7 @@ def _prefill_ends_n_minus_1(rate, async_mode, seed):
     r = Fraction(rate)
     for j in range(1, 6):
         steps = j + 2
-        m = _Model(steps, seed=seed)
+        m = PrefixModel(steps, seed=seed)
         u = m.user("u", r, [1] * j + [2, 2])
         m.add(*[u.granted(i) for i in range(j)])
         m.add(u.lead_minus_tau(j) == u.p, u.lead_minus_tau(j + 1) == 0)
@@ -198,7 +198,7 @@ def _all_refused(rate, async_mode, seed):
     r = Fraction(rate)
     odd = "ünï-東京"
     for k in range(1, 7):
-        m = _Model(k + 1, seed=seed)
+        m = PrefixModel(k + 1, seed=seed)
         anon = m.user("anon", r, [1] * (k + 1))
         other = m.user("odd", r, [1] * (k + 1))
         m.add(*[anon.granted(i) for i in range(k)], *[other.granted(i) for i in range(k)])
@@ -217,7 +217,7 @@ def _rotation_wrap(rate, async_mode, seed):
     r = Fraction(rate)
     single = 14  # > R14_BYPASS_FACTOR x 3 streams: a starved stream shows in the bound
     steps = single + 1
-    m = _Model(steps, seed=seed)
+    m = PrefixModel(steps, seed=seed)
     u = m.user("u", r, [3] * steps)
     m.add(u.g[0] == 3, *[u.g[i] == 1 for i in range(1, steps)])
     advances = m.solve()
@@ -240,7 +240,7 @@ def _charged_then_preempted(rate, async_mode, seed):
     # more (its allocation fails at step 3) and resumes at step 4.
     resume = 4 if async_mode else 3
     steps = resume + 2
-    m = _Model(steps, seed=seed)
+    m = PrefixModel(steps, seed=seed)
     refunds = [0, 1, 0, 1, 0, 0] if async_mode else [0, 1, 0, 0, 0]
     b = m.user("b", r, [1, 1, 0] + [1] * (steps - 3), refunds=refunds)
     a = m.user("a", Fraction(FAST_RATE), [1, 1, 1] + [0] * (steps - 3))
@@ -266,7 +266,7 @@ def _charged_then_alloc_failure(rate, async_mode, seed):
     # Async: A and B0 finish one step later; B1's allocation fails again at step 2.
     admit = 3 if async_mode else 2
     steps = admit + 2
-    m = _Model(steps, seed=seed)
+    m = PrefixModel(steps, seed=seed)
     refunds = [0, 1, 1, 0, 0] if async_mode else [0, 1, 0, 0]
     b = m.user("b", r, [1, 2] + [1] * (steps - 2), refunds=refunds)
     a = m.user("a", Fraction(FAST_RATE), [1, 1] + [0] * (steps - 2))
@@ -300,7 +300,7 @@ def _priority_throttled_victim(rate, async_mode, seed, policy: str = "priority",
     vLLM alone would preempt V2 (the last of ``running``) and the article and this spec
     preempt the throttled U1 (R13 FCFS)."""
     r = Fraction(rate)
-    m = _Model(2, seed=seed)
+    m = PrefixModel(2, seed=seed)
     u = m.user("u", r, [1, 1])
     v = m.user("v", Fraction(FAST_RATE), [2, 2])
     m.add(u.granted(0), u.lead_minus_tau(1) == u.p, v.granted(0), v.granted(1))
@@ -340,7 +340,7 @@ def _active_cap_throttled_places(rate, async_mode, seed):
     give up both their active places, so of v's three requests arriving at step 1 exactly
     two are admitted (len(running) - throttled < A), and the batch holds A requests."""
     r = Fraction(rate)
-    m = _Model(3, seed=seed)
+    m = PrefixModel(3, seed=seed)
     u = m.user("u", r, [2, 2, 2])
     v = m.user("v", Fraction(FAST_RATE), [0, 2, 2])
     m.add(u.granted(0), u.refused(1), u.refused(2), v.granted(1), v.granted(2))
@@ -359,7 +359,7 @@ def _running_prefill_refused(rate, async_mode, seed):
     running request, is refused at its final chunk (step 2) and advances to n - 1 (11 of
     the 12 tokens left) while the step leaves budget; its last token samples later."""
     r = Fraction(rate)
-    m = _Model(3, seed=seed)
+    m = PrefixModel(3, seed=seed)
     u = m.user("u", r, [1, 1, 2])
     m.add(u.granted(0), u.refused(1), u.refused(2), *[m.a[i] >= 1_000_000 for i in range(2)])
     advances = m.solve()
@@ -375,7 +375,7 @@ def _rotation_beside_others(rate, async_mode, seed):
     per step, so its streams take turns by trading places 0 and 2, and V0 keeps place 1."""
     r = Fraction(rate)
     steps = 7
-    m = _Model(steps, seed=seed)
+    m = PrefixModel(steps, seed=seed)
     u = m.user("u", r, [2] * steps)
     m.add(u.g[0] == 2, *[u.g[i] == 1 for i in range(1, steps)], *[m.a[i] >= 1_000_000 for i in range(steps - 1)])
     advances = m.solve()
@@ -391,7 +391,7 @@ def _parallel_children(rate, async_mode, seed):
     the other two wait for u's budget. Every child is u's, none anonymous (the anonymous
     bucket, at the default 1000 tokens/s, would grant them at once)."""
     r = Fraction(rate)
-    m = _Model(2, seed=seed)
+    m = PrefixModel(2, seed=seed)
     u = m.user("u", r, [3, 2])
     m.add(u.g[0] == 1, u.refused(1), *[m.a[i] >= 1_000_000 for i in range(1)])
     advances = m.solve()
@@ -409,7 +409,7 @@ def _recompute_after_preemption(rate, async_mode, seed):
     chunks of 8: only the chunk that samples is charged (R7), so b's budget then grants its
     decodes as from the spec's replay; a recompute chunk charged shows as an under-grant."""
     del seed
-    m = _Model(2)
+    m = PrefixModel(2)
     u = m.user("b", Fraction(rate), [1, 1])
     m.add(u.granted(0), u.granted(1), m.a[0] == 1_000_000)
     if m.solve() is None:  # the pool's rates grant 2 tokens 1 ms apart from idle
@@ -428,7 +428,7 @@ def _refused_prompt_ahead(rate, async_mode, seed):
     the refused U1, is admitted by the spec (the article's charge-point placement may hold
     it for this step: an open choice, docs/SPEC.md)."""
     r = Fraction(rate)
-    m = _Model(2, seed=seed)
+    m = PrefixModel(2, seed=seed)
     u = m.user("u", r, [1, 2])
     m.add(u.granted(0), u.lead_minus_tau(1) == u.p)
     advances = m.solve()
@@ -449,7 +449,7 @@ def _active_cap_binds(rate, async_mode, seed):
     admitted; at step 2 both users are granted and the cap binds: one of the two running
     requests samples, the other waits for the next step although its user is granted."""
     r = Fraction(rate)
-    m = _Model(3, seed=seed)
+    m = PrefixModel(3, seed=seed)
     u = m.user("u", r, [1, 1, 1])
     v = m.user("v", Fraction(FAST_RATE), [0, 1, 1])
     m.add(u.granted(0), u.lead_minus_tau(1) == u.p, u.granted(2), v.granted(1), v.granted(2))

@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm_output_rate.adapter.engine_shape import build_kv_cache_config
 from vllm_output_rate.adapter.engine_wait_scenario import MODEL_STEP_NS, POLLING_EMPTY_STEP_NS
-from vllm_output_rate.adapter.engine_wait_world import _polling_future_class, _RunOver, _World
+from vllm_output_rate.adapter.engine_wait_world import RunOver, World, polling_future_class
 from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
 from vllm_output_rate.adapter.vllm_compat import model_runner_output, prepare_engine_core
 
@@ -36,7 +36,7 @@ def _fabricated_output(scheduler_output, sampled: list[str]):
     return model_runner_output(req_ids, [[NON_EOS_TOKEN_ID] if r in chosen else [] for r in req_ids])
 
 
-_WORLD: _World | None = None  # the child's world (one run per child process)
+_WORLD: World | None = None  # the child's world (one run per child process)
 _SHAPE: Any = None  # the child's EngineShape (adapter/harness.py), set with _WORLD
 
 
@@ -53,76 +53,87 @@ def _step_future(value: Any, empty: bool) -> Any:
     world = _WORLD
     if world is None or not world.scenario.polling:
         return _done(value)
-    return _polling_future_class()(world, value, POLLING_EMPTY_STEP_NS if empty else MODEL_STEP_NS, empty)
+    return polling_future_class()(world, value, POLLING_EMPTY_STEP_NS if empty else MODEL_STEP_NS, empty)
+
+
+class _GateExecutorMethods:
+    """The gate executor's behaviour, mixed into vLLM's ``Executor`` by ``_executor_class``: no
+    workers, a fixed KV cache (``_SHAPE``), fabricated model outputs, fake step time.
+    ``empty_output``: vLLM's ``EMPTY_MODEL_RUNNER_OUTPUT`` (set on the class that mixes it in)."""
+
+    empty_output: Any = None
+
+    def _init_executor(self) -> None:
+        self._spec = build_kv_cache_config(_SHAPE).kv_cache_groups[0].kv_cache_spec
+        self._pending = None
+
+    def get_kv_cache_specs(self):
+        return [{"layer.0": self._spec}]
+
+    def determine_available_memory(self):
+        return [self._spec.page_size_bytes * (_SHAPE.num_blocks + 8)]
+
+    def set_kv_cache_layout(self, layout_name: str, *extra) -> None:
+        # Later releases pass more arguments (Executor.set_kv_cache_layout); only the layout is kept.
+        self.kv_cache_layout = layout_name
+
+    def initialize_from_config(self, kv_cache_configs) -> None:
+        self.kv_cache_configs = kv_cache_configs
+
+    def compile_or_warm_up_model(self) -> None:
+        return None
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
+        result = [None]
+        return _done(result) if non_block else result
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        empty = scheduler_output.total_num_scheduled_tokens == 0
+        if empty:
+            value = self.empty_output
+        else:
+            world = _WORLD
+            assert world is not None, "the child sets _WORLD before it builds the engine"
+            sampled = world.sampled_of.pop(id(scheduler_output), [])
+            if not (world.scenario.polling and non_block):
+                world.model_step()  # the polling future takes the step's time instead
+            self._pending, value = _fabricated_output(scheduler_output, sampled), None
+        return _step_future(value, empty) if non_block else value
+
+    def sample_tokens(self, grammar_output, non_block: bool = False):
+        value, self._pending = self._pending, None
+        return _done(value) if non_block else value
+
+    def take_draft_token_ids(self):
+        return None
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
 
 
 def _executor_class():
+    """The gate's executor class: ``_GateExecutorMethods`` on vLLM's ``Executor``."""
     # deferred: vLLM costs seconds to import (the child imports it once, before it forks)
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT  # deferred: vLLM
 
-    class _GateExecutor(Executor):
+    class _GateExecutor(_GateExecutorMethods, Executor):
         """An executor without workers: fixed KV cache, fabricated model outputs, fake time."""
 
-        def _init_executor(self) -> None:
-            self._spec = build_kv_cache_config(_SHAPE).kv_cache_groups[0].kv_cache_spec
-            self._pending = None
-
-        def get_kv_cache_specs(self):
-            return [{"layer.0": self._spec}]
-
-        def determine_available_memory(self):
-            return [self._spec.page_size_bytes * (_SHAPE.num_blocks + 8)]
+        empty_output = EMPTY_MODEL_RUNNER_OUTPUT
 
         def get_supported_kv_cache_layouts(self):
             from vllm.v1.kv_cache_layout import KVCacheLayout  # deferred: vLLM, as above
 
             return [[layout.name for layout in KVCacheLayout]]
 
-        def set_kv_cache_layout(self, layout_name: str, *extra) -> None:
-            # Later releases pass more arguments (Executor.set_kv_cache_layout); only the layout is kept.
-            self.kv_cache_layout = layout_name
-
-        def initialize_from_config(self, kv_cache_configs) -> None:
-            self.kv_cache_configs = kv_cache_configs
-
-        def compile_or_warm_up_model(self) -> None:
-            return None
-
-        def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
-            result = [None]
-            return _done(result) if non_block else result
-
-        def execute_model(self, scheduler_output, non_block: bool = False):
-            empty = scheduler_output.total_num_scheduled_tokens == 0
-            if empty:
-                value = EMPTY_MODEL_RUNNER_OUTPUT
-            else:
-                world = _WORLD
-                assert world is not None, "the child sets _WORLD before it builds the engine"
-                sampled = world.sampled_of.pop(id(scheduler_output), [])
-                if not (world.scenario.polling and non_block):
-                    world.model_step()  # the polling future takes the step's time instead
-                self._pending, value = _fabricated_output(scheduler_output, sampled), None
-            return _step_future(value, empty) if non_block else value
-
-        def sample_tokens(self, grammar_output, non_block: bool = False):
-            value, self._pending = self._pending, None
-            return _done(value) if non_block else value
-
-        def take_draft_token_ids(self):
-            return None
-
-        def check_health(self) -> None:
-            return None
-
-        def shutdown(self) -> None:
-            return None
-
     return _GateExecutor
 
 
-def _build_engine(world: _World, vllm_config):
+def _build_engine(world: World, vllm_config):
     """A real ``EngineCoreProc`` without its ZMQ handshake: vLLM's ``EngineCore.__init__``
     with the gate's executor (which loads the general plugins and builds the scheduler)."""
     from vllm.v1.engine.core import EngineCore, EngineCoreProc, EngineShutdownState  # deferred: vLLM
@@ -150,7 +161,7 @@ def _build_engine(world: _World, vllm_config):
     return engine
 
 
-def _instrument(world: _World, engine) -> None:
+def _instrument(world: World, engine) -> None:
     """Observe (never change) the loop: wrap the instance's ``step_fn`` and the scheduler's
     ``schedule`` / ``finish_requests`` to record fake instants."""
     scheduler = engine.scheduler
@@ -208,7 +219,7 @@ def _drive(payload: dict) -> dict:
     if _SHAPE.async_scheduling:
         config.scheduler_config.async_scheduling = True  # vLLM's CPU platform turned it off
     config.cache_config.num_gpu_blocks_override = _SHAPE.num_blocks
-    world = _WORLD = _World(scenario)
+    world = _WORLD = World(scenario)
     obs: dict[str, Any] = {"schema": _RESULT_SCHEMA}
     with world.installed():
         try:
@@ -221,7 +232,7 @@ def _drive(payload: dict) -> dict:
         try:
             engine.run_busy_loop()
             obs["stopped_by"] = "loop returned"
-        except _RunOver as over:
+        except RunOver as over:
             obs["stopped_by"] = over.why
         except SystemExit:
             obs["stopped_by"] = "loop exited"

@@ -1,6 +1,6 @@
-"""R16's child-side fake world (``_World``): the fake clock, the scripted inputs put into the
+"""R16's child-side fake world (``World``): the fake clock, the scripted inputs put into the
 engine's input queue, fake blocking waits, and the recorded observations; and the polling
-future of the multiproc-like world (``_polling_future_class``).
+future of the multiproc-like world (``polling_future_class``).
 
 Used by the child process (``adapter/engine_wait_child.py``); times ns.
 """
@@ -32,7 +32,7 @@ from vllm_output_rate.adapter.tinymodel import EOS_TOKEN_ID
 # =======================================================================================
 # Child side: vLLM's engine core on the fake clock.
 # =======================================================================================
-class _RunOver(BaseException):
+class RunOver(BaseException):
     """Ends the run from inside the loop (a BaseException: vLLM's ``except Exception`` and its
     fault-tolerance wrapper let it through)."""
 
@@ -41,7 +41,7 @@ class _RunOver(BaseException):
         self.why = why
 
 
-class _World:
+class World:
     """The child's fake world: clock, scripted inputs, recorded observations."""
 
     def __init__(self, scenario: EngineWaitScenario) -> None:
@@ -127,7 +127,7 @@ class _World:
         the input queue the next scripted input), deliver due inputs, record it.
 
         Returns True if the input queue holds an item afterwards (a wait on it was woken).
-        Raises ``_RunOver`` at the end of fake time, or for a wait that could never end.
+        Raises ``RunOver`` at the end of fake time, or for a wait that could never end.
         """
         start = self.clock.now_ns()
         limit = math.inf if timeout_s is None else start + max(0, math.ceil(timeout_s * 1e9))
@@ -136,28 +136,31 @@ class _World:
         pending = bool(getattr(engine, "scheduler", None) is not None and engine.scheduler.has_requests())
         if target == math.inf:
             self.waits.append([start, start, pending, kind])
-            raise _RunOver("idle with no more input" if wake_on_input else f"a {kind} wait without timeout")
+            raise RunOver("idle with no more input" if wake_on_input else f"a {kind} wait without timeout")
         end = min(int(target), max(self.scenario.run_ns, start))
         self.clock.advance(end - start)
         self.waits.append([start, end, pending, kind])
         self._deliver_due()
         if end < target:
-            raise _RunOver("fake time")
+            raise RunOver("fake time")
         q = getattr(engine, "input_queue", None)
         return wake_on_input and q is not None and bool(q.queue)
 
     def model_step(self) -> None:
+        """One model step that computes tokens: ``MODEL_STEP_NS`` of fake time, then the inputs due."""
         self.clock.advance(MODEL_STEP_NS)
         self._deliver_due()
 
     def check_bounds(self) -> None:
+        """Count a loop iteration; raises ``RunOver`` past ``run_ns`` of fake time,
+        ``MAX_LOOP_ITERATIONS`` iterations or ``WALL_LIMIT_S`` real seconds."""
         self.iterations += 1
         if self.clock.now_ns() >= self.scenario.run_ns:
-            raise _RunOver("fake time")
+            raise RunOver("fake time")
         if self.iterations > MAX_LOOP_ITERATIONS:
-            raise _RunOver("loop iterations")
+            raise RunOver("loop iterations")
         if self._real_perf() - self.wall_start > WALL_LIMIT_S:
-            raise _RunOver("wall time")
+            raise RunOver("wall time")
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -194,14 +197,16 @@ class _World:
 
 
 @functools.cache
-def _polling_future_class():
+def polling_future_class():
+    """The polling world's future class (``_PollingFuture``, a ``concurrent.futures.Future``), built once."""
+
     class _PollingFuture(Future):
         """A step's result as vLLM's multiproc executor returns it: ``poll()`` (done yet?)
         and ``wait_briefly(pending, deadline)`` (wait until done, ``pending`` is non-empty
         or ``time.monotonic()`` reaches ``deadline``); the step lasts ``duration_ns`` of fake
         time, during which due inputs reach the engine's input queue."""
 
-        def __init__(self, world: _World, value: Any, duration_ns: int, empty: bool) -> None:
+        def __init__(self, world: World, value: Any, duration_ns: int, empty: bool) -> None:
             super().__init__()
             self._world, self._value, self._empty = world, value, empty
             self._done_at = world.clock.now_ns() + duration_ns
