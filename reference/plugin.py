@@ -57,8 +57,9 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from vllm_output_rate.reference.config import check_engine_supported, parse_output_rate
+from vllm_output_rate.reference.config import parse_output_rate
 from vllm_output_rate.reference.core_wait import install_engine_wait
+from vllm_output_rate.reference.engine_checks import check_engine_supported
 from vllm_output_rate.reference.hooks import OUR_WRAPPERS, feature_on
 from vllm_output_rate.reference.identity import IDENTITY_API_KEY, USER_KEY, validate_extra_args
 from vllm_output_rate.reference.identity_middleware import IdentityMiddleware, active_settings, configure

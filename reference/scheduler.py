@@ -44,7 +44,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate.reference.charging import Charging
-from vllm_output_rate.reference.config import check_engine_supported, parse_output_rate
+from vllm_output_rate.reference.config import parse_output_rate
+from vllm_output_rate.reference.engine_checks import check_engine_supported
 from vllm_output_rate.reference.engine_wait import EngineWait
 from vllm_output_rate.reference.limiter import OutputRateLimiter
 from vllm_output_rate.reference.limits import UserLimits, resolve_user

@@ -1,7 +1,7 @@
 """The reference's one seam to vLLM internals that differ between releases (or may).
 
-The scheduler (``reference/scheduler.py``), its configuration checks (``reference/config.py``)
-and its plugin's engine-loop hooks (``reference/plugin.py``) read the installed release and
+The scheduler (``reference/scheduler.py``), its configuration checks (``reference/engine_checks.py``)
+and its plugin's engine-loop hooks (``reference/plugin.py``, ``core_wait.py``) read the installed release and
 the engine core's internals only through here; the gate has its own seam,
 ``adapter/vllm_compat.py``. Each entry names the releases it covers.
 

@@ -192,7 +192,7 @@ RULES: tuple[Rule, ...] = (
         ("rate.residency_gate", "rate.resident_count", "rate.limit_binds", "invariants.i19_residency_cap"),
         _mixin("_handle_blocked_waiting_request", "_below_residency_cap")
         + ("residency.Residency.below_cap",)
-        + ("config.check_residency_cap", "config.parse_output_rate"),
+        + ("engine_checks.check_residency_cap", "config.parse_output_rate"),
     ),
     Rule(
         "R21",

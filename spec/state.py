@@ -103,7 +103,8 @@ class EngineConfig:
             "per-user rates need a default rate (the feature is off without one)"
         )
         assert self.burst_ns > 0, f"burst_ns {self.burst_ns}"
-        # R20: a cap in [1, max_num_seqs], only with the feature on (reference/config.py refuses the rest).
+        # R20: a cap in [1, max_num_seqs], only with the feature on (reference/config.py refuses < 1,
+        # reference/engine_checks.py > max_num_seqs).
         assert self.max_num_seqs_per_user is None or (
             self.rate_limited and 1 <= self.max_num_seqs_per_user <= self.max_num_seqs
         ), (

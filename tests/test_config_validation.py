@@ -37,7 +37,7 @@ import pytest
 from vllm_output_rate.adapter.engine_shape import EngineShape, build_kv_cache_config
 from vllm_output_rate.adapter.harness import load_class
 from vllm_output_rate.adapter.tinymodel import CONFIG, default_model_dir
-from vllm_output_rate.reference.config import check_engine_supported, unsupported_modes
+from vllm_output_rate.reference.engine_checks import check_engine_supported, unsupported_modes
 from vllm_output_rate.reference.section import OutputRateConfigError
 
 pytestmark = pytest.mark.check

@@ -25,7 +25,8 @@ from vllm_output_rate.adapter.residency import check_residency
 from vllm_output_rate.adapter.scenarios import Hunt
 from vllm_output_rate.adapter.whitebox import run_white_box
 from vllm_output_rate.proofs import modelcheck as mc
-from vllm_output_rate.reference.config import check_engine_supported, parse_output_rate
+from vllm_output_rate.reference.config import parse_output_rate
+from vllm_output_rate.reference.engine_checks import check_engine_supported
 from vllm_output_rate.reference.section import OutputRateConfigError
 from vllm_output_rate.spec import rate as spec_rate
 from vllm_output_rate.spec import scheduler as spec
