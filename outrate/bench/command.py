@@ -105,7 +105,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
     started = time.monotonic()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with console.status("importing vLLM"):
-        import vllm
+        import vllm  # deferred: vLLM costs ~7 s to import; only a bench run needs it
 
         importlib.import_module("vllm_output_rate.reference.scheduler")  # the class under test, imported once
     # vLLM's config warnings (e.g. about the gate's small engine shapes) are not results.

@@ -14,13 +14,17 @@ from vllm_output_rate.bench.common import (
     QUICK,
     Plan,
 )
+from vllm_output_rate.proofs import modelcheck
+from vllm_output_rate.spec import scheduler as spec_scheduler
+from vllm_output_rate.spec.events import Step
+from vllm_output_rate.spec.state import initial_state
 
 
 # -- gate -------------------------------------------------------------------------------
 def seeded_draws(strategy, count: int, seed: int = 0) -> list:
     """``count`` examples of a Hypothesis strategy, always the same for the same seed."""
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as hseed
+    from hypothesis import HealthCheck, Phase, given, settings  # deferred: Hypothesis is imported only by a bench run
+    from hypothesis import seed as hseed  # deferred: Hypothesis is imported only by a bench run
 
     drawn: list = []
 
@@ -43,10 +47,8 @@ def seeded_draws(strategy, count: int, seed: int = 0) -> list:
 def _step_model() -> tuple[dict[str, Any] | None, str]:
     """The spec's step model and its scenario class, or (None, why they are not usable)."""
     try:
+        # deferred: adapter.fidelity imports Hypothesis at its top; kept off `outrate --help`
         from vllm_output_rate.adapter import fidelity
-        from vllm_output_rate.spec import scheduler as spec_scheduler
-        from vllm_output_rate.spec.events import Step
-        from vllm_output_rate.spec.state import initial_state
 
         parts = {
             "run": spec_scheduler.run,
@@ -93,6 +95,7 @@ def _rate_row(check: str, what: str, scenarios: int, steps: int, seconds: float)
 def measure_gate(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     """Gate rates: rate-limit differential (real scheduler + spec limiter), spec-only step
     model and spec-vs-vLLM fidelity on the same seeded scenarios, model checker."""
+    # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENCE_SCHEDULER
 
     rows: list[dict[str, Any]] = []
@@ -136,7 +139,10 @@ def _differential_row(plan: Plan, mode: str, cls: str, tick: Callable[[], None])
     """The ``differential/<mode>`` row: ``plan.gate_scenarios`` seeded rate-limit scenarios
     run on the reference class ``cls`` (dotted path) after one untimed warm-up; ``tick``
     after each."""
+    # deferred: adapter.scenario_run imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.scenario_run import run_scenario
+
+    # deferred: adapter.scenario_strategies imports Hypothesis at its top
     from vllm_output_rate.adapter.scenario_strategies import scenarios
 
     drawn = seeded_draws(
@@ -199,8 +205,6 @@ def _step_model_rows(plan: Plan, mode: str, model: dict[str, Any]) -> list[dict[
 
 def _explore_states(explore: Callable, budget: int) -> int:
     """Distinct states the model checker explores in its first declared scope (<= budget)."""
-    from vllm_output_rate.proofs import modelcheck
-
     scope = modelcheck.profile_scopes("quick")[0]
     result = explore(scope, max_states=budget, raise_on_bound=False)
     return int(getattr(result, "states", result))

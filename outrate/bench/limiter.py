@@ -12,13 +12,12 @@ from vllm_output_rate.bench.common import (
     TINY_RATE,
     Plan,
 )
+from vllm_output_rate.reference.limiter import OutputRateLimiter
 
 
 # -- limiter --------------------------------------------------------------------------
 def measure_limiter(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     """Operations per second of the reference limiter (median over batches)."""
-    from vllm_output_rate.reference.limiter import OutputRateLimiter
-
     users = [f"user-{i}" for i in range(LIMITER_USERS)]
     limiter = OutputRateLimiter(50, dict.fromkeys(users[::8], 3.5))
     refused = OutputRateLimiter(50, dict.fromkeys(users, TINY_RATE))

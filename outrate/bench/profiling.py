@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cProfile
 import os
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,7 @@ from vllm_output_rate.bench.scheduler import _Driver
 # -- profile ----------------------------------------------------------------------------
 def profile_schedule(n: int, steps: int, top: int) -> dict[str, Any]:
     """cProfile of the reference's ``schedule()`` at ``n`` running requests (limit not binding)."""
-    import cProfile
-
+    # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER
 
     driver = _Driver(REFERENCE_SCHEDULER, n, 0.0, False, MAX_WARMUP_STEPS + steps + 8, limited=True)

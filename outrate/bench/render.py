@@ -293,10 +293,10 @@ def profile_tables(prof: dict[str, Any], profile_n: int, steps: int) -> list[Tab
 def write_plot(rows: list[SchedulerRow], path: Path, title: str) -> None:
     """Per-step cost against running requests (log-log), the ratio to stock, and (when the
     article-style peer was timed) reference / article-style with requests throttled."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib takes 1-2 s to import; only the plot needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib takes 1-2 s to import; only the plot needs it
 
     fig, (ax_cost, ax_ratio, ax_peer) = plt.subplots(1, 3, figsize=(17, 4.8))
     colors = {0.0: "tab:blue", 0.5: "tab:orange", 0.9: "tab:red"}

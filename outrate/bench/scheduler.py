@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_output_rate.adapter.configstyle import parse_config_style
+from vllm_output_rate.adapter.engine_shape import EngineShape
+from vllm_output_rate.adapter.vllm_compat import model_runner_output
 from vllm_output_rate.bench.common import (
     CLOCKS,
     FREE_RATE,
@@ -49,7 +53,7 @@ class _Driver:
         style: Any = None,
         tiny_rate: float = TINY_RATE,
     ) -> None:
-        from vllm_output_rate.adapter.engine_shape import EngineShape
+        # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
         from vllm_output_rate.adapter.harness import Harness
 
         self.max_tokens = total_steps + 64
@@ -94,8 +98,8 @@ class _Driver:
         self.clock = clock
 
     def _model_output(self, so):
+        # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
         from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
-        from vllm_output_rate.adapter.vllm_compat import model_runner_output
 
         requests = self.scheduler.requests
         ids = list(so.num_scheduled_tokens)
@@ -195,14 +199,11 @@ ARTICLE_HOOK = "hook:article_style.hook.configure"
 def article_style(async_mode: bool) -> tuple[str, Any] | None:
     """(class path, config style) of the article-style implementation, or None when this
     checkout has no ``tests/fixtures/article_style`` (an installed wheel)."""
-    import sys
-
     fixtures = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
     if not (fixtures / "article_style").is_dir():
         return None
     if str(fixtures) not in sys.path:
         sys.path.insert(0, str(fixtures))
-    from vllm_output_rate.adapter.configstyle import parse_config_style
 
     return (ARTICLE_ASYNC_SCHEDULER if async_mode else ARTICLE_SCHEDULER), parse_config_style(ARTICLE_HOOK)
 
@@ -213,6 +214,7 @@ def _drivers(
     """The stock, reference and (where its fixture is importable) article-style drivers at
     ``n`` running requests, ``fraction`` of them throttled, each sized for the plan's
     warm-up and timed rounds, all on the clock named ``clock``."""
+    # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.harness import (
         REFERENCE_ASYNC_SCHEDULER,
         REFERENCE_SCHEDULER,

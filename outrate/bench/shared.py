@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_output_rate.bench.common import CLOCKS, FREE_RATE, Plan
 from vllm_output_rate.bench.scheduler import _Driver
+from vllm_output_rate.redis_server import RedisServer
 
 BINDING_RATE = 200  # tokens/s per user: T = 5 ms, lease size L = 10
 SHARED_SIZES = (64, 256)
@@ -39,6 +40,7 @@ class _RealClockDriver(_Driver):
     real monotonic clock; with ``url``, sharing every user's budget through that store."""
 
     def __init__(self, n: int, rate: float, url: str | None, total_steps: int, clock: Callable[[], float]) -> None:
+        # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
         from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, Harness
 
         super().__init__(REFERENCE_SCHEDULER, n, 0.0, False, total_steps, limited=True, clock=clock)
@@ -167,8 +169,6 @@ def shared_configs(plan: Plan) -> list[tuple[int, float]]:
 def measure_all_shared(plan: Plan, tick: Callable[[], None], clock: str = "cpu") -> dict[str, Any]:
     """Every row of ``shared_configs`` against one redis-server started for the run, or
     ``{"skipped": reason}`` when ``redis-server`` or the ``redis`` package is missing."""
-    from vllm_output_rate.redis_server import RedisServer
-
     server = RedisServer()
     try:
         server.start()
