@@ -14,7 +14,10 @@ from typing import Any
 
 from vllm_output_rate.adapter.gate_result import CheckResult
 from vllm_output_rate.adapter.gate_row import GateOptions, GateRow, PlannedRow, run_planned
+from vllm_output_rate.adapter.z3guard import z3_alone
+from vllm_output_rate.proofs import modelcheck_shared
 from vllm_output_rate.proofs.identity_check import IDENTITY_RULES, check_identity, identity_cases
+from vllm_output_rate.proofs.modelcheck import explore, profile_scopes
 
 Z3_RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R21")
 MODEL_RULES = ("I1-I18", "F1", "R6", "R19", "R28", "liveness")  # R28: scope sync-unlimited
@@ -24,7 +27,7 @@ SHARED_RULES = ("R23", "R24", "R25", "R26")
 def check_proofs(tick: Callable[[], None]) -> CheckResult:
     """R1-R6 and R21 for all inputs: the Z3 proofs of ``proofs/z3_limiter.py`` (``outrate prove``
     adds the CrossHair contracts, which take about a minute)."""
-    from vllm_output_rate.adapter.z3guard import z3_alone
+    # deferred: z3_limiter imports z3 at its top; only the proof rows need it
     from vllm_output_rate.proofs.z3_limiter import run_all
 
     result = CheckResult("proofs/z3", list(Z3_RULES), part="spec health")
@@ -43,8 +46,6 @@ def check_proofs(tick: Callable[[], None]) -> CheckResult:
 def check_model(tick: Callable[[], None]) -> CheckResult:
     """Every invariant in every state of the quick scopes of the model checker over the spec
     (``outrate check --profile ci|release`` explores the larger ones)."""
-    from vllm_output_rate.proofs.modelcheck import explore, profile_scopes
-
     result = CheckResult("model-check/quick", list(MODEL_RULES), part="spec health")
     for scope in profile_scopes("quick"):
         tick()
@@ -62,8 +63,8 @@ def check_shared_budget(tick: Callable[[], None]) -> CheckResult:
     """R23-R26: the Z3 proofs of ``proofs/z3_shared_budget.py``, every state of the model
     checker's 2-engine scope (``proofs/modelcheck_shared.py``), and each protocol mutant
     caught."""
-    from vllm_output_rate.adapter.z3guard import z3_alone
-    from vllm_output_rate.proofs import modelcheck_shared, z3_shared_budget
+    # deferred: z3_shared_budget imports z3 at its top; only the proof rows need it
+    from vllm_output_rate.proofs import z3_shared_budget
 
     result = CheckResult("proofs/shared-budget", list(SHARED_RULES), part="spec health")
     with z3_alone():  # Z3 in one thread, its objects freed here (adapter/z3guard.py)
@@ -94,6 +95,7 @@ def check_shared_budget(tick: Callable[[], None]) -> CheckResult:
 
 def _z3_proofs() -> int:
     """The ``proofs/z3`` row's examples (its progress bar): one tick per Z3 property."""
+    # deferred: z3_limiter imports z3 at its top; only the proof rows need it
     from vllm_output_rate.proofs.z3_limiter import PROPERTIES
 
     return len(PROPERTIES)
@@ -101,14 +103,13 @@ def _z3_proofs() -> int:
 
 def _shared_budget_items() -> int:
     """The ``proofs/shared-budget`` row's examples (its progress bar): its Z3 properties, scopes, mutants."""
-    from vllm_output_rate.proofs import modelcheck_shared, z3_shared_budget
+    # deferred: z3_shared_budget imports z3 at its top; only the proof rows need it
+    from vllm_output_rate.proofs import z3_shared_budget
 
     return len(z3_shared_budget.PROPERTIES) + len(modelcheck_shared.SCOPES) + len(modelcheck_shared.MUTANTS)
 
 
 def _quick_scopes() -> int:
-    from vllm_output_rate.proofs.modelcheck import profile_scopes
-
     return len(profile_scopes("quick"))
 
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vllm_output_rate.adapter.gate_result import CheckResult
+from vllm_output_rate.reference.identity import IdentitySettings, validate_extra_args
+from vllm_output_rate.reference.identity_middleware import IdentityMiddleware
 from vllm_output_rate.spec import identity as spec
 
 IDENTITY_RULES = ("R30", "R31", "R32")
@@ -77,9 +81,6 @@ def reference_outcome(
     mode: str, on_claim: str, on_missing: str, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> spec.Outcome:
     """What the reference middleware does with one request, as a ``spec.Outcome``."""
-    from vllm_output_rate.reference.identity import IdentitySettings, validate_extra_args
-    from vllm_output_rate.reference.identity_middleware import IdentityMiddleware
-
     settings = IdentitySettings(
         mode, "x-user-id" if mode == "header" else None, "k" if mode == "api-key" else None, on_claim, on_missing
     )
@@ -134,10 +135,6 @@ def _holders(data: Any) -> list[dict[str, Any]]:
 
 def check_identity(tick: Callable[[], None]) -> Any:
     """R30-R32: every case of ``cases`` agrees with ``spec.identity.bound_outcome``."""
-    import logging
-
-    from vllm_output_rate.adapter.gate_result import CheckResult
-
     result = CheckResult("identity/bind", list(IDENTITY_RULES), part="spec health")
     quiet = logging.getLogger("vllm.output_rate.identity")
     was, quiet.disabled = quiet.disabled, True  # the refusals it provokes are not the gate's output

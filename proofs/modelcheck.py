@@ -105,10 +105,14 @@ change); ``--mutations`` runs the spec-mutation table and writes docs/SPEC_MUTAT
 
 from __future__ import annotations
 
+import argparse
 import json
+import multiprocessing
+import queue as queue_mod
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from vllm_output_rate.proofs.modelcheck_counterexamples import concrete_path, official_verdict
@@ -222,10 +226,6 @@ def run_profile(
     on_done: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Explore every scope of ``profile`` on ``jobs`` processes; results in manifest order."""
-    import multiprocessing
-    import queue as queue_mod
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
     names = [s.name for s in profile_scopes(profile)]
     results: dict[str, dict] = {}
     if jobs <= 1:
@@ -314,8 +314,6 @@ def _print_results(results: list[dict]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.proofs.modelcheck")
     parser.add_argument("--profile", default="quick")
     parser.add_argument("--scope", action="append", default=[])

@@ -48,6 +48,7 @@ def _concretize(
     violation.concrete = True
     violation.official = official_verdict(scope.config, violation.events)
     if save_dir is not None:
+        # deferred: adapter.fidelity imports Hypothesis at its top; only a concretized counterexample needs it
         from vllm_output_rate.adapter.fidelity import StepScenario
 
         save_dir.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -350,9 +352,6 @@ def run_mutations(
     jobs: int = 2, names: list[str] | None = None, on_row: Callable[[MutationRow], None] | None = None
 ) -> list[MutationRow]:
     """The mutation table: the spec as written first (must be clean), then each mutation."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     wanted = ["-"] + [m.name for m in MUTATIONS if names is None or m.name in names]
     context = multiprocessing.get_context("fork")
     rows: dict[str, MutationRow] = {}

@@ -4,6 +4,8 @@ concrete paths of a scope run through the fidelity harness on stock vLLM.
 
 from __future__ import annotations
 
+import random
+
 from vllm_output_rate.proofs.modelcheck_counterexamples import concrete_path
 from vllm_output_rate.proofs.modelcheck_explorer import explore
 from vllm_output_rate.proofs.modelcheck_scopes import Compiled, Scope, scope_by_name
@@ -15,8 +17,7 @@ def sample_scenarios(scope: Scope, count: int, seed: int = 0):
     """``count`` replayable ``StepScenario``s of ``scope``: shortest paths to the deepest
     explored states and to random ones, each followed by steps and clock advances until
     every request has finished (the spec's own run; bounded)."""
-    import random
-
+    # deferred: adapter.fidelity imports Hypothesis at its top
     from vllm_output_rate.adapter.fidelity import StepScenario
 
     result = explore(scope, concretize_violations=False, keep_graph=True)
@@ -45,7 +46,9 @@ def replay_sample_on_vllm(names: list[str], count: int, seed: int = 0) -> list[t
     """Replay ``sample_scenarios`` of each scope on real vLLM 0.32 with the fidelity check
     (feature on: the reference scheduler, white box; off: stock vLLM). Returns (scope,
     scenarios, events, first failure or None) per scope."""
-    from vllm_output_rate.adapter.fidelity import run_base
+    from vllm_output_rate.adapter.fidelity import run_base  # deferred: adapter.fidelity imports Hypothesis at its top
+
+    # deferred: adapter.whitebox imports Hypothesis at its top
     from vllm_output_rate.adapter.whitebox import run_white_box
 
     rows = []
