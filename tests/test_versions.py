@@ -11,7 +11,6 @@ rows, nothing.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -225,7 +224,6 @@ def test_v6_drift_against_the_other_releases_rows_reports_v6_and_its_counterexam
     from vllm_output_rate.cli import main
 
     runner = CliRunner()
-    t0 = time.monotonic()
     found = runner.invoke(
         main,
         [
@@ -242,8 +240,9 @@ def test_v6_drift_against_the_other_releases_rows_reports_v6_and_its_counterexam
             str(tmp_path),
         ],
     )
+    # Found within the search's own --time-budget (the tool stops there); no wall-clock
+    # assertion of ours: a loaded machine slows everything around the search alike.
     assert found.exit_code == 1, found.output
-    assert time.monotonic() - t0 < 90
     seconds_to_find = float(re.search(r"V6\S* \(sync\) diverges.*?found in ([0-9.]+) s", found.output, re.S).group(1))
     assert seconds_to_find < 60, found.output
     saved = tmp_path / "drift-V6-sync.json"
