@@ -14,8 +14,6 @@ from pathlib import Path
 import click
 
 from vllm_output_rate import __version__, manifest
-from vllm_output_rate.adapter.tinymodel import write_config
-from vllm_output_rate.adapter.trace_check import main as trace_main
 from vllm_output_rate.bench import bench
 from vllm_output_rate.check import check
 from vllm_output_rate.cli_common import console
@@ -68,6 +66,9 @@ def _read_manifest(ctx: click.Context) -> None:
 def check_trace_cmd(file, partial) -> None:
     """Check an engine-side event trace (outrate serve --trace-path FILE): per run and per user the
     rates over busy periods, every violation; exit 1 on a violation (or no run), 2 if unreadable."""
+    # deferred: adapter.trace_check and its checker cost ~50 ms, kept off `outrate --help`
+    from vllm_output_rate.adapter.trace_check import main as trace_main
+
     sys.exit(trace_main([str(file)] + (["--partial"] if partial else [])))
 
 
@@ -79,6 +80,9 @@ def tiny_model(directory) -> None:
     DIRECTORY is created if missing; one that cannot be created or written is a usage
     error (exit 2) naming it.
     """
+    # deferred: adapter.tinymodel loads tokenizers (~50 ms), kept off `outrate --help`
+    from vllm_output_rate.adapter.tinymodel import write_config
+
     try:
         write_config(directory)
     except OSError as exc:

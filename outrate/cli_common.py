@@ -16,8 +16,6 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from vllm_output_rate.adapter.configstyle import parse_config_style
-
 console = Console(width=None if sys.stdout.isatty() else 130)
 LEVELS = click.Choice(["must", "should", "exact"])  # the gate's conformance levels (--level)
 
@@ -69,6 +67,9 @@ def style_from_option(text: str):
     if text == "additional-config":
         return None
     try:
+        # deferred: adapter.configstyle loads unittest.mock and the config parsers (~0.2 s), kept off `outrate --help`
+        from vllm_output_rate.adapter.configstyle import parse_config_style
+
         return parse_config_style(text)
     except (ValueError, ImportError) as exc:
         raise click.BadParameter(str(exc), param_hint="--config-style") from None

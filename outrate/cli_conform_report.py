@@ -11,7 +11,6 @@ from typing import Any
 
 from rich.table import Table
 
-from vllm_output_rate.adapter import reports
 from vllm_output_rate.adapter.budgets import gate_budget
 from vllm_output_rate.adapter.versions import installed_warning
 from vllm_output_rate.cli_common import console, escape_markup, write_json
@@ -127,6 +126,9 @@ def _write_reports(
     profile: str,
 ) -> None:
     """The JUnit XML and Markdown reports, where asked for (adapter/reports.py)."""
+    # deferred: adapter.reports loads tabulate and junit_xml (~80 ms), kept off `outrate --help`
+    from vllm_output_rate.adapter import reports
+
     if junit_path is not None:
         reports.junit(junit_path, header, checks_json, mutant_rows)
     if markdown_path is not None:

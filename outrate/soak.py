@@ -29,9 +29,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from vllm_output_rate.adapter.tinymodel import default_model_dir
-from vllm_output_rate.adapter.trace_check import TraceFollower
-
 RATES = (10, 20, 50, 100)
 CHECK_EVERY_S = 15.0
 
@@ -99,6 +96,9 @@ def _plot(report, path: Path, burst_ns: int) -> None:
 )
 def soak(minutes, users, streams, seed, cancel_prob, model, async_mode, out_dir) -> None:
     """Randomized live load with cancels and arriving users, checked online from the engine trace."""
+    # deferred: adapter.trace_check and its checker cost ~40 ms, kept off `outrate --help`
+    from vllm_output_rate.adapter.trace_check import TraceFollower
+
     console = Console()
     rnd = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -208,6 +208,9 @@ def _soak_llm(model: str | None, seats: int, async_mode: bool, limits: dict[str,
     """The in-process ``vllm.LLM`` of the soak: the reference scheduler, the tiny model (dummy
     weights) unless ``model``, up to ``seats`` (users x streams, 8..64) resident requests."""
     from vllm import LLM  # deferred: vLLM costs ~7 s to import; only a soak run needs it
+
+    # deferred: adapter.tinymodel loads tokenizers (~50 ms), kept off `outrate --help`
+    from vllm_output_rate.adapter.tinymodel import default_model_dir
 
     cls = "RateLimitedAsyncScheduler" if async_mode else "RateLimitedScheduler"
     return LLM(

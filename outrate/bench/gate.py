@@ -14,10 +14,6 @@ from vllm_output_rate.bench.common import (
     QUICK,
     Plan,
 )
-from vllm_output_rate.proofs import modelcheck
-from vllm_output_rate.spec import scheduler as spec_scheduler
-from vllm_output_rate.spec.events import Step
-from vllm_output_rate.spec.state import initial_state
 
 
 # -- gate -------------------------------------------------------------------------------
@@ -49,6 +45,11 @@ def _step_model() -> tuple[dict[str, Any] | None, str]:
     try:
         # deferred: adapter.fidelity imports Hypothesis at its top; kept off `outrate --help`
         from vllm_output_rate.adapter import fidelity
+
+        # deferred (these three): the spec's step model costs ~80 ms to load, kept off `outrate --help`
+        from vllm_output_rate.spec import scheduler as spec_scheduler
+        from vllm_output_rate.spec.events import Step  # deferred: as above
+        from vllm_output_rate.spec.state import initial_state  # deferred: as above
 
         parts = {
             "run": spec_scheduler.run,
@@ -205,6 +206,9 @@ def _step_model_rows(plan: Plan, mode: str, model: dict[str, Any]) -> list[dict[
 
 def _explore_states(explore: Callable, budget: int) -> int:
     """Distinct states the model checker explores in its first declared scope (<= budget)."""
+    # deferred: proofs.modelcheck and the model checker it loads cost ~0.15 s, kept off `outrate --help`
+    from vllm_output_rate.proofs import modelcheck
+
     scope = modelcheck.profile_scopes("quick")[0]
     result = explore(scope, max_states=budget, raise_on_bound=False)
     return int(getattr(result, "states", result))

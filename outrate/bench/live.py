@@ -13,7 +13,6 @@ from vllm_output_rate.bench.common import (
     PING_TIMEOUT_S,
     Plan,
 )
-from vllm_output_rate.livebench import ping_round_trips, run_child
 
 
 # -- live engine ------------------------------------------------------------------------
@@ -36,6 +35,9 @@ def measure_live(plan: Plan, tick: Callable[[], None]) -> dict[str, Any]:
     """Live engine: tokens/s off vs on-not-binding (and on with the worker-idle fix off),
     engine-core and worker CPU while every user is throttled in three set-ups, and the
     wake-up pings of vLLM's RPC queue (module docstring)."""
+    # deferred: livebench and what it loads cost ~0.1 s, kept off `outrate --help`
+    from vllm_output_rate.livebench import ping_round_trips, run_child
+
     throughput = run_child(
         {"part": "throughput", "streams": plan.live_streams, "tokens": plan.live_tokens, "rounds": plan.live_rounds},
         tick=tick,

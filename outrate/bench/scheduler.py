@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.adapter.configstyle import parse_config_style
 from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.vllm_compat import model_runner_output
 from vllm_output_rate.bench.common import (
@@ -199,6 +198,9 @@ ARTICLE_HOOK = "hook:article_style.hook.configure"
 def article_style(async_mode: bool) -> tuple[str, Any] | None:
     """(class path, config style) of the article-style implementation, or None when this
     checkout has no ``tests/fixtures/article_style`` (an installed wheel)."""
+    # deferred: adapter.configstyle loads unittest.mock and the config parsers (~0.2 s), kept off `outrate --help`
+    from vllm_output_rate.adapter.configstyle import parse_config_style
+
     fixtures = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
     if not (fixtures / "article_style").is_dir():
         return None

@@ -45,7 +45,6 @@ from typing import Any
 from rich.table import Table
 
 from vllm_output_rate.adapter.engine_shape import EngineShape
-from vllm_output_rate.reference import metrics
 
 # The harness replaces time.perf_counter (and monotonic) by its fake clock during a step:
 # the real clocks, taken before any step.
@@ -109,6 +108,7 @@ def _tables_harness(users: int, directory: str, path: str) -> Any:
     four a ``team-NNNN/svc`` pattern user). The metrics environment is restored after."""
     # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.harness import REFERENCE_SCHEDULER, Harness
+    from vllm_output_rate.reference import metrics  # deferred: loads prometheus_client (~75 ms), off `outrate --help`
 
     saved = {k: os.environ.get(k) for k in (metrics.ENV_DIR, metrics.ENV_OWNER)}
     os.environ[metrics.ENV_DIR], os.environ[metrics.ENV_OWNER] = directory, "1"  # an engine core's recorder
