@@ -144,6 +144,12 @@ class GateRow:
         """The row's examples in the run ``options`` (its ``budget`` in the run's profile)."""
         return self.budget(gate_budget(options.profile))
 
+    def observe(self, options: GateOptions, tick: Tick) -> Any:
+        """Run the row on the run ``options`` (its ``run``, with its examples and level in that
+        run): the observations, not judged yet (``judge``)."""
+        budget = gate_budget(options.profile)
+        return self.run(RowCall(options, budget, self.budget(budget), tick, self.level_for(options)))
+
     def judge(self, result: Any, options: GateOptions) -> Any:
         """``result`` judged by the row's ``verdict`` (or its part's default)."""
         verdict = self.verdict or (judged_by_origin if self.part == "candidate" else as_observed)
@@ -168,14 +174,13 @@ def run_planned(item: PlannedRow, options: GateOptions, tick: Tick) -> CheckResu
         result, why = ("not tested", item.skip) if item.skip is not None else ("not applicable", item.not_applicable)
         return CheckResult(row.name, list(row.rules), result=result, failure=why, part=row.part, level=row.level)
     started = time.monotonic()
-    call = RowCall(options, gate_budget(options.profile), row.examples(options), tick, row.level_for(options))
     if row.part == "candidate":  # issue 18: obligations reached, summed over the run
         with coverage.collecting() as reached:
-            observed = row.run(call)
+            observed = row.observe(options, tick)
         result = row.judge(observed, options)
         coverage.record_check(options, row.name, result, reached)
     else:
-        result = row.judge(row.run(call), options)
+        result = row.judge(row.observe(options, tick), options)
     result.seconds = time.monotonic() - started
     result.part, result.level = row.part, row.level_for(options)
     counterexample.record(result, options)  # issue 31: the file names the check that saved it

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_output_rate.adapter.budgets import gate_budget
-from vllm_output_rate.adapter.gate_row import GateOptions, RowCall
+from vllm_output_rate.adapter.gate_row import GateOptions
 from vllm_output_rate.proofs import gate_checks
 
 
@@ -18,6 +17,6 @@ def test_spec_health_row_progress_budget_is_the_ticks_it_takes(name):
     row = next(s for s in gate_checks.spec_health_checks() if s.name == name)
     ticks = []
     options = GateOptions(scheduler_cls="")
-    result = row.run(RowCall(options, gate_budget("ci"), row.examples(options), lambda: ticks.append(1), row.level))
+    result = row.observe(options, lambda: ticks.append(1))
     assert result.result == "pass", result.failure
     assert row.examples(options) == len(ticks) == result.examples
