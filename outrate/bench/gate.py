@@ -46,7 +46,7 @@ def _step_model() -> tuple[dict[str, Any] | None, str]:
         # deferred: adapter.fidelity imports Hypothesis at its top; kept off `outrate --help`
         from vllm_output_rate.adapter import fidelity
 
-        # deferred (these three): the spec's step model costs ~80 ms to load, kept off `outrate --help`
+        # deferred: the spec's step model costs ~80 ms to load, kept off `outrate --help`
         from vllm_output_rate.spec import scheduler as spec_scheduler
         from vllm_output_rate.spec.events import Step  # deferred: as above
         from vllm_output_rate.spec.state import initial_state  # deferred: as above
