@@ -51,10 +51,13 @@ class _UserWindow:
 
     R2-window is ``spec.properties.R2Window`` (the running minimum of
     ``k * q * 10**9 - p * t_k``); R2-gcra keeps the spec limiter state holding this user's
-    TAT. Each check stops at its first violation (one report per user and run).
+    TAT. Each check stops at its first violation (one report per user and run). Both are
+    replayed on a clock that never goes back: a dispatch stamped before the user's previous
+    one (a trace whose clock went back, already reported as ``clock``) counts at the
+    previous time, as R2's windows and the limiter are defined on a monotonic clock.
     """
 
-    __slots__ = ("burst_ns", "count", "gcra", "gcra_ok", "rate", "user", "window", "window_ok")
+    __slots__ = ("burst_ns", "count", "gcra", "gcra_ok", "last_ns", "rate", "user", "window", "window_ok")
 
     def __init__(self, user: str, rate: Fraction, burst_ns: int) -> None:
         self.user, self.rate, self.burst_ns = user, rate, burst_ns
@@ -62,9 +65,11 @@ class _UserWindow:
         self.window = R2Window(rate, burst_ns)
         self.window_ok = self.gcra_ok = True
         self.gcra = spec_limiter.EMPTY
+        self.last_ns = 0
 
     def dispatch(self, now_ns: int) -> list[tuple[str, str]]:
         """Add the next dispatch (at ``now_ns``); returns the (rule, message) pairs it breaks."""
+        now_ns = self.last_ns = max(now_ns, self.last_ns)  # the clock never goes back here
         broken = []
         k = self.count
         self.count += 1

@@ -205,6 +205,16 @@ def test_checker_clock_identity_and_format():
     assert _rules(check_records(["{}\n"])) == ["format"]  # a record before any header
 
 
+def test_checker_clock_going_back_is_reported_not_a_crash():
+    # The slow user (1 tok/s) dispatched at 1 s, then at a step stamped 0 s: the checker
+    # reports the clock and replays R2 on a clock that never goes back (two grants at 1 s:
+    # over the bound), instead of asking R2 about a window of -1 s (an AssertionError).
+    recs = [_step(0, 1000, {"a": ("slow", 1, True, False)}), _step(1, 0, {"a": ("slow", 1, True, False)})]
+    report = check_records(_lines(*recs))
+    assert _rules(report) == ["R2-gcra", "R2-window", "clock"]
+    assert "now_ns 0 < previous 1000000000" in next(v.message for v in report.violations if v.rule == "clock")
+
+
 def test_checker_lost_and_duplicated_tokens():
     recs = [_step(k, 200 * k, {"a-12345678": ("u", 1, True, False)}) for k in range(5)]
     recs.append({"now_ns": None, "finished": {"a-12345678": {"status": "FINISHED_STOPPED", "output_tokens": 5}}})
