@@ -175,3 +175,28 @@ def test_the_format_check_leaves_the_article_style_fixture_alone() -> None:
         timeout=60,
     )
     assert "article_style" not in run.stdout + run.stderr, run.stdout[-2000:]
+
+
+def split_into_characters(text: str, run: int = 20) -> list[int]:
+    """1-based first lines of every run of ``run`` or more lines holding at most one
+    character each: a text written one character per line (a string joined as if it were
+    a list of lines) instead of as itself."""
+    found, count = [], 0
+    for number, line in enumerate(text.split("\n"), start=1):
+        count = count + 1 if len(line.strip()) <= 1 else 0
+        if count == run:
+            found.append(number - run + 1)
+    return found
+
+
+@pytest.mark.check
+def test_docs_are_not_written_one_character_per_line():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    assert {str(p.relative_to(ROOT)): lines for p in pages if (lines := split_into_characters(p.read_text()))} == {}
+
+
+@pytest.mark.check
+def test_one_character_per_line_detector():
+    table = "| a | 1 |\n| b | 2 |\n"
+    assert split_into_characters("intro\n" + table + "\nend\n") == []
+    assert split_into_characters("intro\n" + "\n".join(table) + "\nend\n") == [2]
