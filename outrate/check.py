@@ -19,7 +19,7 @@ vllm_output_rate.proofs.modelcheck --profile PROFILE --pin``) but is not a failu
 ``tests/test_modelcheck.py`` fails on it for the quick profile.
 
 Each violation is saved as a replayable ``StepScenario`` under ``--counterexamples``;
-``python -m vllm_output_rate.adapter.fidelity FILE`` replays it on real vLLM.
+``python -m vllm_output_rate.adapter.whitebox FILE`` replays it on real vLLM.
 """
 
 from __future__ import annotations
