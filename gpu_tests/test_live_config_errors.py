@@ -19,7 +19,7 @@ import pytest
 from live_server import server_env, tiny_engine_flags
 
 from vllm_output_rate.adapter.tinymodel import write_config
-from vllm_output_rate.reference.section import KNOWN_KEYS
+from vllm_output_rate.reference.section import KNOWN_KEYS, OutputRateConfigError
 
 pytestmark = pytest.mark.live
 
@@ -47,7 +47,7 @@ def test_configuration_plain_vllm_serve_typo_is_the_last_stderr_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines, proc.stdout[-2000:]
     assert lines[-1] == (
-        "vllm_output_rate.reference.config.OutputRateConfigError: unknown key(s) in "
+        f"{OutputRateConfigError.__module__}.{OutputRateConfigError.__qualname__}: unknown key(s) in "
         """additional_config["output_rate"]: 'default_token_per_s' (did you mean 'default_tokens_per_s'?); """
         f"known keys: {', '.join(KNOWN_KEYS)}"
     ), lines[-5:]
