@@ -29,19 +29,26 @@ _IS_PREFILL_CHUNK = operator.attrgetter("is_prefill_chunk")
 class Charging:
     """R2, R7, R9: grants, charges and refunds of one scheduler (``host``).
 
-    ``spare``: user -> spare grants at the last step's clock reading, minus
-    ``spare_taken`` (a lower bound on ``grants_at(user, now)`` for every later now:
-    ``survey``). The per-step allowances live in the ``StepRecord``.
+    ``spare``: user -> grants at the clock reading of the last full survey (a lower bound
+    there), of which ``spare_steps`` steps have each taken ``spare_taken`` since:
+    ``spare - spare_steps x spare_taken`` is a lower bound on ``grants_at(user, now)`` for
+    every later now (``survey``). ``steady``: when the steps since then charged every
+    request of the scheduler each (user -> its requests, the same each step), and
+    ``margin``: how many such steps ``spare`` covers for every user (the O(1) survey).
+    The per-step allowances live in the ``StepRecord``.
     """
 
     def __init__(self, host: Any) -> None:
         self.host = host
-        self.spare: dict[str, int] = {}
-        self.spare_taken: dict[str, int] = {}
+        self.forget_spare()
 
     def forget_spare(self) -> None:
         """R21: the spare-grant bounds were for the old rates (or the TATs changed)."""
-        self.spare, self.spare_taken = {}, {}
+        self.spare: dict[str, int] = {}
+        self.spare_taken: dict[str, int] = {}
+        self.spare_steps = 0
+        self.steady: dict[str, int] | None = None
+        self.margin = 0
 
     def survey(self, step: StepRecord) -> tuple[bool, dict[str, int]]:
         """R2 at the step's clock reading, once per user with requests in the scheduler.
@@ -51,18 +58,34 @@ class Charging:
         user is refused in this step and the hook only records charges); ``short``, the
         users granted fewer tokens now than they have requests, with their exact grants
         (0: refused; R13, R14, R16). The limiter is asked only for users whose
-        spare grants from the last step do not cover their requests: spare grants at an
+        spare grants from the last steps do not cover their requests: spare grants at an
         earlier clock reading are a lower bound now, as grants only grow with time and
         with refunds. Seeds this step's allowances (``step.grants``) with the result: exact
         where the limiter was asked, otherwise a lower bound that the user's requests
-        cannot use up in one step. O(users).
+        cannot use up in one step. O(users); O(1) (in Python) in a steady step (``steady``).
         """
-        spare, taken, limiter, now = self.spare, self.spare_taken, self.host.rate_limiter, step.now_ns
+        host = self.host
+        requests_of = host._limits.user_requests
+        steady = self.steady
+        if (
+            steady is not None
+            and self.spare_steps < self.margin
+            and host._hook_fast
+            and host.shortcuts
+            and steady == requests_of
+        ):
+            # R2: the same requests as in each step since the last full survey, every one
+            # charged in each, and ``spare`` covers one more such step for every user: the
+            # loop below would find every user covered by its spare grants (``margin``).
+            step.steady = True
+            return True, {}
+        spare, taken, steps = self.spare, self.spare_taken, self.spare_steps
+        limiter, now = host.rate_limiter, step.now_ns
         assert limiter is not None, "called by schedule() with the feature on"
         bound: dict[str, int] = {}
         short: dict[str, int] = {}
-        for user, requests in self.host._limits.user_requests.items():
-            grants = spare.get(user, 0) - taken.get(user, 0)
+        for user, requests in requests_of.items():
+            grants = spare.get(user, 0) - steps * taken.get(user, 0)
             if grants < requests:
                 grants = limiter.grants_at(user, now)
                 if grants < requests:
@@ -70,7 +93,11 @@ class Charging:
             bound[user] = grants
         step.grants_at_start = bound
         step.grants = dict(bound)
-        return not short, short
+        if short:
+            return False, short
+        # Steps of the same charges ``bound`` covers for every user (>= 1 here).
+        step.margin = min(map(operator.floordiv, bound.values(), requests_of.values()), default=0)
+        return True, short
 
     def grants_left(self, step: StepRecord, user: str) -> int:
         """R2: grants ``user`` may still receive in this step (the limiter asked once per step)."""
@@ -95,28 +122,43 @@ class Charging:
         return min(num_new_tokens, capped)
 
     def commit(self, step: StepRecord) -> None:
-        """R2/R7: write this step's charges to the limiter in one ``take_counts``.
+        """R2/R7: write this step's charges to the limiter in one ``take_counts`` (in a
+        steady step, ``take_steady``: the same counts as the last step, O(1) here).
 
         Equal to one ``try_take`` per charge at the step's clock reading (``limiter.py``).
-        Also keeps, per user, the grants left at this clock reading (``survey``).
+        Also keeps, per user, a lower bound on the grants left at this clock reading
+        (``survey``).
         """
         limiter, now = self.host.rate_limiter, step.now_ns
         assert limiter is not None, "called by schedule() with the feature on"
         if step.unconstrained:
             limits = self.host._limits
             if len(step.charged) == len(limits.users):  # every request charged (once, R7): its user's count
+                if step.steady:  # the same counts (the same object) as the steps since the last full survey
+                    counted = self.spare_taken
+                    self.spare_steps += 1
+                    limiter.take_steady(counted, now)
+                    step.taken = counted  # the metrics' granted tokens (reference/metrics.py)
+                    return
                 counted = dict(limits.user_requests)
+                self.spare, self.spare_taken, self.spare_steps = step.grants_at_start, counted, 1
+                self.steady, self.margin = counted, step.margin
             else:
                 ids = step.charged_ids = list(map(_REQUEST_ID, step.charged))
                 counted = Counter(map(limits.users.__getitem__, ids))
+                if step.steady:  # the bounds the O(1) survey stood on, as the loop would have made them
+                    spare, taken, steps = self.spare, self.spare_taken, self.spare_steps
+                    step.grants_at_start = {u: spare.get(u, 0) - steps * n for u, n in taken.items()}
+                self.spare, self.spare_taken, self.spare_steps = step.grants_at_start, counted, 1
+                self.steady = None
             limiter.take_counts(counted, now)
-            self.spare, self.spare_taken = step.grants_at_start, counted
             step.taken = counted  # the metrics' granted tokens (reference/metrics.py)
             return
         left = step.grants
         taken = {u: n - left[u] for u, n in step.grants_at_start.items() if n > left[u]}
         limiter.take_counts(taken, now)
-        self.spare, self.spare_taken = left, {}
+        self.spare, self.spare_taken, self.spare_steps = left, {}, 0
+        self.steady = None
         step.taken = taken  # the metrics' granted tokens (reference/metrics.py)
 
     def settle(self, step: StepRecord, scheduler_output: Any) -> list[str]:

@@ -38,7 +38,8 @@ class EngineWait:
 
     def step_done(self, step: StepRecord, limiter: Any) -> None:
         """R16: ``step`` is over: its wait hint, from ``limiter`` after the step's charges and refunds."""
-        step.wait_hint_ns = wait_hint_ns(limiter, step.refused_users)
+        refused = step.refused_users
+        step.wait_hint_ns = wait_hint_ns(limiter, refused) if refused else None
         self.observed = step
 
     def next_ready_ns(self) -> int | None:

@@ -68,7 +68,9 @@ class OutputRateLimiter:
         if prepared is None and table is None:
             table = flat_table(default_rate_tokens_per_s, user_rates_tokens_per_s)
         # R1: scaled TAT per known user. Absent = idle (R6); an unlimited user never has one (R28).
-        self._tat: dict[str, int] = {}
+        self._tats: dict[str, int] = {}
+        # take_steady's steps not yet written to ``_tats`` (``_tat`` writes them first).
+        self._deferred: _Deferred | None = None
         self.replaced: tuple[Any, ...] = ()  # what the last install replaced (for the watcher to retire)
         self._use(prepared if prepared is not None else PreparedTable(table, burst_ns, shadow_view))
 
@@ -82,6 +84,18 @@ class OutputRateLimiter:
         self._scales = prepared.scales
         self._patterns = prepared.patterns
         self._resolved: dict[str, _Scale] = {}  # pattern-matched users (R27), resolved once
+
+    @property
+    def _tat(self) -> dict[str, int]:
+        """R1: user -> scaled TAT, every deferred step written (``take_steady``)."""
+        return self._tats if self._deferred is None else self._flushed()
+
+    def _flushed(self) -> dict[str, int]:
+        """Write the deferred steps of ``take_steady`` to the TATs; returns them."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred.write(self._tats)
+        return self._tats
 
     def prepare(self, table: Any) -> PreparedTable:
         """R21/R27: ``table``'s scales for this limiter (O(table); thread-safe: reads only
@@ -182,15 +196,40 @@ class OutputRateLimiter:
             user, count = next((u, n) for u, n in counts.items() if n < 1)
             raise ValueError(f"take_counts needs counts >= 1, got {count!r} for user {user!r}")
         tat_of, scales, resolve = self._tat, self._scales, self._resolve
+        default = None if self._patterns else self._default  # what _resolve returns without patterns
+        last: _Scale | None = None  # the last scale seen, its scaled clock reading and increment
+        now = inc = 0
         for user, count in counts.items():
-            s = scales.get(user) or resolve(user)
-            if s is UNLIMITED:
-                continue  # R28: never charged
-            now = now_ns * s.p
+            s = scales.get(user) or default or resolve(user)
+            if s is not last:
+                if s is UNLIMITED:
+                    continue  # R28: never charged
+                last, now, inc = s, now_ns * s.p, s.inc
             tat = tat_of.get(user)
             if tat is None or tat < now:
                 tat = now
-            tat_of[user] = tat + count * s.inc
+            tat_of[user] = tat + count * inc
+
+    def take_steady(self, counts: Mapping[str, int], now_ns: int) -> None:
+        """R2: ``take_counts(counts, now_ns)`` for a step that repeats the last one's
+        ``counts`` (the same mapping object, unchanged): O(groups) instead of O(users).
+
+        Steps in a row with the same ``counts`` are kept as, per group of users with the
+        same scale and count (increment ``a = count x T``, scaled), the maximum ``M`` of
+        ``now_j x p - j x a`` over the steps ``j = 1..k``; a user's TAT after them is
+        ``max(S0 + k a, M + (k + 1) a)`` (``S0``: its TAT before them; idle: the second
+        term only), which unrolls ``S := max(S, now x p) + a`` k times. Any read or write of
+        a TAT (``_tat``) first writes them. A subclass that replaces ``take_counts`` gets
+        ``take_counts`` itself. The caller keeps every count within ``grants_at``.
+        """
+        if type(self).take_counts is not OutputRateLimiter.take_counts:
+            self.take_counts(counts, now_ns)
+            return
+        deferred = self._deferred
+        if deferred is None or deferred.counts is not counts:
+            tats = self._tat  # writes an earlier run's steps first
+            deferred = self._deferred = _Deferred(counts, tats, self._scale)
+        deferred.step(now_ns)
 
     def allows(self, user: str, now_ns: int) -> bool:
         """R2: would ``try_take(user, now_ns)`` succeed? Changes nothing."""
@@ -305,6 +344,46 @@ class OutputRateLimiter:
 
     def __len__(self) -> int:
         return len(self._tat)
+
+
+class _Deferred:
+    """``take_steady``'s steps in a row with the same ``counts``: the groups of users with
+    the same scale ``p`` and increment ``a``, each with ``[p, a, M, members]`` (``M``: the
+    maximum of ``now_j x p - j x a`` so far; ``members``: (user, TAT before the run or None))."""
+
+    __slots__ = ("counts", "groups", "k")
+
+    def __init__(self, counts: Mapping[str, int], tats: dict[str, int], scale_of: Any) -> None:
+        self.counts, self.k = counts, 0
+        groups: dict[tuple[int, int], list[Any]] = {}
+        for user, count in counts.items():
+            s = scale_of(user)
+            if s is UNLIMITED:
+                continue  # R28: never charged
+            a = count * s.inc
+            group = groups.get((s.p, a))
+            if group is None:
+                group = groups[(s.p, a)] = [s.p, a, None, []]
+            group[3].append((user, tats.get(user)))
+        self.groups = list(groups.values())
+
+    def step(self, now_ns: int) -> None:
+        """One more step at ``now_ns``: O(groups)."""
+        k = self.k = self.k + 1
+        for group in self.groups:
+            v = now_ns * group[0] - k * group[1]
+            if group[2] is None or v > group[2]:
+                group[2] = v
+
+    def write(self, tats: dict[str, int]) -> None:
+        """Every member's TAT after the ``k`` steps: ``max(S0 + k a, M + (k + 1) a)``."""
+        k = self.k
+        if not k:
+            return
+        for _p, a, top, members in self.groups:
+            base = top + (k + 1) * a
+            for user, before in members:
+                tats[user] = base if before is None or before + k * a < base else before + k * a
 
 
 def flat_table(default_rate_tokens_per_s: object, user_rates_tokens_per_s: Mapping[str, object] | None) -> Any:

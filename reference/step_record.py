@@ -12,11 +12,11 @@ of it, and the last step's record is what the white-box observation reads.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class StepRecord:
     """One step's decisions (spec ``state.Cycle``, rate-limit part).
 
@@ -31,7 +31,9 @@ class StepRecord:
     collaborator's dict, not a copy). ``scheduled_running``: running requests given tokens
     (R12). ``left_running``: requests preempted in this step. ``preempted_for_r13``: the
     step preempted a throttled victim, so the waiting loop admits nothing (R13).
-    ``unconstrained``: no user can be refused in this step (R2 survey). ``grants`` /
+    ``unconstrained``: no user can be refused in this step (R2 survey); ``steady``: the
+    survey found so in O(1) (``Charging.survey``); ``margin``: steps of the same charges
+    the bounds of a full survey that found so cover (``Charging.commit``). ``grants`` /
     ``grants_at_start``: user -> grants left / at the survey (R2, tokens). ``taken``: user ->
     grants written to the limiter (the metrics' granted tokens). ``resident`` /
     ``resident_seen``: user -> running requests from the first waiting look, and
@@ -40,22 +42,47 @@ class StepRecord:
     """
 
     now_ns: int
-    charged: list[Any] = field(default_factory=list)
-    charged_ids: list[str] | None = None
-    refunded: list[str] = field(default_factory=list)
-    refused_users: set[str] = field(default_factory=set)
-    throttled: set[str] = field(default_factory=set)
-    throttled_at_start: list[Any] = field(default_factory=list)
-    skipped_at_start: set[str] = field(default_factory=set)
-    held: set[str] = field(default_factory=set)
-    turn_order: dict[str, None] = field(default_factory=dict)
-    scheduled_running: set[str] = field(default_factory=set)
-    left_running: int = 0
-    preempted_for_r13: bool = False
-    unconstrained: bool = False
-    grants: dict[str, int] = field(default_factory=dict)
-    grants_at_start: dict[str, int] = field(default_factory=dict)
-    taken: dict[str, int] = field(default_factory=dict)
-    resident: Counter | None = None
-    resident_seen: int = 0
-    wait_hint_ns: int | None = None
+    charged: list[Any]
+    charged_ids: list[str] | None
+    refunded: list[str]
+    refused_users: set[str]
+    throttled: set[str]
+    throttled_at_start: list[Any]
+    skipped_at_start: set[str]
+    held: set[str]
+    turn_order: dict[str, None]
+    scheduled_running: set[str]
+    left_running: int
+    preempted_for_r13: bool
+    unconstrained: bool
+    steady: bool
+    margin: int
+    grants: dict[str, int]
+    grants_at_start: dict[str, int]
+    taken: dict[str, int]
+    resident: Counter | None
+    resident_seen: int
+    wait_hint_ns: int | None
+
+    def __init__(self, now_ns: int) -> None:
+        # Written out (no field factories): one record is made per schedule(), on the hot path.
+        self.now_ns = now_ns
+        self.charged = []
+        self.charged_ids = None
+        self.refunded = []
+        self.refused_users = set()
+        self.throttled = set()
+        self.throttled_at_start = []
+        self.skipped_at_start = set()
+        self.held = set()
+        self.turn_order = {}
+        self.scheduled_running = set()
+        self.left_running = 0
+        self.preempted_for_r13 = self.unconstrained = self.steady = False
+        self.margin = 0
+        self.grants = {}
+        self.grants_at_start = {}
+        self.taken = {}
+        self.resident = None
+        self.resident_seen = 0
+        self.wait_hint_ns = None

@@ -128,3 +128,64 @@ def test_r2_take_counts_rejects_a_count_below_one_naming_the_user_and_takes_noth
     with pytest.raises(ValueError, match="got 0 for user 'bob'"):
         lim.take_counts({"alice": 1, "bob": 0}, 0)
     assert len(lim) == 0  # nothing taken: the whole batch is checked first
+
+
+USERS = ("a", "b", "c", "d")
+
+
+@pytest.mark.rules("R2")
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(USERS), RATES, max_size=3),
+    RATES,
+    st.dictionaries(st.sampled_from(USERS), st.integers(1, 5), min_size=1),
+    st.lists(st.tuples(st.integers(0, 200_000_000), st.booleans()), min_size=1, max_size=10),
+    st.lists(st.sampled_from(USERS), max_size=2),
+)
+def test_r2_take_steady_equals_take_counts_step_by_step(overrides, default, counts, gaps, warm) -> None:
+    # take_steady keeps steps of the same counts per (scale, increment) group and writes
+    # them when a TAT is read; after each step every TAT equals the eager take_counts'
+    # (users with and without a TAT before the run, shared and distinct rates). A step
+    # whose flag is set reads the TATs in between (a flush in the middle of a run).
+    eager = OutputRateLimiter(default, overrides)
+    lazy = OutputRateLimiter(default, overrides)
+    now = 10**12
+    for user in warm:  # some users hold a TAT before the run
+        for lim in (eager, lazy):
+            lim.try_take(user, now)
+    for gap, read in gaps:
+        now += gap
+        eager.take_counts(counts, now)
+        lazy.take_steady(counts, now)
+        if read:
+            assert lazy._tat == eager._tat
+    assert lazy._tat == eager._tat
+    assert {u: lazy.grants_at(u, now) for u in USERS} == {u: eager.grants_at(u, now) for u in USERS}
+
+
+def test_take_steady_comparison_sees_a_wrong_unrolling() -> None:
+    # The comparison above can fail: writing only the last step (S := now x p + a, the
+    # unrolling without the S0 + k a term) differs from take_counts for a user that
+    # started ahead of the clock.
+    from vllm_output_rate.reference import limiter as limiter_module
+
+    class LastStepOnly(limiter_module._Deferred):
+        def write(self, tats):
+            for _p, a, top, members in self.groups:
+                for user, _before in members:
+                    tats[user] = top + (self.k + 1) * a
+
+    eager, lazy = OutputRateLimiter(10), OutputRateLimiter(10)
+    counts = {"u": 3}
+    for lim in (eager, lazy):
+        for _ in range(2):
+            lim.try_take("u", 10**12)  # TAT 200 ms ahead
+    real = limiter_module._Deferred
+    limiter_module._Deferred = LastStepOnly
+    try:
+        for now in (10**12, 10**12 + 1):
+            eager.take_counts(counts, now)
+            lazy.take_steady(counts, now)
+    finally:
+        limiter_module._Deferred = real
+    assert lazy._tat != eager._tat

@@ -173,3 +173,56 @@ def test_the_side_by_side_run_sees_a_difference(monkeypatch) -> None:
     monkeypatch.setattr(_RateLimitMixin, "_record_last_served", forgetful)
     with pytest.raises(AssertionError, match="state differs"):
         run_side_by_side(scenario)
+
+
+def _survey_calls(async_scheduling: bool, shortcuts: bool, steps: int, stretch_margin: bool = False) -> tuple:
+    """12 streams of 3 users (4 each) at 200 tok/s, a step every 25 ms (5 grants regained
+    per step, 4 charged): per step, the limiter's ``grants_at`` calls, whether the survey
+    took the O(1) path, and every TAT. ``stretch_margin``: the O(1) survey is told that
+    the bounds cover every later step (a planted bug)."""
+    h = Harness(
+        REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER,
+        EngineShape(max_num_seqs=12, async_scheduling=async_scheduling, output_rate={"default_tokens_per_s": 200}),
+    )
+    for i in range(12):
+        h.add_request(f"r{i}", ("a", "b", "c")[i % 3], prompt_len=4 + i, max_tokens=steps + 8)
+    scheduler = h.scheduler
+    scheduler.shortcuts = shortcuts
+    limiter = scheduler.rate_limiter
+    calls: list[tuple[str, int]] = []
+    real = limiter.grants_at
+    limiter.grants_at = lambda user, now_ns: calls.append((user, now_ns)) or real(user, now_ns)
+    seen = []
+    for _ in range(steps):
+        trace = h.step()
+        h.advance(25 * MS)
+        seen.append((list(calls), scheduler._step.steady, trace.white["tat_ns"]))
+        calls.clear()
+        if stretch_margin:
+            scheduler._charging.margin = 10**9
+    return tuple(seen)
+
+
+@pytest.mark.rules("R2")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_r2_the_o1_survey_asks_the_limiter_exactly_when_the_full_survey_does(async_scheduling):
+    # Each user's bound falls by 4 a step from its 21 idle grants (100 ms burst at 200
+    # tok/s): the O(1) survey (Charging.survey, ``steady``) stands on it while it covers
+    # another step, and the full survey asks the limiter once it does not. Without the
+    # shortcuts every step takes the loop: both ask the limiter for the same users at the
+    # same clock readings, and every TAT agrees.
+    fast = _survey_calls(async_scheduling, True, 30)
+    slow = _survey_calls(async_scheduling, False, 30)
+    assert [(c, t) for c, _, t in fast] == [(c, t) for c, _, t in slow]
+    steady = [s for _, s, _ in fast]
+    assert sum(steady) >= 10 and not any(s for _, s, _ in slow)
+    asked_after_start = [i for i, (c, _, _) in enumerate(fast) if c and i > 1]
+    assert asked_after_start, "the bounds never ran out: the test does not reach the full survey"
+
+
+def test_the_o1_survey_comparison_sees_a_margin_that_is_too_long():
+    # The comparison above can fail: an O(1) survey that trusts its bounds past their
+    # margin stops asking the limiter when the full survey asks it.
+    fast = _survey_calls(False, True, 30, stretch_margin=True)
+    slow = _survey_calls(False, False, 30)
+    assert [c for c, _, _ in fast] != [c for c, _, _ in slow]
