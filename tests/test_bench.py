@@ -47,6 +47,8 @@ def test_bench_quick_json_structure(tmp_path):
         # with the reference / article-style column (issue 27: <= 0.87 when throttled).
         for key in ("article_us", "article_ratio", "reference_article_ratio"):
             assert _positive_finite(r[key]), (key, r)
+        # The control: a second stock scheduler in the same rounds (A/A), the resolution of "ratio".
+        assert _positive_finite(r["control_ratio"]), r
         # Issue 27: the per-request cost over stock from this row's medians, beside the
         # try_take floor from the limiter part of the same run.
         assert r["per_request_over_stock_us"] == (r["reference_us"] - r["stock_us"]) / r["running"], r
@@ -132,6 +134,22 @@ def test_scheduler_row_per_request_cost_and_try_take_floor_come_from_the_run():
     table = _scheduler_table(rows, "cpu")
     headers = [column.header for column in table.columns]
     assert headers[-2:] == ["per request over stock µs", "try_take floor µs"]
+    control = headers.index("stock / stock (control)")
+    assert list(table.columns[control].cells) == [f"{row.control_ratio:.3f}"]
     assert "reference / article-style" in headers
     assert list(table.columns[-1].cells) == [f"{floor:.3f}"]
     assert list(table.columns[-2].cells) == [f"{row.per_request_over_stock_us:+.2f}"]
+
+
+def test_the_control_is_a_second_stock_scheduler_timed_in_the_same_rounds():
+    # The A/A control is built like stock (same class, same requests, feature off) and is
+    # a scheduler of its own, so control / stock measures only the bench's resolution.
+    from dataclasses import replace
+
+    from vllm_output_rate.bench.scheduler import _drivers
+
+    stock, reference, _article, control = _drivers(8, 0.0, False, replace(QUICK, rounds=2, steps_per_round=2), "cpu")
+    assert control.scheduler is not stock.scheduler
+    assert type(control.scheduler) is type(stock.scheduler) is not type(reference.scheduler)
+    assert getattr(control.scheduler, "rate_limiter", None) is None
+    assert [r.request_id for r in control.scheduler.waiting] == [r.request_id for r in stock.scheduler.waiting]

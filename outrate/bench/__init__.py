@@ -18,6 +18,9 @@ close to ``reference_us / stock_us``). A third class, "article-style" (the indep
 implementation of the article kept as the gate's acceptance corpus,
 ``tests/fixtures/article_style``, configured through its hook), is timed in the same
 rounds when the checkout has it; ``article_ratio`` is its median per-round ratio to stock.
+A fourth, the control, is a second stock scheduler built and timed the same way:
+``control_ratio`` (its median per-round ratio to stock, A/A) is how far a ratio of two
+identical schedulers reads from 1.0 in that run, the resolution of ``ratio``.
 
 - throttled fraction 0: the limit is on with a rate of 10**9 tokens/s, never binding;
 - 0.5 / 0.9: that share of the requests, spread evenly over the running order, belongs to

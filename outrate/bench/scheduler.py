@@ -188,6 +188,10 @@ class SchedulerRow:
     # The floor of any per-request charge beside it: one granted try_take of the reference
     # limiter, in µs, measured in the same run (set_try_take_floor); None until set.
     try_take_floor_us: float | None = None
+    # The control: median over rounds of a second stock scheduler / stock, built and timed
+    # in the same rounds (A/A). How far from 1.0 a ratio of identical schedulers reads in
+    # this run: the resolution of ``ratio``. None when the control was not run.
+    control_ratio: float | None = None
 
 
 ARTICLE_SCHEDULER = "article_style.scheduler.ArticleScheduler"
@@ -212,10 +216,10 @@ def article_style(async_mode: bool) -> tuple[str, Any] | None:
 
 def _drivers(
     n: int, fraction: float, async_mode: bool, plan: Plan, clock: str
-) -> tuple[_Driver, _Driver, _Driver | None]:
-    """The stock, reference and (where its fixture is importable) article-style drivers at
-    ``n`` running requests, ``fraction`` of them throttled, each sized for the plan's
-    warm-up and timed rounds, all on the clock named ``clock``."""
+) -> tuple[_Driver, _Driver, _Driver | None, _Driver]:
+    """The stock, reference, (where its fixture is importable) article-style and control
+    (a second stock) drivers at ``n`` running requests, ``fraction`` of them throttled,
+    each sized for the plan's warm-up and timed rounds, all on the clock named ``clock``."""
     # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
     from vllm_output_rate.adapter.harness import (
         REFERENCE_ASYNC_SCHEDULER,
@@ -225,14 +229,17 @@ def _drivers(
     )
 
     total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_per_round + 8
-    stock = _Driver(
-        STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER,
-        n,
-        fraction,
-        async_mode,
-        total,
-        limited=False,
-        clock=CLOCKS[clock],
+    stock, control = (
+        _Driver(
+            STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER,
+            n,
+            fraction,
+            async_mode,
+            total,
+            limited=False,
+            clock=CLOCKS[clock],
+        )
+        for _ in range(2)
     )
     reference = _Driver(
         REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER,
@@ -259,15 +266,15 @@ def _drivers(
         if peer is not None
         else None
     )
-    return stock, reference, article
+    return stock, reference, article, control
 
 
 def measure_scheduler(
     n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None], clock: str = "cpu"
 ) -> SchedulerRow:
     """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
-    stock, reference, article = _drivers(n, fraction, mode == "async", plan, clock)
-    drivers = [d for d in (stock, reference, article) if d is not None]
+    stock, reference, article, control = _drivers(n, fraction, mode == "async", plan, clock)
+    drivers = [d for d in (stock, reference, article, control) if d is not None]
     for driver in drivers:
         driver.warm_up()
     gc.collect()
@@ -308,6 +315,7 @@ def measure_scheduler(
             statistics.median([r / a for r, a in zip(ref_means, means[id(article)])]) if article is not None else None
         ),
         per_request_over_stock_us=(reference_us - stock_us) / n,
+        control_ratio=statistics.median([c / s for c, s in zip(means[id(control)], stock_means)]),
     )
 
 
