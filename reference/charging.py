@@ -32,9 +32,9 @@ class Charging:
     ``spare``: user -> grants at the clock reading of the last full survey (a lower bound
     there), of which ``spare_steps`` steps have each taken ``spare_taken`` since:
     ``spare - spare_steps x spare_taken`` is a lower bound on ``grants_at(user, now)`` for
-    every later now (``survey``). ``steady``: when the steps since then charged every
-    request of the scheduler each (user -> its requests, the same each step), and
-    ``margin``: how many such steps ``spare`` covers for every user (the O(1) survey).
+    every later now (``survey``). ``margin``: while those steps each charged every request
+    of the scheduler (``spare_taken`` is then user -> its requests), how many such steps
+    ``spare`` covers for every user (the O(1) survey); 0 otherwise.
     The per-step allowances live in the ``StepRecord``.
     """
 
@@ -47,7 +47,6 @@ class Charging:
         self.spare: dict[str, int] = {}
         self.spare_taken: dict[str, int] = {}
         self.spare_steps = 0
-        self.steady: dict[str, int] | None = None
         self.margin = 0
 
     def survey(self, step: StepRecord) -> tuple[bool, dict[str, int]]:
@@ -62,18 +61,11 @@ class Charging:
         earlier clock reading are a lower bound now, as grants only grow with time and
         with refunds. Seeds this step's allowances (``step.grants``) with the result: exact
         where the limiter was asked, otherwise a lower bound that the user's requests
-        cannot use up in one step. O(users); O(1) (in Python) in a steady step (``steady``).
+        cannot use up in one step. O(users); O(1) (in Python) in a steady step (``margin``).
         """
         host = self.host
         requests_of = host._limits.user_requests
-        steady = self.steady
-        if (
-            steady is not None
-            and self.spare_steps < self.margin
-            and host._hook_fast
-            and host.shortcuts
-            and steady == requests_of
-        ):
+        if self.spare_steps < self.margin and host._hook_fast and host.shortcuts and self.spare_taken == requests_of:
             # R2: the same requests as in each step since the last full survey, every one
             # charged in each, and ``spare`` covers one more such step for every user: the
             # loop below would find every user covered by its spare grants (``margin``).
@@ -142,7 +134,7 @@ class Charging:
                     return
                 counted = dict(limits.user_requests)
                 self.spare, self.spare_taken, self.spare_steps = step.grants_at_start, counted, 1
-                self.steady, self.margin = counted, step.margin
+                self.margin = step.margin
             else:
                 ids = step.charged_ids = list(map(_REQUEST_ID, step.charged))
                 counted = Counter(map(limits.users.__getitem__, ids))
@@ -150,15 +142,14 @@ class Charging:
                     spare, taken, steps = self.spare, self.spare_taken, self.spare_steps
                     step.grants_at_start = {u: spare.get(u, 0) - steps * n for u, n in taken.items()}
                 self.spare, self.spare_taken, self.spare_steps = step.grants_at_start, counted, 1
-                self.steady = None
+                self.margin = 0
             limiter.take_counts(counted, now)
             step.taken = counted  # the metrics' granted tokens (reference/metrics.py)
             return
         left = step.grants
         taken = {u: n - left[u] for u, n in step.grants_at_start.items() if n > left[u]}
         limiter.take_counts(taken, now)
-        self.spare, self.spare_taken, self.spare_steps = left, {}, 0
-        self.steady = None
+        self.spare, self.spare_taken, self.spare_steps, self.margin = left, {}, 0, 0
         step.taken = taken  # the metrics' granted tokens (reference/metrics.py)
 
     def settle(self, step: StepRecord, scheduler_output: Any) -> list[str]:

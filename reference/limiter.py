@@ -377,9 +377,7 @@ class _Deferred:
 
     def write(self, tats: dict[str, int]) -> None:
         """Every member's TAT after the ``k`` steps: ``max(S0 + k a, M + (k + 1) a)``."""
-        k = self.k
-        if not k:
-            return
+        k = self.k  # >= 1: take_steady makes a run and steps it in one call
         for _p, a, top, members in self.groups:
             base = top + (k + 1) * a
             for user, before in members:
