@@ -21,7 +21,9 @@ millisecond, so it is in force from that very step. A larger one is read, parsed
 validated by the watcher's own thread, off the step (R21, no stall: 100,000 users take a
 few hundred ms); the first ``poll()`` after it is ready returns it (an O(1) swap). A bad
 file is logged once at ERROR (what to change) and the limits in force are kept; a missing
-file keeps them too (logged once at WARNING). It never raises at run time. At start-up
+file keeps them too (logged once at WARNING). It never raises at run time, and its thread
+never ends: a failure of the reader process (not of the file) is logged at ERROR and the
+same version is read again after a back-off (``RETRY_S``, doubling to ``RETRY_MAX_S``). At start-up
 ``load_initial()`` reads an existing file and raises on a bad one (start-up stops with the
 message as its last line).
 """
@@ -56,8 +58,15 @@ from vllm_output_rate.reference.section import (
 
 RATE_KEYS = TABLE_KEYS
 MAX_RATES_FILE_BYTES = 16 << 20  # a rate table far larger than this is not a rate table
+RETRY_S = 0.5  # R21: the watcher thread's first wait after a failure of the reader process (s)
+RETRY_MAX_S = 30.0  # ... doubling up to this
 INLINE_BYTES = 16 << 10  # R21: a file up to this size is parsed in the step (< 0.3 ms), larger ones off it
-__all__ = ["RateTable", "RatesFileWatcher", "parse_rates_file"]
+__all__ = ["RateTable", "RatesFileWatcher", "ReaderFailed", "parse_rates_file"]
+
+
+class ReaderFailed(RuntimeError):
+    """R21: the reader process failed (it died, or wrote what ``table_lines`` did not);
+    the file is not at fault, and the watcher thread tries the same version again."""
 
 
 def _short(value: Any) -> str:
@@ -132,6 +141,8 @@ class RatesFileWatcher:
         self._missing_logged = False
         self.reloads = 0  # tables installed from the file (for tests and logs)
         self.errors = 0  # bad files seen
+        self.failures = 0  # failures of the watcher thread's work (the reader process), each retried
+        self.retry_s = RETRY_S
         # Off the step: the signature to read (set by poll), the table read (set by the thread).
         self._wanted: tuple[int, int, int] | None = None
         self._ready: RateTable | None = None
@@ -197,8 +208,17 @@ class RatesFileWatcher:
         if reader is None or reader.poll() is not None:
             command = [sys.executable, "-m", "vllm_output_rate.reference.ratesfile"]
             self.pacer.start()
+            # R21: an explicit copy of the environment. Without env=, the child's execve reads
+            # the C library's environ, which another thread may be reallocating at that moment
+            # (os.environ changes call setenv/unsetenv); on Linux, subprocess uses vfork, and
+            # such an exec failed with EFAULT ("[Errno 14] Bad address").
             reader = self._reader = subprocess.Popen(
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=dict(os.environ),
             )
             self.pacer()  # starting the process holds the GIL: a chunk too
         return reader
@@ -208,7 +228,11 @@ class RatesFileWatcher:
         the table as JSON lines; this thread builds it from them a chunk at a time, letting
         the step run between chunks (``Pacer``), so the engine's step never waits for a
         whole JSON document or table. None with the error logged (a bad file: the limits in
-        force are kept)."""
+        force are kept).
+
+        Raises:
+            ReaderFailed: the reader process failed or could not be started (not the
+                file's fault: ``_run`` tries this version again)."""
         status: Any = None
         table = None
         try:
@@ -225,8 +249,9 @@ class RatesFileWatcher:
             for _ in lines:  # up to the end mark (nothing left after a whole table)
                 pass
         except (OSError, ValueError, StopIteration) as exc:
+            # The reader process failed, not the file: the thread retries this version (_run).
             self._stop_reader()
-            status = {"error": f"rates file {self.path}: the reader process failed ({exc!r}); it is restarted"}
+            raise ReaderFailed(f"rates file {self.path}: the reader process failed ({exc!r})") from None
         if table is not None:
             return table
         self.errors += 1
@@ -342,27 +367,52 @@ class RatesFileWatcher:
 
     def _run(self) -> None:
         """The watcher thread: read and validate each version ``poll`` asks for; empty
-        what the step retired."""
+        what the step retired. It never ends: a failure (the reader process cannot start
+        or dies) is logged at ERROR and the same version is tried again after
+        ``retry_s`` (doubling up to ``RETRY_MAX_S``); without that, the file's next
+        versions would never be read (R21)."""
         _lower_priority()
+        delay = self.retry_s
         while True:
             self._wake.wait()
             self._wake.clear()
-            self._drain_retired()
-            with self._lock:
-                wanted = self._wanted
-                if wanted is None or wanted == self._done:
-                    continue
-            table = self._read_in_reader_process()
-            if table is not None and table.signature != wanted:
-                table = None  # replaced meanwhile: poll asks for the newer version
-            if table is not None and self.burst_ns is not None:
-                self.pacer.start()
-                table.prepare(self.burst_ns, self.pacer)  # scales, labels, log line built here: the step swaps
-            with self._lock:
-                if self._wanted == wanted:
-                    self._ready, self._done = table, wanted
-                    if table is not None:
-                        self.reloads += 1
+            try:
+                self._serve()
+            except Exception as exc:  # noqa: BLE001 -- the thread outlives any failure (docstring)
+                self.failures += 1
+                self._stop_reader()
+                self.logger.error(
+                    "output-rate: %s; the limits in force are kept, the file is read again in %.1f s", exc, delay
+                )
+                time.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+                self._wake.set()
+            else:
+                delay = self.retry_s
+
+    def _serve(self) -> None:
+        """One wake of the watcher thread: empty what was retired, then read the version
+        ``poll`` asked for, if not read yet.
+
+        Raises:
+            ReaderFailed: the reader process failed (``_run`` retries).
+            OSError: the reader process could not be started."""
+        self._drain_retired()
+        with self._lock:
+            wanted = self._wanted
+            if wanted is None or wanted == self._done:
+                return
+        table = self._read_in_reader_process()
+        if table is not None and table.signature != wanted:
+            table = None  # replaced meanwhile: poll asks for the newer version
+        if table is not None and self.burst_ns is not None:
+            self.pacer.start()
+            table.prepare(self.burst_ns, self.pacer)  # scales, labels, log line built here: the step swaps
+        with self._lock:
+            if self._wanted == wanted:
+                self._ready, self._done = table, wanted
+                if table is not None:
+                    self.reloads += 1
 
     def wait_ready(self, timeout_s: float = 30.0) -> bool:
         """Tests and benchmarks: wait until the watcher thread has read the last version

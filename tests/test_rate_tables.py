@@ -4,6 +4,7 @@ unlimited users, per-plan shadow, the reload off the step and the bounded /metri
 from __future__ import annotations
 
 import json
+import os
 import threading
 from fractions import Fraction
 
@@ -331,6 +332,69 @@ def test_r21_a_large_table_is_read_and_validated_off_the_step(tmp_path, monkeypa
     path.write_text(table_text(users={**users, "bad": "gold"}))
     assert watcher.poll() is None and watcher.wait_ready(60) and watcher.poll() is None  # refused there
     assert watcher.errors == 1
+
+
+@pytest.mark.rules("R21")
+def test_r21_a_failed_reader_process_is_retried_and_the_table_comes_in_force(tmp_path, monkeypatch) -> None:
+    # The watcher thread's work failed once (the reader process could not be started, as
+    # with EFAULT below): the thread must neither die nor give that version of the file up.
+    path = tmp_path / "rates.json"
+    watcher = RatesFileWatcher(str(path), burst_ns=100 * MS)
+    watcher.retry_s = 0.01
+    real, calls = ratesfile.subprocess.Popen, []
+
+    def flaky(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) <= 2:  # the start-up reader (retired marker), then the first read
+            raise OSError(14, "Bad address")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ratesfile.subprocess, "Popen", flaky)
+    users = {f"user-{i:05d}": "pro" for i in range(3000)}
+    path.write_text(table_text(users=users))
+    assert watcher.poll() is None  # large: handed to the watcher thread
+    assert watcher.wait_ready(60)
+    table = watcher.poll()
+    assert table is not None and table.rate_of("user-02999") == 200
+    assert watcher.failures == 2 and watcher.errors == 0 and watcher._thread.is_alive()
+    path.write_text(table_text(users={**users, "user-x": "free"}))  # the next version still loads
+    assert watcher.poll() is None and watcher.wait_ready(60)
+    assert watcher.poll().rate_of("user-x") == 20 and watcher.failures == 2
+
+
+@pytest.mark.rules("R21")
+def test_r21_the_reader_process_starts_while_another_thread_changes_the_environment(tmp_path) -> None:
+    # Without an explicit env=, the reader's exec reads the C library's environ while this
+    # thread reallocates it (os.environ grows): "[Errno 14] Bad address" in about 1 start
+    # in 5 here. The watcher passes a copy of os.environ.
+    path = tmp_path / "rates.json"
+    path.write_text(table_text(users={f"user-{i:05d}": "pro" for i in range(3000)}))
+    watcher = RatesFileWatcher(str(path))
+    failed: list[OSError] = []
+
+    def starts() -> None:
+        for _ in range(20):
+            try:
+                watcher._reader_process()
+            except OSError as exc:
+                failed.append(exc)
+            watcher._stop_reader()
+
+    added: list[str] = []
+    thread = threading.Thread(target=starts)
+    thread.start()
+    try:
+        while thread.is_alive():
+            added.append(f"OUTRATE_TEST_ENV_{len(added)}")
+            os.environ[added[-1]] = "x"
+            if len(added) % 5000 == 0:
+                for key in added[-5000:]:
+                    os.environ.pop(key, None)
+    finally:
+        thread.join()
+        for key in added:
+            os.environ.pop(key, None)
+    assert failed == []
 
 
 @pytest.mark.rules("R27")
