@@ -153,3 +153,29 @@ def test_the_control_is_a_second_stock_scheduler_timed_in_the_same_rounds():
     assert type(control.scheduler) is type(stock.scheduler) is not type(reference.scheduler)
     assert getattr(control.scheduler, "rate_limiter", None) is None
     assert [r.request_id for r in control.scheduler.waiting] == [r.request_id for r in stock.scheduler.waiting]
+
+
+def test_profile_throttled_profiles_the_reference_and_the_article_style_peer(tmp_path):
+    # Issue 27, "say where the rest goes": with requests throttled, both schedulers' steps
+    # (schedule() and update_from_output()) under cProfile, and the ratio of their totals.
+    report = tmp_path / "profile.json"
+    args = ["bench", "--quick", "--profile", "8", "--profile-throttled", "0.5", "--json", str(report)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(report.read_text())
+    ref, peer = data["profile"], data["peer_profile"]
+    assert ref["scheduler"] == "RateLimitedScheduler" and peer["scheduler"] == "ArticleScheduler"
+    for prof in (ref, peer):
+        assert prof["calls"] == "schedule+update_from_output" and prof["throttled_fraction"] == 0.5
+        assert _positive_finite(prof["total_us_per_step"])
+    assert data["reference_peer_ratio"] == ref["total_us_per_step"] / peer["total_us_per_step"]
+    assert any("reference/" in r["function"] for r in ref["project_cumulative"])
+    assert any("article_style/" in r["function"] for r in peer["project_cumulative"])
+    assert not any("article_style/" in r["function"] for r in ref["project_cumulative"])
+    assert "--profile 8 --profile-throttled 0.5" in data["command"]
+
+
+def test_profile_throttled_without_profile_is_refused_naming_the_value():
+    result = CliRunner().invoke(main, ["bench", "--profile-throttled", "0.5"])
+    assert result.exit_code == 2
+    assert "--profile-throttled 0.5 needs --profile N" in result.output

@@ -92,7 +92,17 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
     metavar="N",
     help="Instead of the benchmark: cProfile the reference's schedule() at N running requests.",
 )
-def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile_n) -> None:
+@click.option(
+    "--profile-throttled",
+    "profile_fraction",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    default=0.0,
+    show_default=True,
+    metavar="F",
+    help="With --profile: throttle this fraction of the requests, and profile the article-style peer beside the "
+    "reference (schedule() and update_from_output(), the calls the bench times).",
+)
+def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile_n, profile_fraction) -> None:
     """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     plan = _plan(quick, sizes, rounds)
@@ -101,7 +111,9 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
         parts.add("live")
     elif live is False:
         parts.discard("live")
-    command = _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live)
+    if profile_fraction and profile_n is None:
+        raise click.UsageError(f"--profile-throttled {profile_fraction} needs --profile N (the running requests)")
+    command = _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live, profile_fraction)
     started = time.monotonic()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with console.status("importing vLLM"):
@@ -112,7 +124,7 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
     if profile_n is not None:
-        _profile(profile_n, 20 if quick else 100, json_path, command)
+        _profile(profile_n, 20 if quick else 100, json_path, command, profile_fraction)
         return
     scheduler_rows, shared, limiter, gate, live_result = _measure(parts, plan, clock)
     if scheduler_rows:  # the try_take floor: the limiter part's, else a short try_take run
@@ -177,17 +189,29 @@ def _plan(quick: bool, sizes: str | None, rounds: int | None) -> Plan:
     return Plan(**{**asdict(plan), **overrides}) if overrides else plan
 
 
-def _profile(profile_n: int, steps: int, json_path: Path | None, command: str) -> None:
-    """``--profile N``: the cProfile tables of the reference's ``schedule()`` (and the JSON)."""
+def _profile(profile_n: int, steps: int, json_path: Path | None, command: str, fraction: float = 0.0) -> None:
+    """``--profile N``: the cProfile tables of the reference's ``schedule()`` (and the JSON);
+    with ``--profile-throttled F`` > 0, the reference's and the article-style peer's steps
+    at that fraction throttled, and the ratio of their totals under the profiler."""
     with console.status(f"profiling the reference's schedule() at {profile_n} running requests"):
-        prof = profile_schedule(profile_n, steps, top=25)
+        prof = profile_schedule(profile_n, steps, top=25, fraction=fraction)
     for table in profile_tables(prof, profile_n, steps):
         console.print(table)
+    result: dict[str, Any] = {"profile": prof, "running": profile_n, "steps": steps, "command": command}
+    if fraction > 0:
+        with console.status(f"profiling the article-style peer at {profile_n} running requests"):
+            peer = profile_schedule(profile_n, steps, top=25, fraction=fraction, peer=True)
+        for table in profile_tables(peer, profile_n, steps):
+            console.print(table)
+        result["peer_profile"] = peer
+        result["reference_peer_ratio"] = prof["total_us_per_step"] / peer["total_us_per_step"]
+        console.print(
+            f"under the profiler, {fraction:.0%} throttled: reference {prof['total_us_per_step']:,.0f} µs/step, "
+            f"article-style {peer['total_us_per_step']:,.0f} µs/step, ratio {result['reference_peer_ratio']:.3f}"
+        )
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(
-            json.dumps({"profile": prof, "running": profile_n, "steps": steps, "command": command}, indent=2)
-        )
+        json_path.write_text(json.dumps(result, indent=2))
 
 
 def _measure(
@@ -259,7 +283,7 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live=None) -> str:
+def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live=None, fraction=0.0) -> str:
     """The command that reproduces this run (for the report)."""
     words = ["outrate", "bench"]
     words += ["--quick"] if quick else []
@@ -270,6 +294,7 @@ def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profi
         words += ["--only", part]
     words += [] if live is None else ["--live" if live else "--no-live"]
     words += ["--profile", str(profile_n)] if profile_n is not None else []
+    words += ["--profile-throttled", str(fraction)] if fraction else []
     words += ["--json", str(json_path)] if json_path is not None else []
     words += ["--plot", str(plot_path)] if plot_path is not None else []
     return " ".join(words)

@@ -267,14 +267,17 @@ def _gate_table(gate: dict[str, Any]) -> Table:
 
 def profile_tables(prof: dict[str, Any], profile_n: int, steps: int) -> list[Table]:
     """``--profile``: the functions by self time, and the project's by cumulative time."""
+    fraction = prof.get("throttled_fraction", 0.0)
+    calls = "schedule() + update_from_output()" if prof.get("calls", "schedule") != "schedule" else "schedule()"
     head = (
-        f"cProfile: RateLimitedScheduler.schedule() at {profile_n} running, limit not binding, {steps} steps, "
+        f"cProfile: {prof.get('scheduler', 'RateLimitedScheduler')} {calls} at {profile_n} running, "
+        f"{f'{fraction:.0%} throttled' if fraction else 'limit not binding'}, {steps} steps, "
         f"{prof['total_us_per_step']:,.0f} µs/step under the profiler"
     )
     tables = []
     for title, key in (
         (f"{head}; by self time", "top_self"),
-        ("project functions (vllm_output_rate) by cumulative time", "project_cumulative"),
+        ("this checkout's functions (the scheduler's own code) by cumulative time", "project_cumulative"),
     ):
         table = Table(title=title)
         for col in ("function", "calls/step", "self %", "cum %", "self µs/step", "cum µs/step"):
