@@ -378,7 +378,7 @@ class RatesFileWatcher:
             self._wake.clear()
             try:
                 self._serve()
-            except Exception as exc:  # noqa: BLE001 -- the thread outlives any failure (docstring)
+            except Exception as exc:  # the thread outlives any failure (docstring)
                 self.failures += 1
                 self._stop_reader()
                 self.logger.error(
