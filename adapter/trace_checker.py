@@ -41,9 +41,16 @@ def _constant(rate: Fraction) -> Callable[[str], Fraction]:
     return lambda _user: rate
 
 
-def _rate_of(header: Mapping[str, Any], user: str) -> Fraction:
+def _rate(text: Any) -> Fraction | None:
+    """A trace's rate (an exact fraction string, tokens/s) as a Fraction; None: ``"unlimited"`` (R28)."""
+    return None if text == "unlimited" else Fraction(text)
+
+
+def _rate_of(header: Mapping[str, Any], user: str) -> Fraction | None:
+    """``user``'s rate (tokens/s; None: unlimited) by the header's (or a rates line's) two
+    rate keys, for a user no step line has stated a rate for (``user_rates``)."""
     overrides = header.get("user_tokens_per_s") or {}
-    return Fraction(overrides.get(user, header["default_tokens_per_s"]))
+    return _rate(overrides.get(user, header["default_tokens_per_s"]))
 
 
 class _UserWindow:
@@ -59,16 +66,17 @@ class _UserWindow:
 
     __slots__ = ("burst_ns", "count", "gcra", "gcra_ok", "last_ns", "rate", "user", "window", "window_ok")
 
-    def __init__(self, user: str, rate: Fraction, burst_ns: int) -> None:
+    def __init__(self, user: str, rate: Fraction | None, burst_ns: int) -> None:
         self.user, self.rate, self.burst_ns = user, rate, burst_ns
         self.count = 0
-        self.window = R2Window(rate, burst_ns)
+        self.window: R2Window | None = R2Window(rate, burst_ns) if rate is not None else None  # None: unlimited
         self.window_ok = self.gcra_ok = True
         self.gcra = spec_limiter.EMPTY
         self.last_ns = 0
 
     def dispatch(self, now_ns: int) -> list[tuple[str, str]]:
         """Add the next dispatch (at ``now_ns``); returns the (rule, message) pairs it breaks."""
+        assert self.window is not None and self.rate is not None, "an unlimited user (R28) is not replayed"
         now_ns = self.last_ns = max(now_ns, self.last_ns)  # the clock never goes back here
         broken = []
         k = self.count
@@ -112,6 +120,18 @@ class _Run:
         self.dirty: set[str] = set()  # freed, token-checked, then touched again: check at the end
         self.flagged: set[str] = set()  # token bounds found broken (reported once)
         self.live: dict[str, int] = {}  # user -> its requests seen and not yet freed (busy periods)
+        # R27-R29: rates the step lines stated (``user_rates``) since the header or the last
+        # rates line; and users holding a window when a rates line did not give their new
+        # rate (a plan table): the change's time, applied when their rate is next stated.
+        self.stated: dict[str, Fraction | None] = {}
+        self.pending: dict[str, int] = {}
+
+    def rate_of(self, user: str) -> Fraction | None:
+        """``user``'s rate now (tokens/s; None: unlimited): as stated by a step line, else by
+        the header or the last rates line."""
+        if user in self.stated:
+            return self.stated[user]
+        return _rate_of(self.report.header, user)
 
 
 class TraceChecker:
@@ -198,17 +218,55 @@ class TraceChecker:
             "default_tokens_per_s": change["default_tokens_per_s"],
             "user_tokens_per_s": dict(change.get("user_tokens_per_s") or {}),
         }
-        for user, window in run.windows.items():
+        complete = "table" not in change  # today's table, written whole: every user's rate
+        listed = header["user_tokens_per_s"]
+        for user in run.windows:
             if user is None:  # R21: no anonymous key here (R17 resolves every request's user)
                 continue
-            old, new = window.rate, _rate_of(header, user)
-            if old == new:
-                continue
-            window.gcra = spec_limiter.change_rates(window.gcra, _constant(old), _constant(new), now)
-            window.rate, window.window = new, R2Window(new, window.burst_ns)
-            run.report.users[user].rate = new
+            if complete or user in listed:
+                TraceChecker.change_rate(run, user, _rate_of(header, user), now)
+            else:
+                run.pending[user] = now  # a plan table: its rate comes with its next line
         run.report.header = header
+        run.stated = {}  # the writer states every user's rate again after a change
         run.report.rate_changes_ns.append(now)
+
+    @staticmethod
+    def change_rate(run: _Run, user: str, new: Fraction | None, now: int) -> None:
+        """R21: ``user``'s rate becomes ``new`` at ``now``: its replayed lead kept in tokens
+        (``limiter.change_rates``), its R2 window restarted; to or from unlimited (R28) it
+        holds no lead (an unlimited user is never charged)."""
+        window = run.windows[user]
+        old = window.rate
+        if old == new:
+            return
+        if old is not None and new is not None:
+            window.gcra = spec_limiter.change_rates(window.gcra, _constant(old), _constant(new), now)
+        else:
+            window.gcra = spec_limiter.EMPTY
+        window.rate = new
+        window.window = R2Window(new, window.burst_ns) if new is not None else None
+        run.report.users[user].rate = new
+
+    def stated_rates(self, run: _Run, rec: dict) -> None:
+        """R27-R29: the rates a step line states (``user_rates``), before its dispatches. A
+        user with a change pending gets it at the change's time; any other user whose
+        stated rate differs from the one replayed changed rate with no rates line (a
+        violation), and is replayed at the stated rate from this step on."""
+        for user, text in (rec.get("user_rates") or {}).items():
+            rate = run.stated[user] = _rate(text)
+            if user not in run.windows:
+                continue
+            when = run.pending.pop(user, None)
+            if when is None and run.windows[user].rate != rate:
+                self.fail(
+                    "R21-rates",
+                    f"rate stated {text} tok/s, replayed at {run.windows[user].rate} tok/s, with no rates line between",
+                    run.index,
+                    rec.get("step"),
+                    user,
+                )
+            self.change_rate(run, user, rate, rec["now_ns"] if when is None else when)
 
     def finishes(self, run: _Run, finished: Mapping[str, Any]) -> None:
         """Record freed requests and check the token bounds of those not aborted."""
@@ -240,6 +298,7 @@ class TraceChecker:
         step = rec["step"]
         charges, refunds = rec.get("charges", []), rec.get("refunds", [])
         self.check_charge_lists(charges, refunds, index, step)
+        self.stated_rates(run, rec)
         sampled: set[str] = set()
         would: set[str] = set()
         per_user: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])  # [net charges, dispatches]
@@ -345,12 +404,14 @@ class TraceChecker:
         ``limited`` False: a shadow-mode dispatch over the limit (counted, not checked by R2)."""
         summary = run.report.users.get(user)
         if summary is None:
-            summary = run.report.users[user] = UserSummary(user, _rate_of(run.report.header, user))
+            summary = run.report.users[user] = UserSummary(user, run.rate_of(user))
             run.windows[user] = _UserWindow(user, summary.rate, run.burst_ns)
         summary.add(now, self.keep_dispatch_ns)
         if not limited:
             summary.would_throttle += 1
             return
+        if run.windows[user].rate is None:
+            return  # R28: an unlimited user's dispatches are counted, never limited
         for rule, message in run.windows[user].dispatch(now):
             self.fail(rule, message, run.index, None, user)
 

@@ -42,7 +42,7 @@ class UserSummary:
     """
 
     user: str
-    rate: Fraction
+    rate: Fraction | None  # tokens/s; None: unlimited (R28)
     dispatch_ns: list[int] = field(default_factory=list)
     dispatches: int = field(init=False, default=0)
     first_dispatch_ns: int | None = field(init=False, default=None)
@@ -164,7 +164,7 @@ class TraceReport:
             for u in sorted(run.users.values(), key=lambda s: s.user):
                 rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
                 lines.append(
-                    f"  run {i} user {u.user}: limit {float(u.rate):g} tok/s, "
+                    f"  run {i} user {u.user}: limit {_limit(u.rate)}, "
                     f"{u.dispatches} dispatches in {u.busy_periods} busy period(s) of "
                     f"{u.busy_s:.2f} s, {rate} tok/s"
                     + (f", {u.would_throttle} would be throttled (shadow)" if run.shadow else "")
@@ -203,7 +203,7 @@ class TraceReport:
             for u in sorted(run.users.values(), key=lambda s: s.user or ""):
                 rate = "-" if u.busy_rate is None else f"{u.busy_rate:.2f}"
                 lines.append(
-                    f"  {str(u.user)[:24]:<24} {float(u.rate):>11g} {u.dispatches:>10} "
+                    f"  {str(u.user)[:24]:<24} {_limit(u.rate, ''):>11} {u.dispatches:>10} "
                     f"{u.busy_periods:>12} {u.busy_s:>8.2f} {rate:>9}"
                     + (f"  {u.would_throttle} would be throttled" if run.shadow else "")
                 )
@@ -224,3 +224,8 @@ class TraceReport:
         else:
             lines.append(f"OK: every check passed in {len(self.runs)} run(s)")
         return lines
+
+
+def _limit(rate: Fraction | None, unit: str = " tok/s") -> str:
+    """A user's limit for the report: ``20 tok/s`` (``unit``), or ``unlimited`` (R28)."""
+    return "unlimited" if rate is None else f"{float(rate):g}{unit}"

@@ -55,8 +55,9 @@ def _plot(report, path: Path, burst_ns: int) -> None:
     t0 = run.first_ns or 0
     for user in sorted(run.users.values(), key=lambda u: u.user):
         xs = [(t - t0) / 1e9 for t in user.dispatch_ns]
-        (line,) = ax.step(xs, range(1, len(xs) + 1), where="post", label=f"{user.user} ({float(user.rate):g} tok/s)")
-        if xs:
+        limit = "unlimited" if user.rate is None else f"{float(user.rate):g} tok/s"
+        (line,) = ax.step(xs, range(1, len(xs) + 1), where="post", label=f"{user.user} ({limit})")
+        if xs and user.rate is not None:  # an unlimited user (R28) has no bound to draw
             # R2 bound from the user's first dispatch: floor((t - t_first + tau) x rate) + 1.
             end = xs[-1]
             grid = [xs[0] + end * k / 200 for k in range(201) if xs[0] + end * k / 200 <= end]

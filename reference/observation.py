@@ -119,7 +119,7 @@ class StepObserver:
             len(host.running),
             len(host.waiting),
             len(shadow.limiter),
-            extra={"would_throttle": would},
+            extra={"would_throttle": would, **_stated(trace.new_user_rates(requests, shadow.limiter.rate_of))},
         )
 
     def step_done(self, step: StepRecord, scheduler_output: Any, would: Any) -> None:
@@ -177,6 +177,7 @@ class StepObserver:
             len(host.running),
             len(host.waiting),
             len(limiter),
+            extra=_stated(trace.new_user_rates(requests, limiter.rate_of)),
         )
 
     def freed(self, request: Any) -> None:
@@ -233,3 +234,8 @@ class StepObserver:
         """Engine shutdown: close the trace."""
         if self.trace is not None:
             self.trace.close()
+
+
+def _stated(user_rates: dict[str, str]) -> dict[str, Any]:
+    """A step line's ``user_rates`` key (``TraceWriter.new_user_rates``), only when it states one."""
+    return {"user_rates": user_rates} if user_rates else {}

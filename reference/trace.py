@@ -21,6 +21,10 @@ File format (JSON lines, appended; one run = one header line followed by its rec
   ``finished`` lists the requests freed since the previous line (finished or aborted),
   with their output-token count at that moment; ``limiter_users`` is the number of users
   holding a TAT (R6 keeps it bounded);
+  A step also carries ``"user_rates": {user: "200" | "unlimited"}`` for each of its users
+  whose rate the trace has not stated since the header or the last rates line: the rate
+  the engine's limiter applies to that user (a plan, a pattern, an unlimited user, R27-R29),
+  which the header's two rate keys cannot say;
 - rates (R21): ``{"rates": {"now_ns", "default_tokens_per_s", "user_tokens_per_s"}}`` --
   the rate table changed at ``now_ns`` (a rates-file reload), before that step's record;
 - idle: ``{"now_ns", "finished": {...}}`` -- written when the scheduler runs out of
@@ -37,7 +41,8 @@ import atexit
 import json
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from fractions import Fraction
 from typing import Any, TextIO
 
 FLUSH_INTERVAL_NS = 500_000_000  # flush at least every 0.5 s of steps
@@ -79,6 +84,7 @@ class TraceWriter:
         self._dumps = json.JSONEncoder(separators=(",", ":")).encode
         self._last_flush_ns: int | None = None
         self.finished: dict[str, dict[str, Any]] = {}  # freed since the last line
+        self.rated: set[str] = set()  # users whose rate a line stated since the header or the last change
         self._write(self._file, {"header": {"version": TRACE_VERSION, "pid": os.getpid(), **header}})
         self._file.flush()
         atexit.register(_close_ref, weakref.ref(self))
@@ -126,6 +132,23 @@ class TraceWriter:
             file.flush()
             self._last_flush_ns = now_ns
 
+    def new_user_rates(
+        self, requests: Mapping[str, Mapping[str, Any]], rate_of: Callable[[str], Fraction | None]
+    ) -> dict[str, str]:
+        """R27-R29: the rate of each user of ``requests`` (a step's ``requests`` map) that no
+        line has stated since the header or the last rates line, as ``user -> "200"``
+        (tokens/s, an exact fraction) or ``"unlimited"`` (``rate_of`` returned None), now
+        stated. O(requests)."""
+        rated = self.rated
+        new: dict[str, str] = {}
+        for info in requests.values():
+            user = info.get("user")
+            if user is not None and user not in rated:
+                rated.add(user)
+                rate = rate_of(user)
+                new[user] = "unlimited" if rate is None else str(rate)
+        return new
+
     def rates_changed(self, now_ns: int, table: Any, holders: Iterable[str] = ()) -> None:
         """R21: the rate table changed at ``now_ns`` (before that step's record); rates as
         exact fraction strings, like the header's. Today's table (``RateTable.is_flat``) of
@@ -153,6 +176,7 @@ class TraceWriter:
             **extra,
         }
         self._write(file, {"rates": record})
+        self.rated = set()  # every user's rate is stated again at its next line (the new table's)
         file.flush()
 
     def idle(self, now_ns: int) -> None:

@@ -85,6 +85,78 @@ def test_trace_written_and_checked(async_scheduling, tmp_path):
     assert run.max_limiter_users >= 1
 
 
+PLAN_TABLE = {
+    "default_plan": "free",
+    "plans": {"free": {"tokens_per_s": 20}, "pro": {"tokens_per_s": 200}, "internal": {"unlimited": True}},
+    "users": {"acme": "pro", "team/*": "internal"},
+}
+
+
+def _plan_table_run(tmp_path, async_scheduling: bool, change: dict | None = None) -> tuple[Harness, list[dict]]:
+    """Users on a plan (acme: pro, 200 tok/s), a pattern (team/bob: unlimited) and the
+    default plan (x: free, 20 tok/s) from a rates file in force at start-up, three streams
+    each; ``change``: a new table written at step 15. Returns the harness and the lines."""
+    rates, trace = tmp_path / "rates.json", tmp_path / "trace.jsonl"
+    rates.write_text(json.dumps(PLAN_TABLE))
+    cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
+    section = {"default_tokens_per_s": 20, "rates_file": str(rates), "trace_path": str(trace)}
+    h = Harness(cls, EngineShape(async_scheduling=async_scheduling, output_rate=section))
+    for user in ("acme", "team/bob", "x"):
+        for i in range(3):
+            h.add_request(f"{user}-{i}", user, max_tokens=30)
+    for n in range(400):
+        if len(h.finished) == len(h.num_outputs) and h._in_flight is None:
+            break
+        if not h.scheduler.has_requests() and h._in_flight is not None:
+            h.drain()
+            continue
+        if change is not None and n == 15:
+            rates.write_text(json.dumps(change))
+        h.step()
+        h.advance(10 * MS)
+    h.scheduler.shutdown()
+    return h, [json.loads(line) for line in trace.read_text().splitlines()]
+
+
+@pytest.mark.rules("R27", "R28")
+def test_r27_the_checker_replays_each_user_at_its_plan_pattern_or_unlimited_rate(async_scheduling, tmp_path):
+    # The header's two rate keys say 20 tok/s for everyone; the engine limits acme at 200
+    # (its plan) and team/bob not at all (its pattern's plan): each step line states the
+    # rate of its users that no line stated yet, and the checker replays that rate.
+    h, lines = _plan_table_run(tmp_path, async_scheduling)
+    report = check_trace(tmp_path / "trace.jsonl", completions={rid: n for rid, (_, n) in h.finished.items()})
+    assert report.ok, report.summary()
+    users = report.runs[0].users
+    assert (users["acme"].rate, users["team/bob"].rate, users["x"].rate) == (200, None, 20)
+    assert users["team/bob"].dispatches == 90 and "unlimited" in report.summary()
+    stated = [r["user_rates"] for r in lines if "user_rates" in r]
+    assert stated[0] == {"acme": "200", "team/bob": "unlimited", "x": "20"} and len(stated) == 1
+    # The same dispatches judged at the header's 20 tok/s break R2: the statement is needed.
+    unstated = [json.dumps({k: v for k, v in r.items() if k != "user_rates"}) for r in lines]
+    assert {"R2-window", "R2-gcra"} <= {v.rule for v in check_records(unstated).violations}
+
+
+@pytest.mark.rules("R21", "R27", "R28")
+def test_r21_a_plan_table_change_is_replayed_for_users_the_rates_line_does_not_name(tmp_path):
+    # At step 15 acme moves to a 50 tok/s plan and team/* from unlimited to 30 tok/s. The
+    # rates line of a plan table names only the users holding a budget; the others' new
+    # rates come with their next step line, applied at the change's time.
+    change = {
+        "default_plan": "free",
+        "plans": {"free": {"tokens_per_s": 20}, "basic": {"tokens_per_s": 50}, "slow": {"tokens_per_s": 30}},
+        "users": {"acme": "basic", "team/*": "slow"},
+    }
+    h, lines = _plan_table_run(tmp_path, False, change)
+    report = check_trace(tmp_path / "trace.jsonl", completions={rid: n for rid, (_, n) in h.finished.items()})
+    assert report.ok, report.summary()
+    users = report.runs[0].users
+    assert (users["acme"].rate, users["team/bob"].rate, users["x"].rate) == (50, 30, 20)
+    assert len(report.runs[0].rate_changes_ns) == 1
+    # A stated rate that differs from the replayed one with no rates line before it.
+    forged = [json.dumps(r) for r in lines if "rates" not in r]
+    assert "R21-rates" in {v.rule for v in check_records(forged).violations}
+
+
 def test_trace_with_abort_and_second_run_appends(tmp_path):
     path = tmp_path / "trace.jsonl"
     h1 = _run(False, path, abort="slow1")
