@@ -39,6 +39,21 @@ def test_trace_path_must_be_a_string(bad):
 
 
 # -- the reference scheduler writes a trace the checker accepts ---------------------
+def _drive(h: Harness, steps: int, before_step) -> bool:
+    """Step ``h`` (10 ms apart) until every request finished, at most ``steps`` times;
+    ``before_step(n)`` before step ``n``. True if every request finished."""
+    for n in range(steps):
+        if len(h.finished) == len(h.num_outputs) and h._in_flight is None:
+            return True
+        if not h.scheduler.has_requests() and h._in_flight is not None:
+            h.drain()
+            continue
+        before_step(n)
+        h.step()
+        h.advance(10 * MS)
+    return len(h.finished) == len(h.num_outputs) and h._in_flight is None
+
+
 def _run(async_scheduling: bool, path, eos_first: bool = True, abort: str | None = None, tag: str = "") -> Harness:
     cls = REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER
     section = {"default_tokens_per_s": 100, "user_tokens_per_s": {"slow": 20}, "trace_path": str(path)}
@@ -46,17 +61,7 @@ def _run(async_scheduling: bool, path, eos_first: bool = True, abort: str | None
     for i in range(3):
         h.add_request(f"{tag}slow{i}", "slow", max_tokens=10, eos_index=4 if (i == 0 and eos_first) else None)
     h.add_request(f"{tag}fast0", "fast", prompt_len=40, max_tokens=12)
-    for n in range(400):
-        if len(h.finished) == len(h.num_outputs) and h._in_flight is None:
-            break
-        if not h.scheduler.has_requests() and h._in_flight is not None:
-            h.drain()
-            continue
-        if abort is not None and n == 20:
-            h.abort(abort)
-        h.step()
-        h.advance(10 * MS)
-    else:
+    if not _drive(h, 400, lambda n: h.abort(abort) if abort is not None and n == 20 else None):
         raise AssertionError("not finished")
     return h
 
@@ -104,16 +109,7 @@ def _plan_table_run(tmp_path, async_scheduling: bool, change: dict | None = None
     for user in ("acme", "team/bob", "x"):
         for i in range(3):
             h.add_request(f"{user}-{i}", user, max_tokens=30)
-    for n in range(400):
-        if len(h.finished) == len(h.num_outputs) and h._in_flight is None:
-            break
-        if not h.scheduler.has_requests() and h._in_flight is not None:
-            h.drain()
-            continue
-        if change is not None and n == 15:
-            rates.write_text(json.dumps(change))
-        h.step()
-        h.advance(10 * MS)
+    _drive(h, 400, lambda n: rates.write_text(json.dumps(change)) if change is not None and n == 15 else None)
     h.scheduler.shutdown()
     return h, [json.loads(line) for line in trace.read_text().splitlines()]
 
