@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 from unittest import mock
 
 from vllm_output_rate.adapter import engine_shape, tinymodel
+from vllm_output_rate.adapter.candidate_import import import_named_module
 from vllm_output_rate.adapter.engine_shape import EngineShape
 from vllm_output_rate.adapter.vllm_compat import scheduler_only_config
 
@@ -297,14 +297,15 @@ def load_function(dotted: str) -> Callable[..., Any]:
     """Import the function ``pkg.module.function``.
 
     Raises:
-        ValueError: the path has no dot, uses ``:``, cannot be imported, or does not name a
-            callable (the message names ``dotted``).
+        ValueError: the path has no dot, uses ``:``, cannot be imported (its module is not
+            found, or raises while it is imported: ``candidate_import.import_named_module``),
+            or does not name a callable (the message names ``dotted``).
     """
     if not isinstance(dotted, str) or ":" in dotted or "." not in dotted:
         raise ValueError(f"hook must be a dotted path pkg.module.function, got {dotted!r}")
     module_name, _, attr = dotted.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
+        module = import_named_module(module_name)
     except ImportError as error:
         raise ValueError(f"hook {dotted!r}: cannot import module {module_name!r} ({error})") from error
     function = getattr(module, attr, None)

@@ -18,7 +18,6 @@ sees the fake time.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from vllm_output_rate.adapter.candidate_import import import_named_module
 from vllm_output_rate.adapter.configstyle import AdditionalConfigStyle
 from vllm_output_rate.adapter.engine_shape import EngineShape, build_kv_cache_config
 from vllm_output_rate.adapter.modes import check_not_refused
@@ -110,11 +110,14 @@ def load_class(dotted: str) -> type:
 
     Raises:
         ValueError: the path has no dot, uses ``:``, or does not name a class.
+        ModuleNotFoundError: ``pkg.module`` (or a package above it) is not on the import path.
+        CandidateImportError: ``pkg.module`` raised while it was imported (an ``ImportError``
+            naming the module and the exception; ``candidate_import.import_named_module``).
     """
     if ":" in dotted or "." not in dotted:
         raise ValueError(f"scheduler class must be a dotted path pkg.module.ClassName, got {dotted!r}")
     module_name, _, cls_name = dotted.rpartition(".")
-    module = importlib.import_module(module_name)
+    module = import_named_module(module_name)
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
         raise ValueError(f"{dotted!r} does not name a class in module {module_name!r}")

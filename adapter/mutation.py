@@ -26,7 +26,6 @@ shortfall (``coverage_shortfall``).
 
 from __future__ import annotations
 
-import importlib
 import re
 import tempfile
 import time
@@ -38,6 +37,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
 from vllm_output_rate.adapter import gate_row, registry
+from vllm_output_rate.adapter.candidate_import import import_named_module
 from vllm_output_rate.adapter.configstyle import parse_config_style
 from vllm_output_rate.adapter.counterexample import scenario_text
 from vllm_output_rate.adapter.engine_wait import run_engine_wait
@@ -154,15 +154,16 @@ def load_mutants(module: str) -> tuple[Mutant, ...]:
     registers as ``MUTANTS``: a tuple of ``adapter.mutants.Mutant``.
 
     Raises:
-        ImportError: ``module`` does not import (naming it; give ``--path`` for its directory).
+        ImportError: ``module`` does not import: it is not found (naming it; give ``--path``
+            for its directory) or raises while it is imported (naming the exception,
+            ``candidate_import.import_named_module``).
         ValueError: ``module`` has no ``MUTANTS`` tuple of ``Mutant``.
     """
     try:
-        loaded = importlib.import_module(module)
+        loaded = import_named_module(module)
     except ImportError as exc:
-        raise ImportError(
-            f"mutant catalogue module {module!r} does not import ({exc}): give --path DIR, the directory that holds it"
-        ) from exc
+        hint = ": give --path DIR, the directory that holds it" if isinstance(exc, ModuleNotFoundError) else ""
+        raise ImportError(f"mutant catalogue module {module!r} does not import ({exc}){hint}") from exc
     found = getattr(loaded, MUTANTS_ATTRIBUTE, None)
     if not isinstance(found, tuple) or not all(isinstance(m, Mutant) for m in found):
         raise ValueError(

@@ -310,14 +310,22 @@ def _candidate_classes(
 def _import_candidates(sync_cls: str, async_scheduler_cls: str | None, paths: tuple[str, ...] = ()) -> None:
     """Import the classes under test; a click error naming the option if one cannot be
     judged (``gate_plan.candidate_class_problem``, shared with the pytest plugin), with the
-    ``--path`` that would work when its package is not found (``gate_plan.package_hint``)."""
+    ``--path`` that would work when its package is not found (``gate_plan.package_hint``),
+    or if it is in the wrong slot (``gate_plan.slot_problem``: an AsyncScheduler subclass
+    goes to ``--async-scheduler-cls``, any other scheduler to ``--scheduler-cls``)."""
     # deferred: gate_plan imports the gate's rows (Hypothesis) at its top; kept off `outrate --help`
     from vllm_output_rate import gate_plan
 
-    for path, hint in ((sync_cls, "--scheduler-cls"), (async_scheduler_cls, "--async-scheduler-cls")):
-        problem = None if path is None else gate_plan.candidate_class_problem(path, gate_plan.package_hint(path, paths))
+    slots = ((sync_cls, "--scheduler-cls", False), (async_scheduler_cls, "--async-scheduler-cls", True))
+    for path, hint, async_slot in slots:
+        if path is None:
+            continue
+        problem = gate_plan.candidate_class_problem(path, gate_plan.package_hint(path, paths))
         if problem is not None:
             raise click.BadParameter(problem, param_hint=hint)
+        problem = gate_plan.slot_problem(path, f"{hint} {path}", async_slot, "--async-scheduler-cls")
+        if problem is not None:
+            raise click.UsageError(problem)
 
 
 def _preflight_style(style: Any) -> None:

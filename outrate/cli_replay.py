@@ -134,7 +134,8 @@ def _file_paths(scenario_file: Path, saved: list[str]) -> tuple[str, ...]:
 
 def _checked_class(cls: str, paths: tuple[str, ...]) -> tuple[str, ...]:
     """Put ``paths`` on the import path (``gate_plan.import_dirs``) and import ``cls``; a usage
-    error naming the --path that would work if it cannot be. Returns the directories used."""
+    error naming the --path that would work if its module is not found, or naming the module
+    and the exception if the module raises while it is imported. Returns the directories used."""
     # deferred: gate_plan imports the gate's rows (Hypothesis) at its top; kept off `outrate --help`
     from vllm_output_rate import gate_plan
 
@@ -146,8 +147,8 @@ def _checked_class(cls: str, paths: tuple[str, ...]) -> tuple[str, ...]:
         sys.path.insert(0, str(Path(directory).resolve()))
     try:
         load_class(cls)
-    except (ValueError, ImportError) as exc:
-        hint = gate_plan.package_hint(cls, paths) if "No module named" in str(exc) else ""
+    except (ValueError, ImportError) as exc:  # a raising module: candidate_import.CandidateImportError
+        hint = gate_plan.package_hint(cls, paths) if isinstance(exc, ModuleNotFoundError) else ""
         raise click.BadParameter(f"{exc}{hint}", param_hint="--scheduler-cls") from None
     return dirs
 

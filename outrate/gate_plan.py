@@ -32,20 +32,42 @@ def candidate_class_problem(path: str, path_hint: str) -> str | None:
     """Why the candidate scheduler class ``path`` (a dotted path) cannot be judged, or None.
 
     Both fronts (``outrate conform`` and the pytest plugin) refuse such a class before any
-    check runs, as the operator's mistake it is, never as a candidate failure. ``path_hint``
-    is added when the class's module is not found (how that front extends the path).
+    check runs, as the operator's mistake it is, never as a candidate failure: its module is
+    not found (``path_hint`` is added: how that front extends the path), its module raises
+    while it is imported (the message names the module and the exception,
+    ``candidate_import.import_named_module``), or it is no vLLM scheduler class.
     """
     from vllm.v1.core.sched.interface import SchedulerInterface  # deferred: vLLM costs ~7 s to import
 
     try:
         cls = load_class(path)
     except (ValueError, ImportError) as exc:
-        return f"{exc}{path_hint if 'No module named' in str(exc) else ''}"
+        return f"{exc}{path_hint if isinstance(exc, ModuleNotFoundError) else ''}"
     if not (isinstance(cls, type) and issubclass(cls, SchedulerInterface)):
         return (
             f"{path} is not a vLLM scheduler class (a subclass of vllm.v1.core.sched.interface."
             f"SchedulerInterface, e.g. of vllm.v1.core.sched.scheduler.Scheduler)"
         )
+    return None
+
+
+ASYNC_SCHEDULER = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"  # what the async slot takes
+
+
+def slot_problem(path: str, named: str, async_slot: bool, async_option: str) -> str | None:
+    """Why the scheduler class ``path`` (a dotted path that ``candidate_class_problem``
+    passed) is in the wrong slot, or None: the async slot (``async_slot``) takes a subclass
+    of vLLM's ``AsyncScheduler`` only, the sync slot anything but one (stock
+    ``AsyncScheduler`` is a ``Scheduler`` subclass too). ``named`` is how the front names
+    the class as given (``--scheduler-cls pkg.mod.X``) and begins the message;
+    ``async_option`` is the front's async option, named in the message."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # deferred: vLLM costs ~7 s to import
+
+    is_async = issubclass(load_class(path), AsyncScheduler)
+    if async_slot and not is_async:
+        return f"{named} is not an AsyncScheduler ({ASYNC_SCHEDULER}) subclass: give the async class there"
+    if not async_slot and is_async:
+        return f"{named} is an AsyncScheduler: give it as {async_option}"
     return None
 
 

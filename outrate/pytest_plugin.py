@@ -27,6 +27,7 @@ from vllm_output_rate.adapter.configstyle import parse_config_style
 
 # How a pytest run puts a candidate's package on the path (``gate_plan.candidate_class_problem``).
 PATH_HINT = " (is its directory on the path? set PYTHONPATH, or pytest's `pythonpath` ini option)"
+ASYNC_OPTION = "--outrate-async-scheduler"  # the async slot (``gate_plan.slot_problem``)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -146,10 +147,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
     sync_only = config.getoption("--outrate-sync-only")
     async_cls = None if sync_only else config.getoption("--outrate-async-scheduler")
-    for path, option in ((sync_cls, "--outrate-scheduler"), (async_cls, "--outrate-async-scheduler")):
+    for path, option, async_slot in ((sync_cls, "--outrate-scheduler", False), (async_cls, ASYNC_OPTION, True)):
         problem = None if path is None else gate_plan.candidate_class_problem(path, PATH_HINT)
         if problem is not None:  # the operator's mistake: no check runs, nothing is saved
             raise pytest.UsageError(f"{option}={path}: {problem}")
+        problem = None if path is None else gate_plan.slot_problem(path, f"{option}={path}", async_slot, ASYNC_OPTION)
+        if problem is not None:  # e.g. a sync class given as the async one
+            raise pytest.UsageError(problem)
     style_text = config.getoption("--outrate-config-style")
     style = None
     if style_text != "additional-config":

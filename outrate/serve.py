@@ -41,14 +41,19 @@ Accepts the article's start-up flags (docs/SPEC.md "Configuration") and turns th
 
 The scheduler class is ``RateLimitedScheduler``, or ``RateLimitedAsyncScheduler`` when
 ``--async-scheduling`` is given (P5). Every other argument goes to ``vllm serve`` unchanged
-(MODEL comes first, as with ``vllm serve``); a user's ``--additional-config`` is merged
-with the ``output_rate`` section. Bad flags stop start-up here, before vLLM is imported,
-with a message saying what to change ("Configuration"): bad rates, JSON with a key given
-twice, one of these flags given twice, overrides / burst / trace without a default rate,
-A > M, and no default rate at all (``outrate serve`` exists to run the feature: without
+(MODEL comes first, as with ``vllm serve``, or anywhere as ``--model MODEL``: the same
+command); a user's ``--additional-config`` is merged with the ``output_rate`` section. Bad
+flags stop start-up here, before vLLM is imported, with a message saying what to change
+("Configuration"): bad rates, JSON with a key given twice, one of these flags given twice,
+overrides / burst / trace without a default rate, A > M, an engine mode the scheduler would
+refuse that the arguments decide (``--data-parallel-size 2`` without
+``--shared-budget-url``, ``--speculative-config``, ...: ``outrate/serve_modes.py``), and no
+default rate at all (``outrate serve`` exists to run the feature: without
 ``--default-user-output-tokens-per-second`` it would start stock vLLM, so it refuses and
 says to use plain ``vllm serve`` for that). The server replaces this process (``exec``),
-so signals reach it directly.
+so signals reach it directly; it runs under ``outrate/serve_run.py``, which ends a refusal
+of the engine's own start-up checks with one ``Error:`` line (exit status 2), not a
+traceback.
 
 The flags, their rates and checks, and the ``output_rate`` section they make are
 ``outrate/serve_section.py``; this module builds the vLLM command around that section.
@@ -71,6 +76,8 @@ import click
 
 from vllm_output_rate.clitools import flag_option
 from vllm_output_rate.reference.identity import ON_CLAIM, ON_MISSING
+from vllm_output_rate.serve_modes import refuse_unsupported_modes
+from vllm_output_rate.serve_run import RUNNER_MODULE
 from vllm_output_rate.serve_section import (
     FLAG_BURST,
     FLAG_DEFAULT,
@@ -161,13 +168,15 @@ def build_command(
     ``shared_budget_url``), left out or None (``shadow``: False) for a flag not given.
 
     Raises:
-        click.UsageError: bad flags (see ``build_output_rate_section``), or a conflicting
-            ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments.
+        click.UsageError: bad flags (see ``build_output_rate_section``), a conflicting
+            ``--scheduler-cls`` / ``output_rate`` in the pass-through arguments, or an engine
+            mode the scheduler would refuse that they decide (``serve_modes``).
     """
     section = build_output_rate_section(default_rate, user_rates, max_num_seqs, max_num_active_seqs, **flags)
     _refuse_api_key_with_keys_file(section or {}, list(vllm_args))
     args, scheduler_cls = _scheduler_class(list(vllm_args))
     args, additional = _additional_config(args)
+    refuse_unsupported_modes(section, args)
     additional["output_rate"] = section
     try:
         importlib.metadata.version("vllm")
@@ -317,6 +326,38 @@ def _refuse_misspelt_flags(args: list[str]) -> None:
             raise click.UsageError(f"no such option {arg.split('=', 1)[0]}: did you mean {near}?")
 
 
+MODEL_FIRST = "give the model as the first argument: outrate serve MODEL [ARGS]... (or --model MODEL)"
+
+
+def split_model(model_options: tuple[str, ...] | list[str], args: list[str]) -> tuple[str, list[str]]:
+    """MODEL and the arguments for ``vllm serve``, from the ``--model`` values and the
+    arguments click left (``args``, in order).
+
+    MODEL is the first argument, as with ``vllm serve``, or ``--model MODEL`` anywhere: the
+    same command either way (vLLM's own ``--model`` is deprecated for ``vllm serve``, so the
+    command always carries it first). click hands an unknown option before MODEL on as an
+    argument, so a first argument that is an option means no MODEL was put first.
+
+    Raises:
+        click.UsageError: the model given both ways (naming both), ``--model`` twice, an
+            option where MODEL goes, or no model.
+    """
+    option = _once(model_options, "--model")
+    first = args[0] if args and not args[0].startswith("-") else None
+    if option is not None and first is not None:
+        raise click.UsageError(
+            f"the model is given twice: {first!r} (MODEL, the first argument) and --model {option!r}; "
+            "give it once, as MODEL or as --model"
+        )
+    if option is not None:
+        return option, args
+    if first is not None:
+        return first, args[1:]
+    if args:
+        raise click.UsageError(f"{MODEL_FIRST}; got the option {args[0].split('=', 1)[0]!r} first")
+    raise click.UsageError(f"missing MODEL: {MODEL_FIRST}")
+
+
 def _cap_option(flag: str, metavar: str, help_text: str) -> Any:
     """A cap on requests (``FLAG N``, a whole number >= 1; parameter: the flag's name, e.g.
     ``--max-num-seqs`` -> ``max_num_seqs``), ``multiple`` so that ``_once`` refuses a repeat."""
@@ -335,8 +376,17 @@ def _choice_option(flag: str, choices: tuple[str, ...], help_text: str) -> Any:
 @click.command(
     "serve",
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    options_metavar="MODEL [OPTIONS] [VLLM SERVE ARGS]...",
 )
-@click.argument("model")
+# MODEL is not a click argument: click would take an unknown option before it (``--model``
+# itself, ``--port``) as MODEL; ``split_model`` reads it from the arguments left.
+@click.option(
+    "--model",
+    "model",
+    metavar="MODEL",
+    multiple=True,
+    help="The model, instead of MODEL as the first argument (the same command; not both).",
+)
 # Every flag below may be given once: ``multiple=True`` only lets ``_once`` refuse a repeat
 # (click would silently keep the last).
 @click.option(
@@ -444,14 +494,15 @@ def serve(
 ) -> None:
     """Start vLLM's OpenAI server on MODEL with per-user output-rate limiting.
 
-    Other arguments are passed to `vllm serve` (put them after MODEL). Clients name their
-    user with "vllm_xargs": {"output_rate_user": "..."} unless --identity binds it to a
-    gateway's header or to the API key (docs/OPERATING.md, "Trust boundary").
+    MODEL comes first (or as --model MODEL). Other arguments are passed to `vllm serve`.
+    Clients name their user with "vllm_xargs": {"output_rate_user": "..."} unless --identity
+    binds it to a gateway's header or to the API key (docs/OPERATING.md, "Trust boundary").
     """
-    _refuse_misspelt_flags(list(ctx.args))
+    model, vllm_args = split_model(model, list(ctx.args))
+    _refuse_misspelt_flags(vllm_args)
     command = build_command(
         model,
-        list(ctx.args),
+        vllm_args,
         _once(default_rate, FLAG_DEFAULT),
         _once(user_rates, FLAG_USERS),
         _once(max_num_seqs, "--max-num-seqs"),
@@ -477,4 +528,6 @@ def serve(
     click.echo(f"outrate serve: {shlex.join(command)}", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(command[0], command, env)
+    # The same process becomes the server (signals reach it directly); serve_run runs the
+    # printed command in it and reports an output-rate refusal as one Error: line.
+    os.execve(command[0], [command[0], "-m", RUNNER_MODULE, *command[2:]], env)

@@ -92,6 +92,10 @@ def test_plugin_adds_nothing_without_the_option_and_loads_no_vllm(tmp_path):
             [f"--outrate-scheduler={REFERENCE_SCHEDULER}", "--outrate-async-scheduler=collections.OrderedDict"],
             "--outrate-async-scheduler=collections.OrderedDict: collections.OrderedDict is not a vLLM scheduler class",
         ),
+        (
+            [f"--outrate-scheduler={REFERENCE_ASYNC_SCHEDULER}", "--outrate-sync-only"],
+            f"--outrate-scheduler={REFERENCE_ASYNC_SCHEDULER} is an AsyncScheduler: give it as --outrate-async-scheduler",
+        ),
     ],
 )
 def test_plugin_refuses_a_class_it_cannot_judge_as_a_usage_error(tmp_path, args, named):
@@ -100,7 +104,7 @@ def test_plugin_refuses_a_class_it_cannot_judge_as_a_usage_error(tmp_path, args,
     run = _pytest(tmp_path, *args)
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout[-2000:] + run.stderr[-2000:]
     assert named in run.stderr
-    assert "set PYTHONPATH" in run.stderr or "not a vLLM scheduler" in run.stderr
+    assert any(why in run.stderr for why in ("set PYTHONPATH", "not a vLLM scheduler", "is an AsyncScheduler:"))
     assert not (tmp_path / "reports").exists()
 
 

@@ -9,7 +9,9 @@ The server itself is started in ``gpu_tests/test_live_serve.py``.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -333,3 +335,305 @@ def test_outrate_serve_command_carries_float32_for_the_tiny_model_on_cpu(tmp_pat
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.output.strip())
     assert argv[argv.index("--dtype") + 1] == "float32"
+
+
+# -- the model: MODEL first, or --model MODEL (docs/OPERATING.md "Start the server") ---------
+
+
+def tiny_cpu_model(tmp_path, monkeypatch) -> str:
+    """The tiny model's config (float32) on vLLM's CPU platform: ``--dtype float32`` is added."""
+    from vllm_output_rate.adapter.tinymodel import write_config
+
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    return str(write_config(tmp_path / "tiny", tokenizer=False))
+
+
+def plain_command(model: str, *rest: str, default: int = 10) -> list[str]:
+    """The vLLM command ``outrate serve`` prints for ``model`` at ``default`` tokens/s."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--scheduler-cls",
+        SCHEDULER_CLS,
+        "--additional-config",
+        f'{{"output_rate":{{"default_tokens_per_s":{default}}}}}',
+        *rest,
+    ]
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        ["{m}", "--default-user-output-tokens-per-second", "10", "--port", "8123"],
+        ["--model", "{m}", "--default-user-output-tokens-per-second", "10", "--port", "8123"],
+        ["--default-user-output-tokens-per-second", "10", "--model", "{m}", "--port", "8123"],
+        ["--default-user-output-tokens-per-second", "10", "--port", "8123", "--model={m}"],
+    ],
+    ids=["positional", "model-first", "model-between", "model-equals-last"],
+)
+def test_model_option_gives_the_command_of_the_positional_model(tmp_path, monkeypatch, form):
+    # It used to take "--model" itself as MODEL: `serve --model --scheduler-cls ... tiny`,
+    # without the --dtype float32 a float32 model gets on CPU.
+    model = tiny_cpu_model(tmp_path, monkeypatch)
+    result = run(*(a.format(m=model) for a in form))
+    assert result.exit_code == 0, result.output
+    assert shlex.split(result.output.strip()) == plain_command(model, "--dtype", "float32", "--port", "8123")
+
+
+def test_model_given_both_ways_is_refused_naming_both():
+    result = run("tiny", "--default-user-output-tokens-per-second", "10", "--model", "other")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: the model is given twice: 'tiny' (MODEL, the first argument) and --model 'other'; "
+        "give it once, as MODEL or as --model"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "last"),
+    [
+        (
+            ["--port", "8123", "tiny", "--default-user-output-tokens-per-second", "10"],
+            "Error: give the model as the first argument: outrate serve MODEL [ARGS]... (or --model MODEL); "
+            "got the option '--port' first",
+        ),
+        (
+            ["--default-user-output-tokens-per-second", "10"],
+            "Error: missing MODEL: give the model as the first argument: outrate serve MODEL [ARGS]... "
+            "(or --model MODEL)",
+        ),
+    ],
+    ids=["option-first", "no-model"],
+)
+def test_no_model_where_model_goes_is_a_usage_error(args, last):
+    # `outrate serve --port 8123 tiny` took "--port" as MODEL and passed "8123 tiny" on.
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == last
+    assert "Traceback" not in result.output
+
+
+# -- engine modes the feature refuses, decided from the arguments ----------------------------
+
+DP_REFUSED = (
+    "data parallel > 1 is not supported with per-user output-rate limiting (every data-parallel rank has its "
+    "own scheduler and would grant its own budget unless the ranks share it through a store (R23-R26)); give "
+    "--shared-budget-url (output_rate.shared_budget_url, a Redis or Valkey URL) so the ranks share each user's "
+    "budget, or set {flag} 1 (got 2)"
+)
+SPECULATIVE_REFUSED = (
+    "speculative decoding is not supported with per-user output-rate limiting (a step can emit several tokens "
+    "per request but is charged once); remove {flag}"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "last"),
+    [
+        (
+            ["--data-parallel-size", "2"],
+            "Error: --data-parallel-size 2: " + DP_REFUSED.format(flag="--data-parallel-size"),
+        ),
+        (["-dp", "2"], "Error: -dp 2: " + DP_REFUSED.format(flag="-dp")),
+        (
+            ["--data_parallel_size=2"],
+            "Error: --data_parallel_size=2: " + DP_REFUSED.format(flag="--data_parallel_size"),
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+            """Error: --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}': """
+            + SPECULATIVE_REFUSED.format(flag="--speculative-config"),
+        ),
+        (
+            ["--speculative-config.method", "ngram"],
+            "Error: --speculative-config.method ngram: "
+            + SPECULATIVE_REFUSED.format(flag="--speculative-config.method"),
+        ),
+        (["--spec-method", "ngram"], "Error: --spec-method ngram: " + SPECULATIVE_REFUSED.format(flag="--spec-method")),
+        (
+            ["--spec-method", "ngram", "--speculative-config", "None"],  # another flag's None keeps it on
+            "Error: --spec-method ngram: " + SPECULATIVE_REFUSED.format(flag="--spec-method"),
+        ),
+        (
+            ["--pipeline-parallel-size", "2"],
+            "Error: --pipeline-parallel-size 2: pipeline parallel > 1 is not supported with per-user output-rate "
+            "limiting (several batches are in flight per scheduler; not covered by the accounting); "
+            "set --pipeline-parallel-size 1 (got 2); tensor parallel is supported",
+        ),
+        (
+            ["--enable-sleep-mode"],
+            "Error: --enable-sleep-mode: sleep mode is not supported with per-user output-rate limiting (sleep and "
+            "wake-up pause the engine and discard or offload the KV cache of paused requests, which the accounting "
+            "does not cover and no test here exercises (docs/MODES.md)); remove --enable-sleep-mode",
+        ),
+        (
+            ["--runner", "pooling"],
+            "Error: --runner pooling: pooling model is not supported with per-user output-rate limiting (pooling "
+            "runs produce no output tokens to limit); use --runner generate with a generative model",
+        ),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
+            """Error: --kv-transfer-config '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}': KV """
+            "connector is not supported with per-user output-rate limiting (remote KV loads and deferred frees "
+            "change when a request can run); remove --kv-transfer-config (connector 'ExampleConnector')",
+        ),
+        (
+            ["--kv-offloading-size", "4"],
+            "Error: --kv-offloading-size 4: KV offload is not supported with per-user output-rate limiting (the "
+            "offload connector moves KV blocks of paused requests behind the scheduler's back); "
+            "remove --kv-offloading-size (got 4.0)",
+        ),
+        (
+            ["--enable-return-routed-experts"],
+            "Error: --enable-return-routed-experts: aux output connector is not supported with per-user output-rate "
+            "limiting (auxiliary outputs are delivered per step, not per charged token); "
+            "remove --enable-return-routed-experts",
+        ),
+        (
+            ["--cache-aware-admission-window=8"],
+            "Error: --cache-aware-admission-window=8: cache-aware admission is not supported with per-user "
+            "output-rate limiting (vLLM 0.34 reorders the first waiting requests by cached prefix under FCFS with "
+            "prefix caching; that order is not modelled (it can move a refused whole prompt, R10, and change R20's "
+            "admission order)); set --cache-aware-admission-window 0 (got 8)",
+        ),
+        (
+            ["--data-parallel-size", "2", "--shared-budget-url", "redis://127.0.0.1:6379/0"]
+            + ["--prefill-schedule-interval", "4"],
+            "Error: --prefill-schedule-interval 4: local prefill cadence is not supported with per-user output-rate "
+            "limiting (vLLM 0.33 (and 0.32's data-parallel engine core) holds prefill until "
+            "prefill_schedule_interval executed steps have passed while any decode is resident; a throttled user's "
+            "paused decodes leave steps empty, so every other user's prefill waits for the throttled user's next "
+            "grant (docs/MODES.md)); set --prefill-schedule-interval 1 (got 4)",
+        ),
+        (
+            ["-dp", "2", "--speculative-config", '{"method": "ngram"}'],
+            """Error: --speculative-config '{"method": "ngram"}': """
+            + SPECULATIVE_REFUSED.format(flag="--speculative-config")
+            + "; also -dp 2: "
+            + DP_REFUSED.format(flag="-dp"),
+        ),
+    ],
+    ids=[
+        "data-parallel",
+        "dp-alias",
+        "dp-underscores",
+        "speculative",
+        "speculative-dotted",
+        "spec-method",
+        "spec-method-beside-none",
+        "pipeline-parallel",
+        "sleep-mode",
+        "pooling",
+        "kv-connector",
+        "kv-offload",
+        "aux-output",
+        "cache-aware-admission",
+        "prefill-cadence-with-dp",
+        "two-modes",
+    ],
+)
+def test_refused_engine_mode_in_the_arguments_stops_outrate_serve_naming_the_flag(args, last):
+    # It used to pass --print-command silently and end the real start in the engine's
+    # traceback, whose last line did not name the value.
+    result = run("MODEL", "--default-user-output-tokens-per-second", "10", *args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == last
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--data-parallel-size", "2", "--shared-budget-url", "redis://127.0.0.1:6379/0"],
+        ["--data-parallel-size", "2", "--data-parallel-size", "1"],  # vLLM keeps the last value
+        ["--enable-sleep-mode", "--no-enable-sleep-mode"],
+        ["--speculative-config", "None"],  # vLLM's "no config"
+        ["--prefill-schedule-interval", "4"],  # without DP: the installed vLLM release decides
+        ["--runner", "generate", "--tensor-parallel-size", "2", "-pp", "1"],
+        ["-dp", "two"],  # not a number: vLLM's parser refuses it
+        ["--config", "engine.yaml"],  # a file's settings are checked by the engine at start-up
+        ["--spec-method", "--enforce-eager"],  # no value: vLLM's parser refuses it
+    ],
+    ids=[
+        "dp-shared",
+        "dp-last-wins",
+        "sleep-off-again",
+        "speculative-none",
+        "cadence-no-dp",
+        "fine",
+        "dp-nan",
+        "config",
+        "no-value",
+    ],
+)
+def test_arguments_that_do_not_decide_a_refused_mode_pass_through_unchanged(args):
+    shared = args[args.index("--shared-budget-url") + 1] if "--shared-budget-url" in args else None
+    passed = [a for a in args if a not in ("--shared-budget-url", shared)]
+    result = run("MODEL", "--default-user-output-tokens-per-second", "10", *args)
+    assert result.exit_code == 0, result.output
+    section = {"default_tokens_per_s": 10, **({"shared_budget_url": shared} if shared else {})}
+    expected = plain_command("MODEL", *passed)
+    expected[expected.index("--additional-config") + 1] = json.dumps({"output_rate": section}, separators=(",", ":"))
+    assert shlex.split(result.output.strip()) == expected
+
+
+def test_every_mode_outrate_serve_decides_is_one_the_scheduler_refuses():
+    from vllm_output_rate.reference.engine_checks import UNSUPPORTED_WHY
+    from vllm_output_rate.serve_modes import MODE_FLAGS
+
+    assert {flag.mode for flag in MODE_FLAGS} <= set(UNSUPPORTED_WHY)
+
+
+# -- the engine's own refusal at start-up: an Error: last line, not a traceback --------------
+
+
+def test_engine_refusal_is_one_error_line():
+    from vllm_output_rate.serve_run import refusal_line
+
+    assert refusal_line("bad key 'x'") == "Error: bad key 'x'"
+    assert refusal_line("does not support this:\n  - a: why; fix a (got 2)\n  - b: why b; fix b\nChange it.") == (
+        "Error: does not support this: a: why; fix a (got 2). b: why b; fix b. Change it."
+    )
+
+
+def test_outrate_serve_runs_vllm_under_the_refusal_reporter(monkeypatch):
+    # The process keeps exec (signals reach vLLM directly); the program it becomes runs the
+    # printed vLLM command in-process and reports an output-rate refusal as one line.
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+    result = CliRunner().invoke(main, ["serve", "MODEL", "--default-user-output-tokens-per-second", "10"])
+    assert result.exit_code == 0, result.output
+    [(path, argv, env)] = calls
+    assert path == sys.executable
+    assert argv == [sys.executable, "-m", "vllm_output_rate.serve_run", *plain_command("MODEL")[2:]]
+    assert env["VLLM_LOGGING_LEVEL"]
+
+
+def test_engine_refusal_under_outrate_serve_ends_with_the_error_line_not_a_traceback(tmp_path):
+    # Data parallel from a --config file: not in the arguments outrate serve reads, so the
+    # plugin's front-end check (reference/plugin.py) refuses it in the API-server process.
+    import subprocess
+
+    from vllm_output_rate.adapter.tinymodel import write_config
+
+    model = write_config(tmp_path / "model", tokenizer=True)
+    (tmp_path / "engine.yaml").write_text("data-parallel-size: 2\n")
+    command = [sys.executable, "-m", "vllm_output_rate.cli", "serve", str(model)]
+    command += ["--default-user-output-tokens-per-second", "10", "--config", str(tmp_path / "engine.yaml")]
+    command += ["--load-format", "dummy", "--max-model-len", "512", "--enforce-eager", "--port", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240, start_new_session=True)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, lines[-5:]
+    assert lines[-1] == (
+        "Error: per-user output-rate limiting (additional_config['output_rate'], "
+        "--default-user-output-tokens-per-second) does not support this engine configuration: data parallel > 1: "
+        "every data-parallel rank has its own scheduler and would grant its own budget unless the ranks share it "
+        "through a store (R23-R26); give --shared-budget-url (output_rate.shared_budget_url, a Redis or Valkey "
+        "URL) so the ranks share each user's budget, or set --data-parallel-size 1 (got 2). Change the settings "
+        "above, or turn the feature off by removing the output_rate section."
+    ), lines[-5:]
+    assert "Traceback" not in proc.stdout + proc.stderr
