@@ -12,6 +12,7 @@ The in-process cases of every typo are in ``tests/test_config_validation.py``. A
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,26 @@ def test_configuration_plain_vllm_serve_typo_is_the_last_stderr_line(tmp_path):
     output = proc.stdout + proc.stderr
     assert "Engine core initialization failed" not in output
     assert "EngineCore" not in output  # refused before the engine core was spawned
+
+
+def test_engine_refusal_under_outrate_serve_ends_with_the_error_line_not_a_traceback(tmp_path):
+    # Data parallel from a --config file: not in the arguments outrate serve reads, so the
+    # plugin's front-end check (reference/plugin.py) refuses it in the API-server process.
+    model = write_config(tmp_path / "model", tokenizer=True)
+    (tmp_path / "engine.yaml").write_text("data-parallel-size: 2\n")
+    command = [sys.executable, "-m", "vllm_output_rate.cli", "serve", str(model)]
+    command += ["--default-user-output-tokens-per-second", "10", "--config", str(tmp_path / "engine.yaml")]
+    command += ["--load-format", "dummy", "--max-model-len", "512", "--enforce-eager", "--port", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240, start_new_session=True)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, lines[-5:]
+    assert lines[-1] == (
+        "Error: per-user output-rate limiting (additional_config['output_rate'], "
+        "--default-user-output-tokens-per-second) does not support this engine configuration: data parallel > 1: "
+        "every data-parallel rank has its own scheduler and would grant its own budget unless the ranks share it "
+        "through a store (R23-R26); give --shared-budget-url (output_rate.shared_budget_url, a Redis or Valkey "
+        "URL) so the ranks share each user's budget, or set --data-parallel-size 1 (got 2). Change the settings "
+        "above, or turn the feature off by removing the output_rate section."
+    ), lines[-5:]
+    assert "Traceback" not in proc.stdout + proc.stderr
