@@ -162,9 +162,12 @@ class Charging:
         host = self.host
         scheduled = scheduler_output.num_scheduled_tokens
         charged = step.charged
-        if self.all_served(step, scheduled) and not any(map(_IS_PREFILL_CHUNK, charged)):
-            turns = host._turns
-            turns.last_served.update(turns.group_last)  # R15: each group's last place
+        if self.all_served(step, scheduled) and (host._hook_charges_sample or not any(map(_IS_PREFILL_CHUNK, charged))):
+            # R9: every charge dispatched, none as a prefill chunk: in an unconstrained step
+            # our own hook charged a chunk only where computed + new reached prompt + outputs
+            # + placeholders, which is vLLM's is_prefill_chunk (False) of the chunk it
+            # dispatched, as it is the last cap on num_new_tokens (tests/test_shortcuts.py).
+            host._turns.served_in_order()  # R15: each group's last place
             return []
         ids = step.charged_ids
         if ids is None:

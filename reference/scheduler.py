@@ -64,6 +64,19 @@ CLEANUP_INTERVAL_STEPS = 256  # R6
 # the zero-token stop of the waiting loop (V8) and the LoRA count of its max_loras check.
 VLLM_PROFILE: VllmVersionProfile = INSTALLED_PROFILE
 _RUNNING = RequestStatus.RUNNING
+# The seams a steady step (_steady_schedule) takes in line; a subclass replacing one of
+# them gets the general path in every step.
+_STEADY_SEAMS = (
+    "_reset_step_state",
+    "_apply_pending_rates",
+    "_survey_users",
+    "_move_throttled_last",
+    "_commit_grants",
+    "_settle",
+    "_record_last_served",
+    "_observe",
+    "_steady",
+)
 # The mixin is only ever combined with vLLM's Scheduler (the two classes at the end), whose
 # attributes (running, waiting, requests, scheduler_config, ...) and methods it uses and
 # overrides; the type checker is told so, the runtime class stays a plain mixin.
@@ -108,7 +121,9 @@ class _RateLimitMixin(_SchedulerHost):
         # ahead more than one token (speculative decoding, refused with the feature on);
         # otherwise it only clamps at 0, which the hot path does itself.
         self._base_lookahead = not cfg.enabled or cfg.shadow or self.num_prefill_lookahead > 1
-        self._hook_fast = self._record_only = False  # see _reserve_prefill_lookahead
+        self._hook_fast = self._record_only = self._hook_charges_sample = self._steady_path = (
+            False  # see _reserve_prefill_lookahead
+        )
         self._limits = UserLimits(self, cfg)  # R17, R21 (the rates file is watched in every mode)
         self._engine_wait = EngineWait(self)
         self._observation = StepObserver(self)
@@ -135,6 +150,17 @@ class _RateLimitMixin(_SchedulerHost):
             not self._residency.cap_binds
             and not self._base_lookahead
             and type(self)._samples is _RateLimitMixin._samples
+        )
+        # R9: the hook is ours too, so in an unconstrained step every charge was made where
+        # vLLM's last cap on num_new_tokens left a chunk reaching the sampling position by
+        # the sum vLLM's own is_prefill_chunk uses (Charging.settle need not re-read it).
+        self._hook_charges_sample = (
+            self._hook_fast and type(self)._reserve_prefill_lookahead is _RateLimitMixin._reserve_prefill_lookahead
+        )
+        # The steady step in line (_steady_schedule): only where no seam it passes by is replaced.
+        cls = type(self)
+        self._steady_path = self._hook_charges_sample and all(
+            getattr(cls, name) is getattr(_RateLimitMixin, name) for name in _STEADY_SEAMS
         )
         self._charging = Charging(self)
         self._turns = Turns(self)
@@ -206,10 +232,14 @@ class _RateLimitMixin(_SchedulerHost):
             if self._observation.shadow is not None:
                 return self._shadow_schedule(*args, **kwargs)  # shadow mode: the base's schedule
             return super().schedule(*args, **kwargs)  # R18
-        self._reset_step_state(self.clock_ns())  # R16: one clock read per schedule()
-        step, limits, turns = self._step, self._limits, self._turns
+        now_ns = self.clock_ns()  # R16: one clock read per schedule()
+        limits, turns = self._limits, self._turns
         if limits.rates_watcher is not None or limits.pending_rates is not None:
-            self._apply_pending_rates(step.now_ns)  # R21: at the step boundary, this step's clock
+            self._apply_pending_rates(now_ns)  # R21: at the step boundary, this step's clock
+        if self._steady_path and self.shortcuts and self._steady(limits, turns, self._charging):
+            return self._steady_schedule(now_ns, limiter, args, kwargs)
+        self._reset_step_state(now_ns)
+        step = self._step
         turns.take()  # R14
         step.turn_order = turns.order
         enough, short = self._survey_users()  # R2 at the step's clock, once per user
@@ -222,16 +252,76 @@ class _RateLimitMixin(_SchedulerHost):
         if stock_order is not None:
             self._victims.restore_order(step, stock_order)  # R13: only the choice of victims changed
         turns.running_after_step = len(self.running)  # R14: see Turns.hold
-        refunded = step.refunded = self._settle(scheduler_output)  # R9
+        step.refunded = self._settle(scheduler_output)  # R9
         plan_shadow = limits.plan_shadow
         would = plan_shadow.step(step.now_ns, scheduler_output, self.requests) if plan_shadow else ()
+        self._end_step(step, scheduler_output, would)
+        return scheduler_output
+
+    def _end_step(self, step: StepRecord, scheduler_output: Any, would: Any) -> None:
+        """The end of every step with the feature on: R6's clean-up every
+        ``CLEANUP_INTERVAL_STEPS`` steps, the wait hint (R16), the operator log, /metrics and
+        the trace (``would``: R29's would-be throttled request ids)."""
         self._steps += 1
         if self._steps % CLEANUP_INTERVAL_STEPS == 0:
+            limiter = self.rate_limiter
+            assert limiter is not None, "called by schedule() with the feature on"
             limiter.cleanup_idle_users(step.now_ns)  # R6
-            turns.forget_finished(self.requests)  # R15: keeps last_served bounded by the live requests
-        self._observe(scheduler_output, refunded)
-        self._engine_wait.log_step(step.now_ns, step.throttled, limits.users)  # operator log (oplog.py)
+            self._turns.forget_finished(self.requests)  # R15: keeps last_served bounded by the live requests
+        self._observe(scheduler_output, step.refunded)
+        self._engine_wait.log_step(step.now_ns, step.throttled, self._limits.users)  # operator log (oplog.py)
         self._observation.step_done(step, scheduler_output, would)  # /metrics, trace
+
+    def _steady(self, limits: Any, turns: Any, charging: Any) -> bool:
+        """R2/R14/R15 in O(1), after R21's rate change (if any) is installed: this step is a
+        steady step, decided as the general path would decide it: the turn order holds with
+        every group's last-served stream its last place (``Turns.hold``), the spare grants
+        cover every request for one more step (``Charging.survey``'s O(1) path; a rate
+        change drops them), and no R29 shadow plan is counted."""
+        return (
+            turns.caught_up
+            and not turns.shrunk
+            and charging.spare_steps < charging.margin
+            and limits.plan_shadow is None
+            and len(turns.order) == len(self.running) == turns.running_after_step
+            and charging.spare_taken == limits.user_requests
+        )
+
+    def _steady_schedule(self, now_ns: int, limiter: Any, args: tuple, kwargs: dict):
+        """``schedule()`` for a steady step (``_steady``): the general path's decisions, its
+        collaborators' O(1) branches taken in line (``_steady_path``: no seam passed by is
+        replaced; tests/test_shortcuts.py runs both paths side by side, step by step).
+
+        Nobody can be refused (R2), so the hook only records charges (R7), no request is
+        throttled and there is no wait hint (R16: the record's None)."""
+        step = self._step = StepRecord(now_ns)
+        step.unconstrained = step.steady = self._record_only = True  # R2: nobody can be refused
+        self._charge = step.charged.append  # R7
+        turns, charging, limits = self._turns, self._charging, self._limits
+        step.turn_order = turns.order  # R14: the order held
+        scheduler_output = super().schedule(*args, **kwargs)
+        if len(step.charged) == len(limits.users):  # R2/R7: the same counts as the last step
+            charging.spare_steps += 1
+            limiter.take_steady(charging.spare_taken, now_ns)
+            step.taken = charging.spare_taken
+        else:
+            charging.commit(step)
+        turns.running_after_step = len(self.running)  # R14: see Turns.hold
+        if not charging.all_served(step, scheduler_output.num_scheduled_tokens):
+            step.refunded = charging.settle(step, scheduler_output)  # R9
+        # else R9: nothing to refund; R15: each group's last place, already so (caught_up)
+        self._steps += 1
+        if self._steps % CLEANUP_INTERVAL_STEPS == 0:
+            limiter.cleanup_idle_users(now_ns)  # R6
+            turns.forget_finished(self.requests)  # R15
+        wait, observation = self._engine_wait, self._observation
+        wait.observed = step  # R16: the step is over (EngineWait.step_done; no one refused)
+        observation.cache = None
+        log = wait.throttle_log
+        assert log is not None, "made with the limiter"
+        log.step(now_ns, step.throttled, limits.users)  # operator log (oplog.py)
+        if observation.metrics is not None or observation.trace is not None:
+            observation.step_done(step, scheduler_output, ())  # /metrics, trace
         return scheduler_output
 
     def _shadow_schedule(self, *args: Any, **kwargs: Any):
@@ -271,7 +361,8 @@ class _RateLimitMixin(_SchedulerHost):
     # -- after the step, between steps ------------------------------------------
     def update_from_output(self, *args: Any, **kwargs: Any):
         outputs = super().update_from_output(*args, **kwargs)
-        self._observation.note_if_idle()
+        if not self.requests:
+            self._observation.note_if_idle()
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):

@@ -30,7 +30,9 @@ class Turns:
     (R15: the last place); ``last_served``: group key -> request id (R15); ``shrunk``: a
     request left ``order`` since it was built (freed or preempted): rebuild it;
     ``running_after_step``: ``len(running)`` when the last ``schedule()`` returned (between
-    steps vLLM only removes from ``running``, so a change says some request left).
+    steps vLLM only removes from ``running``, so a change says some request left);
+    ``caught_up``: ``last_served`` holds every item of ``group_last`` (set only where that
+    is made so, cleared wherever either changes otherwise).
     """
 
     def __init__(self, host: Any) -> None:
@@ -44,12 +46,14 @@ class Turns:
         self.group_last: dict[str, str] = {}
         self.shrunk = True
         self.running_after_step = -1
+        self.caught_up = False
 
     def left(self, request_id: str) -> None:
         """R14: ``request_id`` left ``running`` (freed or preempted): only running requests take turns."""
         self.order.pop(request_id, None)
         self.shrunk = True
         self.pos = None
+        self.caught_up = False
 
     def take(self) -> None:
         """R14: this step's turn order (spec ``rate.turn_order``), kept for the next step.
@@ -92,7 +96,7 @@ class Turns:
                 order[slot] = request
         turns = self.order = dict.fromkeys(map(_REQUEST_ID, order))
         self.group_last = dict(zip(map(cache.__getitem__, turns), turns))  # later places win: the last
-        self.shrunk = False
+        self.shrunk = self.caught_up = False
         self.streams_of = None
 
     def hold(self) -> bool:
@@ -108,8 +112,11 @@ class Turns:
         turns, running = self.order, self.host.running
         if self.shrunk or not len(turns) == len(running) == self.running_after_step:
             return False
+        if self.caught_up:
+            return True  # every group's last-served stream is its last (O(1))
         last_served, group_last = self.last_served, self.group_last
         if group_last.items() <= last_served.items():
+            self.caught_up = True
             return True  # every group's last-served stream is its last
         get = last_served.get
         return all((s := get(key)) is None or s == last or s not in turns for key, last in group_last.items())
@@ -193,8 +200,9 @@ class Turns:
             return
         turns, host = self.order, self.host
         if host.shortcuts and not self.shrunk and len(ids) == len(turns) and turns.keys() == set(ids):
-            self.last_served.update(self.group_last)
+            self.served_in_order()
             return
+        self.caught_up = False
         position = self.position()
         ordered = sorted(filter(position.__contains__, ids), key=position.__getitem__)
         if len(ordered) < len(ids):  # admitted in this step: after every turn, in running order
@@ -205,7 +213,15 @@ class Turns:
         groups = host._limits.groups
         self.last_served.update(zip(map(groups.__getitem__, ordered), ordered))  # later wins: the last
 
+    def served_in_order(self) -> None:
+        """R15: every stream of the turn order as built was served in this step: each
+        group's last served is its last place (``group_last``). O(1) when it already is."""
+        if not self.caught_up:
+            self.last_served.update(self.group_last)
+            self.caught_up = True
+
     def forget_finished(self, requests: Any) -> None:
         """R15: forget streams that left the scheduler (``requests``: those still in it;
         rotation ignores the others anyway), so ``last_served`` stays bounded."""
         self.last_served = {k: rid for k, rid in self.last_served.items() if rid in requests}
+        self.caught_up = False

@@ -27,7 +27,7 @@ from vllm_output_rate.adapter.harness import REFERENCE_ASYNC_SCHEDULER, REFERENC
 from vllm_output_rate.adapter.scenario_run import _arrivals_and_aborts, build_harness
 from vllm_output_rate.adapter.scenario_strategies import pressured_scenarios, scenarios
 from vllm_output_rate.adapter.scenarios import DRAIN_STEP_LIMIT, RequestSpec, Scenario
-from vllm_output_rate.reference.scheduler import _RateLimitMixin
+from vllm_output_rate.reference.scheduler import RateLimitedScheduler, _RateLimitMixin
 
 MS = 1_000_000
 
@@ -80,11 +80,12 @@ def test_shortcuts_equal_the_general_path_under_pressure(scenario: Scenario) -> 
     run_side_by_side(scenario)
 
 
-def _bench_like(async_scheduling: bool, throttled_user_rate: float) -> Harness:
+def _bench_like(async_scheduling: bool, throttled_user_rate: float, cls: str | None = None) -> Harness:
     """12 streams of 3 users (4 each) decoding with ample KV; user ``t`` at
-    ``throttled_user_rate`` tokens/s, the others never bound."""
+    ``throttled_user_rate`` tokens/s, the others never bound (``cls``: the scheduler
+    class path; default the reference)."""
     h = Harness(
-        REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER,
+        cls or (REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER),
         EngineShape(
             max_num_seqs=12,
             async_scheduling=async_scheduling,
@@ -226,3 +227,145 @@ def test_the_o1_survey_comparison_sees_a_margin_that_is_too_long():
     fast = _survey_calls(False, True, 30, stretch_margin=True)
     slow = _survey_calls(False, False, 30)
     assert [c for c, _, _ in fast] != [c for c, _, _ in slow]
+
+
+def _count_steady_steps(monkeypatch) -> list[str]:
+    """Record the request ids of the scheduler of each step that took the steady step in
+    line (``_steady_schedule``)."""
+    seen: list[str] = []
+    real = _RateLimitMixin._steady_schedule
+
+    def counting(self, *args):
+        seen.append(self.running[0].request_id if self.running else "")
+        return real(self, *args)
+
+    monkeypatch.setattr(_RateLimitMixin, "_steady_schedule", counting)
+    return seen
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_steady_step_equals_the_general_path_through_a_rate_change_and_an_abort(async_scheduling, monkeypatch):
+    # Not binding, every stream decoding: most steps take the steady step in line
+    # (_steady_schedule). Halfway the rates change (R21: the spare grants go, the next
+    # steps take the general path, then the steady one again) and a stream is aborted
+    # (the turn order shrinks and is rebuilt). Step for step, the same decisions, TATs and
+    # state as the general path.
+    steady = _count_steady_steps(monkeypatch)
+    fast, slow = _bench_like(async_scheduling, 10**9), _bench_like(async_scheduling, 10**9)
+    slow.scheduler.shortcuts = False
+    for i in range(40):
+        if i == 15:
+            for h in (fast, slow):
+                h.scheduler.update_output_rates(10**8, {"t": 10**6})
+        if i == 25:
+            for h in (fast, slow):
+                h.abort("r4")
+        got, want = fast.step(), slow.step()
+        assert got == want, f"step {i}: the step differs\nsteady: {got}\ngeneral: {want}"
+        assert _state(fast) == _state(slow), f"step {i}: state differs"
+        fast.advance(10 * MS)
+        slow.advance(10 * MS)
+    assert len(steady) >= 25, f"only {len(steady)} of 40 steps took the steady path"
+
+
+def test_a_subclass_that_replaces_a_seam_never_takes_the_steady_step(monkeypatch):
+    # The steady step passes by the seams (_settle, _commit_grants, ...): a subclass that
+    # replaces one gets the general path in every step, so its replacement is called.
+    steady = _count_steady_steps(monkeypatch)
+    h = _bench_like(False, 10**9, cls=f"{__name__}.SettleCounting")
+    for _ in range(12):
+        h.step()
+        h.advance(10 * MS)
+    assert not h.scheduler._steady_path and steady == [] and len(h.scheduler.settled) == 12
+
+
+class SettleCounting(RateLimitedScheduler):
+    """The reference with its R9 seam replaced by one that counts its calls."""
+
+    def _settle(self, scheduler_output):
+        self.settled = [*getattr(self, "settled", []), self._step.now_ns]
+        return super()._settle(scheduler_output)
+
+
+@pytest.mark.rules("R9")
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=pressured_scenarios(max_steps=40))
+def test_r9_no_charge_of_an_unconstrained_all_served_step_is_a_prefill_chunk(scenario: Scenario) -> None:
+    # Charging.settle does not read is_prefill_chunk in an unconstrained step in which
+    # every request was charged and dispatched, when the hook is ours: each charge was
+    # made where computed + new reached prompt + outputs + placeholders, the sum of vLLM's
+    # own is_prefill_chunk of the chunk it dispatched. Check that on every such step of
+    # the pressured scenarios (chunked prefill, small budgets, preemption, async).
+    _assert_all_served_charges_sample(scenario)
+
+
+def _assert_all_served_charges_sample(scenario: Scenario) -> int:
+    """Run ``scenario`` on the reference; at each ``settle`` that takes the all-served
+    shortcut without reading ``is_prefill_chunk``, assert no charge is a prefill chunk.
+    Returns how many such steps there were."""
+    from vllm_output_rate.reference.charging import Charging
+
+    taken = []
+    real = Charging.settle
+
+    def checking(self, step, scheduler_output):
+        if self.host._hook_charges_sample and self.all_served(step, scheduler_output.num_scheduled_tokens):
+            chunks = [r.request_id for r in step.charged if r.is_prefill_chunk]
+            assert not chunks, f"charged and dispatched as prefill chunks: {chunks}"
+            taken.append(step.now_ns)
+        return real(self, step, scheduler_output)
+
+    cls = REFERENCE_ASYNC_SCHEDULER if scenario.async_scheduling else REFERENCE_SCHEDULER
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Charging, "settle", checking)
+        harness = build_harness(cls, scenario)
+        pending, aborts = sorted(scenario.requests, key=lambda r: r.at_step), scenario.abort_schedule()
+        for step in range(scenario.num_steps + DRAIN_STEP_LIMIT):
+            _arrivals_and_aborts(harness, pending, aborts, step)
+            if step >= scenario.num_steps and not harness.scheduler.requests and not pending:
+                break
+            harness.step()
+            harness.advance(scenario.step_interval_ns)
+    return len(taken)
+
+
+def _chunked_scenario(async_scheduling: bool) -> Scenario:
+    """Four users' prompts of 100-190 tokens, one every third step, in chunks of a
+    64-token budget, then decoding, never bound: unconstrained steps in which every
+    request is charged and dispatched, some with a prompt chunk among them."""
+    return Scenario(
+        rates_tokens_per_s={},
+        requests=tuple(
+            RequestSpec(
+                request_id=f"r{i}", user=f"u{i % 4}", prompt_len=100 + 30 * (i % 4), max_tokens=12, at_step=3 * i
+            )
+            for i in range(8)
+        ),
+        step_interval_ns=10 * MS,
+        num_steps=40,
+        default_rate_tokens_per_s="1000000",
+        async_scheduling=async_scheduling,
+        max_num_batched_tokens=64,
+    )
+
+
+@pytest.mark.rules("R9")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_r9_the_prefill_chunk_check_sees_a_hook_that_charges_every_chunk(async_scheduling, monkeypatch):
+    # The check above can fail: a record-only hook that charges every chunk (prompt
+    # chunks too) trips it once an all-served step holds a prefill chunk; the real hook
+    # passes the same scenario with all-served steps checked.
+    scenario = _chunked_scenario(async_scheduling)
+    assert _assert_all_served_charges_sample(scenario) > 0
+    real = _RateLimitMixin._reserve_prefill_lookahead
+
+    def charge_every_chunk(self, request, num_computed_tokens, num_new_tokens):
+        if self._record_only and num_new_tokens > 0:
+            self._charge(request)
+            return num_new_tokens
+        return real(self, request, num_computed_tokens, num_new_tokens)
+
+    monkeypatch.setattr(_RateLimitMixin, "_reserve_prefill_lookahead", charge_every_chunk)
+    with pytest.raises(AssertionError, match="prefill chunks"):
+        _assert_all_served_charges_sample(scenario)
