@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 
 from click.testing import CliRunner
 
@@ -113,7 +114,6 @@ def test_live_throughput_summary_takes_a_round_whose_engine_cpu_did_not_move():
 
 
 def test_scheduler_row_per_request_cost_and_try_take_floor_come_from_the_run():
-    from dataclasses import replace
 
     from vllm_output_rate.bench.render import _scheduler_table
     from vllm_output_rate.bench.scheduler import measure_scheduler, set_try_take_floor
@@ -144,7 +144,6 @@ def test_scheduler_row_per_request_cost_and_try_take_floor_come_from_the_run():
 def test_the_control_is_a_second_stock_scheduler_timed_in_the_same_rounds():
     # The A/A control is built like stock (same class, same requests, feature off) and is
     # a scheduler of its own, so control / stock measures only the bench's resolution.
-    from dataclasses import replace
 
     from vllm_output_rate.bench.scheduler import _drivers
 
@@ -179,3 +178,21 @@ def test_profile_throttled_without_profile_is_refused_naming_the_value():
     result = CliRunner().invoke(main, ["bench", "--profile-throttled", "0.5"])
     assert result.exit_code == 2
     assert "--profile-throttled 0.5 needs --profile N" in result.output
+
+
+def test_rounds_are_sized_by_work_within_the_model_context():
+    # A round holds about 4096 request-steps (64 steps at 16 and 64 running, 16 at 256 and
+    # 1024), never fewer than steps_per_round, and the timed steps of all rounds stay
+    # within MAX_TIMED_STEPS (the requests' max_tokens must fit the tiny model) whatever
+    # --rounds asks; --quick keeps its 2-step rounds.
+    from vllm_output_rate.bench.common import FULL, MAX_TIMED_STEPS
+
+    assert [FULL.steps_for(n) for n in (16, 64, 256, 1024)] == [64, 64, 16, 16]
+    assert [replace(FULL, rounds=11).steps_for(n) for n in (64, 128, 256)] == [64, 32, 16]
+    for rounds in (1, 11, 41, 50, 100, 200):
+        plan = replace(FULL, rounds=rounds)
+        for n in (1, 8, 16, 64, 256, 1024):
+            steps = plan.steps_for(n)
+            assert steps >= plan.steps_per_round
+            assert rounds * steps <= max(MAX_TIMED_STEPS, rounds * plan.steps_per_round)
+    assert QUICK.steps_for(8) == 2

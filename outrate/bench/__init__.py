@@ -5,8 +5,9 @@ Scheduler step cost. For each number of running requests N, each mode (sync: vLL
 built on the same engine shape with the same N requests: stock vLLM (feature off, nothing
 throttled) and the reference ``RateLimitedScheduler`` / ``RateLimitedAsyncScheduler``.
 Both are run to a decode steady state (every request past its prefill, or throttled), then
-timed in interleaved rounds: a round is ``steps_per_round`` steps of one class then the same
-number of the other, the order alternating between rounds, so a load change on the shared
+timed in interleaved rounds: a round is ``Plan.steps_for(N)`` steps of one class then the
+same number of the other (16, or as many as make 4096 request-steps, up to 64: rounds of
+similar length at every N), the order alternating between rounds, so a load change on the shared
 machine hits both alike. Only ``schedule()`` + ``update_from_output()`` are timed (the
 fabricated model output is built outside the timed region; async mode times a step's
 ``schedule()`` with the delivery of the step in flight, as the engine core does), by

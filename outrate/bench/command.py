@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -214,6 +215,10 @@ def _profile(profile_n: int, steps: int, json_path: Path | None, command: str, f
         json_path.write_text(json.dumps(result, indent=2))
 
 
+def _nothing() -> None:
+    """A progress tick that counts nothing (the discarded warm-up cell)."""
+
+
 def _measure(
     parts: set[str], plan: Plan, clock: str
 ) -> tuple[
@@ -231,6 +236,9 @@ def _measure(
     with progress:
         if "scheduler" in parts:
             task = progress.add_task("scheduler", total=len(configs) * plan.rounds)
+            if plan.warmup_rounds:  # discarded: see Plan.warmup_rounds
+                progress.update(task, description="scheduler warm-up (discarded)")
+                measure_scheduler(*configs[0], dataclasses.replace(plan, rounds=plan.warmup_rounds), _nothing, clock)
             for n, fraction, mode in configs:
                 progress.update(task, description=f"scheduler {mode} N={n} throttled {fraction:.0%}")
                 scheduler_rows.append(

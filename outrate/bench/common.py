@@ -46,7 +46,28 @@ class Plan:
     live_throttled_tokens: int = 6
     live_throttled_rate: float = 2.0
     live_ping_steps: int = 150
+    # Rounds sized by work: at least this many request-steps per round (N running x steps),
+    # so that a round at small N is not a few ms, which reads mostly noise; 0: always
+    # ``steps_per_round`` (steps_for).
+    round_request_steps: int = 0
+    # Rounds of a discarded scheduler cell (the first configuration) run before the timed
+    # ones: the first cell timed in a fresh process reads the reference about 2% slower
+    # than the same cell after one (docs/PERFORMANCE.md, "Warm-up"); 0: none.
+    warmup_rounds: int = 0
 
+    def steps_for(self, running: int) -> int:
+        """Steps per round at ``running`` requests: ``steps_per_round``, raised to
+        ``round_request_steps // running`` (at most ``MAX_STEPS_PER_ROUND``) and kept within
+        ``MAX_TIMED_STEPS`` over the plan's rounds (the requests' ``max_tokens`` must stay
+        within the tiny model's context)."""
+        by_work = min(MAX_STEPS_PER_ROUND, self.round_request_steps // max(running, 1))
+        return max(self.steps_per_round, min(by_work, MAX_TIMED_STEPS // self.rounds))
+
+
+# A round of at most this many steps, and at most this many timed steps in all (rounds x
+# steps) when rounds are sized by work (Plan.steps_for).
+MAX_STEPS_PER_ROUND = 64
+MAX_TIMED_STEPS = 3200
 
 FULL = Plan(
     sizes=(16, 64, 256, 1024),
@@ -54,6 +75,8 @@ FULL = Plan(
     modes=("sync", "async"),
     rounds=41,
     steps_per_round=16,
+    round_request_steps=4096,
+    warmup_rounds=2,
     limiter_batches=15,
     gate_scenarios=40,
     gate_max_steps=40,

@@ -228,7 +228,7 @@ def _drivers(
         STOCK_SCHEDULER,
     )
 
-    total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_per_round + 8
+    total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_for(n) + 8
     stock, control = (
         _Driver(
             STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER,
@@ -275,6 +275,7 @@ def measure_scheduler(
     """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
     stock, reference, article, control = _drivers(n, fraction, mode == "async", plan, clock)
     drivers = [d for d in (stock, reference, article, control) if d is not None]
+    steps = plan.steps_for(n)
     for driver in drivers:
         driver.warm_up()
     gc.collect()
@@ -283,8 +284,8 @@ def measure_scheduler(
     for k in range(plan.rounds):
         order = drivers[k % len(drivers) :] + drivers[: k % len(drivers)]  # rotate who goes first
         for driver in order:
-            spent = sum(driver.step() for _ in range(plan.steps_per_round))
-            means[id(driver)].append(spent / plan.steps_per_round)
+            spent = sum(driver.step() for _ in range(steps))
+            means[id(driver)].append(spent / steps)
         throttled_seen.add(reference.throttled_now())
         tick()
     stock_means, ref_means = means[id(stock)], means[id(reference)]
@@ -304,7 +305,7 @@ def measure_scheduler(
         ratio=statistics.median(ratios),
         throttled_requests=reference.expected_throttled,
         rounds=plan.rounds,
-        steps_per_round=plan.steps_per_round,
+        steps_per_round=steps,
         ratio_min=min(ratios),
         ratio_max=max(ratios),
         article_us=statistics.median(means[id(article)]) * 1e6 if article is not None else None,

@@ -117,7 +117,8 @@ def measure_shared(
     n: int, rate: float, url: str, plan: Plan, tick: Callable[[], None], clock: str = "cpu"
 ) -> SharedRow:
     """Interleaved rounds of the single-engine and the shared-budget reference (module docstring)."""
-    total = MAX_WARMUP + plan.rounds * plan.steps_per_round + 8
+    steps = plan.steps_for(n)
+    total = MAX_WARMUP + plan.rounds * steps + 8
     single = _RealClockDriver(n, rate, None, total, CLOCKS[clock])
     shared = _RealClockDriver(n, rate, url, total, CLOCKS[clock])
     drivers = [single, shared]
@@ -131,8 +132,8 @@ def measure_shared(
         wall0 = time.monotonic()
         for k in range(plan.rounds):
             for driver in drivers if k % 2 == 0 else drivers[::-1]:
-                spent = sum(driver.step() for _ in range(plan.steps_per_round))
-                means[id(driver)].append(spent / plan.steps_per_round)
+                spent = sum(driver.step() for _ in range(steps))
+                means[id(driver)].append(spent / steps)
             tick()
         wall = time.monotonic() - wall0
         trips, tokens = limiter.round_trips - trips0, shared.tokens() - tokens0
@@ -155,7 +156,7 @@ def measure_shared(
         tokens_per_s=tokens / wall,
         single_tokens_per_s=single_tokens / wall,
         rounds=plan.rounds,
-        steps_per_round=plan.steps_per_round,
+        steps_per_round=steps,
     )
 
 
