@@ -68,13 +68,10 @@ _RUNNING = RequestStatus.RUNNING
 # them gets the general path in every step.
 _STEADY_SEAMS = (
     "_reset_step_state",
-    "_apply_pending_rates",
     "_survey_users",
     "_move_throttled_last",
     "_commit_grants",
     "_settle",
-    "_record_last_served",
-    "_observe",
     "_steady",
 )
 # The mixin is only ever combined with vLLM's Scheduler (the two classes at the end), whose
@@ -237,7 +234,7 @@ class _RateLimitMixin(_SchedulerHost):
         if limits.rates_watcher is not None or limits.pending_rates is not None:
             self._apply_pending_rates(now_ns)  # R21: at the step boundary, this step's clock
         if self._steady_path and self.shortcuts and self._steady(limits, turns, self._charging):
-            return self._steady_schedule(now_ns, limiter, args, kwargs)
+            return self._steady_schedule(now_ns, args, kwargs)
         self._reset_step_state(now_ns)
         step = self._step
         turns.take()  # R14
@@ -287,41 +284,22 @@ class _RateLimitMixin(_SchedulerHost):
             and charging.spare_taken == limits.user_requests
         )
 
-    def _steady_schedule(self, now_ns: int, limiter: Any, args: tuple, kwargs: dict):
-        """``schedule()`` for a steady step (``_steady``): the general path's decisions, its
-        collaborators' O(1) branches taken in line (``_steady_path``: no seam passed by is
-        replaced; tests/test_shortcuts.py runs both paths side by side, step by step).
-
-        Nobody can be refused (R2), so the hook only records charges (R7), no request is
-        throttled and there is no wait hint (R16: the record's None)."""
+    def _steady_schedule(self, now_ns: int, args: tuple, kwargs: dict):
+        """``schedule()`` for a steady step (``_steady``): the general path without its turn
+        order, survey and throttling calls, whose O(1) branches ``_steady`` has decided
+        (``_steady_path``: no seam passed by is replaced; tests/test_shortcuts.py runs both
+        paths side by side, step by step). Nobody can be refused (R2), so the hook only
+        records charges (R7) and nothing is throttled."""
         step = self._step = StepRecord(now_ns)
         step.unconstrained = step.steady = self._record_only = True  # R2: nobody can be refused
         self._charge = step.charged.append  # R7
-        turns, charging, limits = self._turns, self._charging, self._limits
+        turns, charging = self._turns, self._charging
         step.turn_order = turns.order  # R14: the order held
         scheduler_output = super().schedule(*args, **kwargs)
-        if len(step.charged) == len(limits.users):  # R2/R7: the same counts as the last step
-            charging.spare_steps += 1
-            limiter.take_steady(charging.spare_taken, now_ns)
-            step.taken = charging.spare_taken
-        else:
-            charging.commit(step)
+        charging.commit(step)  # R2/R7: take_steady, the same counts as the last step
         turns.running_after_step = len(self.running)  # R14: see Turns.hold
-        if not charging.all_served(step, scheduler_output.num_scheduled_tokens):
-            step.refunded = charging.settle(step, scheduler_output)  # R9
-        # else R9: nothing to refund; R15: each group's last place, already so (caught_up)
-        self._steps += 1
-        if self._steps % CLEANUP_INTERVAL_STEPS == 0:
-            limiter.cleanup_idle_users(now_ns)  # R6
-            turns.forget_finished(self.requests)  # R15
-        wait, observation = self._engine_wait, self._observation
-        wait.observed = step  # R16: the step is over (EngineWait.step_done; no one refused)
-        observation.cache = None
-        log = wait.throttle_log
-        assert log is not None, "made with the limiter"
-        log.step(now_ns, step.throttled, limits.users)  # operator log (oplog.py)
-        if observation.metrics is not None or observation.trace is not None:
-            observation.step_done(step, scheduler_output, ())  # /metrics, trace
+        step.refunded = charging.settle(step, scheduler_output)  # R9: O(1) when every charge was dispatched
+        self._end_step(step, scheduler_output, ())
         return scheduler_output
 
     def _shadow_schedule(self, *args: Any, **kwargs: Any):
