@@ -7,6 +7,7 @@ import math
 import statistics
 from dataclasses import replace
 
+import pytest
 from click.testing import CliRunner
 
 from vllm_output_rate.bench import QUICK, throttled_indices
@@ -50,6 +51,7 @@ def test_bench_quick_json_structure(tmp_path):
             assert _positive_finite(r[key]), (key, r)
         # The control: a second stock scheduler in the same rounds (A/A), the resolution of "ratio".
         assert _positive_finite(r["control_ratio"]), r
+        assert r["instances"] == QUICK.instances == 1, r
         # Issue 27: the per-request cost over stock from this row's medians, beside the
         # try_take floor from the limiter part of the same run.
         assert r["per_request_over_stock_us"] == (r["reference_us"] - r["stock_us"]) / r["running"], r
@@ -141,17 +143,93 @@ def test_scheduler_row_per_request_cost_and_try_take_floor_come_from_the_run():
     assert list(table.columns[-2].cells) == [f"{row.per_request_over_stock_us:+.2f}"]
 
 
-def test_the_control_is_a_second_stock_scheduler_timed_in_the_same_rounds():
-    # The A/A control is built like stock (same class, same requests, feature off) and is
-    # a scheduler of its own, so control / stock measures only the bench's resolution.
+def test_every_scheduler_runs_in_a_process_of_its_own_the_control_being_stock_again():
+    # An engine core runs one scheduler class; the bench runs every scheduler in a fresh
+    # process of its own (bench/processes.py), Plan.instances per kind. The A/A control is
+    # built like stock (same class, same requests, feature off), so control / stock
+    # measures only the bench's resolution.
+    import os
 
-    from vllm_output_rate.bench.scheduler import _drivers
+    from vllm_output_rate.bench.scheduler import SchedulerKinds
 
-    stock, reference, _article, control = _drivers(8, 0.0, False, replace(QUICK, rounds=2, steps_per_round=2), "cpu")
-    assert control.scheduler is not stock.scheduler
-    assert type(control.scheduler) is type(stock.scheduler) is not type(reference.scheduler)
-    assert getattr(control.scheduler, "rate_limiter", None) is None
-    assert [r.request_id for r in control.scheduler.waiting] == [r.request_id for r in stock.scheduler.waiting]
+    plan = replace(QUICK, rounds=2, steps_per_round=2, instances=1)
+    with SchedulerKinds(1) as kinds:
+        assert kinds.build(8, 0.5, False, plan, "cpu") == 4
+        seen = {kind: [process.call("describe") for process in group] for kind, group in kinds.processes.items()}
+        assert kinds.run("reference", 0, 2, 1) > 0 and kinds.throttled("reference", 0) == 4
+        with pytest.raises(ValueError, match=r"hold 1 scheduler\(s\) of each kind, the plan asks for 3"):
+            from vllm_output_rate.bench.scheduler import measure_scheduler
+
+            measure_scheduler(8, 0.5, "sync", replace(plan, instances=3), lambda: None, kinds=kinds)
+    assert set(seen) >= {"stock", "reference", "control"}
+    pids = [d["pid"] for group in seen.values() for described in group for d in described]
+    assert len(pids) == len(seen) and len(set(pids)) == len(pids) and os.getpid() not in pids
+    requests = seen["stock"][0][0]["requests"]
+    for kind, group in seen.items():
+        assert len(group) == 1 and all(len(described) == 1 for described in group)
+        looks = {(described[0]["class"], described[0]["limited"]) for described in group}
+        if kind in ("stock", "control"):
+            assert looks == {("Scheduler", False)}
+        elif kind == "reference":
+            assert looks == {("RateLimitedScheduler", True)}
+        assert all(described[0]["requests"] == requests for described in group)
+
+
+def test_a_kind_that_cannot_be_built_is_named_in_the_error():
+    from vllm_output_rate.bench.processes import KindProcess
+    from vllm_output_rate.bench.scheduler import kind_options
+
+    process = KindProcess("reference")
+    options = {**kind_options("reference", 2, 0.0, False, QUICK, "cpu"), "cls_path": "no.such.Scheduler"}
+    try:
+        with pytest.raises(RuntimeError, match=r"reference scheduler: .*no\.such"):
+            process.call("build", options, 1)
+        assert process.call("describe") == []  # the process still answers
+    finally:
+        process.close()
+    with pytest.raises(ValueError, match="unknown scheduler kind 'peer'"):
+        kind_options("peer", 8, 0.0, False, QUICK, "cpu")
+
+
+class _FixedKinds:
+    """A stand-in for ``SchedulerKinds``: every scheduler "takes" a fixed time per step."""
+
+    def __init__(self, seconds: dict[str, list[float]], throttled: int) -> None:
+        self.processes = dict.fromkeys(seconds)
+        self.seconds = seconds
+        self.steps: dict[tuple[str, int], int] = {}
+        self.throttled_requests = throttled
+        self.rewarms: set[int] = set()
+
+    def run(self, kind: str, index: int, steps: int, rewarm: int = 0) -> float:
+        self.steps[kind, index] = self.steps.get((kind, index), 0) + steps
+        self.rewarms.add(rewarm)
+        return self.seconds[kind][index] * steps
+
+    def throttled(self, kind: str, index: int) -> int:
+        return self.throttled_requests
+
+
+def test_each_kind_is_the_mean_of_its_instances_timed_in_the_same_rounds():
+    # Plan.instances schedulers of each kind, each stepped the same number of steps in every
+    # round; a kind's per-round value is the mean over its instances, so the row's µs and
+    # ratios are of those means.
+    from vllm_output_rate.bench import scheduler as bench_scheduler
+    from vllm_output_rate.bench.common import FULL
+    from vllm_output_rate.bench.common import MAX_WARMUP_STEPS as FULL_MAX_WARMUP_STEPS
+
+    assert FULL.instances == 3 and QUICK.instances == 1
+    plan = replace(QUICK, rounds=3, steps_per_round=2, instances=2, rewarm_steps=4)
+    kinds = _FixedKinds({"stock": [1.0, 2.0], "reference": [2.0, 3.0], "control": [1.0, 2.0]}, throttled=0)
+    means = bench_scheduler._timed_rounds(kinds, 2, 0, plan, 5, lambda: None)
+    assert means == {"stock": [1.5] * 3, "reference": [2.5] * 3, "control": [1.5] * 3}
+    assert kinds.steps == {(kind, i): 15 for kind in ("stock", "reference", "control") for i in (0, 1)}
+    assert kinds.rewarms == {4}  # every round of every scheduler starts with the untimed steps
+    # The requests' max_tokens cover the untimed steps too.
+    total = bench_scheduler.kind_options("reference", 8, 0.0, False, plan, "cpu")["total_steps"]
+    assert total == FULL_MAX_WARMUP_STEPS + 3 * (plan.steps_for(8) + 4) + 8
+    with pytest.raises(RuntimeError, match=r"throttled requests drifted .*\[0\], planned 4"):
+        bench_scheduler._timed_rounds(kinds, 2, 4, plan, 5, lambda: None)
 
 
 def test_profile_throttled_profiles_the_reference_and_the_article_style_peer(tmp_path):
@@ -194,5 +272,5 @@ def test_rounds_are_sized_by_work_within_the_model_context():
         for n in (1, 8, 16, 64, 256, 1024):
             steps = plan.steps_for(n)
             assert steps >= plan.steps_per_round
-            assert rounds * steps <= max(MAX_TIMED_STEPS, rounds * plan.steps_per_round)
+            assert rounds * (steps + plan.rewarm_steps) <= max(MAX_TIMED_STEPS, rounds * (plan.steps_per_round + 8))
     assert QUICK.steps_for(8) == 2

@@ -1,27 +1,33 @@
-"""``outrate bench``: what the rate limit costs, measured side by side in one process.
+"""``outrate bench``: what the rate limit costs, measured side by side in one run.
 
 Scheduler step cost. For each number of running requests N, each mode (sync: vLLM's
-``Scheduler``; async: ``AsyncScheduler``) and each throttled fraction, two harnesses are
-built on the same engine shape with the same N requests: stock vLLM (feature off, nothing
-throttled) and the reference ``RateLimitedScheduler`` / ``RateLimitedAsyncScheduler``.
-Both are run to a decode steady state (every request past its prefill, or throttled), then
-timed in interleaved rounds: a round is ``Plan.steps_for(N)`` steps of one class then the
-same number of the other (16, or as many as make 4096 request-steps, up to 64: rounds of
-similar length at every N), the order alternating between rounds, so a load change on the shared
-machine hits both alike. Only ``schedule()`` + ``update_from_output()`` are timed (the
-fabricated model output is built outside the timed region; async mode times a step's
-``schedule()`` with the delivery of the step in flight, as the engine core does), by
-default on this thread's CPU clock so that time spent descheduled while other jobs hold
-the cores is left out (``--clock wall`` for perf_counter). A
-round's value is its mean per step; the table reports the medians over rounds and
-``ratio`` = median of the per-round ratios reference / stock (robust to load drift;
-close to ``reference_us / stock_us``). A third class, "article-style" (the independent
+``Scheduler``; async: ``AsyncScheduler``) and each throttled fraction, schedulers of four
+kinds are built on the same engine shape with the same N requests: stock vLLM (feature
+off, nothing throttled), the reference ``RateLimitedScheduler`` /
+``RateLimitedAsyncScheduler``, the article-style implementation (the independent
 implementation of the article kept as the gate's acceptance corpus,
-``tests/fixtures/article_style``, configured through its hook), is timed in the same
-rounds when the checkout has it; ``article_ratio`` is its median per-round ratio to stock.
-A fourth, the control, is a second stock scheduler built and timed the same way:
-``control_ratio`` (its median per-round ratio to stock, A/A) is how far a ratio of two
-identical schedulers reads from 1.0 in that run, the resolution of ``ratio``.
+``tests/fixtures/article_style``, configured through its hook; only when the checkout has
+it) and the control, stock again. Each kind runs in a child process of its own, forked
+once per run (``bench/processes.py``): an engine core runs one scheduler class, and in one
+process vLLM's call sites of the hooks, which CPython specializes for the function they
+last called, would switch between the kinds' functions every round. Each kind is
+``Plan.instances`` schedulers (3 by default, ``--instances``); one instance can read a few
+percent slower or faster than another of the same class in every round, and a kind's value
+in a round is the mean over its instances. All are run to a decode steady state (every
+request past its prefill, or throttled), then timed in interleaved rounds: a round is
+``Plan.steps_for(N)`` steps of every scheduler in turn, one process stepping while the
+others wait (16 steps, or as many as make 4096 request-steps, up to 64: rounds of similar
+length at every N), the order rotating by one scheduler each round, so a load change on the
+shared machine hits every kind alike. Only ``schedule()`` + ``update_from_output()`` are
+timed (the fabricated model output is built outside the timed region; async mode times a
+step's ``schedule()`` with the delivery of the step in flight, as the engine core does), by
+default on the stepping thread's CPU clock so that time spent descheduled while other jobs
+hold the cores is left out (``--clock wall`` for perf_counter). A round's value is its mean
+per step; the table reports the medians over rounds and ``ratio`` = median of the
+per-round ratios reference / stock (robust to load drift; close to ``reference_us /
+stock_us``); ``article_ratio`` is the article-style peer's, ``control_ratio`` the
+control's (A/A: how far a ratio of two identical kinds, each in its own process, reads
+from 1.0 in that run, the resolution of ``ratio``).
 
 - throttled fraction 0: the limit is on with a rate of 10**9 tokens/s, never binding;
 - 0.5 / 0.9: that share of the requests, spread evenly over the running order, belongs to
@@ -87,20 +93,19 @@ from vllm_output_rate.bench.common import (
     Plan,
     console,
 )
+from vllm_output_rate.bench.driver import (
+    ARTICLE_ASYNC_SCHEDULER,
+    ARTICLE_HOOK,
+    ARTICLE_SCHEDULER,
+    article_style,
+    throttled_indices,
+)
 from vllm_output_rate.bench.gate import measure_gate, seeded_draws
 from vllm_output_rate.bench.limiter import measure_limiter
 from vllm_output_rate.bench.live import THROTTLED_RUNS, live_steps, measure_live
 from vllm_output_rate.bench.profiling import profile_schedule
 from vllm_output_rate.bench.render import machine, write_plot
-from vllm_output_rate.bench.scheduler import (
-    ARTICLE_ASYNC_SCHEDULER,
-    ARTICLE_HOOK,
-    ARTICLE_SCHEDULER,
-    SchedulerRow,
-    article_style,
-    measure_scheduler,
-    throttled_indices,
-)
+from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler
 
 __all__ = [
     "ARTICLE_ASYNC_SCHEDULER",

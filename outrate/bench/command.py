@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -38,7 +39,7 @@ from vllm_output_rate.bench.render import (
     profile_tables,
     write_plot,
 )
-from vllm_output_rate.bench.scheduler import SchedulerRow, measure_scheduler, set_try_take_floor
+from vllm_output_rate.bench.scheduler import SchedulerKinds, SchedulerRow, measure_scheduler, set_try_take_floor
 from vllm_output_rate.bench.shared import measure_all_shared, shared_configs
 from vllm_output_rate.bench.tables import measure_tables, tables_steps, tables_table
 from vllm_output_rate.clitools import bar_progress, flag_option, json_option, output_file_option
@@ -66,6 +67,12 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
     type=click.IntRange(1, 200),
     default=None,
     help="Interleaved rounds per configuration (default 41; --quick 3).",
+)
+@click.option(
+    "--instances",
+    type=click.IntRange(1, 16),
+    default=None,
+    help="Scheduler part: schedulers of each kind per configuration, timed in the same rounds (default 3; --quick 1).",
 )
 @click.option(
     "--clock",
@@ -103,10 +110,12 @@ def _parse_sizes(value: str | None) -> tuple[int, ...] | None:
     help="With --profile: throttle this fraction of the requests, and profile the article-style peer beside the "
     "reference (schedule() and update_from_output(), the calls the bench times).",
 )
-def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile_n, profile_fraction) -> None:
+def bench(
+    json_path, plot_path, quick, sizes, rounds, instances, clock, only, live, profile_n, profile_fraction
+) -> None:
     """Measure the rate limit's cost: scheduler steps vs stock vLLM, limiter ops/s, gate rates."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    plan = _plan(quick, sizes, rounds)
+    plan = _plan(quick, sizes, rounds, instances)
     parts = set(only) or {"scheduler", "shared", "limiter", "gate", "tables"}
     if live or (live is None and not only and not quick):
         parts.add("live")
@@ -114,7 +123,9 @@ def bench(json_path, plot_path, quick, sizes, rounds, clock, only, live, profile
         parts.discard("live")
     if profile_fraction and profile_n is None:
         raise click.UsageError(f"--profile-throttled {profile_fraction} needs --profile N (the running requests)")
-    command = _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live, profile_fraction)
+    command = _command_line(
+        json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live, profile_fraction, instances
+    )
     started = time.monotonic()
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with console.status("importing vLLM"):
@@ -179,14 +190,16 @@ def _measure_tables(quick: bool) -> dict[str, Any]:
         return measure_tables(quick, functools.partial(progress.advance, task))
 
 
-def _plan(quick: bool, sizes: str | None, rounds: int | None) -> Plan:
-    """``QUICK`` or ``FULL``, with ``--sizes`` and ``--rounds`` applied."""
+def _plan(quick: bool, sizes: str | None, rounds: int | None, instances: int | None = None) -> Plan:
+    """``QUICK`` or ``FULL``, with ``--sizes``, ``--rounds`` and ``--instances`` applied."""
     plan = QUICK if quick else FULL
     overrides: dict[str, Any] = {}
     if (parsed := _parse_sizes(sizes)) is not None:
         overrides["sizes"] = parsed
     if rounds is not None:
         overrides["rounds"] = rounds
+    if instances is not None:
+        overrides["instances"] = instances
     return Plan(**{**asdict(plan), **overrides}) if overrides else plan
 
 
@@ -233,18 +246,22 @@ def _measure(
     gate: dict[str, Any] | None = None
     live_result: dict[str, Any] | None = None
     progress = bar_progress(console, 34)
-    with progress:
-        if "scheduler" in parts:
+    with contextlib.ExitStack() as stack:
+        # The schedulers' processes (bench/processes.py), started before the progress display.
+        kinds = stack.enter_context(SchedulerKinds(plan.instances)) if "scheduler" in parts else None
+        stack.enter_context(progress)
+        if kinds is not None:
             task = progress.add_task("scheduler", total=len(configs) * plan.rounds)
             if plan.warmup_rounds:  # discarded: see Plan.warmup_rounds
                 progress.update(task, description="scheduler warm-up (discarded)")
-                measure_scheduler(*configs[0], dataclasses.replace(plan, rounds=plan.warmup_rounds), _nothing, clock)
+                warmup = dataclasses.replace(plan, rounds=plan.warmup_rounds)
+                measure_scheduler(*configs[0], warmup, _nothing, clock, kinds)
             for n, fraction, mode in configs:
                 progress.update(task, description=f"scheduler {mode} N={n} throttled {fraction:.0%}")
-                scheduler_rows.append(
-                    measure_scheduler(n, fraction, mode, plan, functools.partial(progress.advance, task), clock)
-                )
+                advance = functools.partial(progress.advance, task)
+                scheduler_rows.append(measure_scheduler(n, fraction, mode, plan, advance, clock, kinds))
             progress.update(task, description="scheduler")
+            kinds.close()
         if "shared" in parts:
             task = progress.add_task("shared budget (Redis)", total=len(shared_configs(plan)) * plan.rounds)
             shared = measure_all_shared(plan, functools.partial(progress.advance, task), clock)
@@ -291,12 +308,15 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def _command_line(json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live=None, fraction=0.0) -> str:
+def _command_line(
+    json_path, plot_path, quick, sizes, rounds, clock, only, profile_n, live=None, fraction=0.0, instances=None
+) -> str:
     """The command that reproduces this run (for the report)."""
     words = ["outrate", "bench"]
     words += ["--quick"] if quick else []
     words += ["--sizes", sizes] if sizes else []
     words += ["--rounds", str(rounds)] if rounds is not None else []
+    words += ["--instances", str(instances)] if instances is not None else []
     words += ["--clock", clock] if clock != "cpu" else []
     for part in only:
         words += ["--only", part]

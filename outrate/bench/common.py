@@ -54,14 +54,23 @@ class Plan:
     # ones: the first cell timed in a fresh process reads the reference about 2% slower
     # than the same cell after one (docs/PERFORMANCE.md, "Warm-up"); 0: none.
     warmup_rounds: int = 0
+    # Schedulers of each kind per scheduler cell, timed in the same rounds; a kind's µs per
+    # step is the mean over its instances. One scheduler instance can read a few percent
+    # slower or faster than another of the same class in every round (docs/PERFORMANCE.md,
+    # "Instances"); the mean over several narrows that.
+    instances: int = 1
+    # Untimed steps each scheduler takes at the start of each of its rounds: its process
+    # waited while the others stepped, and their rounds took its caches (an engine core
+    # steps without such pauses; docs/PERFORMANCE.md, "One process per scheduler").
+    rewarm_steps: int = 0
 
     def steps_for(self, running: int) -> int:
         """Steps per round at ``running`` requests: ``steps_per_round``, raised to
         ``round_request_steps // running`` (at most ``MAX_STEPS_PER_ROUND``) and kept within
-        ``MAX_TIMED_STEPS`` over the plan's rounds (the requests' ``max_tokens`` must stay
-        within the tiny model's context)."""
+        ``MAX_TIMED_STEPS`` over the plan's rounds with their ``rewarm_steps`` (the
+        requests' ``max_tokens`` must stay within the tiny model's context)."""
         by_work = min(MAX_STEPS_PER_ROUND, self.round_request_steps // max(running, 1))
-        return max(self.steps_per_round, min(by_work, MAX_TIMED_STEPS // self.rounds))
+        return max(self.steps_per_round, min(by_work, MAX_TIMED_STEPS // self.rounds - self.rewarm_steps))
 
 
 # A round of at most this many steps, and at most this many timed steps in all (rounds x
@@ -77,6 +86,8 @@ FULL = Plan(
     steps_per_round=16,
     round_request_steps=4096,
     warmup_rounds=2,
+    instances=3,
+    rewarm_steps=8,
     limiter_batches=15,
     gate_scenarios=40,
     gate_max_steps=40,

@@ -13,7 +13,7 @@ from vllm_output_rate.bench.common import (
     STEP_NS,
     TINY_RATE_INTEGER,
 )
-from vllm_output_rate.bench.scheduler import _Driver, article_style
+from vllm_output_rate.bench.driver import _Driver, article_style
 
 
 # -- profile ----------------------------------------------------------------------------

@@ -38,7 +38,11 @@ def machine() -> dict[str, Any]:
 
 
 def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
-    table = Table(title=f"scheduler step: schedule() + update_from_output(), {clock} µs per step (median of rounds)")
+    instances = rows[0].instances if rows else 1
+    table = Table(
+        title=f"scheduler step: schedule() + update_from_output(), {clock} µs per step (median of rounds; "
+        f"each kind the mean of {instances} scheduler{'s' if instances > 1 else ''})"
+    )
     for col in (
         "mode",
         "running",

@@ -4,165 +4,14 @@ in interleaved rounds at N running requests (``vllm_output_rate.bench``, "Schedu
 
 from __future__ import annotations
 
-import gc
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.adapter.engine_shape import EngineShape
-from vllm_output_rate.adapter.vllm_compat import model_runner_output
-from vllm_output_rate.bench.common import (
-    CLOCKS,
-    FREE_RATE,
-    MAX_WARMUP_STEPS,
-    MIN_STEADY_STEPS,
-    QUICK,
-    STEP_NS,
-    STREAMS_PER_USER,
-    TINY_RATE,
-    TINY_RATE_INTEGER,
-    Plan,
-)
+from vllm_output_rate.bench.common import QUICK, Plan
+from vllm_output_rate.bench.driver import KINDS, article_style, kind_options
 from vllm_output_rate.bench.limiter import measure_limiter
-
-
-# -- scheduler step cost ----------------------------------------------------------------
-def throttled_indices(n: int, fraction: float) -> set[int]:
-    """``round(n * fraction)`` request indices spread evenly over ``range(n)``."""
-    k = round(n * fraction)
-    return {(i * n) // k for i in range(k)} if k else set()
-
-
-class _Driver:
-    """One scheduler on a ``Harness``; ``step()`` returns the seconds spent in vLLM's calls."""
-
-    def __init__(
-        self,
-        cls_path: str,
-        n: int,
-        fraction: float,
-        async_mode: bool,
-        total_steps: int,
-        limited: bool,
-        clock: Callable[[], float] = time.thread_time,
-        style: Any = None,
-        tiny_rate: float = TINY_RATE,
-    ) -> None:
-        # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
-        from vllm_output_rate.adapter.harness import Harness
-
-        self.max_tokens = total_steps + 64
-        prompt_max = 4 + 15
-        max_model_len = prompt_max + self.max_tokens + 16
-        blocks_per_request = -(-max_model_len // 16) + 1
-        throttled = throttled_indices(n, fraction)
-        users = []
-        free_count = throttled_count = 0
-        for i in range(n):
-            if i in throttled:
-                users.append(f"t{throttled_count // STREAMS_PER_USER}")
-                throttled_count += 1
-            else:
-                users.append(f"u{free_count // STREAMS_PER_USER}")
-                free_count += 1
-        output_rate = None
-        if limited:
-            output_rate = {
-                "default_tokens_per_s": FREE_RATE,
-                "user_tokens_per_s": {u: tiny_rate for u in set(users) if u.startswith("t")},
-            }
-        shape = EngineShape(
-            max_num_seqs=n,
-            max_num_batched_tokens=max(2048, 4 * n),
-            chunked_prefill=True,
-            block_size=16,
-            num_blocks=n * blocks_per_request + 64,
-            async_scheduling=async_mode,
-            max_model_len=max_model_len,
-            output_rate=output_rate,
-        )
-        self.harness = Harness(cls_path, shape, style=style)
-        for i, user in enumerate(users):
-            self.harness.add_request(f"r{i}", user, prompt_len=4 + (i % 16), max_tokens=self.max_tokens)
-        self.n = n
-        self.expected_throttled = len(throttled) if limited else 0
-        self.async_mode = async_mode
-        self.scheduler = self.harness.scheduler
-        self._in_flight: tuple[Any, Any] | None = None  # async: (SchedulerOutput, ModelRunnerOutput) in flight
-        self.steps = 0
-        self.clock = clock
-
-    def _model_output(self, so):
-        # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
-        from vllm_output_rate.adapter.harness import NON_EOS_TOKEN_ID
-
-        requests = self.scheduler.requests
-        ids = list(so.num_scheduled_tokens)
-        tokens = [[] if requests[r].is_prefill_chunk else [NON_EOS_TOKEN_ID] for r in ids]
-        return model_runner_output(ids, tokens)
-
-    def step(self) -> float:
-        clock = self.clock
-        scheduler = self.scheduler
-        t0 = clock()
-        so = scheduler.schedule()
-        t1 = clock()
-        mro = self._model_output(so)
-        if self.async_mode:
-            deliver, self._in_flight = self._in_flight, (so, mro)
-        else:
-            deliver = (so, mro)
-        t2 = t3 = 0.0
-        if deliver is not None:
-            t2 = clock()
-            scheduler.update_from_output(*deliver)
-            t3 = clock()
-        self.harness.clock.advance(STEP_NS)
-        self.steps += 1
-        return (t1 - t0) + (t3 - t2)
-
-    def throttled_now(self) -> int:
-        observation = getattr(self.scheduler, "last_step_observation", None)
-        return len(observation["throttled"]) if observation else 0
-
-    def steady(self) -> bool:
-        """Every request running; each one decoding, or throttled as planned."""
-        scheduler = self.scheduler
-        if len(scheduler.running) != self.n or scheduler.waiting:
-            return False
-        decoding = sum(1 for r in scheduler.running if r.num_output_tokens > 1)
-        if getattr(scheduler, "last_step_observation", None) is None:  # no observation interface
-            return decoding >= self.n - self.expected_throttled and self.steps >= 2 * MIN_STEADY_STEPS
-        throttled = self.throttled_now()
-        return throttled == self.expected_throttled and decoding >= self.n - self.expected_throttled
-
-    max_warmup_steps = MAX_WARMUP_STEPS
-    settle_steps = 4  # steps taken after the steady state is reached, before timing
-
-    def warm_up(self) -> None:
-        """Step until ``steady()``, then ``settle_steps`` more.
-
-        Raises:
-            RuntimeError: no steady state within ``max_warmup_steps`` (``no_steady_state()``).
-        """
-        while not self.steady():
-            if self.steps >= self.max_warmup_steps:
-                raise RuntimeError(self.no_steady_state())
-            self.step()
-        for _ in range(self.settle_steps):
-            self.step()
-
-    def no_steady_state(self) -> str:
-        """What ``warm_up`` raises when the steady state never came."""
-        return (
-            f"{self.harness.cls_path} with {self.n} requests: no decode steady state after "
-            f"{self.steps} steps (running {len(self.scheduler.running)}, throttled "
-            f"{self.throttled_now()} of {self.expected_throttled})"
-        )
 
 
 @dataclass
@@ -176,6 +25,9 @@ class SchedulerRow:
     throttled_requests: int = 0
     rounds: int = 0
     steps_per_round: int = 0
+    # Schedulers of each kind built and timed in the cell (Plan.instances); µs and ratios are
+    # of the mean over a kind's instances.
+    instances: int = 1
     ratio_min: float = 0.0
     ratio_max: float = 0.0
     article_us: float | None = None
@@ -194,106 +46,151 @@ class SchedulerRow:
     control_ratio: float | None = None
 
 
-ARTICLE_SCHEDULER = "article_style.scheduler.ArticleScheduler"
-ARTICLE_ASYNC_SCHEDULER = "article_style.scheduler.ArticleAsyncScheduler"
-ARTICLE_HOOK = "hook:article_style.hook.configure"
+class SchedulerKinds:
+    """The scheduler part's processes: ``instances`` ``KindProcess`` es per kind (``KINDS``;
+    the article-style peer only where ``article_style`` finds it), each holding one
+    scheduler of one configuration at a time, kept for a whole run. Separate processes
+    also average out what one process's memory layout does to its schedulers' speed
+    (docs/PERFORMANCE.md, "One process per scheduler"). A context manager; ``close()``
+    ends them.
+
+    Raises:
+        ValueError: ``instances`` < 1.
+    """
+
+    def __init__(self, instances: int = 1) -> None:
+        # deferred: multiprocessing is only needed when the scheduler part runs
+        from vllm_output_rate.bench.processes import KindProcess
+
+        if instances < 1:
+            raise ValueError(f"instances must be >= 1, got {instances!r}")
+        kinds = [k for k in KINDS if k != "article" or article_style(False) is not None]
+        self.instances = instances
+        self.processes: dict[str, list[Any]] = {kind: [] for kind in kinds}
+        try:
+            for _ in range(instances):
+                for kind in kinds:
+                    self.processes[kind].append(KindProcess(kind))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> SchedulerKinds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _all(self) -> list[Any]:
+        return [process for group in self.processes.values() for process in group]
+
+    def close(self) -> None:
+        """End every process."""
+        for process in self._all():
+            process.close()
+        self.processes = {}
+
+    def build(self, n: int, fraction: float, async_mode: bool, plan: Plan, clock: str) -> int:
+        """One scheduler of its kind for this configuration in every process, all built and
+        warmed up at once; the reference's planned throttled requests.
+
+        Raises:
+            RuntimeError: a scheduler could not be built or found no steady state (the
+                message names the kind).
+        """
+        for kind, group in self.processes.items():
+            options = kind_options(kind, n, fraction, async_mode, plan, clock)
+            for process in group:
+                process.send("build", options, 1)
+        planned = {kind: [process.result() for process in group] for kind, group in self.processes.items()}
+        return planned["reference"][0]
+
+    def run(self, kind: str, index: int, steps: int, rewarm: int = 0) -> float:
+        """CPU seconds of ``steps`` steps of scheduler ``index`` of ``kind``, after
+        ``rewarm`` untimed ones (``Plan.rewarm_steps``)."""
+        return self.processes[kind][index].call("run", 0, steps, rewarm)
+
+    def throttled(self, kind: str, index: int) -> int:
+        """Throttled requests in the last step of scheduler ``index`` of ``kind``."""
+        return self.processes[kind][index].call("throttled", 0)
+
+    def drop(self) -> None:
+        """Free every scheduler of the last configuration."""
+        for process in self._all():
+            process.call("drop")
 
 
-def article_style(async_mode: bool) -> tuple[str, Any] | None:
-    """(class path, config style) of the article-style implementation, or None when this
-    checkout has no ``tests/fixtures/article_style`` (an installed wheel)."""
-    # deferred: adapter.configstyle loads unittest.mock and the config parsers (~0.2 s), kept off `outrate --help`
-    from vllm_output_rate.adapter.configstyle import parse_config_style
+def _timed_rounds(
+    kinds: SchedulerKinds, instances: int, planned: int, plan: Plan, steps: int, tick: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Kind -> per round, the mean over its ``instances`` schedulers of the seconds per step;
+    every scheduler runs ``steps`` steps a round, one at a time, the order rotating.
 
-    fixtures = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
-    if not (fixtures / "article_style").is_dir():
-        return None
-    if str(fixtures) not in sys.path:
-        sys.path.insert(0, str(fixtures))
-
-    return (ARTICLE_ASYNC_SCHEDULER if async_mode else ARTICLE_SCHEDULER), parse_config_style(ARTICLE_HOOK)
-
-
-def _drivers(
-    n: int, fraction: float, async_mode: bool, plan: Plan, clock: str
-) -> tuple[_Driver, _Driver, _Driver | None, _Driver]:
-    """The stock, reference, (where its fixture is importable) article-style and control
-    (a second stock) drivers at ``n`` running requests, ``fraction`` of them throttled,
-    each sized for the plan's warm-up and timed rounds, all on the clock named ``clock``."""
-    # deferred: adapter.harness imports Hypothesis at its top; kept off `outrate --help`
-    from vllm_output_rate.adapter.harness import (
-        REFERENCE_ASYNC_SCHEDULER,
-        REFERENCE_SCHEDULER,
-        STOCK_ASYNC_SCHEDULER,
-        STOCK_SCHEDULER,
-    )
-
-    total = MAX_WARMUP_STEPS + plan.rounds * plan.steps_for(n) + 8
-    stock, control = (
-        _Driver(
-            STOCK_ASYNC_SCHEDULER if async_mode else STOCK_SCHEDULER,
-            n,
-            fraction,
-            async_mode,
-            total,
-            limited=False,
-            clock=CLOCKS[clock],
+    Raises:
+        RuntimeError: the reference's throttled requests drifted from ``planned``.
+    """
+    names = list(kinds.processes)
+    # Interleaved by kind (stock 0, reference 0, control 0, article 0, stock 1, ...), the
+    # order rotating by one each round.
+    everyone = [(kind, i) for i in range(instances) for kind in names]
+    means: dict[str, list[float]] = {kind: [] for kind in names}
+    throttled_seen: set[int] = set()
+    for k in range(plan.rounds):
+        spent: dict[str, float] = dict.fromkeys(names, 0.0)
+        for kind, i in everyone[k % len(everyone) :] + everyone[: k % len(everyone)]:
+            spent[kind] += kinds.run(kind, i, steps, plan.rewarm_steps)
+        for kind in names:
+            means[kind].append(spent[kind] / (steps * instances))
+        throttled_seen.update(kinds.throttled("reference", i) for i in range(instances))
+        tick()
+    if throttled_seen != {planned}:
+        raise RuntimeError(
+            f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, planned {planned}"
         )
-        for _ in range(2)
-    )
-    reference = _Driver(
-        REFERENCE_ASYNC_SCHEDULER if async_mode else REFERENCE_SCHEDULER,
-        n,
-        fraction,
-        async_mode,
-        total,
-        limited=True,
-        clock=CLOCKS[clock],
-    )
-    peer = article_style(async_mode)
-    article = (
-        _Driver(
-            peer[0],
-            n,
-            fraction,
-            async_mode,
-            total,
-            limited=True,
-            clock=CLOCKS[clock],
-            style=peer[1],
-            tiny_rate=TINY_RATE_INTEGER,
-        )
-        if peer is not None
-        else None
-    )
-    return stock, reference, article, control
+    return means
+
+
+def _median_ratio(top: list[float], bottom: list[float]) -> float:
+    """The median over rounds of ``top[k] / bottom[k]``."""
+    return statistics.median(t / b for t, b in zip(top, bottom))
 
 
 def measure_scheduler(
-    n: int, fraction: float, mode: str, plan: Plan, tick: Callable[[], None], clock: str = "cpu"
+    n: int,
+    fraction: float,
+    mode: str,
+    plan: Plan,
+    tick: Callable[[], None],
+    clock: str = "cpu",
+    kinds: SchedulerKinds | None = None,
 ) -> SchedulerRow:
-    """Interleaved rounds of stock and reference at ``n`` running requests (module docstring)."""
-    stock, reference, article, control = _drivers(n, fraction, mode == "async", plan, clock)
-    drivers = [d for d in (stock, reference, article, control) if d is not None]
-    steps = plan.steps_for(n)
-    for driver in drivers:
-        driver.warm_up()
-    gc.collect()
-    means: dict[int, list[float]] = {id(d): [] for d in drivers}
-    throttled_seen: set[int] = set()
-    for k in range(plan.rounds):
-        order = drivers[k % len(drivers) :] + drivers[: k % len(drivers)]  # rotate who goes first
-        for driver in order:
-            spent = sum(driver.step() for _ in range(steps))
-            means[id(driver)].append(spent / steps)
-        throttled_seen.add(reference.throttled_now())
-        tick()
-    stock_means, ref_means = means[id(stock)], means[id(reference)]
-    if throttled_seen != {reference.expected_throttled}:
-        raise RuntimeError(
-            f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, "
-            f"planned {reference.expected_throttled}"
+    """Interleaved rounds of stock, reference, article-style and control at ``n`` running
+    requests, ``plan.instances`` schedulers of each, each kind in a process of its own
+    (``kinds``, or processes started and ended for this call; module docstring); the row's
+    µs are medians over rounds of the mean over a kind's instances, its ratios medians over
+    rounds of those means' ratios.
+
+    Raises:
+        RuntimeError: a scheduler could not be built or found no steady state, or the
+            throttled requests drifted.
+    """
+    own = kinds is None
+    if kinds is None:
+        kinds = SchedulerKinds(plan.instances)
+    elif kinds.instances != plan.instances:
+        raise ValueError(
+            f"the processes hold {kinds.instances} scheduler(s) of each kind, the plan asks for {plan.instances}"
         )
+    try:
+        planned = kinds.build(n, fraction, mode == "async", plan, clock)
+        steps = plan.steps_for(n)
+        means = _timed_rounds(kinds, plan.instances, planned, plan, steps, tick)
+    finally:
+        if own:
+            kinds.close()
+    if not own:
+        kinds.drop()
+    stock_means, ref_means, article_means = means["stock"], means["reference"], means.get("article")
     ratios = [r / s for r, s in zip(ref_means, stock_means)]
     stock_us, reference_us = statistics.median(stock_means) * 1e6, statistics.median(ref_means) * 1e6
     return SchedulerRow(
@@ -303,20 +200,17 @@ def measure_scheduler(
         stock_us=stock_us,
         reference_us=reference_us,
         ratio=statistics.median(ratios),
-        throttled_requests=reference.expected_throttled,
+        throttled_requests=planned,
         rounds=plan.rounds,
         steps_per_round=steps,
+        instances=plan.instances,
         ratio_min=min(ratios),
         ratio_max=max(ratios),
-        article_us=statistics.median(means[id(article)]) * 1e6 if article is not None else None,
-        article_ratio=(
-            statistics.median([a / s for a, s in zip(means[id(article)], stock_means)]) if article is not None else None
-        ),
-        reference_article_ratio=(
-            statistics.median([r / a for r, a in zip(ref_means, means[id(article)])]) if article is not None else None
-        ),
+        article_us=statistics.median(article_means) * 1e6 if article_means is not None else None,
+        article_ratio=_median_ratio(article_means, stock_means) if article_means is not None else None,
+        reference_article_ratio=_median_ratio(ref_means, article_means) if article_means is not None else None,
         per_request_over_stock_us=(reference_us - stock_us) / n,
-        control_ratio=statistics.median([c / s for c, s in zip(means[id(control)], stock_means)]),
+        control_ratio=_median_ratio(means["control"], stock_means),
     )
 
 

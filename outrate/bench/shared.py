@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_output_rate.bench.common import CLOCKS, FREE_RATE, Plan
-from vllm_output_rate.bench.scheduler import _Driver
+from vllm_output_rate.bench.driver import _Driver
 from vllm_output_rate.redis_server import RedisServer
 
 BINDING_RATE = 200  # tokens/s per user: T = 5 ms, lease size L = 10
