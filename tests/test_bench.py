@@ -183,7 +183,7 @@ def test_a_kind_that_cannot_be_built_is_named_in_the_error():
     options = {**kind_options("reference", 2, 0.0, False, QUICK, "cpu"), "cls_path": "no.such.Scheduler"}
     try:
         with pytest.raises(RuntimeError, match=r"reference scheduler: .*no\.such"):
-            process.call("build", options, 1)
+            process.call("build", options)
         assert process.call("describe") == []  # the process still answers
     finally:
         process.close()
@@ -221,7 +221,7 @@ def test_each_kind_is_the_mean_of_its_instances_timed_in_the_same_rounds():
     assert FULL.instances == 3 and QUICK.instances == 1
     plan = replace(QUICK, rounds=3, steps_per_round=2, instances=2, rewarm_steps=4)
     kinds = _FixedKinds({"stock": [1.0, 2.0], "reference": [2.0, 3.0], "control": [1.0, 2.0]}, throttled=0)
-    means = bench_scheduler._timed_rounds(kinds, 2, 0, plan, 5, lambda: None)
+    means = bench_scheduler._timed_rounds(kinds, 0, plan, 5, lambda: None)
     assert means == {"stock": [1.5] * 3, "reference": [2.5] * 3, "control": [1.5] * 3}
     assert kinds.steps == {(kind, i): 15 for kind in ("stock", "reference", "control") for i in (0, 1)}
     assert kinds.rewarms == {4}  # every round of every scheduler starts with the untimed steps
@@ -229,7 +229,7 @@ def test_each_kind_is_the_mean_of_its_instances_timed_in_the_same_rounds():
     total = bench_scheduler.kind_options("reference", 8, 0.0, False, plan, "cpu")["total_steps"]
     assert total == FULL_MAX_WARMUP_STEPS + 3 * (plan.steps_for(8) + 4) + 8
     with pytest.raises(RuntimeError, match=r"throttled requests drifted .*\[0\], planned 4"):
-        bench_scheduler._timed_rounds(kinds, 2, 4, plan, 5, lambda: None)
+        bench_scheduler._timed_rounds(kinds, 4, plan, 5, lambda: None)
 
 
 def test_profile_throttled_profiles_the_reference_and_the_article_style_peer(tmp_path):

@@ -7,16 +7,17 @@ off, nothing throttled), the reference ``RateLimitedScheduler`` /
 ``RateLimitedAsyncScheduler``, the article-style implementation (the independent
 implementation of the article kept as the gate's acceptance corpus,
 ``tests/fixtures/article_style``, configured through its hook; only when the checkout has
-it) and the control, stock again. Each kind runs in a child process of its own, forked
-once per run (``bench/processes.py``): an engine core runs one scheduler class, and in one
+it) and the control, stock again. Every scheduler runs in a fresh process of its own
+(spawned, ``bench/processes.py``): an engine core runs one scheduler class, and in one
 process vLLM's call sites of the hooks, which CPython specializes for the function they
 last called, would switch between the kinds' functions every round. Each kind is
-``Plan.instances`` schedulers (3 by default, ``--instances``); one instance can read a few
-percent slower or faster than another of the same class in every round, and a kind's value
-in a round is the mean over its instances. All are run to a decode steady state (every
+``Plan.instances`` such processes (3 by default, ``--instances``); one process can read a
+few percent slower or faster than another of the same kind in every round, and a kind's
+value in a round is the mean over its processes. All are run to a decode steady state (every
 request past its prefill, or throttled), then timed in interleaved rounds: a round is
-``Plan.steps_for(N)`` steps of every scheduler in turn, one process stepping while the
-others wait (16 steps, or as many as make 4096 request-steps, up to 64: rounds of similar
+``Plan.steps_for(N)`` steps of every scheduler in turn after ``Plan.rewarm_steps``
+untimed ones (8 by default: a process resumes with cold caches), one process stepping while
+the others wait (16 steps, or as many as make 4096 request-steps, up to 64: rounds of similar
 length at every N), the order rotating by one scheduler each round, so a load change on the
 shared machine hits every kind alike. Only ``schedule()`` + ``update_from_output()`` are
 timed (the fabricated model output is built outside the timed region; async mode times a

@@ -51,17 +51,18 @@ class Plan:
     # ``steps_per_round`` (steps_for).
     round_request_steps: int = 0
     # Rounds of a discarded scheduler cell (the first configuration) run before the timed
-    # ones: the first cell timed in a fresh process reads the reference about 2% slower
-    # than the same cell after one (docs/PERFORMANCE.md, "Warm-up"); 0: none.
+    # ones: the first cell timed in a fresh process read the reference about 2% slower
+    # than the same cell after one, when all kinds shared a process (docs/PERFORMANCE.md,
+    # "How the bench measures"); 0: none.
     warmup_rounds: int = 0
-    # Schedulers of each kind per scheduler cell, timed in the same rounds; a kind's µs per
-    # step is the mean over its instances. One scheduler instance can read a few percent
-    # slower or faster than another of the same class in every round (docs/PERFORMANCE.md,
-    # "Instances"); the mean over several narrows that.
+    # Schedulers of each kind per scheduler cell, each in a process of its own, timed in the
+    # same rounds; a kind's µs per step is the mean over its instances. One process can read
+    # a few percent slower or faster than another of the same kind in every round
+    # (docs/PERFORMANCE.md, "How the bench measures"); the mean over several narrows that.
     instances: int = 1
     # Untimed steps each scheduler takes at the start of each of its rounds: its process
     # waited while the others stepped, and their rounds took its caches (an engine core
-    # steps without such pauses; docs/PERFORMANCE.md, "One process per scheduler").
+    # steps without such pauses; docs/PERFORMANCE.md, "How the bench measures").
     rewarm_steps: int = 0
 
     def steps_for(self, running: int) -> int:

@@ -1,6 +1,6 @@
 """The scheduler part of ``outrate bench`` runs every scheduler in a process of its own.
 
-Why, measured (docs/PERFORMANCE.md, "One process per scheduler"):
+Why, measured (docs/PERFORMANCE.md, "How the bench measures"):
 
 - vLLM's ``Scheduler.schedule`` calls the scheduler's hook (``_reserve_prefill_lookahead``,
   once per running request per step) from a call site that CPython 3.11+ specializes for
@@ -15,10 +15,11 @@ Each ``KindProcess`` is a fresh interpreter (multiprocessing's ``spawn``: nothin
 bench's own heap is inherited) that imports vLLM and the schedulers, freezes that start-up
 heap out of the garbage collector as vLLM's engine core does
 (``vllm.utils.gc_utils.freeze_gc_heap``), and then serves requests over a pipe: ``build``
-makes and warms up its scheduler(s) for one configuration, ``run`` steps one and returns
+makes and warms up its scheduler for one configuration, ``run`` steps it and returns
 the CPU seconds spent in vLLM's calls, ``throttled`` reads its throttled requests,
-``describe`` says what it holds, ``drop`` frees them. The rounds stay interleaved: one
-process steps while the others wait on their pipes.
+``describe`` says what it holds, ``drop`` frees it. A process holds one scheduler at a
+time; the bench starts ``Plan.instances`` processes per kind. The rounds stay interleaved:
+one process steps while the others wait on their pipes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from vllm_output_rate.bench.driver import _Driver, article_style
 
 
 class KindProcess:
-    """One scheduler kind's drivers in a child process (spawn), driven over a pipe.
+    """One scheduler (a ``_Driver``) of one kind in a child process (spawn), driven over a pipe.
 
     ``kind``: a name for messages (``stock``, ``reference``, ...). Every call blocks until
     the child answers.
@@ -88,10 +89,10 @@ class KindProcess:
         self._conn.close()
 
 
-def _build(drivers: list[Any], options: dict[str, Any], instances: int) -> int:
-    """``instances`` drivers of ``options`` (``_Driver``'s arguments; ``article=True``: the
-    article-style peer's class and config style), each warmed up; the planned throttled
-    requests of one."""
+def _build(drivers: list[Any], options: dict[str, Any]) -> int:
+    """The process's scheduler: a ``_Driver`` of ``options`` (its arguments; ``article=True``:
+    the article-style peer's class and config style) in place of the last one, warmed up;
+    its planned throttled requests."""
     drivers.clear()
     gc.collect()
     options = dict(options)
@@ -100,32 +101,31 @@ def _build(drivers: list[Any], options: dict[str, Any], instances: int) -> int:
         if peer is None:
             raise RuntimeError("the article-style peer (tests/fixtures/article_style) is not in this checkout")
         options.update(cls_path=peer[0], style=peer[1], tiny_rate=TINY_RATE_INTEGER)
-    for _ in range(instances):
-        try:
-            drivers.append(_Driver(**options))
-        except Exception as exc:
-            raise RuntimeError(f"cannot build {options['cls_path']} ({type(exc).__name__}: {exc})") from exc
-    for driver in drivers:
-        driver.warm_up()
+    try:
+        driver = _Driver(**options)
+    except Exception as exc:
+        raise RuntimeError(f"cannot build {options['cls_path']} ({type(exc).__name__}: {exc})") from exc
+    driver.warm_up()
+    drivers.append(driver)
     gc.collect()
-    return drivers[0].expected_throttled
+    return driver.expected_throttled
 
 
-def _run(drivers: list[Any], index: int, steps: int, rewarm: int = 0) -> float:
-    """CPU seconds of ``steps`` steps of driver ``index`` (``_Driver.step``), after
-    ``rewarm`` untimed ones that bring back the caches the other processes' rounds took."""
-    step = drivers[index].step
+def _run(drivers: list[Any], steps: int, rewarm: int = 0) -> float:
+    """CPU seconds of ``steps`` steps of the scheduler (``_Driver.step``), after ``rewarm``
+    untimed ones that bring back the caches the other processes' rounds took."""
+    step = drivers[0].step
     for _ in range(rewarm):
         step()
     return sum(step() for _ in range(steps))
 
 
-def _throttled(drivers: list[Any], index: int) -> int:
-    return drivers[index].throttled_now()
+def _throttled(drivers: list[Any]) -> int:
+    return drivers[0].throttled_now()
 
 
 def _describe(drivers: list[Any]) -> list[dict[str, Any]]:
-    """Per driver: its scheduler's class name, whether the limit is on, the waiting
+    """The scheduler held (none or one): its class name, whether the limit is on, its
     request ids, and this process's id (what the tests check)."""
     return [
         {
@@ -154,7 +154,7 @@ _OPS: dict[str, Callable[..., Any]] = {
 
 def _serve(conn: Any) -> None:
     """The child's loop: one answer, ``("ok", value)`` or ``("error", message)``, per request."""
-    # Start-up: import what the schedulers need, then leave it out of every collection, as
+    # Start-up: import what the scheduler needs, then leave it out of every collection, as
     # vLLM's engine core freezes its start-up heap (vllm.utils.gc_utils.freeze_gc_heap).
     import vllm  # noqa: F401  # deferred: the child's start-up; vLLM costs seconds to import
 
@@ -165,7 +165,7 @@ def _serve(conn: Any) -> None:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     gc.collect()
     gc.freeze()
-    drivers: list[Any] = []
+    drivers: list[Any] = []  # the scheduler held: none or one
     while True:
         try:
             op, args = conn.recv()

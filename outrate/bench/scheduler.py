@@ -25,8 +25,8 @@ class SchedulerRow:
     throttled_requests: int = 0
     rounds: int = 0
     steps_per_round: int = 0
-    # Schedulers of each kind built and timed in the cell (Plan.instances); µs and ratios are
-    # of the mean over a kind's instances.
+    # Schedulers (each in a process of its own) of each kind timed in the cell
+    # (Plan.instances); µs and ratios are of the mean over a kind's instances.
     instances: int = 1
     ratio_min: float = 0.0
     ratio_max: float = 0.0
@@ -51,7 +51,7 @@ class SchedulerKinds:
     the article-style peer only where ``article_style`` finds it), each holding one
     scheduler of one configuration at a time, kept for a whole run. Separate processes
     also average out what one process's memory layout does to its schedulers' speed
-    (docs/PERFORMANCE.md, "One process per scheduler"). A context manager; ``close()``
+    (docs/PERFORMANCE.md, "How the bench measures"). A context manager; ``close()``
     ends them.
 
     Raises:
@@ -101,18 +101,18 @@ class SchedulerKinds:
         for kind, group in self.processes.items():
             options = kind_options(kind, n, fraction, async_mode, plan, clock)
             for process in group:
-                process.send("build", options, 1)
+                process.send("build", options)
         planned = {kind: [process.result() for process in group] for kind, group in self.processes.items()}
         return planned["reference"][0]
 
     def run(self, kind: str, index: int, steps: int, rewarm: int = 0) -> float:
         """CPU seconds of ``steps`` steps of scheduler ``index`` of ``kind``, after
         ``rewarm`` untimed ones (``Plan.rewarm_steps``)."""
-        return self.processes[kind][index].call("run", 0, steps, rewarm)
+        return self.processes[kind][index].call("run", steps, rewarm)
 
     def throttled(self, kind: str, index: int) -> int:
         """Throttled requests in the last step of scheduler ``index`` of ``kind``."""
-        return self.processes[kind][index].call("throttled", 0)
+        return self.processes[kind][index].call("throttled")
 
     def drop(self) -> None:
         """Free every scheduler of the last configuration."""
@@ -121,15 +121,15 @@ class SchedulerKinds:
 
 
 def _timed_rounds(
-    kinds: SchedulerKinds, instances: int, planned: int, plan: Plan, steps: int, tick: Callable[[], None]
+    kinds: SchedulerKinds, planned: int, plan: Plan, steps: int, tick: Callable[[], None]
 ) -> dict[str, list[float]]:
-    """Kind -> per round, the mean over its ``instances`` schedulers of the seconds per step;
-    every scheduler runs ``steps`` steps a round, one at a time, the order rotating.
+    """Kind -> per round, the mean over its ``plan.instances`` schedulers of the seconds per
+    step; every scheduler runs ``steps`` steps a round, one at a time, the order rotating.
 
     Raises:
         RuntimeError: the reference's throttled requests drifted from ``planned``.
     """
-    names = list(kinds.processes)
+    names, instances = list(kinds.processes), plan.instances
     # Interleaved by kind (stock 0, reference 0, control 0, article 0, stock 1, ...), the
     # order rotating by one each round.
     everyone = [(kind, i) for i in range(instances) for kind in names]
@@ -165,12 +165,14 @@ def measure_scheduler(
     kinds: SchedulerKinds | None = None,
 ) -> SchedulerRow:
     """Interleaved rounds of stock, reference, article-style and control at ``n`` running
-    requests, ``plan.instances`` schedulers of each, each kind in a process of its own
+    requests, ``plan.instances`` schedulers of each, every one in a process of its own
     (``kinds``, or processes started and ended for this call; module docstring); the row's
     µs are medians over rounds of the mean over a kind's instances, its ratios medians over
     rounds of those means' ratios.
 
     Raises:
+        ValueError: ``kinds`` holds another number of processes per kind than
+            ``plan.instances``.
         RuntimeError: a scheduler could not be built or found no steady state, or the
             throttled requests drifted.
     """
@@ -184,7 +186,7 @@ def measure_scheduler(
     try:
         planned = kinds.build(n, fraction, mode == "async", plan, clock)
         steps = plan.steps_for(n)
-        means = _timed_rounds(kinds, plan.instances, planned, plan, steps, tick)
+        means = _timed_rounds(kinds, planned, plan, steps, tick)
     finally:
         if own:
             kinds.close()
