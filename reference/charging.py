@@ -34,7 +34,9 @@ class Charging:
     ``spare - spare_steps x spare_taken`` is a lower bound on ``grants_at(user, now)`` for
     every later now (``survey``). ``margin``: while those steps each charged every request
     of the scheduler (``spare_taken`` is then user -> its requests), how many such steps
-    ``spare`` covers for every user (the O(1) survey); 0 otherwise.
+    ``spare`` covers for every user (the O(1) survey); 0 otherwise. ``spare_version``: the
+    ``UserLimits.requests_version`` at which ``spare_taken`` was a copy of ``user_requests``
+    (-1: it is not), so the O(1) survey compares the two in O(1).
     The per-step allowances live in the ``StepRecord``.
     """
 
@@ -47,6 +49,7 @@ class Charging:
         self.spare: dict[str, int] = {}
         self.spare_taken: dict[str, int] = {}
         self.spare_steps = 0
+        self.spare_version = -1
         self.margin = 0
 
     def survey(self, step: StepRecord) -> tuple[bool, dict[str, int]]:
@@ -64,8 +67,14 @@ class Charging:
         cannot use up in one step. O(users); O(1) (in Python) in a steady step (``margin``).
         """
         host = self.host
-        requests_of = host._limits.user_requests
-        if self.spare_steps < self.margin and host._hook_fast and host.shortcuts and self.spare_taken == requests_of:
+        limits = host._limits
+        requests_of = limits.user_requests
+        if (
+            self.spare_steps < self.margin
+            and host._hook_fast
+            and host.shortcuts
+            and self.spare_version == limits.requests_version  # spare_taken == requests_of
+        ):
             # R2: the same requests as in each step since the last full survey, every one
             # charged in each, and ``spare`` covers one more such step for every user: the
             # loop below would find every user covered by its spare grants (``margin``).
@@ -134,6 +143,7 @@ class Charging:
                     return
                 counted = dict(limits.user_requests)
                 self.spare, self.spare_taken, self.spare_steps = step.grants_at_start, counted, 1
+                self.spare_version = limits.requests_version
                 self.margin = step.margin
             else:
                 ids = step.charged_ids = list(map(_REQUEST_ID, step.charged))
@@ -142,7 +152,7 @@ class Charging:
                     spare, taken, steps = self.spare, self.spare_taken, self.spare_steps
                     step.grants_at_start = {u: spare.get(u, 0) - steps * n for u, n in taken.items()}
                 self.spare, self.spare_taken, self.spare_steps = step.grants_at_start, counted, 1
-                self.margin = 0
+                self.spare_version, self.margin = -1, 0
             limiter.take_counts(counted, now)
             step.taken = counted  # the metrics' granted tokens (reference/metrics.py)
             return
@@ -150,6 +160,7 @@ class Charging:
         taken = {u: n - left[u] for u, n in step.grants_at_start.items() if n > left[u]}
         limiter.take_counts(taken, now)
         self.spare, self.spare_taken, self.spare_steps, self.margin = left, {}, 0, 0
+        self.spare_version = -1
         step.taken = taken  # the metrics' granted tokens (reference/metrics.py)
 
     def settle(self, step: StepRecord, scheduler_output: Any) -> list[str]:

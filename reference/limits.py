@@ -57,7 +57,8 @@ class UserLimits:
 
     ``users``: request id -> user (R17, resolved once, by the host's ``_resolve_user``);
     ``user_requests``: user -> requests in the scheduler (any state); ``groups``: request
-    id -> ``group_key(user, priority)`` (R14/R15). R21: ``rates_watcher`` (the rates file,
+    id -> ``group_key(user, priority)`` (R14/R15); ``requests_version``: counts every change
+    of ``user_requests`` (a steady step compares it in O(1), ``Charging.spare_version``). R21: ``rates_watcher`` (the rates file,
     when set), ``pending_rates`` (a table queued by ``update_output_rates``, any thread,
     guarded by ``rates_lock``); R29: ``plan_shadow``, the shadow accounting of shadow plans.
     """
@@ -66,6 +67,7 @@ class UserLimits:
         self.host = host
         self.users: dict[str, str] = {}
         self.user_requests: dict[str, int] = {}
+        self.requests_version = 0
         self.groups: dict[str, str] = {}
         self.rates_watcher: RatesFileWatcher | None = (
             RatesFileWatcher(config.rates_file, burst_ns=config.burst_ns) if config.rates_file else None
@@ -90,12 +92,14 @@ class UserLimits:
         user = self.users[request.request_id] = self.host._resolve_user(request)
         self.groups[request.request_id] = group_key(user, request.priority)
         self.user_requests[user] = self.user_requests.get(user, 0) + 1
+        self.requests_version += 1
         return user
 
     def forget(self, request_id: str) -> None:
         """R17: ``request_id`` left the scheduler (freed): drop its user and group."""
         user = self.users.pop(request_id, None)
         if user is not None:
+            self.requests_version += 1
             left = self.user_requests[user] - 1
             if left:
                 self.user_requests[user] = left

@@ -276,12 +276,12 @@ class _RateLimitMixin(_SchedulerHost):
         cover every request for one more step (``Charging.survey``'s O(1) path; a rate
         change drops them), and no R29 shadow plan is counted."""
         return (
-            turns.caught_up
+            charging.spare_steps < charging.margin
+            and charging.spare_version == limits.requests_version  # spare_taken == user_requests
+            and turns.caught_up
             and not turns.shrunk
-            and charging.spare_steps < charging.margin
             and limits.plan_shadow is None
             and len(turns.order) == len(self.running) == turns.running_after_step
-            and charging.spare_taken == limits.user_requests
         )
 
     def _steady_schedule(self, now_ns: int, args: tuple, kwargs: dict):

@@ -210,20 +210,22 @@ class _FixedKinds:
         return self.throttled_requests
 
 
-def test_each_kind_is_the_mean_of_its_instances_timed_in_the_same_rounds():
+def test_each_kind_is_the_median_of_its_instances_timed_in_the_same_rounds():
     # Plan.instances schedulers of each kind, each stepped the same number of steps in every
-    # round; a kind's per-round value is the mean over its instances, so the row's µs and
-    # ratios are of those means.
+    # round; a kind's per-round value is the median over its instances, so one process that
+    # reads slow (or fast) in every round does not move its kind (the mean would: stock
+    # 1.4, reference 2.1 below).
     from vllm_output_rate.bench import scheduler as bench_scheduler
     from vllm_output_rate.bench.common import FULL
     from vllm_output_rate.bench.common import MAX_WARMUP_STEPS as FULL_MAX_WARMUP_STEPS
 
     assert FULL.instances == 3 and QUICK.instances == 1
-    plan = replace(QUICK, rounds=3, steps_per_round=2, instances=2, rewarm_steps=4)
-    kinds = _FixedKinds({"stock": [1.0, 2.0], "reference": [2.0, 3.0], "control": [1.0, 2.0]}, throttled=0)
-    means = bench_scheduler._timed_rounds(kinds, 0, plan, 5, lambda: None)
-    assert means == {"stock": [1.5] * 3, "reference": [2.5] * 3, "control": [1.5] * 3}
-    assert kinds.steps == {(kind, i): 15 for kind in ("stock", "reference", "control") for i in (0, 1)}
+    plan = replace(QUICK, rounds=3, steps_per_round=2, instances=3, rewarm_steps=4)
+    seconds = {"stock": [1.0, 1.0, 2.2], "reference": [2.0, 0.3, 4.0], "control": [1.0, 3.0, 1.5]}
+    kinds = _FixedKinds(seconds, throttled=0)
+    medians = bench_scheduler._timed_rounds(kinds, 0, plan, 5, lambda: None)
+    assert medians == {"stock": [1.0] * 3, "reference": [2.0] * 3, "control": [1.5] * 3}
+    assert kinds.steps == {(kind, i): 15 for kind in ("stock", "reference", "control") for i in (0, 1, 2)}
     assert kinds.rewarms == {4}  # every round of every scheduler starts with the untimed steps
     # The requests' max_tokens cover the untimed steps too.
     total = bench_scheduler.kind_options("reference", 8, 0.0, False, plan, "cpu")["total_steps"]

@@ -13,7 +13,7 @@ process vLLM's call sites of the hooks, which CPython specializes for the functi
 last called, would switch between the kinds' functions every round. Each kind is
 ``Plan.instances`` such processes (3 by default, ``--instances``); one process can read a
 few percent slower or faster than another of the same kind in every round, and a kind's
-value in a round is the mean over its processes. All are run to a decode steady state (every
+value in a round is the median over its processes. All are run to a decode steady state (every
 request past its prefill, or throttled), then timed in interleaved rounds: a round is
 ``Plan.steps_for(N)`` steps of every scheduler in turn after ``Plan.rewarm_steps``
 untimed ones (8 by default: a process resumes with cold caches), one process stepping while

@@ -56,9 +56,9 @@ class Plan:
     # "How the bench measures"); 0: none.
     warmup_rounds: int = 0
     # Schedulers of each kind per scheduler cell, each in a process of its own, timed in the
-    # same rounds; a kind's µs per step is the mean over its instances. One process can read
-    # a few percent slower or faster than another of the same kind in every round
-    # (docs/PERFORMANCE.md, "How the bench measures"); the mean over several narrows that.
+    # same rounds; a kind's µs per step is the median over its instances. One process can
+    # read a few percent slower or faster than another of the same kind in every round
+    # (docs/PERFORMANCE.md, "How the bench measures"); the median leaves it out.
     instances: int = 1
     # Untimed steps each scheduler takes at the start of each of its rounds: its process
     # waited while the others stepped, and their rounds took its caches (an engine core

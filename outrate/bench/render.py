@@ -41,7 +41,7 @@ def _scheduler_table(rows: list[SchedulerRow], clock: str) -> Table:
     instances = rows[0].instances if rows else 1
     table = Table(
         title=f"scheduler step: schedule() + update_from_output(), {clock} µs per step (median of rounds; "
-        f"each kind the mean of {instances} scheduler{'s' if instances > 1 else ''})"
+        f"each kind the median of {instances} scheduler{'s' if instances > 1 else ''})"
     )
     for col in (
         "mode",

@@ -26,7 +26,7 @@ class SchedulerRow:
     rounds: int = 0
     steps_per_round: int = 0
     # Schedulers (each in a process of its own) of each kind timed in the cell
-    # (Plan.instances); µs and ratios are of the mean over a kind's instances.
+    # (Plan.instances); µs and ratios are of the median over a kind's instances.
     instances: int = 1
     ratio_min: float = 0.0
     ratio_max: float = 0.0
@@ -49,8 +49,8 @@ class SchedulerRow:
 class SchedulerKinds:
     """The scheduler part's processes: ``instances`` ``KindProcess`` es per kind (``KINDS``;
     the article-style peer only where ``article_style`` finds it), each holding one
-    scheduler of one configuration at a time, kept for a whole run. Separate processes
-    also average out what one process's memory layout does to its schedulers' speed
+    scheduler of one configuration at a time, kept for a whole run. Several processes
+    per kind let the median leave out one that reads slow or fast in every round
     (docs/PERFORMANCE.md, "How the bench measures"). A context manager; ``close()``
     ends them.
 
@@ -123,8 +123,13 @@ class SchedulerKinds:
 def _timed_rounds(
     kinds: SchedulerKinds, planned: int, plan: Plan, steps: int, tick: Callable[[], None]
 ) -> dict[str, list[float]]:
-    """Kind -> per round, the mean over its ``plan.instances`` schedulers of the seconds per
-    step; every scheduler runs ``steps`` steps a round, one at a time, the order rotating.
+    """Kind -> per round, the median over its ``plan.instances`` schedulers of the seconds
+    per step; every scheduler runs ``steps`` steps a round, one at a time, the order rotating.
+
+    The median, not the mean: one process in several reads 2-4% slower than its kind's
+    others in every round, with the same hash seed and no address randomization
+    (docs/PERFORMANCE.md, "How the bench measures"); the median leaves such a process out
+    whichever kind it holds.
 
     Raises:
         RuntimeError: the reference's throttled requests drifted from ``planned``.
@@ -133,21 +138,21 @@ def _timed_rounds(
     # Interleaved by kind (stock 0, reference 0, control 0, article 0, stock 1, ...), the
     # order rotating by one each round.
     everyone = [(kind, i) for i in range(instances) for kind in names]
-    means: dict[str, list[float]] = {kind: [] for kind in names}
+    medians: dict[str, list[float]] = {kind: [] for kind in names}
     throttled_seen: set[int] = set()
     for k in range(plan.rounds):
-        spent: dict[str, float] = dict.fromkeys(names, 0.0)
+        spent: dict[str, list[float]] = {kind: [0.0] * instances for kind in names}
         for kind, i in everyone[k % len(everyone) :] + everyone[: k % len(everyone)]:
-            spent[kind] += kinds.run(kind, i, steps, plan.rewarm_steps)
+            spent[kind][i] = kinds.run(kind, i, steps, plan.rewarm_steps) / steps
         for kind in names:
-            means[kind].append(spent[kind] / (steps * instances))
+            medians[kind].append(statistics.median(spent[kind]))
         throttled_seen.update(kinds.throttled("reference", i) for i in range(instances))
         tick()
     if throttled_seen != {planned}:
         raise RuntimeError(
             f"throttled requests drifted during the timed rounds: {sorted(throttled_seen)}, planned {planned}"
         )
-    return means
+    return medians
 
 
 def _median_ratio(top: list[float], bottom: list[float]) -> float:
@@ -167,8 +172,8 @@ def measure_scheduler(
     """Interleaved rounds of stock, reference, article-style and control at ``n`` running
     requests, ``plan.instances`` schedulers of each, every one in a process of its own
     (``kinds``, or processes started and ended for this call; module docstring); the row's
-    µs are medians over rounds of the mean over a kind's instances, its ratios medians over
-    rounds of those means' ratios.
+    µs are medians over rounds of the median over a kind's instances (``_timed_rounds``),
+    its ratios medians over rounds of those medians' ratios.
 
     Raises:
         ValueError: ``kinds`` holds another number of processes per kind than
@@ -186,7 +191,7 @@ def measure_scheduler(
     try:
         planned = kinds.build(n, fraction, mode == "async", plan, clock)
         steps = plan.steps_for(n)
-        means = _timed_rounds(kinds, planned, plan, steps, tick)
+        means = _timed_rounds(kinds, planned, plan, steps, tick)  # per kind, per round
     finally:
         if own:
             kinds.close()
