@@ -58,9 +58,10 @@ class UserLimits:
     ``users``: request id -> user (R17, resolved once, by the host's ``_resolve_user``);
     ``user_requests``: user -> requests in the scheduler (any state); ``groups``: request
     id -> ``group_key(user, priority)`` (R14/R15); ``requests_version``: counts every change
-    of ``user_requests`` (a steady step compares it in O(1), ``Charging.spare_version``). R21: ``rates_watcher`` (the rates file,
-    when set), ``pending_rates`` (a table queued by ``update_output_rates``, any thread,
-    guarded by ``rates_lock``); R29: ``plan_shadow``, the shadow accounting of shadow plans.
+    of ``user_requests`` (a steady step compares it in O(1), ``Charging.spare_version``).
+    R21: ``rates_watcher`` (the rates file, when set), ``pending_rates`` (a table queued by
+    ``update_output_rates``, any thread, guarded by ``rates_lock``); R29: ``plan_shadow``,
+    the shadow accounting of shadow plans.
     """
 
     def __init__(self, host: Any, config: OutputRateConfig) -> None:

@@ -191,15 +191,15 @@ def measure_scheduler(
     try:
         planned = kinds.build(n, fraction, mode == "async", plan, clock)
         steps = plan.steps_for(n)
-        means = _timed_rounds(kinds, planned, plan, steps, tick)  # per kind, per round
+        per_round = _timed_rounds(kinds, planned, plan, steps, tick)
     finally:
         if own:
             kinds.close()
     if not own:
         kinds.drop()
-    stock_means, ref_means, article_means = means["stock"], means["reference"], means.get("article")
-    ratios = [r / s for r, s in zip(ref_means, stock_means)]
-    stock_us, reference_us = statistics.median(stock_means) * 1e6, statistics.median(ref_means) * 1e6
+    stock_rounds, ref_rounds, article_rounds = per_round["stock"], per_round["reference"], per_round.get("article")
+    ratios = [r / s for r, s in zip(ref_rounds, stock_rounds)]
+    stock_us, reference_us = statistics.median(stock_rounds) * 1e6, statistics.median(ref_rounds) * 1e6
     return SchedulerRow(
         running=n,
         throttled_fraction=fraction,
@@ -213,11 +213,11 @@ def measure_scheduler(
         instances=plan.instances,
         ratio_min=min(ratios),
         ratio_max=max(ratios),
-        article_us=statistics.median(article_means) * 1e6 if article_means is not None else None,
-        article_ratio=_median_ratio(article_means, stock_means) if article_means is not None else None,
-        reference_article_ratio=_median_ratio(ref_means, article_means) if article_means is not None else None,
+        article_us=statistics.median(article_rounds) * 1e6 if article_rounds is not None else None,
+        article_ratio=_median_ratio(article_rounds, stock_rounds) if article_rounds is not None else None,
+        reference_article_ratio=_median_ratio(ref_rounds, article_rounds) if article_rounds is not None else None,
         per_request_over_stock_us=(reference_us - stock_us) / n,
-        control_ratio=_median_ratio(means["control"], stock_means),
+        control_ratio=_median_ratio(per_round["control"], stock_rounds),
     )
 
 
