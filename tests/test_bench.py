@@ -161,6 +161,29 @@ def test_every_scheduler_runs_in_a_process_of_its_own_the_control_being_stock_ag
             from vllm_output_rate.bench.scheduler import measure_scheduler
 
             measure_scheduler(8, 0.5, "sync", replace(plan, instances=3), lambda: None, kinds=kinds)
+        # Plan.rebuild_each_round: a new scheduler in every process before every round
+        # after the first (rounds=2: the cell's build and one more), warmed up as the first.
+        row = measure_scheduler(8, 0.5, "sync", replace(plan, rebuild_each_round=True), lambda: None, kinds=kinds)
+        assert row.throttled_requests == 4 and row.rounds == 2
+        # At turn 0 process s holds slot s (kind s % kinds); at every other turn the slots
+        # go to the processes in a drawn order (the same every run), each process holding
+        # what SchedulerKinds.processes says.
+        size = len(kinds.pool)
+        assert size == len(kinds.kinds) == len(seen)
+        assert kinds.assignment(0) == list(range(size))
+        turns = [kinds.assignment(t) for t in range(1, 9)]
+        assert all(sorted(a) == list(range(size)) for a in turns) and len({tuple(a) for a in turns}) > 1
+        assert turns == [kinds.assignment(t) for t in range(1, 9)]
+        looks = {kind: (group[0][0]["class"], group[0][0]["limited"]) for kind, group in seen.items()}
+        for turn in range(3):
+            assert kinds.build(8, 0.5, False, plan, "cpu", turn) == 4
+            held = [p.call("describe")[0] for p in kinds.pool]
+            for k, kind in enumerate(kinds.kinds):
+                process = kinds.assignment(turn)[k]
+                assert kinds.processes[kind] == [kinds.pool[process]]
+                assert (held[process]["class"], held[process]["limited"]) == looks[kind]
+    assert [d["build"] for d in held] == [6] * size  # the test's build, the cell's two, the turns'
+    assert {d["build"] for group in seen.values() for described in group for d in described} == {1}
     assert set(seen) >= {"stock", "reference", "control"}
     pids = [d["pid"] for group in seen.values() for described in group for d in described]
     assert len(pids) == len(seen) and len(set(pids)) == len(pids) and os.getpid() not in pids
@@ -232,6 +255,38 @@ def test_each_kind_is_the_median_of_its_instances_timed_in_the_same_rounds():
     assert total == FULL_MAX_WARMUP_STEPS + 3 * (plan.steps_for(8) + 4) + 8
     with pytest.raises(RuntimeError, match=r"throttled requests drifted .*\[0\], planned 4"):
         bench_scheduler._timed_rounds(kinds, 4, plan, 5, lambda: None)
+
+
+def test_rebuild_each_round_builds_a_new_scheduler_before_every_round_after_the_first():
+    # One scheduler can read 2-4% slow or fast in every round it is timed, and the next one
+    # built in the same process not (docs/PERFORMANCE.md, "How the bench measures"): with
+    # Plan.rebuild_each_round every round after the first starts with new schedulers, so
+    # that reading is a per-round draw; a rebuild that plans other throttled requests is
+    # an error, not a changed cell.
+    from vllm_output_rate.bench import scheduler as bench_scheduler
+    from vllm_output_rate.bench.common import FULL
+
+    assert FULL.rebuild_each_round and not QUICK.rebuild_each_round
+    plan = replace(QUICK, rounds=4, steps_per_round=2, instances=1)
+    seconds = {"stock": [1.0], "reference": [2.0], "control": [1.0]}
+    kinds = _FixedKinds(seconds, throttled=3)
+    events: list[str] = []
+    run = kinds.run
+
+    def logged_run(kind: str, index: int, steps: int, rewarm: int = 0) -> float:
+        events.append("run")
+        return run(kind, index, steps, rewarm)
+
+    def rebuild(turn: int) -> int:
+        events.append(f"build {turn}")
+        return 3
+
+    kinds.run = logged_run  # type: ignore[method-assign]
+    medians = bench_scheduler._timed_rounds(kinds, 3, plan, 5, lambda: None, rebuild)
+    assert medians == {"stock": [1.0] * 4, "reference": [2.0] * 4, "control": [1.0] * 4}
+    assert events == ["run"] * 3 + [e for k in (1, 2, 3) for e in [f"build {k}"] + ["run"] * 3]
+    with pytest.raises(RuntimeError, match="a rebuilt scheduler planned 5 throttled requests, the first 3"):
+        bench_scheduler._timed_rounds(kinds, 3, plan, 5, lambda: None, lambda turn: 5)
 
 
 def test_profile_throttled_profiles_the_reference_and_the_article_style_peer(tmp_path):

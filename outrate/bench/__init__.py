@@ -18,8 +18,12 @@ request past its prefill, or throttled), then timed in interleaved rounds: a rou
 ``Plan.steps_for(N)`` steps of every scheduler in turn after ``Plan.rewarm_steps``
 untimed ones (8 by default: a process resumes with cold caches), one process stepping while
 the others wait (16 steps, or as many as make 4096 request-steps, up to 64: rounds of similar
-length at every N), the order rotating by one scheduler each round, so a load change on the
-shared machine hits every kind alike. Only ``schedule()`` + ``update_from_output()`` are
+length at every N), in an order drawn anew each round from a seeded generator
+(``ORDER_SEED``), so a load change on the shared machine hits every kind alike and no kind
+always follows the same other. With ``Plan.rebuild_each_round`` (the full plan) every
+process builds and warms up a new scheduler before every round after the first: one
+scheduler can read 2-4% slower or faster than the next one built in the same process, in
+every round it is timed, and a new one each round makes that a per-round draw. Only ``schedule()`` + ``update_from_output()`` are
 timed (the fabricated model output is built outside the timed region; async mode times a
 step's ``schedule()`` with the delivery of the step in flight, as the engine core does), by
 default on the stepping thread's CPU clock so that time spent descheduled while other jobs

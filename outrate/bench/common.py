@@ -64,6 +64,13 @@ class Plan:
     # waited while the others stepped, and their rounds took its caches (an engine core
     # steps without such pauses; docs/PERFORMANCE.md, "How the bench measures").
     rewarm_steps: int = 0
+    # A new scheduler in every process before every round after the first (built and
+    # warmed up as the first), the kinds moved over the processes (SchedulerKinds): one
+    # scheduler can read 2-4% slower or faster than the next one built in the same process,
+    # and one process than another, in every round (docs/PERFORMANCE.md, "How the bench
+    # measures"); this makes both per-round draws spread over every kind, which the medians
+    # over instances and rounds leave out. False: one scheduler per process for the cell.
+    rebuild_each_round: bool = False
 
     def steps_for(self, running: int) -> int:
         """Steps per round at ``running`` requests: ``steps_per_round``, raised to
@@ -89,6 +96,7 @@ FULL = Plan(
     warmup_rounds=2,
     instances=3,
     rewarm_steps=8,
+    rebuild_each_round=True,
     limiter_batches=15,
     gate_scenarios=40,
     gate_max_steps=40,

@@ -36,6 +36,8 @@ def throttled_indices(n: int, fraction: float) -> set[int]:
 class _Driver:
     """One scheduler on a ``Harness``; ``step()`` returns the seconds spent in vLLM's calls."""
 
+    build_number = 0  # which of its process's schedulers it is (bench/processes.py; 0: not numbered)
+
     def __init__(
         self,
         cls_path: str,

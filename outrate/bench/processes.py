@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import multiprocessing
 import os
@@ -89,6 +90,9 @@ class KindProcess:
         self._conn.close()
 
 
+_BUILDS = itertools.count(1)  # the process's schedulers, numbered as built (``describe``)
+
+
 def _build(drivers: list[Any], options: dict[str, Any]) -> int:
     """The process's scheduler: a ``_Driver`` of ``options`` (its arguments; ``article=True``:
     the article-style peer's class and config style) in place of the last one, warmed up;
@@ -106,6 +110,7 @@ def _build(drivers: list[Any], options: dict[str, Any]) -> int:
     except Exception as exc:
         raise RuntimeError(f"cannot build {options['cls_path']} ({type(exc).__name__}: {exc})") from exc
     driver.warm_up()
+    driver.build_number = next(_BUILDS)
     drivers.append(driver)
     gc.collect()
     return driver.expected_throttled
@@ -126,12 +131,14 @@ def _throttled(drivers: list[Any]) -> int:
 
 def _describe(drivers: list[Any]) -> list[dict[str, Any]]:
     """The scheduler held (none or one): its class name, whether the limit is on, its
-    request ids, and this process's id (what the tests check)."""
+    request ids, which of the process's schedulers it is (1: the first built), and this
+    process's id (what the tests check)."""
     return [
         {
             "class": type(d.scheduler).__name__,
             "limited": getattr(d.scheduler, "rate_limiter", None) is not None,
             "requests": sorted(d.scheduler.requests),
+            "build": d.build_number,
             "pid": os.getpid(),
         }
         for d in drivers

@@ -4,9 +4,11 @@ in interleaved rounds at N running requests (``vllm_output_rate.bench``, "Schedu
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from vllm_output_rate.bench.common import QUICK, Plan
@@ -47,12 +49,20 @@ class SchedulerRow:
 
 
 class SchedulerKinds:
-    """The scheduler part's processes: ``instances`` ``KindProcess`` es per kind (``KINDS``;
-    the article-style peer only where ``article_style`` finds it), each holding one
-    scheduler of one configuration at a time, kept for a whole run. Several processes
-    per kind let the median leave out one that reads slow or fast in every round
-    (docs/PERFORMANCE.md, "How the bench measures"). A context manager; ``close()``
-    ends them.
+    """The scheduler part's processes: ``instances`` x the kinds (``KINDS``; the
+    article-style peer only where ``article_style`` finds it) ``KindProcess`` es, kept for a
+    whole run, each holding one scheduler of one kind and configuration at a time.
+
+    Which kind a process holds moves with ``build``'s ``turn``: the schedulers are slots
+    (kind, index), slot ``s = index * kinds + k`` (``k``: the kind's place in ``kinds``);
+    at turn 0 process ``s`` holds slot ``s``, at every other turn the slots go to the
+    processes in an order drawn from a generator seeded with ``ORDER_SEED`` and the turn
+    (``assignment``), the same every run. One process can read 2-4% slower or faster
+    than another in every round, whatever scheduler it holds (docs/PERFORMANCE.md, "How
+    the bench measures"); moving the kinds over the processes spreads that over every
+    kind. Drawn, not rotated: with a rotation every kind's scheduler is built in a
+    process that held the same other kind the round before. A context manager;
+    ``close()`` ends them.
 
     Raises:
         ValueError: ``instances`` < 1.
@@ -64,16 +74,18 @@ class SchedulerKinds:
 
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances!r}")
-        kinds = [k for k in KINDS if k != "article" or article_style(False) is not None]
+        self.kinds = [k for k in KINDS if k != "article" or article_style(False) is not None]
         self.instances = instances
-        self.processes: dict[str, list[Any]] = {kind: [] for kind in kinds}
+        self.pool: list[Any] = []
+        # kind -> its schedulers' processes at the last build's turn (index: the instance)
+        self.processes: dict[str, list[Any]] = {}
         try:
-            for _ in range(instances):
-                for kind in kinds:
-                    self.processes[kind].append(KindProcess(kind))
+            for _ in range(instances * len(self.kinds)):
+                self.pool.append(KindProcess("scheduler"))
         except BaseException:
             self.close()
             raise
+        self._assign(0)
 
     def __enter__(self) -> SchedulerKinds:
         return self
@@ -81,23 +93,41 @@ class SchedulerKinds:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _all(self) -> list[Any]:
-        return [process for group in self.processes.values() for process in group]
+    def assignment(self, turn: int) -> list[int]:
+        """Slot -> the index in ``pool`` of the process that holds it at ``turn`` (a
+        permutation; class docstring)."""
+        size = len(self.pool)
+        if turn == 0:
+            return list(range(size))
+        return random.Random(ORDER_SEED * 1_000_003 + turn).sample(range(size), size)
+
+    def _assign(self, turn: int) -> None:
+        """Give the slots to the processes as ``assignment(turn)`` says."""
+        held = self.assignment(turn)
+        self.processes = {
+            kind: [self.pool[held[i * len(self.kinds) + k]] for i in range(self.instances)]
+            for k, kind in enumerate(self.kinds)
+        }
+        for kind, group in self.processes.items():
+            for process in group:
+                process.kind = kind  # its error messages name the kind it holds
 
     def close(self) -> None:
         """End every process."""
-        for process in self._all():
+        for process in self.pool:
             process.close()
-        self.processes = {}
+        self.pool, self.processes = [], {}
 
-    def build(self, n: int, fraction: float, async_mode: bool, plan: Plan, clock: str) -> int:
-        """One scheduler of its kind for this configuration in every process, all built and
-        warmed up at once; the reference's planned throttled requests.
+    def build(self, n: int, fraction: float, async_mode: bool, plan: Plan, clock: str, turn: int = 0) -> int:
+        """One scheduler for this configuration in every process, of the kind its slot at
+        ``turn`` names (class docstring), all built and warmed up at once; the reference's
+        planned throttled requests.
 
         Raises:
             RuntimeError: a scheduler could not be built or found no steady state (the
                 message names the kind).
         """
+        self._assign(turn)
         for kind, group in self.processes.items():
             options = kind_options(kind, n, fraction, async_mode, plan, clock)
             for process in group:
@@ -116,15 +146,28 @@ class SchedulerKinds:
 
     def drop(self) -> None:
         """Free every scheduler of the last configuration."""
-        for process in self._all():
+        for process in self.pool:
             process.call("drop")
 
 
+ORDER_SEED = 27  # the seed of the rounds' orders (_timed_rounds)
+
+
 def _timed_rounds(
-    kinds: SchedulerKinds, planned: int, plan: Plan, steps: int, tick: Callable[[], None]
+    kinds: SchedulerKinds,
+    planned: int,
+    plan: Plan,
+    steps: int,
+    tick: Callable[[], None],
+    rebuild: Callable[[int], int] | None = None,
 ) -> dict[str, list[float]]:
     """Kind -> per round, the median over its ``plan.instances`` schedulers of the seconds
-    per step; every scheduler runs ``steps`` steps a round, one at a time, the order rotating.
+    per step; every scheduler runs ``steps`` steps a round, one at a time, in an order
+    drawn anew each round from a generator seeded with ``ORDER_SEED``.
+    ``rebuild`` (``plan.rebuild_each_round``): called with the round's number before every
+    round after the first, it builds and warms up a new scheduler in every process (the
+    kinds moved over the processes, ``SchedulerKinds.build``'s ``turn``) and returns the
+    reference's planned throttled requests.
 
     The median, not the mean: one process in several reads 2-4% slower than its kind's
     others in every round, with the same hash seed and no address randomization
@@ -132,17 +175,24 @@ def _timed_rounds(
     whichever kind it holds.
 
     Raises:
-        RuntimeError: the reference's throttled requests drifted from ``planned``.
+        RuntimeError: the reference's throttled requests drifted from ``planned``, or a
+            rebuilt scheduler planned another number.
     """
     names, instances = list(kinds.processes), plan.instances
-    # Interleaved by kind (stock 0, reference 0, control 0, article 0, stock 1, ...), the
-    # order rotating by one each round.
+    # A new order every round, drawn from a seeded generator (the same every run): which
+    # kind a scheduler follows sets how cold its caches are after the other's round, and a
+    # fixed rotation had every stock scheduler follow an article-style one.
     everyone = [(kind, i) for i in range(instances) for kind in names]
+    order = random.Random(ORDER_SEED)
     medians: dict[str, list[float]] = {kind: [] for kind in names}
     throttled_seen: set[int] = set()
     for k in range(plan.rounds):
+        if rebuild is not None and k > 0:
+            again = rebuild(k)
+            if again != planned:
+                raise RuntimeError(f"a rebuilt scheduler planned {again} throttled requests, the first {planned}")
         spent: dict[str, list[float]] = {kind: [0.0] * instances for kind in names}
-        for kind, i in everyone[k % len(everyone) :] + everyone[: k % len(everyone)]:
+        for kind, i in order.sample(everyone, len(everyone)):
             spent[kind][i] = kinds.run(kind, i, steps, plan.rewarm_steps) / steps
         for kind in names:
             medians[kind].append(statistics.median(spent[kind]))
@@ -171,7 +221,9 @@ def measure_scheduler(
 ) -> SchedulerRow:
     """Interleaved rounds of stock, reference, article-style and control at ``n`` running
     requests, ``plan.instances`` schedulers of each, every one in a process of its own
-    (``kinds``, or processes started and ended for this call; module docstring); the row's
+    (``kinds``, or processes started and ended for this call; module docstring), built
+    anew every round with the kinds moved over the processes when
+    ``plan.rebuild_each_round`` (``SchedulerKinds``); the row's
     µs are medians over rounds of the median over a kind's instances (``_timed_rounds``),
     its ratios medians over rounds of those medians' ratios.
 
@@ -191,7 +243,8 @@ def measure_scheduler(
     try:
         planned = kinds.build(n, fraction, mode == "async", plan, clock)
         steps = plan.steps_for(n)
-        per_round = _timed_rounds(kinds, planned, plan, steps, tick)
+        rebuild = partial(kinds.build, n, fraction, mode == "async", plan, clock) if plan.rebuild_each_round else None
+        per_round = _timed_rounds(kinds, planned, plan, steps, tick, rebuild)
     finally:
         if own:
             kinds.close()
