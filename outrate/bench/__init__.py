@@ -10,10 +10,11 @@ implementation of the article kept as the gate's acceptance corpus,
 it) and the control, stock again. Every scheduler runs in a fresh process of its own
 (spawned, ``bench/processes.py``): an engine core runs one scheduler class, and in one
 process vLLM's call sites of the hooks, which CPython specializes for the function they
-last called, would switch between the kinds' functions every round. Each kind is
-``Plan.instances`` such processes (3 by default, ``--instances``); one process can read a
-few percent slower or faster than another of the same kind in every round, and a kind's
-value in a round is the median over its processes. All are run to a decode steady state (every
+last called, would switch between the kinds' functions every round. Each kind has
+``Plan.instances`` schedulers (3 by default, ``--instances``), each in a process of its
+own; one scheduler or process can read a few percent slower or faster than another of the
+same kind in every round, and a kind's value in a round is the median over its
+schedulers. All are run to a decode steady state (every
 request past its prefill, or throttled), then timed in interleaved rounds: a round is
 ``Plan.steps_for(N)`` steps of every scheduler in turn after ``Plan.rewarm_steps``
 untimed ones (8 by default: a process resumes with cold caches), one process stepping while
