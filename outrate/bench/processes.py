@@ -18,7 +18,8 @@ heap out of the garbage collector as vLLM's engine core does
 makes and warms up its scheduler for one configuration, ``run`` steps it and returns
 the CPU seconds spent in vLLM's calls, ``throttled`` reads its throttled requests,
 ``describe`` says what it holds, ``drop`` frees it. A process holds one scheduler at a
-time; the bench starts ``Plan.instances`` processes per kind. The rounds stay interleaved:
+time; the bench starts ``Plan.instances`` processes per kind and gives them the kinds
+anew before every round (``SchedulerKinds``). The rounds stay interleaved:
 one process steps while the others wait on their pipes.
 """
 

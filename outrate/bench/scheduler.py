@@ -150,7 +150,7 @@ class SchedulerKinds:
             process.call("drop")
 
 
-ORDER_SEED = 27  # the seed of the rounds' orders (_timed_rounds)
+ORDER_SEED = 27  # seeds the rounds' orders (_timed_rounds) and the kinds' draws (SchedulerKinds.assignment)
 
 
 def _timed_rounds(
