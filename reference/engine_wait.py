@@ -42,6 +42,18 @@ class EngineWait:
         step.wait_hint_ns = wait_hint_ns(limiter, refused) if refused else None
         self.observed = step
 
+    def steady_step_done(self, step: StepRecord) -> bool:
+        """R16 and the operator log for a steady step (nobody refused, nothing throttled):
+        what ``step_done`` and ``log_step`` do, in O(1), unless the operator log's interval
+        ends at the step's clock reading. True: done (no wait hint, the step observed);
+        False: nothing done, the caller takes ``step_done`` and ``log_step``."""
+        log = self.throttle_log
+        assert log is not None, "the operator log is made with the limiter (or the shadow accounting)"
+        if step.now_ns >= log.next_ns:
+            return False
+        self.observed = step  # its wait_hint_ns stays None: nobody was refused
+        return True
+
     def next_ready_ns(self) -> int | None:
         """R16: earliest ready time among users refused in the last step, ns (None: none)."""
         observed = self.observed

@@ -73,6 +73,8 @@ _STEADY_SEAMS = (
     "_commit_grants",
     "_settle",
     "_steady",
+    "_observe",
+    "_end_step",
 )
 # The mixin is only ever combined with vLLM's Scheduler (the two classes at the end), whose
 # attributes (running, waiting, requests, scheduler_config, ...) and methods it uses and
@@ -260,6 +262,11 @@ class _RateLimitMixin(_SchedulerHost):
         ``CLEANUP_INTERVAL_STEPS`` steps, the wait hint (R16), the operator log, /metrics and
         the trace (``would``: R29's would-be throttled request ids)."""
         self._steps += 1
+        self._step_done(step, scheduler_output, would)
+
+    def _step_done(self, step: StepRecord, scheduler_output: Any, would: Any) -> None:
+        """``_end_step`` after its step count: R6's clean-up when due, the wait hint (R16),
+        the operator log, /metrics and the trace."""
         if self._steps % CLEANUP_INTERVAL_STEPS == 0:
             limiter = self.rate_limiter
             assert limiter is not None, "called by schedule() with the feature on"
@@ -289,16 +296,52 @@ class _RateLimitMixin(_SchedulerHost):
         order, survey and throttling calls, whose O(1) branches ``_steady`` has decided
         (``_steady_path``: no seam passed by is replaced; tests/test_shortcuts.py runs both
         paths side by side, step by step). Nobody can be refused (R2), so the hook only
-        records charges (R7) and nothing is throttled."""
+        records charges (R7) and nothing is throttled. Where every request was charged and
+        dispatched (the usual steady step), the end of the step is also in line: the
+        charges as the last step's (``take_steady``), nothing to refund (R9), no wait hint
+        (R16), and the operator log, R6's clean-up, /metrics and the trace only when due or
+        on (``_step_done``)."""
         step = self._step = StepRecord(now_ns)
         step.unconstrained = step.steady = self._record_only = True  # R2: nobody can be refused
-        self._charge = step.charged.append  # R7
-        turns, charging = self._turns, self._charging
+        charged = step.charged
+        self._charge = charged.append  # R7
+        turns, charging, running = self._turns, self._charging, self.running
         step.turn_order = turns.order  # R14: the order held
         scheduler_output = super().schedule(*args, **kwargs)
-        charging.commit(step)  # R2/R7: take_steady, the same counts as the last step
-        turns.running_after_step = len(self.running)  # R14: see Turns.hold
-        step.refunded = charging.settle(step, scheduler_output)  # R9: O(1) when every charge was dispatched
+        turns.running_after_step = len(running)  # R14: see Turns.hold
+        if (
+            len(charged)
+            == len(self._limits.users)
+            == len(running)
+            == len(turns.order)
+            == len(scheduler_output.num_scheduled_tokens)
+            and not step.left_running
+            and not turns.shrunk
+            and turns.caught_up
+        ):
+            # Every request charged and dispatched (Charging.all_served). R2/R7:
+            # Charging.commit's steady branch, the same counts as the last step. R9: none
+            # to refund (step.refunded stays empty), as settle's all-served branch finds;
+            # R15: every group's last served already its last place (turns.caught_up).
+            counted = step.taken = charging.spare_taken  # the metrics' granted tokens
+            charging.spare_steps += 1
+            limiter = self.rate_limiter
+            assert limiter is not None, "called by schedule() with the feature on"
+            limiter.take_steady(counted, now_ns)
+            self._steps += 1
+            observation = self._observation
+            if (
+                self._steps % CLEANUP_INTERVAL_STEPS
+                and observation.metrics is None
+                and observation.trace is None
+                and self._engine_wait.steady_step_done(step)
+            ):
+                observation.cache = None  # what _step_done leaves after a step nobody was refused in
+            else:
+                self._step_done(step, scheduler_output, ())
+            return scheduler_output
+        charging.commit(step)  # R2/R7: the step's charges into the limiter
+        step.refunded = charging.settle(step, scheduler_output)  # R9: the single refund point
         self._end_step(step, scheduler_output, ())
         return scheduler_output
 

@@ -80,10 +80,12 @@ def test_shortcuts_equal_the_general_path_under_pressure(scenario: Scenario) -> 
     run_side_by_side(scenario)
 
 
-def _bench_like(async_scheduling: bool, throttled_user_rate: float, cls: str | None = None) -> Harness:
-    """12 streams of 3 users (4 each) decoding with ample KV; user ``t`` at
-    ``throttled_user_rate`` tokens/s, the others never bound (``cls``: the scheduler
-    class path; default the reference)."""
+def _bench_like(
+    async_scheduling: bool, throttled_user_rate: float, cls: str | None = None, max_tokens: int = 200
+) -> Harness:
+    """12 streams of 3 users (4 each) decoding ``max_tokens`` tokens each with ample KV;
+    user ``t`` at ``throttled_user_rate`` tokens/s, the others never bound (``cls``: the
+    scheduler class path; default the reference)."""
     h = Harness(
         cls or (REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER),
         EngineShape(
@@ -93,7 +95,7 @@ def _bench_like(async_scheduling: bool, throttled_user_rate: float, cls: str | N
         ),
     )
     for i in range(12):
-        h.add_request(f"r{i}", ("a", "b", "t")[i % 3], prompt_len=4 + i, max_tokens=200)
+        h.add_request(f"r{i}", ("a", "b", "t")[i % 3], prompt_len=4 + i, max_tokens=max_tokens)
     return h
 
 
@@ -268,11 +270,13 @@ def test_the_steady_step_equals_the_general_path_through_a_rate_change_and_an_ab
     assert len(steady) >= 25, f"only {len(steady)} of 40 steps took the steady path"
 
 
-def test_a_subclass_that_replaces_a_seam_never_takes_the_steady_step(monkeypatch):
-    # The steady step passes by the seams (_settle, _commit_grants, ...): a subclass that
-    # replaces one gets the general path in every step, so its replacement is called.
+@pytest.mark.parametrize("cls", ["SettleCounting", "ObserveCounting"])
+def test_a_subclass_that_replaces_a_seam_never_takes_the_steady_step(cls, monkeypatch):
+    # The steady step passes by the seams (_settle, _observe, _commit_grants, ...): a
+    # subclass that replaces one gets the general path in every step, so its replacement
+    # is called in every step.
     steady = _count_steady_steps(monkeypatch)
-    h = _bench_like(False, 10**9, cls=f"{__name__}.SettleCounting")
+    h = _bench_like(False, 10**9, cls=f"{__name__}.{cls}")
     for _ in range(12):
         h.step()
         h.advance(10 * MS)
@@ -285,6 +289,91 @@ class SettleCounting(RateLimitedScheduler):
     def _settle(self, scheduler_output):
         self.settled = [*getattr(self, "settled", []), self._step.now_ns]
         return super()._settle(scheduler_output)
+
+
+class ObserveCounting(RateLimitedScheduler):
+    """The reference with its R16 seam (the end of a step) replaced by one that counts its calls."""
+
+    def _observe(self, scheduler_output, refunded):
+        self.settled = [*getattr(self, "settled", []), self._step.now_ns]
+        super()._observe(scheduler_output, refunded)
+
+
+def _count_in_line_ends(monkeypatch) -> list[bool]:
+    """Record what each steady step's in-line end (``EngineWait.steady_step_done``, reached
+    when every request was charged and dispatched) returned: True, done in line; False,
+    the operator log was due and the step took ``_step_done``."""
+    from vllm_output_rate.reference.engine_wait import EngineWait
+
+    seen: list[bool] = []
+    real = EngineWait.steady_step_done
+
+    def counting(self, step):
+        done = real(self, step)
+        seen.append(done)
+        return done
+
+    monkeypatch.setattr(EngineWait, "steady_step_done", counting)
+    return seen
+
+
+@pytest.mark.rules("R6", "R9", "R16")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_r9_the_steady_step_ends_in_line_as_the_general_path_ends_through_clean_up_and_log_intervals(
+    async_scheduling, monkeypatch
+):
+    # 300 steps of 50 ms, not binding, nothing finishing: the steady step ends in line (no refund, R9; no wait
+    # hint, R16) where every request was charged and dispatched, except where R6's clean-up
+    # (every 256 steps) or the operator log's 10 s interval falls due, where it takes the
+    # general end. Step for step, the same decisions, TATs, wait hint, state and operator
+    # log interval as the general path.
+    ends = _count_in_line_ends(monkeypatch)
+    fast, slow = (_bench_like(async_scheduling, 10**9, max_tokens=400) for _ in range(2))
+    slow.scheduler.shortcuts = False
+    for i in range(300):
+        got, want = fast.step(), slow.step()
+        assert got == want, f"step {i}: the step differs\nsteady: {got}\ngeneral: {want}"
+        assert _state(fast) == _state(slow), f"step {i}: state differs"
+        logs = [h.scheduler._engine_wait.throttle_log.next_ns for h in (fast, slow)]
+        assert logs[0] == logs[1], f"step {i}: the operator log's interval differs: {logs}"
+        assert fast.scheduler._steps == slow.scheduler._steps == i + 1
+        fast.advance(50 * MS)
+        slow.advance(50 * MS)
+    assert ends.count(True) >= 250, f"only {ends.count(True)} of 300 steps ended in line"
+    assert ends.count(False) >= 1, "the operator log never fell due in a steady step"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_steady_step_writes_the_trace_the_general_path_writes(async_scheduling, tmp_path, monkeypatch):
+    # With the trace on, the steady step never ends in line: every step's trace line is
+    # written, the same line the general path writes.
+    ends = _count_in_line_ends(monkeypatch)
+    steady = _count_steady_steps(monkeypatch)
+    paths = [tmp_path / "fast.jsonl", tmp_path / "slow.jsonl"]
+    harnesses = []
+    for path in paths:
+        h = Harness(
+            REFERENCE_ASYNC_SCHEDULER if async_scheduling else REFERENCE_SCHEDULER,
+            EngineShape(
+                max_num_seqs=12,
+                async_scheduling=async_scheduling,
+                output_rate={"default_tokens_per_s": 10**9, "trace_path": str(path)},
+            ),
+        )
+        for i in range(12):
+            h.add_request(f"r{i}", ("a", "b", "t")[i % 3], prompt_len=4 + i, max_tokens=200)
+        harnesses.append(h)
+    fast, slow = harnesses
+    slow.scheduler.shortcuts = False
+    for i in range(30):
+        assert fast.step() == slow.step(), f"step {i}: the step differs"
+        fast.advance(10 * MS)
+        slow.advance(10 * MS)
+    for h in harnesses:
+        h.scheduler.shutdown()
+    assert len(steady) >= 20 and ends == []
+    lines = [p.read_text().splitlines() for p in paths]
+    assert len(lines[0]) >= 30 and lines[0] == lines[1]
 
 
 @pytest.mark.rules("R9")
