@@ -156,7 +156,8 @@ def test_every_scheduler_runs_in_a_process_of_its_own_the_control_being_stock_ag
     with SchedulerKinds(1) as kinds:
         assert kinds.build(8, 0.5, False, plan, "cpu") == 4
         seen = {kind: [process.call("describe") for process in group] for kind, group in kinds.processes.items()}
-        assert kinds.run("reference", 0, 2, 1) > 0 and kinds.throttled("reference", 0) == 4
+        timed = kinds.run("reference", 0, 2, 1)
+        assert len(timed) == 2 and min(timed) > 0 and kinds.throttled("reference", 0) == 4
         with pytest.raises(ValueError, match=r"hold 1 scheduler\(s\) of each kind, the plan asks for 3"):
             from vllm_output_rate.bench.scheduler import measure_scheduler
 
@@ -215,19 +216,26 @@ def test_a_kind_that_cannot_be_built_is_named_in_the_error():
 
 
 class _FixedKinds:
-    """A stand-in for ``SchedulerKinds``: every scheduler "takes" a fixed time per step."""
+    """A stand-in for ``SchedulerKinds``: every scheduler "takes" a fixed time per step,
+    except the steps ``slow`` names ((kind, index) -> seconds of its first steps)."""
 
-    def __init__(self, seconds: dict[str, list[float]], throttled: int) -> None:
+    def __init__(
+        self, seconds: dict[str, list[float]], throttled: int, slow: dict[tuple[str, int], list[float]] | None = None
+    ) -> None:
         self.processes = dict.fromkeys(seconds)
         self.seconds = seconds
+        self.slow = slow or {}
         self.steps: dict[tuple[str, int], int] = {}
         self.throttled_requests = throttled
         self.rewarms: set[int] = set()
 
-    def run(self, kind: str, index: int, steps: int, rewarm: int = 0) -> float:
+    def run(self, kind: str, index: int, steps: int, rewarm: int = 0) -> list[float]:
         self.steps[kind, index] = self.steps.get((kind, index), 0) + steps
         self.rewarms.add(rewarm)
-        return self.seconds[kind][index] * steps
+        timed = [self.seconds[kind][index]] * steps
+        first = self.slow.get((kind, index), [])
+        timed[: len(first)] = first
+        return timed
 
     def throttled(self, kind: str, index: int) -> int:
         return self.throttled_requests
@@ -255,6 +263,25 @@ def test_each_kind_is_the_median_of_its_instances_timed_in_the_same_rounds():
     assert total == FULL_MAX_WARMUP_STEPS + 3 * (plan.steps_for(8) + 4) + 8
     with pytest.raises(RuntimeError, match=r"throttled requests drifted .*\[0\], planned 4"):
         bench_scheduler._timed_rounds(kinds, 4, plan, 5, lambda: None)
+
+
+def test_a_few_slow_steps_move_the_block_means_and_not_the_median_step():
+    # The shared machine slows the steps of one stretch and not the next: two steps of one
+    # stock scheduler taking 10x and 6x (as if the host stalled) raise that scheduler's
+    # mean step, and so stock's value with the old statistic (median over schedulers of
+    # each one's mean step; reference / stock reads 0.5 instead of 1.0), but the median of
+    # the pooled steps stays at the steady step's time.
+    from vllm_output_rate.bench import scheduler as bench_scheduler
+
+    plan = replace(QUICK, rounds=2, steps_per_round=5, instances=3)
+    seconds = {"stock": [1.0, 1.0, 1.0], "reference": [1.0, 1.0, 1.0], "control": [1.0, 1.0, 1.0]}
+    slow = {("stock", 0): [10.0, 6.0], ("stock", 1): [3.0, 4.0]}
+    means: dict[str, list[float]] = {}
+    medians = bench_scheduler._timed_rounds(_FixedKinds(seconds, 0, slow), 0, plan, 5, lambda: None, None, means)
+    assert medians == {kind: [1.0, 1.0] for kind in seconds}
+    assert means["stock"] == [2.0, 2.0]  # the schedulers' means 3.8, 2.0, 1.0
+    assert means["reference"] == means["control"] == [1.0, 1.0]
+    assert bench_scheduler._median_ratio(means["reference"], means["stock"]) == 0.5
 
 
 def test_rebuild_each_round_builds_a_new_scheduler_before_every_round_after_the_first():

@@ -28,8 +28,11 @@ every round it is timed, and a new one each round makes that a per-round draw. O
 timed (the fabricated model output is built outside the timed region; async mode times a
 step's ``schedule()`` with the delivery of the step in flight, as the engine core does), by
 default on the stepping thread's CPU clock so that time spent descheduled while other jobs
-hold the cores is left out (``--clock wall`` for perf_counter). A round's value is its mean
-per step; the table reports the medians over rounds and ``ratio`` = median of the
+hold the cores is left out (``--clock wall`` for perf_counter). A round's value is a kind's
+median step, its steps on all its schedulers pooled (a few steps slowed by the shared
+machine move a mean and not a median; ``ratio_block_means`` / ``control_ratio_block_means``
+give the statistic used before, the median over schedulers of each one's mean step, from
+the same run); the table reports the medians over rounds and ``ratio`` = median of the
 per-round ratios reference / stock (robust to load drift; close to ``reference_us /
 stock_us``); ``article_ratio`` is the article-style peer's, ``control_ratio`` the
 control's (A/A: how far a ratio of two identical kinds, each in its own process, reads

@@ -16,7 +16,7 @@ bench's own heap is inherited) that imports vLLM and the schedulers, freezes tha
 heap out of the garbage collector as vLLM's engine core does
 (``vllm.utils.gc_utils.freeze_gc_heap``), and then serves requests over a pipe: ``build``
 makes and warms up its scheduler for one configuration, ``run`` steps it and returns
-the CPU seconds spent in vLLM's calls, ``throttled`` reads its throttled requests,
+the CPU seconds spent in vLLM's calls in each step, ``throttled`` reads its throttled requests,
 ``describe`` says what it holds, ``drop`` frees it. A process holds one scheduler at a
 time; the bench starts ``Plan.instances`` processes per kind and gives them the kinds
 anew before every round (``SchedulerKinds``). The rounds stay interleaved:
@@ -117,13 +117,13 @@ def _build(drivers: list[Any], options: dict[str, Any]) -> int:
     return driver.expected_throttled
 
 
-def _run(drivers: list[Any], steps: int, rewarm: int = 0) -> float:
-    """CPU seconds of ``steps`` steps of the scheduler (``_Driver.step``), after ``rewarm``
-    untimed ones that bring back the caches the other processes' rounds took."""
+def _run(drivers: list[Any], steps: int, rewarm: int = 0) -> list[float]:
+    """The CPU seconds of each of ``steps`` steps of the scheduler (``_Driver.step``), after
+    ``rewarm`` untimed ones that bring back the caches the other processes' rounds took."""
     step = drivers[0].step
     for _ in range(rewarm):
         step()
-    return sum(step() for _ in range(steps))
+    return [step() for _ in range(steps)]
 
 
 def _throttled(drivers: list[Any]) -> int:

@@ -4,6 +4,7 @@ in interleaved rounds at N running requests (``vllm_output_rate.bench``, "Schedu
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 from collections.abc import Callable
@@ -46,6 +47,10 @@ class SchedulerRow:
     # in the same rounds (A/A). How far from 1.0 a ratio of identical schedulers reads in
     # this run: the resolution of ``ratio``. None when the control was not run.
     control_ratio: float | None = None
+    # ``ratio`` and ``control_ratio`` from the statistic the bench used before (a round's
+    # value: the median over a kind's schedulers of each one's mean step), in the same run.
+    ratio_block_means: float | None = None
+    control_ratio_block_means: float | None = None
 
 
 class SchedulerKinds:
@@ -135,9 +140,9 @@ class SchedulerKinds:
         planned = {kind: [process.result() for process in group] for kind, group in self.processes.items()}
         return planned["reference"][0]
 
-    def run(self, kind: str, index: int, steps: int, rewarm: int = 0) -> float:
-        """CPU seconds of ``steps`` steps of scheduler ``index`` of ``kind``, after
-        ``rewarm`` untimed ones (``Plan.rewarm_steps``)."""
+    def run(self, kind: str, index: int, steps: int, rewarm: int = 0) -> list[float]:
+        """The CPU seconds of each of ``steps`` steps of scheduler ``index`` of ``kind``,
+        after ``rewarm`` untimed ones (``Plan.rewarm_steps``)."""
         return self.processes[kind][index].call("run", steps, rewarm)
 
     def throttled(self, kind: str, index: int) -> int:
@@ -160,19 +165,25 @@ def _timed_rounds(
     steps: int,
     tick: Callable[[], None],
     rebuild: Callable[[int], int] | None = None,
+    block_means: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
-    """Kind -> per round, the median over its ``plan.instances`` schedulers of the seconds
-    per step; every scheduler runs ``steps`` steps a round, one at a time, in an order
-    drawn anew each round from a generator seeded with ``ORDER_SEED``.
+    """Kind -> per round, the median of the seconds of every step its ``plan.instances``
+    schedulers took in the round (pooled); every scheduler runs ``steps`` steps a round,
+    one at a time, in an order drawn anew each round from a generator seeded with
+    ``ORDER_SEED``. ``block_means`` (when given) gets, per kind and round, the statistic
+    the bench used before: the median over the schedulers of each one's mean step.
     ``rebuild`` (``plan.rebuild_each_round``): called with the round's number before every
     round after the first, it builds and warms up a new scheduler in every process (the
     kinds moved over the processes, ``SchedulerKinds.build``'s ``turn``) and returns the
     reference's planned throttled requests.
 
-    The median, not the mean: one process in several reads 2-4% slower than its kind's
-    others in every round, with the same hash seed and no address randomization
-    (docs/PERFORMANCE.md, "How the bench measures"); the median leaves such a process out
-    whichever kind it holds.
+    Medians, not means: a steady step does the same work every time, and the shared
+    machine slows the steps of one stretch of 10-100 ms and not the next, so a few slow
+    steps move a mean step and not the median one; one process in several also reads
+    2-4% slower than its kind's others in every round (docs/PERFORMANCE.md, "How the bench
+    measures"), whose steps a median over the pooled steps of three outweighs. What a
+    median leaves out is work done only in rare steps: the reference's R6 clean-up (every
+    256 steps) and operator log (every 10 s of the fake clock).
 
     Raises:
         RuntimeError: the reference's throttled requests drifted from ``planned``, or a
@@ -191,11 +202,13 @@ def _timed_rounds(
             again = rebuild(k)
             if again != planned:
                 raise RuntimeError(f"a rebuilt scheduler planned {again} throttled requests, the first {planned}")
-        spent: dict[str, list[float]] = {kind: [0.0] * instances for kind in names}
+        spent: dict[str, list[list[float]]] = {kind: [[] for _ in range(instances)] for kind in names}
         for kind, i in order.sample(everyone, len(everyone)):
-            spent[kind][i] = kinds.run(kind, i, steps, plan.rewarm_steps) / steps
+            spent[kind][i] = kinds.run(kind, i, steps, plan.rewarm_steps)
         for kind in names:
-            medians[kind].append(statistics.median(spent[kind]))
+            medians[kind].append(statistics.median(itertools.chain.from_iterable(spent[kind])))
+            if block_means is not None:
+                block_means.setdefault(kind, []).append(statistics.median(map(statistics.fmean, spent[kind])))
         throttled_seen.update(kinds.throttled("reference", i) for i in range(instances))
         tick()
     if throttled_seen != {planned}:
@@ -223,9 +236,9 @@ def measure_scheduler(
     requests, ``plan.instances`` schedulers of each, every one in a process of its own
     (``kinds``, or processes started and ended for this call; module docstring), built
     anew every round with the kinds moved over the processes when
-    ``plan.rebuild_each_round`` (``SchedulerKinds``); the row's
-    µs are medians over rounds of the median over a kind's instances (``_timed_rounds``),
-    its ratios medians over rounds of those medians' ratios.
+    ``plan.rebuild_each_round`` (``SchedulerKinds``); the row's µs are medians over rounds
+    of a kind's median step in the round, its steps on all its instances pooled
+    (``_timed_rounds``), its ratios medians over rounds of those medians' ratios.
 
     Raises:
         ValueError: ``kinds`` holds another number of processes per kind than
@@ -244,7 +257,8 @@ def measure_scheduler(
         planned = kinds.build(n, fraction, mode == "async", plan, clock)
         steps = plan.steps_for(n)
         rebuild = partial(kinds.build, n, fraction, mode == "async", plan, clock) if plan.rebuild_each_round else None
-        per_round = _timed_rounds(kinds, planned, plan, steps, tick, rebuild)
+        block_means: dict[str, list[float]] = {}
+        per_round = _timed_rounds(kinds, planned, plan, steps, tick, rebuild, block_means)
     finally:
         if own:
             kinds.close()
@@ -271,6 +285,8 @@ def measure_scheduler(
         reference_article_ratio=_median_ratio(ref_rounds, article_rounds) if article_rounds is not None else None,
         per_request_over_stock_us=(reference_us - stock_us) / n,
         control_ratio=_median_ratio(per_round["control"], stock_rounds),
+        ratio_block_means=_median_ratio(block_means["reference"], block_means["stock"]),
+        control_ratio_block_means=_median_ratio(block_means["control"], block_means["stock"]),
     )
 
 
