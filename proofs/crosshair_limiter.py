@@ -13,8 +13,9 @@ on symbolic integers and explores its execution paths with Z3. A condition is
 * ``refuted`` when CrossHair found a concrete input that breaks it (or makes the wrapper or
   the condition raise);
 * otherwise ``unknown`` (CrossHair's "Not confirmed.": the CPU budget ran out, a path timed
-  out, or a value had to be made concrete). Not finding a counterexample is never reported
-  as a proof.
+  out, or a value had to be made concrete; or "Unable to meet precondition.": the budget ran
+  out before one input met the preconditions). Not finding a counterexample is never
+  reported as a proof.
 
 A property is ``proved`` when its conditions are all confirmed, ``refuted`` when one is
 refuted, otherwise ``unknown``.

@@ -101,11 +101,13 @@ def test_broken_crosshair_functions_refuted():
 
 
 def test_budget_exhaustion_is_unknown_never_proved():
-    """Out of CPU budget (CrossHair's "Not confirmed.") or past the wall-clock cap: unknown."""
+    """Out of CPU budget (CrossHair's "Not confirmed.", or on a slow machine "Unable to meet
+    precondition.": the budget ran out before one input met the preconditions) or past the
+    wall-clock cap: unknown."""
     name = "ch_spec_vs_reference_step"  # needs ~14 CPU s to exhaust its paths
     (short_cpu,) = chr_.run_all(per_condition_timeout=0.5, names=[name], jobs=1, wall_timeout=60)
     assert short_cpu["result"] == "unknown", short_cpu
-    assert short_cpu["conditions"][0]["message"] == "Not confirmed."
+    assert short_cpu["conditions"][0]["message"] in ("Not confirmed.", "Unable to meet precondition."), short_cpu
     (short_wall,) = chr_.run_all(names=[name], jobs=1, wall_timeout=1)
     assert short_wall["result"] == "unknown", short_wall
     assert "wall-clock cap" in short_wall["conditions"][0]["message"]
