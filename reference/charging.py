@@ -135,11 +135,8 @@ class Charging:
         if step.unconstrained:
             limits = self.host._limits
             if len(step.charged) == len(limits.users):  # every request charged (once, R7): its user's count
-                if step.steady:  # the same counts (the same object) as the steps since the last full survey
-                    counted = self.spare_taken
-                    self.spare_steps += 1
-                    limiter.take_steady(counted, now)
-                    step.taken = counted  # the metrics' granted tokens (reference/metrics.py)
+                if step.steady:
+                    self.commit_steady(step)
                     return
                 counted = dict(limits.user_requests)
                 self.spare, self.spare_taken, self.spare_steps = step.grants_at_start, counted, 1
@@ -162,6 +159,15 @@ class Charging:
         self.spare, self.spare_taken, self.spare_steps, self.margin = left, {}, 0, 0
         self.spare_version = -1
         step.taken = taken  # the metrics' granted tokens (reference/metrics.py)
+
+    def commit_steady(self, step: StepRecord) -> None:
+        """R2/R7: ``commit`` of a steady step in which every request was charged: the same
+        counts (the same object) as the steps since the last full survey, ``take_steady``."""
+        limiter = self.host.rate_limiter
+        assert limiter is not None, "called by schedule() with the feature on"
+        counted = step.taken = self.spare_taken  # the metrics' granted tokens (reference/metrics.py)
+        self.spare_steps += 1
+        limiter.take_steady(counted, step.now_ns)
 
     def settle(self, step: StepRecord, scheduler_output: Any) -> list[str]:
         """R9: the single refund point; R15: record the last-served stream per group.

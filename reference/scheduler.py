@@ -303,31 +303,17 @@ class _RateLimitMixin(_SchedulerHost):
         on (``_step_done``)."""
         step = self._step = StepRecord(now_ns)
         step.unconstrained = step.steady = self._record_only = True  # R2: nobody can be refused
-        charged = step.charged
-        self._charge = charged.append  # R7
-        turns, charging, running = self._turns, self._charging, self.running
+        self._charge = step.charged.append  # R7
+        turns, charging = self._turns, self._charging
         step.turn_order = turns.order  # R14: the order held
         scheduler_output = super().schedule(*args, **kwargs)
-        turns.running_after_step = len(running)  # R14: see Turns.hold
-        if (
-            len(charged)
-            == len(self._limits.users)
-            == len(running)
-            == len(turns.order)
-            == len(scheduler_output.num_scheduled_tokens)
-            and not step.left_running
-            and not turns.shrunk
-            and turns.caught_up
-        ):
-            # Every request charged and dispatched (Charging.all_served). R2/R7:
-            # Charging.commit's steady branch, the same counts as the last step. R9: none
-            # to refund (step.refunded stays empty), as settle's all-served branch finds;
-            # R15: every group's last served already its last place (turns.caught_up).
-            counted = step.taken = charging.spare_taken  # the metrics' granted tokens
-            charging.spare_steps += 1
-            limiter = self.rate_limiter
-            assert limiter is not None, "called by schedule() with the feature on"
-            limiter.take_steady(counted, now_ns)
+        turns.running_after_step = len(self.running)  # R14: see Turns.hold
+        if charging.all_served(step, scheduler_output.num_scheduled_tokens) and turns.caught_up:
+            # Every request charged and dispatched. R2/R7: the same counts as the last step
+            # (Charging.commit's steady branch). R9: none to refund (step.refunded stays
+            # empty), as settle's all-served branch finds; R15: every group's last served
+            # already its last place (turns.caught_up).
+            charging.commit_steady(step)
             self._steps += 1
             observation = self._observation
             if (
