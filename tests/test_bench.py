@@ -26,6 +26,7 @@ def test_throttled_indices_count_and_spread():
     assert all(0 <= i < 10 for i in throttled_indices(10, 0.9))
 
 
+@pytest.mark.slow
 def test_bench_quick_json_structure(tmp_path):
     report = tmp_path / "bench.json"
     plot = tmp_path / "scaling.png"
@@ -115,6 +116,7 @@ def test_live_throughput_summary_takes_a_round_whose_engine_cpu_did_not_move():
     assert none["worker_fix_cpu_ratio"] is None
 
 
+@pytest.mark.slow
 def test_scheduler_row_per_request_cost_and_try_take_floor_come_from_the_run():
 
     from vllm_output_rate.bench.render import _scheduler_table
@@ -143,6 +145,7 @@ def test_scheduler_row_per_request_cost_and_try_take_floor_come_from_the_run():
     assert list(table.columns[-2].cells) == [f"{row.per_request_over_stock_us:+.2f}"]
 
 
+@pytest.mark.slow
 def test_every_scheduler_runs_in_a_process_of_its_own_the_control_being_stock_again():
     # An engine core runs one scheduler class; the bench runs every scheduler in a fresh
     # process of its own (bench/processes.py), Plan.instances per kind. The A/A control is
@@ -199,6 +202,7 @@ def test_every_scheduler_runs_in_a_process_of_its_own_the_control_being_stock_ag
         assert all(described[0]["requests"] == requests for described in group)
 
 
+@pytest.mark.slow
 def test_a_kind_that_cannot_be_built_is_named_in_the_error():
     from vllm_output_rate.bench.processes import KindProcess
     from vllm_output_rate.bench.scheduler import kind_options

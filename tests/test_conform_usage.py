@@ -104,6 +104,7 @@ def test_conform_refuses_a_candidate_module_that_raises_at_import(pkg, no_check_
     assert "--scheduler-cls" in last
 
 
+@pytest.mark.slow
 def test_conform_from_the_command_line_prints_no_traceback_for_a_raising_candidate(pkg, tmp_path):
     args = ["conform", "--path", "pkgs", "--scheduler-cls", f"{pkg}.raising.X", "--profile", "quick"]
     run = subprocess.run(OUTRATE + args, capture_output=True, text=True, cwd=tmp_path, timeout=300)

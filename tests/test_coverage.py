@@ -139,6 +139,7 @@ def test_k_per_profile_applies(monkeypatch):
     assert quick.result == "pass" and ci.result == "fail" and "(each needs >= 3" in ci.failure
 
 
+@pytest.mark.slow
 def test_cli_conform_lists_boundary_scenarios_and_prints_the_coverage_table(tmp_path):
     report = tmp_path / "conform.json"
     run = subprocess.run(

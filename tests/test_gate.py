@@ -150,6 +150,7 @@ def test_async_under_grant_under_pressure_passes_the_article_style_implementatio
     assert verdict.failure is None and verdict.sampled_per_user == {"u0": 3}
 
 
+@pytest.mark.slow
 def test_cli_conform_quick_writes_json_and_rejects_stock(tmp_path):
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
     out = tmp_path / "conform.json"

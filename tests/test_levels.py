@@ -88,6 +88,7 @@ def _conform_quick_must(scheduler_cls: str, tmp_path: Path, *extra: str) -> subp
     )
 
 
+@pytest.mark.slow
 def test_cli_without_async_class_exits_2_and_says_not_tested(tmp_path):
     run = _conform_quick_must("gate_candidates.ReferenceSyncOnly", tmp_path)
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
@@ -114,6 +115,7 @@ def _plugin_verdicts(tmp_path, *args) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_plugin_gives_the_cli_verdicts(tmp_path):
     out = tmp_path / "conform.json"
     _conform_quick_must(STOCK_SCHEDULER, tmp_path, "--sync-only", "--json", str(out))

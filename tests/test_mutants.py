@@ -83,6 +83,7 @@ def test_every_mutant_docstring_names_its_rule_and_slip(mutant):
     assert slip and len(slip.group(1).split()) >= 5, f"{mutant.name}: no 'Slip:' line saying which slip it models"
 
 
+@pytest.mark.slow
 def test_the_adapter_loads_a_mutant_catalogue_module_only_when_the_caller_names_it():
     import os
     import subprocess
@@ -181,6 +182,7 @@ def test_mutant_is_killed_black_box_in_profile_ci(name):
 
 
 # -- discovery rates ------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["RefundDispatched", "BudgetPerRequest"])
 def test_r9_r2_discovery_at_least_95_of_100_seeds_in_profile_quick(name):
     # In the style of Hypothesis's own discovery tests: the bug must be found in >= 95 of

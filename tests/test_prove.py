@@ -47,6 +47,7 @@ def _by_tool(doc: dict, tool: str) -> dict[str, dict]:
     return {p["name"]: p for p in doc["properties"] if p["tool"] == tool}
 
 
+@pytest.mark.slow
 def test_json_shape(run):
     _, doc = run
     props = doc["properties"]
@@ -65,6 +66,7 @@ def test_json_shape(run):
     assert set(_by_tool(doc, "crosshair")) == {p.name for p in chl.PROPERTIES}
 
 
+@pytest.mark.slow
 def test_every_z3_property_proved(run):
     _, doc = run
     z3_props = _by_tool(doc, "z3")
@@ -72,6 +74,7 @@ def test_every_z3_property_proved(run):
     assert all(p["result"] == "proved" for p in z3_props.values()), z3_props
 
 
+@pytest.mark.slow
 def test_nothing_refuted_and_exit_zero(run):
     proc, doc = run
     refuted = [p for p in doc["properties"] if p["result"] == "refuted"]
@@ -81,6 +84,7 @@ def test_nothing_refuted_and_exit_zero(run):
     assert "ch_spec_vs_reference_step" in proc.stdout and "r2_window_bound" in proc.stdout
 
 
+@pytest.mark.slow
 def test_crosshair_unknowns_are_explained(run):
     """CrossHair may run out of budget on a loaded machine; then the note says why."""
     _, doc = run

@@ -84,6 +84,7 @@ def test_plugin_adds_nothing_without_the_option_and_loads_no_vllm(tmp_path):
     assert probe.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "named"),
     [
